@@ -1,0 +1,100 @@
+"""Input validation and small numerics helpers shared by the ops.
+
+Every op takes ``[B, T, H, d]`` tensors. Keys and values may have fewer heads than the
+queries (grouped-query attention) as long as the query head count is a multiple; they are
+expanded to the query heads inside the op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype solves, feature logits and states run in: float64 if any input is, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_4d(name: str, x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape [B, T, H, d], got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape [B, T, H, d] (4 dims), got {x.dim()} dims with shape {tuple(x.shape)}; "
+            "reshape [B, T, H*d] inputs with x.view(B, T, H, d)"
+        )
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor (float64, float32 or bfloat16), got {x.dtype}")
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False) -> None:
+    """Check q, k, v agree on batch, length and head grouping; raise ValueError naming the fix."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_4d(name, x)
+    bq, tq, hq, dq = q.shape
+    bk, tk, hk, dk = k.shape
+    bv, tv, hv, _ = v.shape
+    if not (bq == bk == bv):
+        raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}; all of q, k, v need the same B")
+    if not (tq == tk == tv):
+        raise ValueError(f"sequence lengths differ: q {tq}, k {tk}, v {tv}; all of q, k, v need the same T")
+    if dq != dk:
+        raise ValueError(f"head dims differ: q has d={dq}, k has d={dk}; q and k need the same head dim")
+    if hk != hv and not v_heads_follow_q:
+        raise ValueError(f"k has {hk} heads but v has {hv}; k and v need the same number of heads")
+    for name, h in (("k", hk), ("v", hv)):
+        if h <= 0 or hq % h != 0:
+            raise ValueError(
+                f"q has {hq} heads but {name} has {h}; the query head count must be a multiple of the "
+                f"key/value head count (grouped-query attention)"
+            )
+
+
+def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:
+    """Check a per-token, per-head tensor such as rho or beta has shape [B, T, H]."""
+    if x is None:
+        return
+    expected = tuple(q.shape[:3])
+    if not isinstance(x, Tensor) or tuple(x.shape) != expected:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape [B, T, H] = {expected}, got {got}")
+
+
+def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, positive: bool) -> Tensor:
+    """Turn a float or a [H] tensor into a [H] tensor in the compute dtype (keeps autograd)."""
+    if isinstance(value, Tensor):
+        if value.dim() == 0:
+            value = value.expand(num_heads)
+        if tuple(value.shape) != (num_heads,):
+            raise ValueError(f"{name} must be a float or a tensor of shape [H] = ({num_heads},), got {tuple(value.shape)}")
+        if positive and bool((value.detach() <= 0).any()):
+            raise ValueError(f"{name} must be > 0 for every head, got min {value.detach().min().item():g}")
+        return value.to(dtype=like.dtype, device=like.device)
+    value = float(value)
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value:g}")
+    return torch.full((num_heads,), value, dtype=like.dtype, device=like.device)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def expand_heads(x: Tensor, num_heads: int, dim: int = 2) -> Tensor:
+    """Repeat grouped key/value heads so there is one per query head (no copy when equal)."""
+    h = x.shape[dim]
+    if h == num_heads:
+        return x
+    return x.repeat_interleave(num_heads // h, dim=dim)
+
+
+def masked_logsumexp(logits: Tensor) -> Tensor:
+    """logsumexp over the last dim where fully masked rows (all -inf) give 0 instead of -inf.
+
+    A row with no visible column (row 0 of a strict causal softmax) then yields exp(-inf - 0) = 0
+    everywhere: the empty softmax is the zero row, not NaN.
+    """
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

@@ -1,0 +1,199 @@
+"""Cubit: attention as kernel ridge regression (SPEC §2).
+
+    r̂_j = s_h · r_j / max(‖r_j‖, 1e-6)
+    G_ij = softmax_{j≤i}(r_i · r̂_j)                    (causal, row-normalised, diagonal included)
+    U    = (G + λ_h I)^{-1} (ρ ⊙ V)                    (forward substitution)
+    O    = causal softmax(q kᵀ · scale) U              (ordinary attention with v := U)
+
+``cubit_attention`` solves blockwise with a custom backward (O(T·C) memory, see ``_triangular``);
+``cubit_attention_naive`` is the dense ``solve_triangular`` reference; ``cubit_attention_step``
+decodes one token from a (k, u, r̂) cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._common import (
+    check_4d,
+    check_chunk_size,
+    check_per_token_heads,
+    check_qkv,
+    compute_dtype,
+    expand_heads,
+    per_head,
+)
+from ._triangular import kernel_triangular_solve
+from .softmax import softmax_attention, softmax_attention_naive
+
+REFERENCE_NORM_EPS = 1e-6
+
+
+@dataclass
+class CubitState:
+    """Decode cache: read-out keys ``k`` ``[B, t, H_kv, d]``, solved values ``u`` ``[B, t, H, d_v]``
+    and normalised references ``r_hat`` ``[B, t, H, d_r]`` (u and r̂ in the compute dtype).
+    Cached u never change: token t only appends."""
+
+    k: Tensor
+    u: Tensor
+    r_hat: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+
+def _check_cubit_inputs(q, k, v, r, rho) -> None:
+    check_qkv(q, k, v)
+    check_4d("r", r)
+    if tuple(r.shape[:3]) != tuple(q.shape[:3]):
+        raise ValueError(
+            f"r must have shape [B, T, H, d_r] with the query's B, T and H = {tuple(q.shape[:3])}, "
+            f"got {tuple(r.shape)}"
+        )
+    check_per_token_heads("rho", rho, q)
+
+
+def normalize_reference(r: Tensor, ref_scale: Tensor) -> Tensor:
+    """r̂ = s_h · r / max(‖r‖₂, 1e-6) for ``r`` ``[B, T, H, d]`` and ``ref_scale`` ``[H]``."""
+    norm = r.norm(dim=-1, keepdim=True).clamp_min(REFERENCE_NORM_EPS)
+    return ref_scale[:, None] * r / norm
+
+
+def cubit_solve(
+    r: Tensor,
+    v: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """The kernel-ridge step alone: returns ``(U, r̂)``, both ``[B, T, H, *]`` in the compute dtype.
+
+    ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
+    """
+    check_chunk_size(chunk_size)
+    dtype = compute_dtype(r, v)
+    heads = r.shape[2]
+    r = r.to(dtype)
+    lam = per_head("ridge", ridge, heads, r, positive=True)
+    s = per_head("ref_scale", ref_scale, heads, r, positive=True)
+    r_hat = normalize_reference(r, s)
+    b = expand_heads(v, heads).to(dtype)
+    if rho is not None:
+        b = rho.to(dtype)[..., None] * b
+    u = kernel_triangular_solve(
+        r.transpose(1, 2),
+        r_hat.transpose(1, 2),
+        b.transpose(1, 2),
+        beta=None,
+        gamma=lam,
+        scale=1.0,
+        strict=False,
+        chunk_size=chunk_size,
+    ).transpose(1, 2)
+    return u, r_hat
+
+
+def cubit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    return_state: bool = False,
+):
+    """Cubit attention, blocked fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
+    ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi)) or None for ρ ≡ 1.
+    ``ridge`` (λ) and ``ref_scale`` (s) are floats or ``[H]`` tensors and receive gradients.
+    ``scale`` is the read-out attention's scale (default 1/√d). Output: ``[B, T, H, d_v]`` in v's dtype.
+    """
+    _check_cubit_inputs(q, k, v, r, rho)
+    u, r_hat = cubit_solve(r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size)
+    heads = q.shape[2]
+    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale).to(v.dtype)
+    if return_state:
+        return out, CubitState(k=k, u=u, r_hat=r_hat)
+    return out
+
+
+def cubit_attention_naive(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly)."""
+    _check_cubit_inputs(q, k, v, r, rho)
+    heads, length = q.shape[2], q.shape[1]
+    dtype = compute_dtype(q, k, v, r)
+    lam = per_head("ridge", ridge, heads, r.to(dtype), positive=True)
+    s = per_head("ref_scale", ref_scale, heads, r.to(dtype), positive=True)
+    rr = r.to(dtype).transpose(1, 2)  # [B, H, T, d]
+    r_hat = s[:, None, None] * rr / rr.norm(dim=-1, keepdim=True).clamp_min(REFERENCE_NORM_EPS)
+    visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    gram = (rr @ r_hat.transpose(-1, -2)).masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    system = gram + lam[:, None, None] * torch.eye(length, dtype=dtype, device=q.device)
+    values = expand_heads(v, heads).to(dtype)
+    if rho is not None:
+        values = rho.to(dtype)[..., None] * values
+    u = torch.linalg.solve_triangular(system, values.transpose(1, 2), upper=False).transpose(1, 2)
+    return softmax_attention_naive(q.to(dtype), expand_heads(k, heads).to(dtype), u, scale=scale).to(v.dtype)
+
+
+def cubit_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    state: CubitState | None,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    scale: float | None = None,
+) -> tuple[Tensor, CubitState]:
+    """Decode one token (all inputs have T=1): append (k, u, r̂) to the cache and read out.
+
+    u_t = (ρ_t v_t − Σ_{j<t} G_tj u_j) / (G_tt + λ), the last row of the forward substitution.
+    """
+    _check_cubit_inputs(q, k, v, r, rho)
+    if q.shape[1] != 1:
+        raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_attention for prefill")
+    heads = q.shape[2]
+    dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
+    r_t = r.to(dtype)
+    lam = per_head("ridge", ridge, heads, r_t, positive=True)
+    s = per_head("ref_scale", ref_scale, heads, r_t, positive=True)
+    r_hat_t = normalize_reference(r_t, s)
+    r_hat = r_hat_t if state is None else torch.cat([state.r_hat, r_hat_t], dim=1)
+    gram_row = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat).softmax(dim=-1)  # [B, H, t+1]
+    b_t = expand_heads(v, heads).to(dtype)[:, 0]  # [B, H, d_v]
+    if rho is not None:
+        b_t = rho.to(dtype)[:, 0, :, None] * b_t
+    if state is not None:
+        b_t = b_t - torch.einsum("bhj,bjhd->bhd", gram_row[..., :-1], state.u)
+    u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
+    u = u_t if state is None else torch.cat([state.u, u_t], dim=1)
+    k_all = k if state is None else torch.cat([state.k, k], dim=1)
+    head_dim = q.shape[-1]
+    weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
+    weights = (weights * (1.0 / math.sqrt(head_dim) if scale is None else scale)).softmax(dim=-1)
+    out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
+    return out, CubitState(k=k_all, u=u, r_hat=r_hat)

@@ -1,0 +1,150 @@
+"""DeltaFormer (SPEC §3), a baseline.
+
+    u_i = v_i − β_i Σ_{j<i} softmax_{j<i}(w_i·k_j · scale) u_j      (u_0 = v_0)
+    o   = causal softmax(q kᵀ · scale) U
+
+i.e. (I + diag(β) P) U = V with P the strictly-causal softmax of w kᵀ. ``w`` defaults to ``k``
+(the K–K form). The fast path is the blocked solve of ``_triangular`` (O(T·C) memory, custom
+backward); ``deltaformer_attention_naive`` is the per-token loop of the definition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._common import check_4d, check_chunk_size, check_per_token_heads, check_qkv, compute_dtype, expand_heads
+from ._triangular import kernel_triangular_solve
+from .softmax import softmax_attention, softmax_attention_naive
+
+
+@dataclass
+class DeltaFormerState:
+    """Decode cache: keys ``k`` ``[B, t, H_kv, d]`` (read-out and solve keys) and solved values
+    ``u`` ``[B, t, H, d_v]`` in the compute dtype."""
+
+    k: Tensor
+    u: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+
+def _check_inputs(q, k, v, beta, w) -> None:
+    check_qkv(q, k, v)
+    check_per_token_heads("beta", beta, q)
+    if w is not None:
+        check_4d("w", w)
+        heads = q.shape[2]
+        if w.shape[0] != q.shape[0] or w.shape[1] != q.shape[1] or w.shape[3] != q.shape[3] or heads % w.shape[2]:
+            raise ValueError(
+                f"w must have shape [B, T, H_w, d] with q's B, T, d and H divisible by H_w; "
+                f"q is {tuple(q.shape)}, w is {tuple(w.shape)}"
+            )
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def deltaformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None = None,
+    w: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    return_state: bool = False,
+):
+    """DeltaFormer, blocked fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
+    ``beta``: ``[B, T, H]`` in (0, 1) (None = ones); ``w`` (default ``k``): the solve's query side.
+    ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out."""
+    _check_inputs(q, k, v, beta, w)
+    check_chunk_size(chunk_size)
+    heads = q.shape[2]
+    w = k if w is None else w
+    dtype = compute_dtype(q, k, v, w)
+    u = kernel_triangular_solve(
+        expand_heads(w, heads).to(dtype).transpose(1, 2),
+        expand_heads(k, heads).to(dtype).transpose(1, 2),
+        expand_heads(v, heads).to(dtype).transpose(1, 2),
+        beta=None if beta is None else beta.to(dtype).transpose(1, 2),
+        gamma=torch.ones(heads, dtype=dtype, device=q.device),
+        scale=_scale(q, scale),
+        strict=True,
+        chunk_size=chunk_size,
+    ).transpose(1, 2)
+    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale).to(v.dtype)
+    if return_state:
+        return out, DeltaFormerState(k=k, u=u)
+    return out
+
+
+def deltaformer_attention_naive(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None = None,
+    w: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Reference: the recurrence of the definition, one token at a time (float64-friendly)."""
+    _check_inputs(q, k, v, beta, w)
+    heads, length = q.shape[2], q.shape[1]
+    w = k if w is None else w
+    dtype = compute_dtype(q, k, v, w)
+    sc = _scale(q, scale)
+    kk = expand_heads(k, heads).to(dtype)
+    ww = expand_heads(w, heads).to(dtype)
+    vv = expand_heads(v, heads).to(dtype)
+    us: list[Tensor] = []
+    for i in range(length):
+        if i == 0:
+            us.append(vv[:, 0])
+            continue
+        past_u = torch.stack(us, dim=1)  # [B, i, H, d_v]
+        weights = (torch.einsum("bhd,bjhd->bhj", ww[:, i], kk[:, :i]) * sc).softmax(dim=-1)
+        mixed = torch.einsum("bhj,bjhd->bhd", weights, past_u)
+        b_i = 1.0 if beta is None else beta[:, i].to(dtype)[..., None]
+        us.append(vv[:, i] - b_i * mixed)
+    u = torch.stack(us, dim=1)
+    return softmax_attention_naive(q.to(dtype), kk, u, scale=scale).to(v.dtype)
+
+
+def deltaformer_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: DeltaFormerState | None,
+    *,
+    beta: Tensor | None = None,
+    w: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, DeltaFormerState]:
+    """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens."""
+    _check_inputs(q, k, v, beta, w)
+    if q.shape[1] != 1:
+        raise ValueError(
+            f"a decode step takes one token (T=1), got T={q.shape[1]}; use deltaformer_attention for prefill"
+        )
+    heads = q.shape[2]
+    dtype = compute_dtype(q, k, v) if state is None else state.u.dtype
+    sc = _scale(q, scale)
+    u_t = expand_heads(v, heads).to(dtype)[:, 0]
+    if state is not None:
+        w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]
+        weights = (torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc).softmax(dim=-1)
+        b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
+        u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
+    u = u_t[:, None] if state is None else torch.cat([state.u, u_t[:, None]], dim=1)
+    k_all = k if state is None else torch.cat([state.k, k], dim=1)
+    weights = (torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc).softmax(-1)
+    out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
+    return out, DeltaFormerState(k=k_all, u=u)

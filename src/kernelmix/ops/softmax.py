@@ -1,0 +1,89 @@
+"""Causal softmax attention (SPEC §1): the Nadaraya–Watson baseline.
+
+Fast path: ``F.scaled_dot_product_attention``. Reference: a dense masked softmax.
+Decode: a KV cache (:class:`SoftmaxState`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._common import check_qkv, expand_heads
+
+
+@dataclass
+class SoftmaxState:
+    """KV cache: keys and values of every token seen so far, ``[B, t, H_kv, d]``."""
+
+    k: Tensor
+    v: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def softmax_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, return_state: bool = False
+):
+    """Causal softmax attention o_i = Σ_{j≤i} softmax_j(q_i·k_j·scale) v_j via SDPA.
+
+    ``q`` is ``[B, T, H, d]``; ``k``/``v`` are ``[B, T, H_kv, d]`` with ``H % H_kv == 0``.
+    Returns ``o`` shaped like ``q`` with ``v``'s head dim (and a :class:`SoftmaxState` when
+    ``return_state``).
+    """
+    check_qkv(q, k, v)
+    h = q.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        expand_heads(k, h).transpose(1, 2),
+        expand_heads(v, h).transpose(1, 2),
+        is_causal=True,
+        scale=_scale(q, scale),
+    ).transpose(1, 2)
+    if return_state:
+        return out, SoftmaxState(k=k, v=v)
+    return out
+
+
+def softmax_attention_naive(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
+    """Dense reference: explicit T×T scores, causal mask, softmax (float64-friendly)."""
+    check_qkv(q, k, v)
+    h, t = q.shape[2], q.shape[1]
+    k, v = expand_heads(k, h), expand_heads(v, h)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * _scale(q, scale)
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhij,bjhd->bihd", weights, v)
+
+
+def softmax_attention_step(
+    q: Tensor, k: Tensor, v: Tensor, state: SoftmaxState | None, *, scale: float | None = None
+) -> tuple[Tensor, SoftmaxState]:
+    """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself."""
+    check_qkv(q, k, v)
+    if q.shape[1] != 1:
+        raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
+    if state is not None:
+        k = torch.cat([state.k, k], dim=1)
+        v = torch.cat([state.v, v], dim=1)
+    h = q.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        expand_heads(k, h).transpose(1, 2),
+        expand_heads(v, h).transpose(1, 2),
+        scale=_scale(q, scale),
+    ).transpose(1, 2)
+    return out, SoftmaxState(k=k, v=v)
+
+
+__all__ = ["SoftmaxState", "softmax_attention", "softmax_attention_naive", "softmax_attention_step"]
