@@ -11,11 +11,21 @@ from .deltaformer import (
     deltaformer_attention_naive,
     deltaformer_attention_step,
 )
+from .random_features import (
+    RandomFeatureState,
+    gaussian_random_features,
+    orthogonal_random_features,
+    positive_random_features,
+    random_feature_attention,
+    random_feature_attention_naive,
+    random_feature_attention_step,
+)
 from .softmax import SoftmaxState, softmax_attention, softmax_attention_naive, softmax_attention_step
 
 __all__ = [
     "CubitState",
     "DeltaFormerState",
+    "RandomFeatureState",
     "SoftmaxState",
     "cubit_attention",
     "cubit_attention_naive",
@@ -24,6 +34,12 @@ __all__ = [
     "deltaformer_attention",
     "deltaformer_attention_naive",
     "deltaformer_attention_step",
+    "gaussian_random_features",
+    "orthogonal_random_features",
+    "positive_random_features",
+    "random_feature_attention",
+    "random_feature_attention_naive",
+    "random_feature_attention_step",
     "softmax_attention",
     "softmax_attention_naive",
     "softmax_attention_step",

@@ -70,6 +70,11 @@ class _KernelTriangularSolve(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_u):
+        with torch.autocast(grad_u.device.type, enabled=False):  # the transposed solve stays in fp32+
+            return _KernelTriangularSolve._backward(ctx, grad_u)
+
+    @staticmethod
+    def _backward(ctx, grad_u):
         x, y, beta, gamma, u, ku, lse = ctx.saved_tensors
         scale, strict, chunk_size = ctx.scale, ctx.strict, ctx.chunk_size
         batch, heads, length, _ = x.shape
@@ -121,6 +126,7 @@ def kernel_triangular_solve(
     chunk_size: int,
 ) -> Tensor:
     """Solve (diag(β) K + γ I) U = b blockwise; tensors are ``[B, H, T, *]`` in the compute dtype."""
-    return _KernelTriangularSolve.apply(
-        x.contiguous(), y.contiguous(), b.contiguous(), beta, gamma, float(scale), bool(strict), int(chunk_size)
-    )
+    with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
+        return _KernelTriangularSolve.apply(
+            x.contiguous(), y.contiguous(), b.contiguous(), beta, gamma, float(scale), bool(strict), int(chunk_size)
+        )
