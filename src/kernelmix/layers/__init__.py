@@ -1,0 +1,78 @@
+"""Token-mixer layers (``nn.Module``): projections, RoPE, per-mixer parameters and the decode cache.
+
+One registry name per mixer::
+
+    from kernelmix.layers import build_mixer
+    layer = build_mixer("cubit", hidden_size=256, num_heads=4, num_kv_heads=2, lrr=False)
+    out, cache = layer(x)                  # x: [B, T, 256]
+    out_t, cache = layer(x_next, cache)    # continue token by token (or several tokens at once)
+
+Every constructor takes explicit keyword-only arguments; :func:`build_mixer` turns an unknown
+mixer name or option into a ``ValueError`` that lists the accepted ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .base import LayerCache, MixerLayer
+from .cubit import CubitMixer
+from .deltaformer import DeltaFormerMixer
+from .random_features import DarkFormerMixer, PerformerMixer, data_aware_transform, regularised_second_moments
+from .rope import apply_rope, rope_cos_sin
+from .softmax import SoftmaxMixer
+
+MIXERS: dict[str, type[MixerLayer]] = {
+    "softmax": SoftmaxMixer,
+    "cubit": CubitMixer,
+    "deltaformer": DeltaFormerMixer,
+    "performer": PerformerMixer,
+    "darkformer": DarkFormerMixer,
+}
+
+
+def mixer_options(name: str) -> tuple[str, ...]:
+    """The keyword arguments the mixer ``name`` accepts, in constructor order."""
+    cls = _mixer_class(name)
+    params = inspect.signature(cls.__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def _mixer_class(name: str) -> type[MixerLayer]:
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+    return MIXERS[name]
+
+
+def build_mixer(name: str, **kwargs) -> MixerLayer:
+    """Construct the mixer layer registered as ``name`` with keyword arguments ``kwargs``.
+
+    Raises ``ValueError`` for an unknown name (listing the registered ones) and for an option the
+    mixer does not take (listing the ones it does) — an option is never silently ignored."""
+    cls = _mixer_class(name)
+    accepted = mixer_options(name)
+    unknown = [key for key in kwargs if key not in accepted]
+    if unknown:
+        raise ValueError(
+            f"mixer {name!r} got unknown option(s) {', '.join(repr(k) for k in unknown)}; "
+            f"accepted options: {', '.join(accepted)}"
+        )
+    return cls(**kwargs)
+
+
+__all__ = [
+    "MIXERS",
+    "CubitMixer",
+    "DarkFormerMixer",
+    "DeltaFormerMixer",
+    "LayerCache",
+    "MixerLayer",
+    "PerformerMixer",
+    "SoftmaxMixer",
+    "apply_rope",
+    "build_mixer",
+    "data_aware_transform",
+    "mixer_options",
+    "regularised_second_moments",
+    "rope_cos_sin",
+]

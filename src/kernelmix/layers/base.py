@@ -1,0 +1,274 @@
+"""The shared part of every mixer layer: q/k/v/o projections, RoPE, input and cache checks.
+
+A layer maps ``hidden_states`` ``[B, T, hidden_size]`` to an output of the same shape and a
+:class:`LayerCache`::
+
+    out, cache = layer(x[:, :6])            # prefill: the parallel op, which also builds the cache
+    out2, cache = layer(x[:, 6:7], cache)   # decode: continue from the cache
+
+Subclasses (one per mixer, see :mod:`kernelmix.layers`) add their own parameters and implement
+
+* ``_extras(hidden_states, q=..., k=..., k_raw=..., positions=...)`` → dict of per-token tensors
+  ``[B, T, ...]`` the op needs besides q, k, v (Cubit's r and ρ, DeltaFormer's β and w);
+* ``_parallel(q, k, v, extras)`` → ``(o, state)``: the whole sequence at once, no cache;
+* ``_step(q, k, v, extras, state)`` → ``(o, state)``: one token (T = 1) from a cache.
+
+The default ``_mix`` runs ``_parallel`` without a cache and ``_step`` per token with one; the
+random-feature mixers override ``_mix`` to continue a whole chunk from their recurrent state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .rope import DEFAULT_THETA, apply_rope, rope_positions
+
+
+@dataclass
+class LayerCache:
+    """What a layer keeps between calls.
+
+    * ``mixer``: registry name of the layer that built it (``"softmax"``, ``"cubit"``, …);
+    * ``position``: number of tokens seen so far (the RoPE offset of the next token);
+    * ``state``: the op's decode state (``SoftmaxState``, ``CubitState``, ``DeltaFormerState`` or
+      ``RandomFeatureState``);
+    * ``num_heads``, ``num_kv_heads``, ``head_dim``: the head layout of the layer, so a cache
+      handed to a differently shaped layer is rejected instead of silently misread.
+
+    Caches are values: ``forward`` returns a new one and never modifies the one passed in.
+    """
+
+    mixer: str
+    position: int
+    state: Any
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value
+
+
+def _state_batch_size(state: Any) -> int | None:
+    """Batch size of the first tensor field of a dataclass state (None if it has none)."""
+    if dataclasses.is_dataclass(state):
+        for f in dataclasses.fields(state):
+            value = getattr(state, f.name)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                return value.shape[0]
+    return None
+
+
+class MixerLayer(nn.Module):
+    """Base class of the token-mixer layers (not used directly; see the registry).
+
+    Keyword-only arguments shared by every mixer:
+
+    * ``hidden_size``: model width D (input and output last dim).
+    * ``num_heads``: query heads H.
+    * ``head_dim``: per-head dim d (default ``hidden_size // num_heads``); must be even (RoPE).
+    * ``num_kv_heads``: key/value heads H_kv (default ``num_heads``); fewer than ``num_heads``
+      gives grouped-query attention and needs ``num_heads % num_kv_heads == 0``.
+    * ``rope_theta``: RoPE base θ (default 10000).
+    * ``bias``: bias in the q/k/v/o projections (default False).
+    * ``chunk_size``: block size of the chunked ops (does not change the result).
+
+    Parameters: ``q_proj`` (D → H·d), ``k_proj`` and ``v_proj`` (D → H_kv·d), ``o_proj`` (H·d → D).
+    """
+
+    #: registry name; set by each subclass
+    mixer_name: str = ""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float = DEFAULT_THETA,
+        bias: bool = False,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        hidden_size = _check_positive_int("hidden_size", hidden_size)
+        num_heads = _check_positive_int("num_heads", num_heads)
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(
+                    f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+                    f"pass head_dim explicitly or choose num_heads dividing hidden_size"
+                )
+            head_dim = hidden_size // num_heads
+        head_dim = _check_positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for grouped-query "
+                f"attention; choose num_kv_heads among the divisors of {num_heads}"
+            )
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
+            raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
+        bias = _check_bool("bias", bias)
+        chunk_size = _check_positive_int("chunk_size", chunk_size)
+
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.rope_theta = float(rope_theta)
+        self.bias = bias
+        self.chunk_size = chunk_size
+
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    # ----------------------------------------------------------------------------------------
+    # helpers for subclasses
+
+    def rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Apply this layer's RoPE to ``x`` ``[B, T, H, d]`` at ``positions`` ``[T]``."""
+        return apply_rope(x, positions, theta=self.rope_theta)
+
+    def extra_repr(self) -> str:
+        return (
+            f"mixer={self.mixer_name!r}, hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, rope_theta={self.rope_theta:g}, "
+            f"chunk_size={self.chunk_size}"
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # checks
+
+    def _check_hidden_states(self, hidden_states: Any) -> None:
+        if not isinstance(hidden_states, Tensor):
+            raise ValueError(
+                f"hidden_states must be a tensor of shape [B, T, {self.hidden_size}], got {type(hidden_states).__name__}"
+            )
+        if hidden_states.dim() != 3:
+            raise ValueError(
+                f"hidden_states must have shape [B, T, hidden_size] = [B, T, {self.hidden_size}] (3 dims), got "
+                f"{hidden_states.dim()} dims with shape {tuple(hidden_states.shape)}; add a batch dim with "
+                f"x.unsqueeze(0) for a single sequence"
+            )
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states last dim must be hidden_size = {self.hidden_size}, got shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        if hidden_states.shape[1] == 0:
+            raise ValueError("hidden_states has no tokens (T = 0); pass at least one token")
+        if not hidden_states.is_floating_point():
+            raise ValueError(f"hidden_states must be a floating tensor, got {hidden_states.dtype}")
+
+    def _check_cache(self, cache: Any, batch_size: int) -> None:
+        if not isinstance(cache, LayerCache):
+            raise ValueError(
+                f"cache must be a LayerCache returned by this layer's forward (or None), got {type(cache).__name__}"
+            )
+        if cache.mixer != self.mixer_name:
+            raise ValueError(
+                f"cache was built by a {cache.mixer!r} layer, this is a {self.mixer_name!r} layer; "
+                f"pass each layer its own cache"
+            )
+        ours = (self.num_heads, self.num_kv_heads, self.head_dim)
+        theirs = (cache.num_heads, cache.num_kv_heads, cache.head_dim)
+        if ours != theirs:
+            raise ValueError(
+                f"cache has (num_heads, num_kv_heads, head_dim) = {theirs}, this layer has {ours}; "
+                f"the cache belongs to a differently shaped layer"
+            )
+        length = getattr(cache.state, "length", None)
+        if length is not None and length != cache.position:
+            raise ValueError(f"cache is inconsistent: position {cache.position} but its state holds {length} tokens")
+        state_batch = _state_batch_size(cache.state)
+        if state_batch is not None and state_batch != batch_size:
+            raise ValueError(
+                f"cache was built for batch size {state_batch}, hidden_states has batch size {batch_size}"
+            )
+        self._check_state(cache.state)
+
+    def _check_state(self, state: Any) -> None:
+        """Mixer-specific cache checks (e.g. the number of random features); default: none."""
+
+    # ----------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, hidden_states: Tensor, cache: LayerCache | None = None) -> tuple[Tensor, LayerCache]:
+        """Mix ``hidden_states`` ``[B, T, hidden_size]`` causally; returns ``(output, cache)``.
+
+        Without ``cache`` the sequence starts at position 0 and the parallel op runs; with one, the
+        tokens continue the cached sequence (RoPE positions ``cache.position + arange(T)``).
+        """
+        self._check_hidden_states(hidden_states)
+        batch, length, _ = hidden_states.shape
+        if cache is not None:
+            self._check_cache(cache, batch)
+        offset = 0 if cache is None else cache.position
+        positions = rope_positions(offset, length, device=hidden_states.device)
+
+        q = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
+        k_raw = self.k_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
+        q = self.rope(q, positions)
+        k = self.rope(k_raw, positions)
+        extras = self._extras(hidden_states, q=q, k=k, k_raw=k_raw, positions=positions)
+        out, state = self._mix(q, k, v, extras, None if cache is None else cache.state)
+        out = self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+        new_cache = LayerCache(
+            mixer=self.mixer_name,
+            position=offset + length,
+            state=state,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+        return out, new_cache
+
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
+        """Per-token tensors ``[B, T, ...]`` (or None) the op needs besides q, k, v."""
+        return {}
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
+        """Run the op: parallel without a state, else one ``_step`` per token."""
+        if state is None:
+            return self._parallel(q, k, v, extras)
+        outputs = []
+        for t in range(q.shape[1]):
+            extras_t = {name: None if x is None else x[:, t : t + 1] for name, x in extras.items()}
+            o_t, state = self._step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], extras_t, state)
+            outputs.append(o_t)
+        return torch.cat(outputs, dim=1), state
+
+    def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, Any]:
+        raise NotImplementedError
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
+        raise NotImplementedError
+
+
+__all__ = ["LayerCache", "MixerLayer"]

@@ -1,0 +1,136 @@
+"""Cubit layer: attention as kernel ridge regression (SPEC §2)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..ops._common import expand_heads
+from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
+from .base import MixerLayer, _check_bool, _check_choice
+from .rope import DEFAULT_THETA
+
+REFERENCES = ("separate", "key")
+
+
+class CubitMixer(MixerLayer):
+    """Cubit: U = (G + λ_h I)⁻¹ (ρ ⊙ V) with G the causal softmax Gram of the references, then
+    O = causal softmax(q kᵀ/√d) U (SPEC §2).
+
+    Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
+    ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``, see
+    :class:`MixerLayer`) and
+
+    * ``reference="separate"``: r = W_R x from its own projection ``r_proj`` (D → H·d, with
+      ``bias`` like q/k/v). ``"key"`` is the ablation r = k (expanded to the query heads under
+      grouped-query attention); there is no ``r_proj`` then.
+    * ``reference_rope=True``: apply RoPE to r (and so r̂). With ``reference="key"`` and
+      ``reference_rope=False`` the un-rotated key is the reference.
+    * ``lrr=True``: Limited-Range Rescale ρ = lo + (hi − lo)·sigmoid(W_ρ x + b) per token and query
+      head, from ``rho_proj`` (D → H, with bias). ``lrr=False`` (Cubit-NoLRR) means ρ ≡ 1 and
+      there is no ``rho_proj``. ``rho_proj`` starts with zero weights and the bias that gives
+      ρ = 1 (when 1 lies in the range), so a fresh layer starts as Cubit-NoLRR.
+    * ``lrr_range=(0.5, 2.0)``: (lo, hi) with 0 < lo < hi.
+    * ``ridge=1e-6``: initial ridge λ_h > 0 (learned per head as ``log_ridge``).
+
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``r_proj`` (if separate),
+    ``rho_proj`` (if lrr), ``log_ref_scale`` [H] (s_h = exp, init 1), ``log_ridge`` [H]
+    (λ_h = exp, init log ``ridge``). Cache state: :class:`~kernelmix.ops.cubit.CubitState`.
+    """
+
+    mixer_name = "cubit"
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float = DEFAULT_THETA,
+        bias: bool = False,
+        chunk_size: int = 64,
+        reference: str = "separate",
+        reference_rope: bool = True,
+        lrr: bool = True,
+        lrr_range: tuple[float, float] = (0.5, 2.0),
+        ridge: float = 1e-6,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_kv_heads=num_kv_heads,
+            rope_theta=rope_theta,
+            bias=bias,
+            chunk_size=chunk_size,
+        )
+        self.reference = _check_choice("reference", reference, REFERENCES)
+        self.reference_rope = _check_bool("reference_rope", reference_rope)
+        self.lrr = _check_bool("lrr", lrr)
+        try:
+            lo, hi = (float(x) for x in lrr_range)
+        except (TypeError, ValueError):
+            raise ValueError(f"lrr_range must be a pair (lo, hi) of numbers, got {lrr_range!r}") from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
+            raise ValueError(f"lrr_range (lo, hi) needs 0 < lo < hi (finite), got {lrr_range!r}")
+        self.lrr_range = (lo, hi)
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (math.isfinite(ridge) and ridge > 0):
+            raise ValueError(f"ridge must be a positive finite number, got {ridge!r}")
+
+        if self.reference == "separate":
+            self.r_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=self.bias)
+        else:
+            self.register_module("r_proj", None)
+        if self.lrr:
+            self.rho_proj = nn.Linear(hidden_size, self.num_heads, bias=True)
+            nn.init.zeros_(self.rho_proj.weight)
+            # ρ = 1 at init: sigmoid(b) = (1 − lo) / (hi − lo)
+            frac = (1.0 - lo) / (hi - lo)
+            nn.init.constant_(self.rho_proj.bias, math.log(frac / (1 - frac)) if 0 < frac < 1 else 0.0)
+        else:
+            self.register_module("rho_proj", None)
+        self.log_ref_scale = nn.Parameter(torch.zeros(self.num_heads))
+        self.log_ridge = nn.Parameter(torch.full((self.num_heads,), math.log(ridge)))
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, reference={self.reference!r}, reference_rope={self.reference_rope}, "
+            f"lrr={self.lrr}, lrr_range={self.lrr_range}"
+        )
+
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
+        batch, length, _ = hidden_states.shape
+        if self.reference == "separate":
+            r = self.r_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
+            if self.reference_rope:
+                r = self.rope(r, positions)
+        else:
+            r = expand_heads(k if self.reference_rope else k_raw, self.num_heads)
+        rho = None
+        if self.lrr:
+            lo, hi = self.lrr_range
+            rho = lo + (hi - lo) * torch.sigmoid(self.rho_proj(hidden_states))
+        return {"r": r, "rho": rho}
+
+    def _coefficients(self) -> dict:
+        return {"ridge": self.log_ridge.exp(), "ref_scale": self.log_ref_scale.exp()}
+
+    def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitState]:
+        return cubit_attention(
+            q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, return_state=True,
+            **self._coefficients(),
+        )
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitState]:
+        return cubit_attention_step(q, k, v, extras["r"], state, rho=extras["rho"], **self._coefficients())
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, CubitState):
+            raise ValueError(f"a cubit layer's cache state must be a CubitState, got {type(state).__name__}")
+
+
+__all__ = ["CubitMixer"]

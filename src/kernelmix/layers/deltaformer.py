@@ -1,0 +1,80 @@
+"""DeltaFormer layer (SPEC §3), a baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
+from .base import MixerLayer, _check_choice
+from .rope import DEFAULT_THETA
+
+W_CHOICES = ("k", "q")
+
+
+class DeltaFormerMixer(MixerLayer):
+    """DeltaFormer: u_i = v_i − β_i Σ_{j<i} softmax_{j<i}(w_i·k_j/√d) u_j, then
+    O = causal softmax(q kᵀ/√d) U (SPEC §3).
+
+    Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
+    ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``, see
+    :class:`MixerLayer`) and
+
+    * ``w="k"``: the solve's query side. ``"k"`` is the K–K form of the paper; ``"q"`` uses the
+      (RoPE-rotated) query, the Q–K variant some libraries use.
+
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``beta_proj`` (W_β: D → H, no
+    bias; β = sigmoid(W_β x) per token and query head). Cache state:
+    :class:`~kernelmix.ops.deltaformer.DeltaFormerState`.
+    """
+
+    mixer_name = "deltaformer"
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float = DEFAULT_THETA,
+        bias: bool = False,
+        chunk_size: int = 64,
+        w: str = "k",
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_kv_heads=num_kv_heads,
+            rope_theta=rope_theta,
+            bias=bias,
+            chunk_size=chunk_size,
+        )
+        self.w = _check_choice("w", w, W_CHOICES)
+        self.beta_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, w={self.w!r}"
+
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
+        return {"beta": torch.sigmoid(self.beta_proj(hidden_states)), "w": q if self.w == "q" else None}
+
+    def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:
+        return deltaformer_attention(
+            q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size, return_state=True
+        )
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, DeltaFormerState]:
+        return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"])
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, DeltaFormerState):
+            raise ValueError(
+                f"a deltaformer layer's cache state must be a DeltaFormerState, got {type(state).__name__}"
+            )
+
+
+__all__ = ["DeltaFormerMixer"]

@@ -1,0 +1,58 @@
+"""Softmax attention layer (SPEC §1), the baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..ops.softmax import SoftmaxState, softmax_attention, softmax_attention_step
+from .base import MixerLayer
+from .rope import DEFAULT_THETA
+
+
+class SoftmaxMixer(MixerLayer):
+    """Causal softmax attention with RoPE on q and k; the decode cache is a KV cache.
+
+    Keyword-only arguments (all shared with the other mixers, see :class:`MixerLayer`):
+    ``hidden_size``, ``num_heads``, ``head_dim=None``, ``num_kv_heads=None`` (grouped-query
+    attention), ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64`` (unused by this mixer).
+
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``. Cache state: :class:`SoftmaxState`.
+    """
+
+    mixer_name = "softmax"
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float = DEFAULT_THETA,
+        bias: bool = False,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_kv_heads=num_kv_heads,
+            rope_theta=rope_theta,
+            bias=bias,
+            chunk_size=chunk_size,
+        )
+
+    def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, SoftmaxState]:
+        return softmax_attention(q, k, v, return_state=True)
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, SoftmaxState]:
+        return softmax_attention_step(q, k, v, state)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, SoftmaxState):
+            raise ValueError(f"a softmax layer's cache state must be a SoftmaxState, got {type(state).__name__}")
+
+
+__all__ = ["SoftmaxMixer"]

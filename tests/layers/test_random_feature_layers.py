@@ -1,0 +1,175 @@
+"""Performer / DARKFormer layers: the projection buffer (saved, reloaded, redrawn only explicitly),
+DARKFormer at the identity equals Performer, and the data-aware initialisation of SPEC §5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelmix.layers import DarkFormerMixer, PerformerMixer, data_aware_transform, regularised_second_moments
+
+from .common import BASE, F64, HEAD_DIM, HEADS, KV_HEADS, inputs, make_layer, rel_err
+
+RF = ["performer", "darkformer"]
+
+
+@pytest.mark.parametrize("name", RF)
+@pytest.mark.parametrize("kind", ["orthogonal", "iid"])
+def test_projection_buffer(name, kind):
+    layer = make_layer(name, {"num_features": 12, "projection": kind}, None)
+    assert layer.projection.shape == (HEADS, 12, HEAD_DIM)
+    assert layer.projection.dtype == F64
+    assert "projection" not in dict(layer.named_parameters())
+    if kind == "orthogonal":  # blocks of d orthogonal rows
+        block = layer.projection[:, :HEAD_DIM]
+        gram = block @ block.transpose(-1, -2)
+        assert torch.allclose(gram, torch.diag_embed(torch.diagonal(gram, dim1=-2, dim2=-1)), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RF)
+def test_state_dict_round_trip(name):
+    layer = make_layer(name, {"num_features": 16}, "whiten" if name == "darkformer" else None)
+    state = layer.state_dict()
+    assert "projection" in state
+    if name == "darkformer":
+        assert "query_fold" in state and "transform" in state
+    fresh = make_layer(name, {"num_features": 16}, None, seed=123)
+    assert not torch.equal(fresh.projection, layer.projection)
+    fresh.load_state_dict(state)
+    x = inputs()
+    with torch.no_grad():
+        assert torch.equal(fresh(x)[0], layer(x)[0])
+
+
+@pytest.mark.parametrize("name", RF)
+def test_redraw_is_explicit_and_reproducible(name):
+    a = make_layer(name, {"num_features": 16}, None, seed=0)
+    b = make_layer(name, {"num_features": 16}, None, seed=1)
+    before = a.projection.clone()
+    a.redraw(torch.Generator().manual_seed(42))
+    b.redraw(torch.Generator().manual_seed(42))
+    assert torch.equal(a.projection, b.projection)
+    assert a.projection.dtype == F64
+    assert not torch.equal(a.projection, before)
+    # the draw does not depend on the layer dtype
+    c = make_layer(name, {"num_features": 16}, None, dtype=torch.float32)
+    c.redraw(torch.Generator().manual_seed(42))
+    assert torch.allclose(c.projection.double(), a.projection, atol=1e-6)
+
+    # forward (training mode, with backward and with a cache) never touches W
+    a.train()
+    snapshot = a.projection.clone()
+    out, cache = a(inputs())
+    out2, _ = a(inputs(length=2), cache)
+    (out.sum() + out2.sum()).backward()
+    assert torch.equal(a.projection, snapshot)
+    assert a.projection.grad is None
+
+
+def test_darkformer_at_identity_equals_performer():
+    performer = make_layer("performer", {"num_features": 16}, None)
+    dark = DarkFormerMixer(**BASE, num_features=16).double()
+    missing, unexpected = dark.load_state_dict(performer.state_dict(), strict=False)
+    assert sorted(missing) == ["query_fold", "transform"] and not unexpected
+    assert torch.equal(dark.transform, torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1))
+    assert torch.equal(dark.query_fold, torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1))
+    x = inputs()
+    with torch.no_grad():
+        out_p, cache_p = performer(x[:, :6])
+        out_d, cache_d = dark(x[:, :6])
+        assert rel_err(out_d, out_p) <= 1e-12
+        assert rel_err(dark(x[:, 6:], cache_d)[0], performer(x[:, 6:], cache_p)[0]) <= 1e-12
+
+
+def _samples(n, heads, kv_heads, d, seed=0, zero_dims=()):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, d, generator=g, dtype=F64) @ torch.randn(d, d, generator=g, dtype=F64)
+    k = 3.0 * torch.randn(n, kv_heads, d, generator=g, dtype=F64) @ torch.randn(d, d, generator=g, dtype=F64)
+    for dim in zero_dims:
+        q[..., dim] = 0.0
+        k[..., dim] = 0.0
+    return q, k
+
+
+@pytest.mark.parametrize("zero_dims", [(), (0, 5), tuple(range(HEAD_DIM))], ids=["full", "singular", "all-zero"])
+@pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS])
+def test_data_aware_transform(zero_dims, kv_heads):
+    q, k = _samples(300, HEADS, kv_heads, HEAD_DIM, zero_dims=zero_dims)
+    m, fold = data_aware_transform(q, k, eps=1e-3)
+    assert m.shape == fold.shape == (HEADS, HEAD_DIM, HEAD_DIM) and m.dtype == F64
+    assert torch.isfinite(m).all() and torch.isfinite(fold).all()
+    assert torch.allclose(m, m.transpose(-1, -2)) and torch.allclose(fold, fold.transpose(-1, -2))
+
+    a, b = regularised_second_moments(q, k, eps=1e-3)
+    s = m @ m  # M = S^{1/2}, symmetric
+    assert torch.linalg.eigvalsh(s).min() > 0
+    assert rel_err(s @ b @ s, a) <= 1e-8  # S = B^{-1} # A solves S B S = A
+    assert rel_err(fold @ s, torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1)) <= 1e-8
+    # the features see equal second moments on both sides: S^{-1/2} A S^{-1/2} = S^{1/2} B S^{1/2}
+    m_inv = torch.linalg.inv(m)
+    assert rel_err(m_inv @ a @ m_inv, m @ b @ m) <= 1e-8
+
+    # the kernel is preserved: (F q̃)ᵀ MᵀM k̃ = q̃ᵀ k̃ for any q, k
+    g = torch.Generator().manual_seed(5)
+    qt = torch.randn(20, HEADS, HEAD_DIM, generator=g, dtype=F64)
+    kt = torch.randn(20, HEADS, HEAD_DIM, generator=g, dtype=F64)
+    folded = torch.einsum("hij,nhj->nhi", fold, qt)
+    whitened = torch.einsum("nhi,hij,hjk,mhk->hnm", folded, m.transpose(-1, -2), m, kt)
+    plain = torch.einsum("nhi,mhi->hnm", qt, kt)
+    assert rel_err(whitened, plain) <= 1e-8
+
+
+def test_data_aware_transform_whitens_a_known_case():
+    # A = a·I, B = b·I  →  S = √(a/b)·I
+    g = torch.Generator().manual_seed(0)
+    n, d = 4000, 4
+    basis = torch.linalg.qr(torch.randn(n, d, generator=g, dtype=F64))[0] * n**0.5  # E[xxᵀ] = I exactly
+    q = (2.0 * basis)[:, None]
+    k = (0.5 * basis)[:, None]
+    m, fold = data_aware_transform(q, k, eps=1e-9)
+    assert torch.allclose(m @ m, 4.0 * torch.eye(d, dtype=F64)[None], atol=1e-6)
+    assert torch.allclose(fold, 0.25 * torch.eye(d, dtype=F64)[None], atol=1e-6)
+
+
+def test_whiten_sets_transform_and_fold_and_keeps_the_kernel():
+    layer = make_layer("darkformer", {"num_features": 16}, None)
+    with torch.no_grad():
+        layer.transform.copy_(torch.eye(HEAD_DIM).expand(HEADS, -1, -1))
+    x = inputs(batch=4, length=13)
+    q, k = layer.qk_samples(x)
+    assert q.shape == (4 * 13, HEADS, HEAD_DIM) and k.shape == (4 * 13, KV_HEADS, HEAD_DIM)
+    with torch.no_grad():
+        layer.q_proj.weight[:2].zero_()  # an exactly-zero query dimension, as in real models
+    q, k = layer.qk_samples(x)
+    assert layer.whiten_(q, k, eps=1e-3) is layer
+    m, fold = layer.transform.detach(), layer.query_fold
+    assert not torch.allclose(m, torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1))
+    assert torch.isfinite(m).all() and torch.isfinite(fold).all()
+    k_full = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    qf = torch.einsum("hij,nhj->nhi", fold, q)
+    whitened = torch.einsum("nhi,hji,hjk,mhk->hnm", qf, m, m, k_full)
+    plain = torch.einsum("nhi,mhi->hnm", q, k_full)
+    assert rel_err(whitened, plain) <= 1e-8
+    # and the layer still decodes consistently
+    with torch.no_grad():
+        full, _ = layer(x)
+        _, cache = layer(x[:, :6])
+        assert rel_err(layer(x[:, 6:], cache)[0], full[:, 6:]) <= 1e-10
+
+
+def test_whitened_darkformer_estimates_the_pretrained_kernel():
+    """With many features, whitened DARKFormer approximates the same function as Performer
+    (both estimate exp(q·k/√d) attention) — whitening does not change the target."""
+    torch.manual_seed(0)
+    performer = PerformerMixer(**BASE, num_features=16384, projection="iid").double()
+    dark = DarkFormerMixer(**BASE, num_features=16384, projection="iid").double()
+    dark.load_state_dict(performer.state_dict(), strict=False)
+    x = inputs(batch=1, length=8)
+    q, k = dark.qk_samples(inputs(batch=8, length=13, seed=3))
+    dark.whiten_(q, k, eps=1e-3)
+    softmax = make_layer("softmax", {}, None)
+    softmax.load_state_dict(performer.state_dict(), strict=False)
+    with torch.no_grad():
+        exact = softmax(x)[0]
+        assert rel_err(dark(x)[0], exact) <= 0.05
+        assert rel_err(performer(x)[0], exact) <= 0.05
