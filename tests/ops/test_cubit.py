@@ -369,3 +369,23 @@ def test_bad_input_raises_value_error(case):
     _, fn, pattern = case
     with pytest.raises(ValueError, match=pattern):
         fn()
+
+
+def test_cubit_solve_validates_its_own_inputs():
+    r = torch.randn(1, 4, 2, 4, dtype=torch.float64)
+    v = torch.randn(1, 5, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="share B and T"):
+        cubit_solve(r, v)
+    with pytest.raises(ValueError, match=r"rho must have shape \[B, T, H\]"):
+        cubit_solve(r, v[:, :4], rho=torch.rand(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="4 dims"):
+        cubit_solve(r[0], v[0])
+
+
+def test_second_derivative_is_refused_clearly():
+    r = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    u, _ = cubit_solve(r, v, chunk_size=3)
+    (grad_v,) = torch.autograd.grad(u.pow(2).sum(), v, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_v.sum().backward()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ._common import masked_logsumexp
 
@@ -69,6 +70,7 @@ class _KernelTriangularSolve(torch.autograd.Function):
         return u
 
     @staticmethod
+    @once_differentiable  # a gradient of this gradient is not implemented: say so clearly
     def backward(ctx, grad_u):
         with torch.autocast(grad_u.device.type, enabled=False):  # the transposed solve stays in fp32+
             return _KernelTriangularSolve._backward(ctx, grad_u)

@@ -78,6 +78,14 @@ def cubit_solve(
 
     ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
     """
+    check_4d("r", r)
+    check_4d("v", v)
+    if r.shape[:2] != v.shape[:2] or r.shape[2] % v.shape[2]:
+        raise ValueError(
+            f"r {tuple(r.shape)} and v {tuple(v.shape)} must share B and T, and r's head count must be a "
+            "multiple of v's"
+        )
+    check_per_token_heads("rho", rho, r)
     check_chunk_size(chunk_size)
     dtype = compute_dtype(r, v)
     heads = r.shape[2]

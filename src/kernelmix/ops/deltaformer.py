@@ -135,7 +135,7 @@ def deltaformer_attention_step(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use deltaformer_attention for prefill"
         )
     heads = q.shape[2]
-    dtype = compute_dtype(q, k, v) if state is None else state.u.dtype
+    dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
     sc = _scale(q, scale)
     u_t = expand_heads(v, heads).to(dtype)[:, 0]
     if state is not None:
