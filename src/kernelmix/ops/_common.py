@@ -98,3 +98,44 @@ def masked_logsumexp(logits: Tensor) -> Tensor:
     """
     lse = torch.logsumexp(logits, dim=-1)
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: int = 0) -> None:
+    """Check document starts ``[B, T]``: integers with 0 ≤ doc_start[b, i] ≤ offset + i.
+
+    ``doc_start[b, i]`` is the absolute index of the first token of token i's document (token i sits
+    at absolute index ``offset + i``); token i reads token j only if doc_start[b, i] ≤ j ≤ i.
+    Packed documents and left padding are both expressed this way."""
+    if doc_start is None:
+        return
+    if not isinstance(doc_start, Tensor) or tuple(doc_start.shape) != (batch, length):
+        got = tuple(doc_start.shape) if isinstance(doc_start, Tensor) else type(doc_start).__name__
+        raise ValueError(f"doc_start must have shape [B, T] = {(batch, length)}, got {got}")
+    if doc_start.is_floating_point() or doc_start.dtype == torch.bool:
+        raise ValueError(f"doc_start must be an integer tensor (absolute token indices), got {doc_start.dtype}")
+    index = offset + torch.arange(length, device=doc_start.device)
+    if bool(((doc_start < 0) | (doc_start > index)).any()):
+        raise ValueError(
+            "doc_start[b, i] must lie in [0, i] (the first token of token i's document, in absolute indices "
+            f"starting at {offset}); got values outside that range"
+        )
+
+
+def visible(rows: Tensor, cols: Tensor, doc_start: Tensor | None, *, strict: bool = False) -> Tensor:
+    """Which (row, column) pairs may interact: ``[B or 1, 1, R, C]`` booleans.
+
+    ``rows``/``cols`` are absolute token indices; causal (j ≤ i, or j < i when ``strict``) and, with
+    ``doc_start`` ``[B, R]`` (for the rows), within the row's document (j ≥ doc_start[b, i])."""
+    mask = cols[None, :] < rows[:, None] if strict else cols[None, :] <= rows[:, None]
+    mask = mask[None, None]
+    if doc_start is not None:
+        mask = mask & (cols[None, None, None, :] >= doc_start[:, None, :, None])
+    return mask
+
+
+def masked_softmax(logits: Tensor, hidden: Tensor) -> Tensor:
+    """Softmax over the last dim ignoring ``hidden`` entries; a row with nothing visible is all
+    zeros (the empty sum), with finite gradients — not the NaN a plain −inf fill would give."""
+    empty = hidden.all(dim=-1, keepdim=True)
+    logits = logits.masked_fill(hidden, float("-inf")).masked_fill(empty, 0.0)
+    return logits.softmax(dim=-1).masked_fill(hidden, 0.0)

@@ -5,6 +5,8 @@ Both mixers solve a lower-triangular system
     A U = b,   A = diag(β) K + γ I,   K_ij = softmax_{j ≤ i (or j < i)} (scale · x_i · y_j)
 
 Cubit: x = r, y = r̂, scale = 1, β = 1, γ = λ_h, inclusive mask (SPEC §2).
+With ``doc_start`` (packed documents, left padding) K_ij is also 0 across documents: the system is
+block-diagonal, one independent solve per document.
 DeltaFormer: x = w, y = k, scale = 1/√d, β = β_i, γ = 1, strict mask (SPEC §3).
 
 The dense reference builds K (T×T) and calls ``solve_triangular``. This module never holds more
@@ -24,20 +26,16 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import masked_logsumexp
+from ._common import masked_logsumexp, visible
 
 
-def _future_mask(rows: Tensor, cols: Tensor, strict: bool) -> Tensor:
-    """True where column j is not visible from row i (j > i, or j ≥ i when strict)."""
-    if strict:
-        return cols[None, :] >= rows[:, None]
-    return cols[None, :] > rows[:, None]
 
 
 class _KernelTriangularSolve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, b, beta, gamma, scale, strict, chunk_size):
-        # x, y: [B, H, T, dk]; b: [B, H, T, dv]; beta: [B, H, T] or None; gamma: [H]
+    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size):
+        # x, y: [B, H, T, dk]; b: [B, H, T, dv]; beta: [B, H, T] or None; gamma: [H];
+        # doc_start: [B, T] (first token of each token's document) or None (one document)
         batch, heads, length, _ = x.shape
         device = x.device
         gamma_diag = gamma.view(1, heads, 1, 1)
@@ -48,7 +46,8 @@ class _KernelTriangularSolve(torch.autograd.Function):
         for i0 in range(0, length, chunk_size):
             i1 = min(i0 + chunk_size, length)
             logits = scale * (x[:, :, i0:i1] @ y[:, :, :i1].transpose(-1, -2))  # [B, H, C, i1]
-            logits = logits.masked_fill(_future_mask(positions[i0:i1], positions[:i1], strict), float("-inf"))
+            rows_doc = None if doc_start is None else doc_start[:, i0:i1]
+            logits = logits.masked_fill(~visible(positions[i0:i1], positions[:i1], rows_doc, strict=strict), float("-inf"))
             row_lse = masked_logsumexp(logits)
             kernel = torch.exp(logits - row_lse[..., None])
             lse[:, :, i0:i1] = row_lse
@@ -65,7 +64,7 @@ class _KernelTriangularSolve(torch.autograd.Function):
             u_c = torch.linalg.solve_triangular(system, rhs, upper=False)
             u[:, :, i0:i1] = u_c
             ku[:, :, i0:i1] = past + diag_block @ u_c
-        ctx.save_for_backward(x, y, beta, gamma, u, ku, lse)
+        ctx.save_for_backward(x, y, beta, gamma, u, ku, lse, doc_start)
         ctx.scale, ctx.strict, ctx.chunk_size = scale, strict, chunk_size
         return u
 
@@ -77,7 +76,7 @@ class _KernelTriangularSolve(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_u):
-        x, y, beta, gamma, u, ku, lse = ctx.saved_tensors
+        x, y, beta, gamma, u, ku, lse, doc_start = ctx.saved_tensors
         scale, strict, chunk_size = ctx.scale, ctx.strict, ctx.chunk_size
         batch, heads, length, _ = x.shape
         device = x.device
@@ -95,7 +94,8 @@ class _KernelTriangularSolve(torch.autograd.Function):
             c = i1 - i0
             # Column block j ∈ [i0, i1) of K for every row i ≥ i0 (rows above it are masked anyway).
             logits = scale * (x[:, :, i0:] @ y[:, :, i0:i1].transpose(-1, -2))  # [B, H, T - i0, C]
-            logits = logits.masked_fill(_future_mask(positions[i0:], positions[i0:i1], strict), float("-inf"))
+            rows_doc = None if doc_start is None else doc_start[:, i0:]
+            logits = logits.masked_fill(~visible(positions[i0:], positions[i0:i1], rows_doc, strict=strict), float("-inf"))
             kernel = torch.exp(logits - lse[:, :, i0:, None])
             scaled = kernel if beta is None else beta[:, :, i0:, None] * kernel
             rhs = grad_u[:, :, i0:i1]
@@ -113,7 +113,7 @@ class _KernelTriangularSolve(torch.autograd.Function):
             grad_y[:, :, i0:i1] = scale * (grad_logits.transpose(-1, -2) @ x[:, :, i0:])
         grad_beta = -e if beta is not None and ctx.needs_input_grad[3] else None
         grad_gamma = grad_gamma.sum(0) if ctx.needs_input_grad[4] else None
-        return grad_x, grad_y, grad_b, grad_beta, grad_gamma, None, None, None
+        return grad_x, grad_y, grad_b, grad_beta, grad_gamma, None, None, None, None
 
 
 def kernel_triangular_solve(
@@ -126,9 +126,11 @@ def kernel_triangular_solve(
     scale: float,
     strict: bool,
     chunk_size: int,
+    doc_start: Tensor | None = None,
 ) -> Tensor:
     """Solve (diag(β) K + γ I) U = b blockwise; tensors are ``[B, H, T, *]`` in the compute dtype."""
     with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
         return _KernelTriangularSolve.apply(
-            x.contiguous(), y.contiguous(), b.contiguous(), beta, gamma, float(scale), bool(strict), int(chunk_size)
+            x.contiguous(), y.contiguous(), b.contiguous(), beta, gamma, doc_start, float(scale), bool(strict),
+            int(chunk_size),
         )

@@ -21,6 +21,7 @@ from torch import Tensor
 from ._common import (
     check_4d,
     check_chunk_size,
+    check_doc_start,
     check_per_token_heads,
     check_qkv,
     compute_dtype,
@@ -73,6 +74,7 @@ def cubit_solve(
     ridge: float | Tensor = 1e-6,
     ref_scale: float | Tensor = 1.0,
     chunk_size: int = 64,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The kernel-ridge step alone: returns ``(U, r̂)``, both ``[B, T, H, *]`` in the compute dtype.
 
@@ -87,6 +89,7 @@ def cubit_solve(
         )
     check_per_token_heads("rho", rho, r)
     check_chunk_size(chunk_size)
+    check_doc_start(doc_start, r.shape[0], r.shape[1])
     dtype = compute_dtype(r, v)
     heads = r.shape[2]
     r = r.to(dtype)
@@ -105,6 +108,7 @@ def cubit_solve(
         scale=1.0,
         strict=False,
         chunk_size=chunk_size,
+        doc_start=doc_start,
     ).transpose(1, 2)
     return u, r_hat
 
@@ -120,17 +124,22 @@ def cubit_attention(
     ref_scale: float | Tensor = 1.0,
     scale: float | None = None,
     chunk_size: int = 64,
+    doc_start: Tensor | None = None,
     return_state: bool = False,
 ):
     """Cubit attention, blocked fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
     ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi)) or None for ρ ≡ 1.
     ``ridge`` (λ) and ``ref_scale`` (s) are floats or ``[H]`` tensors and receive gradients.
-    ``scale`` is the read-out attention's scale (default 1/√d). Output: ``[B, T, H, d_v]`` in v's dtype.
+    ``scale`` is the read-out attention's scale (default 1/√d). ``doc_start`` ``[B, T]`` (optional)
+    keeps packed documents / left padding apart in both the solve and the read-out.
+    Output: ``[B, T, H, d_v]`` in v's dtype.
     """
     _check_cubit_inputs(q, k, v, r, rho)
-    u, r_hat = cubit_solve(r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size)
+    u, r_hat = cubit_solve(
+        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start
+    )
     heads = q.shape[2]
-    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale).to(v.dtype)
+    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale, doc_start=doc_start).to(v.dtype)
     if return_state:
         return out, CubitState(k=k, u=u, r_hat=r_hat)
     return out
@@ -146,23 +155,29 @@ def cubit_attention_naive(
     ridge: float | Tensor = 1e-6,
     ref_scale: float | Tensor = 1.0,
     scale: float | None = None,
+    doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly)."""
     _check_cubit_inputs(q, k, v, r, rho)
     heads, length = q.shape[2], q.shape[1]
+    check_doc_start(doc_start, q.shape[0], length)
     dtype = compute_dtype(q, k, v, r)
     lam = per_head("ridge", ridge, heads, r.to(dtype), positive=True)
     s = per_head("ref_scale", ref_scale, heads, r.to(dtype), positive=True)
     rr = r.to(dtype).transpose(1, 2)  # [B, H, T, d]
     r_hat = s[:, None, None] * rr / rr.norm(dim=-1, keepdim=True).clamp_min(REFERENCE_NORM_EPS)
     visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if doc_start is not None:  # [B, 1, T, T]: also j ≥ doc_start[i]
+        visible = visible & (torch.arange(length, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
     gram = (rr @ r_hat.transpose(-1, -2)).masked_fill(~visible, float("-inf")).softmax(dim=-1)
     system = gram + lam[:, None, None] * torch.eye(length, dtype=dtype, device=q.device)
     values = expand_heads(v, heads).to(dtype)
     if rho is not None:
         values = rho.to(dtype)[..., None] * values
     u = torch.linalg.solve_triangular(system, values.transpose(1, 2), upper=False).transpose(1, 2)
-    return softmax_attention_naive(q.to(dtype), expand_heads(k, heads).to(dtype), u, scale=scale).to(v.dtype)
+    return softmax_attention_naive(
+        q.to(dtype), expand_heads(k, heads).to(dtype), u, scale=scale, doc_start=doc_start
+    ).to(v.dtype)
 
 
 def cubit_attention_step(
@@ -176,6 +191,7 @@ def cubit_attention_step(
     ridge: float | Tensor = 1e-6,
     ref_scale: float | Tensor = 1.0,
     scale: float | None = None,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, CubitState]:
     """Decode one token (all inputs have T=1): append (k, u, r̂) to the cache and read out.
 
@@ -185,13 +201,20 @@ def cubit_attention_step(
     if q.shape[1] != 1:
         raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_attention for prefill")
     heads = q.shape[2]
+    position = 0 if state is None else state.length
+    check_doc_start(doc_start, q.shape[0], 1, offset=position)
+    # cached tokens of earlier documents (or left padding) are invisible: −inf logits
+    hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
     dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
     r_t = r.to(dtype)
     lam = per_head("ridge", ridge, heads, r_t, positive=True)
     s = per_head("ref_scale", ref_scale, heads, r_t, positive=True)
     r_hat_t = normalize_reference(r_t, s)
     r_hat = r_hat_t if state is None else torch.cat([state.r_hat, r_hat_t], dim=1)
-    gram_row = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat).softmax(dim=-1)  # [B, H, t+1]
+    gram_logits = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat)  # [B, H, t+1]
+    if hidden is not None:
+        gram_logits = gram_logits.masked_fill(hidden, float("-inf"))
+    gram_row = gram_logits.softmax(dim=-1)
     b_t = expand_heads(v, heads).to(dtype)[:, 0]  # [B, H, d_v]
     if rho is not None:
         b_t = rho.to(dtype)[:, 0, :, None] * b_t
@@ -202,6 +225,9 @@ def cubit_attention_step(
     k_all = k if state is None else torch.cat([state.k, k], dim=1)
     head_dim = q.shape[-1]
     weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
-    weights = (weights * (1.0 / math.sqrt(head_dim) if scale is None else scale)).softmax(dim=-1)
+    weights = weights * (1.0 / math.sqrt(head_dim) if scale is None else scale)
+    if hidden is not None:
+        weights = weights.masked_fill(hidden, float("-inf"))
+    weights = weights.softmax(dim=-1)
     out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
     return out, CubitState(k=k_all, u=u, r_hat=r_hat)

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._common import check_4d, check_chunk_size, check_per_token_heads, check_qkv, compute_dtype, expand_heads
+from ._common import (
+    check_4d,
+    check_chunk_size,
+    check_doc_start,
+    check_per_token_heads,
+    check_qkv,
+    compute_dtype,
+    expand_heads,
+    masked_softmax,
+)
 from ._triangular import kernel_triangular_solve
 from .softmax import softmax_attention, softmax_attention_naive
 
@@ -60,13 +69,16 @@ def deltaformer_attention(
     w: Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
+    doc_start: Tensor | None = None,
     return_state: bool = False,
 ):
     """DeltaFormer, blocked fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
     ``beta``: ``[B, T, H]`` in (0, 1) (None = ones); ``w`` (default ``k``): the solve's query side.
-    ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out."""
+    ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out. ``doc_start``
+    ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document)."""
     _check_inputs(q, k, v, beta, w)
     check_chunk_size(chunk_size)
+    check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]
     w = k if w is None else w
     dtype = compute_dtype(q, k, v, w)
@@ -79,8 +91,9 @@ def deltaformer_attention(
         scale=_scale(q, scale),
         strict=True,
         chunk_size=chunk_size,
+        doc_start=doc_start,
     ).transpose(1, 2)
-    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale).to(v.dtype)
+    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale, doc_start=doc_start).to(v.dtype)
     if return_state:
         return out, DeltaFormerState(k=k, u=u)
     return out
@@ -94,10 +107,12 @@ def deltaformer_attention_naive(
     beta: Tensor | None = None,
     w: Tensor | None = None,
     scale: float | None = None,
+    doc_start: Tensor | None = None,
 ) -> Tensor:
     """Reference: the recurrence of the definition, one token at a time (float64-friendly)."""
     _check_inputs(q, k, v, beta, w)
     heads, length = q.shape[2], q.shape[1]
+    check_doc_start(doc_start, q.shape[0], length)
     w = k if w is None else w
     dtype = compute_dtype(q, k, v, w)
     sc = _scale(q, scale)
@@ -110,12 +125,17 @@ def deltaformer_attention_naive(
             us.append(vv[:, 0])
             continue
         past_u = torch.stack(us, dim=1)  # [B, i, H, d_v]
-        weights = (torch.einsum("bhd,bjhd->bhj", ww[:, i], kk[:, :i]) * sc).softmax(dim=-1)
+        logits = torch.einsum("bhd,bjhd->bhj", ww[:, i], kk[:, :i]) * sc
+        if doc_start is None:
+            weights = logits.softmax(dim=-1)
+        else:  # earlier documents are invisible; a document's first row is empty
+            hidden = torch.arange(i, device=q.device)[None, None, :] < doc_start[:, i, None, None]
+            weights = masked_softmax(logits, hidden.expand_as(logits))
         mixed = torch.einsum("bhj,bjhd->bhd", weights, past_u)
         b_i = 1.0 if beta is None else beta[:, i].to(dtype)[..., None]
         us.append(vv[:, i] - b_i * mixed)
     u = torch.stack(us, dim=1)
-    return softmax_attention_naive(q.to(dtype), kk, u, scale=scale).to(v.dtype)
+    return softmax_attention_naive(q.to(dtype), kk, u, scale=scale, doc_start=doc_start).to(v.dtype)
 
 
 def deltaformer_attention_step(
@@ -127,6 +147,7 @@ def deltaformer_attention_step(
     beta: Tensor | None = None,
     w: Tensor | None = None,
     scale: float | None = None,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, DeltaFormerState]:
     """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens."""
     _check_inputs(q, k, v, beta, w)
@@ -135,16 +156,25 @@ def deltaformer_attention_step(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use deltaformer_attention for prefill"
         )
     heads = q.shape[2]
+    position = 0 if state is None else state.length
+    check_doc_start(doc_start, q.shape[0], 1, offset=position)
+    # cached tokens of earlier documents (or left padding) are invisible
+    hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
     dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
     sc = _scale(q, scale)
     u_t = expand_heads(v, heads).to(dtype)[:, 0]
     if state is not None:
         w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]
-        weights = (torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc).softmax(dim=-1)
+        logits = torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc
+        # a document's first token has no visible past: its row is empty (0), not NaN
+        weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
         b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
         u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
     u = u_t[:, None] if state is None else torch.cat([state.u, u_t[:, None]], dim=1)
     k_all = k if state is None else torch.cat([state.k, k], dim=1)
-    weights = (torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc).softmax(-1)
+    logits = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, float("-inf"))
+    weights = logits.softmax(-1)
     out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
     return out, DeltaFormerState(k=k_all, u=u)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._common import check_4d, check_chunk_size, check_qkv, compute_dtype, expand_heads
+from ._common import check_4d, check_chunk_size, check_doc_start, check_qkv, compute_dtype, expand_heads, visible
 
 
 @dataclass
@@ -158,6 +158,26 @@ def _normalised_queries(q_logits: Tensor) -> Tensor:
     return torch.exp(q_logits - q_logits.detach().amax(dim=-1, keepdim=True))
 
 
+def _exp_where(x: Tensor, keep: Tensor) -> Tensor:
+    """exp(x) where ``keep``, exactly 0 elsewhere (masked before the exp so it cannot overflow)."""
+    return torch.exp(x.masked_fill(~keep, float("-inf")))
+
+
+def _running_shift(key_max: Tensor, doc_start: Tensor | None) -> Tensor:
+    """s_i = max of the key logit maxima over j ∈ [doc_start_i, i]: causal and per document.
+
+    Without documents this is a plain cummax. With them, a segmented cummax: documents are
+    contiguous and doc_start is non-decreasing, so adding doc_start·span (span > range of the
+    values) makes every earlier document's values smaller than any of the current one's; the offset
+    is removed afterwards. Computed in float64; the shift is detached (the output is invariant to it)."""
+    if doc_start is None:
+        return torch.cummax(key_max, dim=-1).values
+    values = key_max.double()
+    span = (values.max() - values.min()).item() + 1.0
+    offset = doc_start[:, None, :].double() * span
+    return (torch.cummax(values + offset, dim=-1).values - offset).to(key_max.dtype)
+
+
 def random_feature_attention(
     q: Tensor,
     k: Tensor,
@@ -166,6 +186,7 @@ def random_feature_attention(
     *,
     transform: Tensor | None = None,
     chunk_size: int = 64,
+    doc_start: Tensor | None = None,
     initial_state: RandomFeatureState | None = None,
     return_state: bool = False,
 ):
@@ -173,7 +194,9 @@ def random_feature_attention(
 
     ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]``; ``projection`` ``[m, d]`` or ``[H, m, d]``;
     ``transform`` DARKFormer's M ``[H, d, d]`` or None (Performer). ``initial_state`` continues
-    from a previous call (chunked prefill / decode of several tokens)."""
+    from a previous call (chunked prefill / decode of several tokens). ``doc_start`` ``[B, T]``
+    (absolute indices, counting the tokens of ``initial_state``) keeps packed documents / left
+    padding apart: the state restarts at every document boundary."""
     check_chunk_size(chunk_size)
     with torch.autocast(q.device.type, enabled=False):  # feature logits and states stay ≥ fp32
         q_logits, k_logits, values, dtype = _prepare(q, k, v, projection, transform)
@@ -191,26 +214,40 @@ def random_feature_attention(
             _check_state(initial_state, batch, heads, m, values.shape[-1])
             state_s, state_z = initial_state.S.to(dtype), initial_state.z.to(dtype)
             shift, start = initial_state.shift.to(dtype), initial_state.length
-        # Running max of key logits (causal); detached: the output is exactly invariant to it.
-        running = torch.cummax(k_logits.detach().amax(dim=-1), dim=-1).values
-        running = torch.maximum(running, shift[..., None])  # [B, H, T]
+        check_doc_start(doc_start, batch, length, offset=start)
+        positions = start + torch.arange(length, device=q.device)
+        # Tokens whose document began before this call continue the carried state.
+        continues = (
+            torch.ones(batch, length, dtype=torch.bool, device=q.device) if doc_start is None else doc_start < start
+        )
+        # Running max of key logits (causal, per document); detached: the output is invariant to it.
+        running = _running_shift(k_logits.detach().amax(dim=-1), doc_start)
+        running = torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
         k_feat = torch.exp(k_logits - running[..., None])  # ≤ 1
         outputs = []
         for i0 in range(0, length, chunk_size):
             i1 = min(i0 + chunk_size, length)
             qc, kc, vc, sc = q_feat[:, :, i0:i1], k_feat[:, :, i0:i1], values[:, :, i0:i1], running[:, :, i0:i1]
-            # exp(s_j − s_i) for j ≤ i (≤ 1); future entries masked before the exp.
-            gap = sc[..., None, :] - sc[..., :, None]
-            visible = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool, device=q.device).tril()
-            decay = torch.exp(gap.masked_fill(~visible, float("-inf")))
+            rows_doc = None if doc_start is None else doc_start[:, i0:i1]
+            # exp(s_j − s_i) for visible j (≤ 1); future / other-document entries are exactly 0.
+            decay = _exp_where(sc[..., None, :] - sc[..., :, None], visible(positions[i0:i1], positions[i0:i1], rows_doc))
             scores = (qc @ kc.transpose(-1, -2)) * decay  # [B, H, C, C]
-            carry = torch.exp(shift[..., None] - sc)[..., None]  # state brought to scale exp(−s_i)
+            # The state (keys of the document of token i0 − 1) at scale exp(−s_i), for rows in that document.
+            reads_state = (rows_doc < start + i0)[:, None, :] if rows_doc is not None else torch.ones_like(sc, dtype=torch.bool)
+            carry = _exp_where(shift[..., None] - sc, reads_state)[..., None]
             numerator = scores @ vc + carry * (qc @ state_s)
             denominator = scores.sum(-1, keepdim=True) + carry * (qc @ state_z[..., None])
             outputs.append(numerator / denominator.clamp_min(torch.finfo(dtype).tiny))
+            # New state: keys of the last token's document, at scale exp(−s_last).
             new_shift = sc[..., -1]
-            weights = torch.exp(sc - new_shift[..., None])[..., None] * kc  # keys at scale exp(−new_shift)
-            rescale = torch.exp(shift - new_shift)
+            if rows_doc is None:
+                in_last_doc = torch.ones_like(sc, dtype=torch.bool)
+                keeps_state = torch.ones_like(new_shift, dtype=torch.bool)
+            else:
+                in_last_doc = (positions[i0:i1][None, :] >= rows_doc[:, -1:])[:, None, :].expand_as(sc)
+                keeps_state = (rows_doc[:, -1] < start + i0)[:, None].expand_as(new_shift)
+            weights = _exp_where(sc - new_shift[..., None], in_last_doc)[..., None] * kc
+            rescale = _exp_where(shift - new_shift, keeps_state)
             state_s = rescale[..., None, None] * state_s + weights.transpose(-1, -2) @ vc
             state_z = rescale[..., None] * state_z + weights.sum(dim=-2)
             shift = new_shift
@@ -231,16 +268,25 @@ def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: 
 
 
 def random_feature_attention_naive(
-    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, *, transform: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    transform: Tensor | None = None,
+    doc_start: Tensor | None = None,
 ) -> Tensor:
-    """Dense reference: explicit φ(Q) φ(K)ᵀ (T×T), causal mask, row-normalised (float64-friendly)."""
+    """Dense reference: explicit φ(Q) φ(K)ᵀ (T×T), causal (+ document) mask, row-normalised."""
     check_qkv(q, k, v)
+    check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]
     phi_q = positive_random_features(q, projection, transform=transform)
     phi_k = positive_random_features(expand_heads(k, heads), projection, transform=transform)
     length = q.shape[1]
-    visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    kernel = torch.einsum("bihm,bjhm->bhij", phi_q, phi_k) * visible
+    mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if doc_start is not None:
+        mask = mask & (torch.arange(length, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
+    kernel = torch.einsum("bihm,bjhm->bhij", phi_q, phi_k) * mask
     values = expand_heads(v, heads).to(kernel.dtype)
     out = torch.einsum("bhij,bjhd->bihd", kernel, values) / kernel.sum(-1).transpose(1, 2)[..., None]
     return out.to(v.dtype)
@@ -254,8 +300,11 @@ def random_feature_attention_step(
     state: RandomFeatureState | None,
     *,
     transform: Tensor | None = None,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, RandomFeatureState]:
-    """Decode one token (T=1) with O(m·d) work and state, independent of the position."""
+    """Decode one token (T=1) with O(m·d) work and state, independent of the position.
+    ``doc_start`` ``[B, 1]``: where ``doc_start == state.length`` the token starts a new document
+    and the state restarts."""
     if q.dim() == 4 and q.shape[1] != 1:
         raise ValueError(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use random_feature_attention for prefill"
@@ -273,8 +322,14 @@ def random_feature_attention_step(
         else:
             _check_state(state, batch, heads, m, values.shape[-1])
             state_s, state_z, shift, length = state.S.to(dtype), state.z.to(dtype), state.shift.to(dtype), state.length
-        new_shift = torch.maximum(shift, k_logits.detach().amax(dim=-1))
-        rescale = torch.exp(shift - new_shift)
+        check_doc_start(doc_start, batch, 1, offset=length)
+        key_max = k_logits.detach().amax(dim=-1)
+        if doc_start is None:
+            keeps_state = torch.ones_like(key_max, dtype=torch.bool)
+        else:
+            keeps_state = (doc_start[:, 0] < length)[:, None].expand_as(key_max)
+        new_shift = torch.where(keeps_state, torch.maximum(shift, key_max), key_max)
+        rescale = _exp_where(shift - new_shift, keeps_state)
         k_feat = torch.exp(k_logits - new_shift[..., None])
         state_s = rescale[..., None, None] * state_s + k_feat[..., :, None] * values[..., None, :]
         state_z = rescale[..., None] * state_z + k_feat

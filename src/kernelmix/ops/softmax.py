@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_qkv, expand_heads
+from ._common import check_doc_start, check_qkv, expand_heads, visible
 
 
 @dataclass
@@ -33,54 +33,87 @@ def _scale(q: Tensor, scale: float | None) -> float:
 
 
 def softmax_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, return_state: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    doc_start: Tensor | None = None,
+    return_state: bool = False,
 ):
     """Causal softmax attention o_i = Σ_{j≤i} softmax_j(q_i·k_j·scale) v_j via SDPA.
 
     ``q`` is ``[B, T, H, d]``; ``k``/``v`` are ``[B, T, H_kv, d]`` with ``H % H_kv == 0``.
+    ``doc_start`` ``[B, T]`` (optional): index of the first token of each token's document — no
+    token reads across a document boundary (packed sequences, left padding).
     Returns ``o`` shaped like ``q`` with ``v``'s head dim (and a :class:`SoftmaxState` when
     ``return_state``).
     """
     check_qkv(q, k, v)
-    h = q.shape[2]
+    batch, length, h = q.shape[:3]
+    check_doc_start(doc_start, batch, length)
+    if doc_start is None:
+        mask_kwargs = {"is_causal": True}
+    else:
+        idx = torch.arange(length, device=q.device)
+        mask_kwargs = {"attn_mask": visible(idx, idx, doc_start)}
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         expand_heads(k, h).transpose(1, 2),
         expand_heads(v, h).transpose(1, 2),
-        is_causal=True,
         scale=_scale(q, scale),
+        **mask_kwargs,
     ).transpose(1, 2)
     if return_state:
         return out, SoftmaxState(k=k, v=v)
     return out
 
 
-def softmax_attention_naive(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
-    """Dense reference: explicit T×T scores, causal mask, softmax (float64-friendly)."""
+def softmax_attention_naive(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, doc_start: Tensor | None = None
+) -> Tensor:
+    """Dense reference: explicit T×T scores, causal (+ document) mask, softmax (float64-friendly)."""
     check_qkv(q, k, v)
     h, t = q.shape[2], q.shape[1]
+    check_doc_start(doc_start, q.shape[0], t)
     k, v = expand_heads(k, h), expand_heads(v, h)
     scores = torch.einsum("bihd,bjhd->bhij", q, k) * _scale(q, scale)
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if doc_start is not None:
+        mask = mask & (torch.arange(t, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
     weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return torch.einsum("bhij,bjhd->bihd", weights, v)
 
 
 def softmax_attention_step(
-    q: Tensor, k: Tensor, v: Tensor, state: SoftmaxState | None, *, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: SoftmaxState | None,
+    *,
+    scale: float | None = None,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, SoftmaxState]:
-    """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself."""
+    """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself
+    (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given)."""
     check_qkv(q, k, v)
     if q.shape[1] != 1:
         raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
+    position = 0 if state is None else state.length
+    check_doc_start(doc_start, q.shape[0], 1, offset=position)
     if state is not None:
         k = torch.cat([state.k, k], dim=1)
         v = torch.cat([state.v, v], dim=1)
     h = q.shape[2]
+    mask = None
+    if doc_start is not None:
+        idx = torch.arange(position + 1, device=q.device)
+        mask = visible(idx[-1:], idx, doc_start)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         expand_heads(k, h).transpose(1, 2),
         expand_heads(v, h).transpose(1, 2),
+        attn_mask=mask,
         scale=_scale(q, scale),
     ).transpose(1, 2)
     return out, SoftmaxState(k=k, v=v)
