@@ -151,7 +151,7 @@ class MixerLayer(nn.Module):
     # helpers for subclasses
 
     def rope(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Apply this layer's RoPE to ``x`` ``[B, T, H, d]`` at ``positions`` ``[T]``."""
+        """Apply this layer's RoPE to ``x`` ``[B, T, H, d]`` at ``positions`` ``[T]`` or ``[B, T]``."""
         return apply_rope(x, positions, theta=self.rope_theta)
 
     def extra_repr(self) -> str:
@@ -218,18 +218,38 @@ class MixerLayer(nn.Module):
     # ----------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, hidden_states: Tensor, cache: LayerCache | None = None) -> tuple[Tensor, LayerCache]:
+    def forward(
+        self,
+        hidden_states: Tensor,
+        cache: LayerCache | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        doc_start: Tensor | None = None,
+    ) -> tuple[Tensor, LayerCache]:
         """Mix ``hidden_states`` ``[B, T, hidden_size]`` causally; returns ``(output, cache)``.
 
-        Without ``cache`` the sequence starts at position 0 and the parallel op runs; with one, the
-        tokens continue the cached sequence (RoPE positions ``cache.position + arange(T)``).
+        Without ``cache`` the sequence starts at index 0 and the parallel op runs; with one, the
+        tokens continue the cached sequence at indices ``cache.position + arange(T)``.
+
+        ``position_ids`` ``[B, T]`` (optional): RoPE positions (default: the token indices).
+        ``doc_start`` ``[B, T]`` (optional): index of the first token of each token's document, in
+        the same indexing as the cache (tokens never read across a document boundary). Left padding
+        and packed documents are both expressed this way; see ``kernelmix.model``.
         """
         self._check_hidden_states(hidden_states)
         batch, length, _ = hidden_states.shape
         if cache is not None:
             self._check_cache(cache, batch)
         offset = 0 if cache is None else cache.position
-        positions = rope_positions(offset, length, device=hidden_states.device)
+        if position_ids is None:
+            positions = rope_positions(offset, length, device=hidden_states.device)
+        elif tuple(position_ids.shape) != (batch, length) or position_ids.is_floating_point():
+            raise ValueError(
+                f"position_ids must be an integer tensor of shape [B, T] = {(batch, length)}, "
+                f"got {position_ids.dtype} {tuple(position_ids.shape)}"
+            )
+        else:
+            positions = position_ids
 
         q = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
         k_raw = self.k_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -237,6 +257,7 @@ class MixerLayer(nn.Module):
         q = self.rope(q, positions)
         k = self.rope(k_raw, positions)
         extras = self._extras(hidden_states, q=q, k=k, k_raw=k_raw, positions=positions)
+        extras["doc_start"] = doc_start
         out, state = self._mix(q, k, v, extras, None if cache is None else cache.state)
         out = self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         new_cache = LayerCache(

@@ -121,12 +121,14 @@ class CubitMixer(MixerLayer):
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitState]:
         return cubit_attention(
-            q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, return_state=True,
-            **self._coefficients(),
+            q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
+            return_state=True, **self._coefficients(),
         )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitState]:
-        return cubit_attention_step(q, k, v, extras["r"], state, rho=extras["rho"], **self._coefficients())
+        return cubit_attention_step(
+            q, k, v, extras["r"], state, rho=extras["rho"], doc_start=extras["doc_start"], **self._coefficients()
+        )
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, CubitState):

@@ -64,11 +64,12 @@ class DeltaFormerMixer(MixerLayer):
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:
         return deltaformer_attention(
-            q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size, return_state=True
+            q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
+            return_state=True,
         )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, DeltaFormerState]:
-        return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"])
+        return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"], doc_start=extras["doc_start"])
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, DeltaFormerState):

@@ -109,7 +109,9 @@ class PerformerMixer(MixerLayer):
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, RandomFeatureState]:
         q = self._queries(q)
         if state is not None and q.shape[1] == 1:
-            return random_feature_attention_step(q, k, v, self.projection, state, transform=self._transform())
+            return random_feature_attention_step(
+                q, k, v, self.projection, state, transform=self._transform(), doc_start=extras["doc_start"]
+            )
         return random_feature_attention(
             q,
             k,
@@ -117,6 +119,7 @@ class PerformerMixer(MixerLayer):
             self.projection,
             transform=self._transform(),
             chunk_size=self.chunk_size,
+            doc_start=extras["doc_start"],
             initial_state=state,
             return_state=True,
         )

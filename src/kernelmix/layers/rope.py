@@ -30,15 +30,15 @@ def rope_positions(offset: int, length: int, *, device: torch.device | str | Non
 def rope_cos_sin(
     positions: Tensor, head_dim: int, *, theta: float = DEFAULT_THETA, dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin tables ``[T, head_dim]`` for integer ``positions`` ``[T]`` (computed in float64
+    """cos and sin tables ``[..., T, head_dim]`` for integer ``positions`` ``[..., T]`` (computed in float64
     when ``dtype`` is float64, else float32, and returned in ``dtype``)."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     exponents = torch.arange(0, head_dim, 2, dtype=angle_dtype, device=positions.device) / head_dim
     inv_freq = 1.0 / (float(theta) ** exponents)  # [d/2]
-    angles = positions.to(angle_dtype)[:, None] * inv_freq[None, :]  # [T, d/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, d]
+    angles = positions.to(angle_dtype)[..., None] * inv_freq  # [..., T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., T, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -49,13 +49,17 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) -> Tensor:
-    """Rotate ``x`` ``[B, T, H, d]`` by its token positions ``positions`` ``[T]`` (shared by the batch)."""
+    """Rotate ``x`` ``[B, T, H, d]`` by its token positions: ``[T]`` (shared by the batch) or
+    ``[B, T]`` (per row: left padding, packed documents whose positions restart)."""
     if x.dim() != 4:
         raise ValueError(f"apply_rope expects [B, T, H, d], got shape {tuple(x.shape)}")
-    if positions.shape != (x.shape[1],):
-        raise ValueError(f"positions must have shape [T] = ({x.shape[1]},), got {tuple(positions.shape)}")
+    if tuple(positions.shape) not in ((x.shape[1],), (x.shape[0], x.shape[1])):
+        raise ValueError(
+            f"positions must have shape [T] = ({x.shape[1]},) or [B, T] = {tuple(x.shape[:2])}, "
+            f"got {tuple(positions.shape)}"
+        )
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta=theta, dtype=x.dtype)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads (and batch for [T])
     return x * cos + rotate_half(x) * sin
 
 

@@ -45,10 +45,10 @@ class SoftmaxMixer(MixerLayer):
         )
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, SoftmaxState]:
-        return softmax_attention(q, k, v, return_state=True)
+        return softmax_attention(q, k, v, doc_start=extras["doc_start"], return_state=True)
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, SoftmaxState]:
-        return softmax_attention_step(q, k, v, state)
+        return softmax_attention_step(q, k, v, state, doc_start=extras["doc_start"])
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, SoftmaxState):
