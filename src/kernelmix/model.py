@@ -1,0 +1,423 @@
+"""A GPT-style causal language model with a token mixer chosen per layer.
+
+Read top to bottom: the config, the presets, the two sub-blocks (RMSNorm, SwiGLU), the block,
+the model, and the cache. The mixers themselves live in :mod:`kernelmix.layers`.
+
+    config = ModelConfig.preset("small", mixer="cubit")
+    model = CausalLM(config)
+    out = model(input_ids, labels=input_ids)          # out.logits, out.loss, out.cache
+
+Batches with left padding (``attention_mask``) and rows packing several documents
+(``position_ids`` that restart at 0 at each document) are both supported: every mixer receives
+``doc_start`` — for each token the index of its document's first token — and never reads across
+a document boundary or from padding. This module does not import transformers (see
+:mod:`kernelmix.hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import MIXERS, LayerCache, build_mixer, mixer_options
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    """Everything that defines a model; plain data, saved as JSON beside the weights.
+
+    ``mixer`` names the token mixer of every layer; ``mixers`` (one name per layer) overrides it
+    for hybrids such as softmax every 4th layer. ``mixer_options`` maps a mixer name to extra
+    keyword arguments of that mixer's layer (e.g. ``{"cubit": {"lrr": False}}``,
+    ``{"performer": {"num_features": 128}}``).
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: = num_heads; fewer gives grouped-query attention
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int | None = None  # SwiGLU hidden size; None: 8/3 · hidden, rounded up to 64
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024  # a hard limit on positions: longer inputs are refused, not extrapolated
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+    mixer: str = "softmax"
+    mixers: list[str] | None = None
+    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                    "set head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.mixers is not None:
+            self.mixers = list(self.mixers)
+            if len(self.mixers) != self.num_layers:
+                raise ValueError(
+                    f"mixers lists {len(self.mixers)} names but num_layers is {self.num_layers}; "
+                    "give one mixer per layer (or use mixer= for all layers)"
+                )
+        for name in self.layer_mixers():
+            if name not in MIXERS:
+                raise ValueError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+        for name, options in self.mixer_options.items():
+            if name not in MIXERS:
+                raise ValueError(f"mixer_options names unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+            accepted = set(mixer_options(name)) - set(_SHARED_LAYER_ARGS)
+            unknown = sorted(set(options) - accepted)
+            if unknown:
+                raise ValueError(
+                    f"mixer_options[{name!r}] has unknown option(s) {unknown}; accepted: {', '.join(sorted(accepted))} "
+                    f"(the shared ones — {', '.join(_SHARED_LAYER_ARGS)} — come from the model config)"
+                )
+
+    def layer_mixers(self) -> list[str]:
+        """The mixer name of every layer."""
+        return list(self.mixers) if self.mixers is not None else [self.mixer] * self.num_layers
+
+    # -- presets and serialisation ------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A named size (see :data:`PRESETS`) with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r} (choose from: {', '.join(PRESETS)})")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; fields are: {', '.join(sorted(fields))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; is this a kernelmix model config?")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# Arguments every mixer layer takes that come from the model config, not from mixer_options.
+_SHARED_LAYER_ARGS = ("hidden_size", "num_heads", "head_dim", "num_kv_heads", "rope_theta", "chunk_size")
+
+# GPT-3-style widths and depths (Brown et al. 2020, table 2.1) with a GPT-2 vocabulary; the
+# SwiGLU hidden size of 8/3·d keeps the 12·d² parameters per block of the original MLP.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256,
+                 chunk_size=16),
+    "small": dict(vocab_size=256, hidden_size=256, num_layers=6, num_heads=4, max_seq_len=2048),
+    "125m": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=2048),
+    "350m": dict(vocab_size=50257, hidden_size=1024, num_layers=24, num_heads=16, max_seq_len=2048),
+    "1.3b": dict(vocab_size=50257, hidden_size=2048, num_layers=24, num_heads=16, max_seq_len=2048),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalise in float32 at least: bf16 mean-of-squares loses too much
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        y = x.to(dtype)
+        y = y * torch.rsqrt(y.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(dtype)).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x))."""
+
+    def __init__(self, config: ModelConfig, mixer_name: str) -> None:
+        super().__init__()
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mixer = build_mixer(
+            mixer_name,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            num_kv_heads=config.num_kv_heads,
+            rope_theta=config.rope_theta,
+            chunk_size=config.chunk_size,
+            **config.mixer_options.get(mixer_name, {}),
+        )
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None):
+        mixed, cache = self.mixer(self.mixer_norm(x), cache, position_ids=position_ids, doc_start=doc_start)
+        x = x + self.dropout(mixed)
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache and output
+
+
+@dataclass
+class ModelCache:
+    """Per-layer caches plus what the model needs to continue each row.
+
+    ``length``: tokens seen (the index of the next token); ``next_position``/``doc_start``
+    ``[B]``: the next token's RoPE position and its document's first index in each row (they
+    differ from ``length`` under left padding or packing); ``layer_mixers``: which model built it."""
+
+    layers: list[LayerCache]
+    length: int
+    next_position: Tensor
+    doc_start: Tensor
+    layer_mixers: tuple[str, ...]
+
+
+@dataclass
+class CausalLMOutput:
+    logits: Tensor
+    loss: Tensor | None
+    cache: ModelCache | None
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM: embedding → blocks → RMSNorm → LM head (tied to the embedding by default)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, name) for name in config.layer_mixers())
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        # GPT-2: residual output projections scaled by 1/√(2·layers) so the residual stream's
+        # variance does not grow with depth.
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            for name, module in block.named_modules():
+                # Mixer-specific parameters (Cubit's ρ gate, DARKFormer's M, the ridge, ...) keep the
+                # initialisation their layer chose; only the plain projections are re-drawn here.
+                if not isinstance(module, nn.Linear) or name.endswith("rho_proj"):
+                    continue
+                is_residual_out = name.endswith("o_proj") or name.endswith("down_proj")
+                nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, a tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def _check_input_ids(self, input_ids: Any) -> None:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a [B, T] tensor of token ids, got {got}")
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids has no tokens (T = 0)")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size), got min {low} and max {high}; "
+                "is the tokenizer the one this model was built for?"
+            )
+
+    def _check_cache(self, cache: Any, batch: int) -> None:
+        if not isinstance(cache, ModelCache):
+            raise ValueError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
+        mixers = tuple(self.config.layer_mixers())
+        if cache.layer_mixers != mixers:
+            raise ValueError(
+                f"cache was built by a model with {len(cache.layer_mixers)} layers {list(cache.layer_mixers)}, "
+                f"this model has {len(mixers)} layers {list(mixers)}; pass the cache of this model"
+            )
+        if cache.next_position.shape != (batch,):
+            raise ValueError(f"cache holds {cache.next_position.shape[0]} rows, input_ids has {batch}")
+
+    def _positions_and_documents(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, cache: ModelCache | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """RoPE positions and document starts ``[B, T]`` (None, None for a plain unpadded batch).
+
+        Real token at index a with position p belongs to the document starting at a − p (positions
+        restart at 0 per document); a padding token (mask 0) is a one-token document of its own,
+        so nobody reads it. Only left (or right) padding is meaningful: a gap of padding between
+        real tokens is refused, since real tokens after it would still have to read those before."""
+        batch, length = input_ids.shape
+        offset = 0 if cache is None else cache.length
+        index = offset + torch.arange(length, device=input_ids.device)
+        if attention_mask is None and position_ids is None and cache is None:
+            return None, None
+        real = None
+        if attention_mask is not None:
+            real = self._current_mask(attention_mask, batch, length, offset)
+        if position_ids is None:
+            if cache is not None:
+                start = cache.next_position[:, None]
+            else:
+                start = torch.zeros(batch, 1, dtype=torch.long, device=input_ids.device)
+            if real is None:
+                position_ids = start + torch.arange(length, device=input_ids.device)
+            else:
+                position_ids = start + (real.long().cumsum(dim=1) - 1).clamp_min(0)
+        elif tuple(position_ids.shape) != (batch, length) or position_ids.is_floating_point():
+            raise ValueError(f"position_ids must be integers of shape [B, T] = {(batch, length)}, got {tuple(position_ids.shape)}")
+        position_ids = position_ids.long()
+        doc_start = (index - position_ids).clamp(min=0)
+        if cache is not None:  # the document of the last cached token may go on
+            doc_start = torch.maximum(doc_start, cache.doc_start[:, None])
+        # documents are contiguous: a later token never starts its document before an earlier one
+        doc_start = torch.cummax(doc_start, dim=1).values
+        if real is not None:
+            doc_start = torch.where(real, doc_start, index.expand(batch, length))
+        return position_ids, doc_start
+
+    @staticmethod
+    def _current_mask(attention_mask: Tensor, batch: int, length: int, offset: int) -> Tensor:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
+            length,
+            offset + length,
+        ):
+            raise ValueError(
+                f"attention_mask must have shape [B, T] = {(batch, length)} (or [B, past + T] = "
+                f"{(batch, offset + length)}), got {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask.bool()
+        if mask.shape[1] != length:
+            mask = mask[:, -length:]
+        # a 0 between two 1s in a row is a gap of padding inside the sequence
+        seen_real = mask.long().cummax(dim=1).values.bool()
+        remaining_real = mask.flip(1).long().cummax(dim=1).values.flip(1).bool()
+        if bool((seen_real & remaining_real & ~mask).any()):
+            raise ValueError(
+                "attention_mask has padding between real tokens; only left padding (for batched generation) "
+                "or right padding is supported — pack documents with position_ids instead"
+            )
+        return mask
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: ModelCache | None = None,
+        use_cache: bool = True,
+    ) -> CausalLMOutput:
+        """Logits ``[B, T, vocab]``; with ``labels`` ``[B, T]`` the mean next-token loss (labels are
+        shifted inside; -100 is ignored); with ``use_cache`` the cache to continue from."""
+        self._check_input_ids(input_ids)
+        batch, length = input_ids.shape
+        if cache is not None:
+            self._check_cache(cache, batch)
+        position_ids, doc_start = self._positions_and_documents(input_ids, attention_mask, position_ids, cache)
+        offset = 0 if cache is None else cache.length
+        furthest = offset + length - 1 if position_ids is None else int(position_ids.max())
+        if furthest >= self.config.max_seq_len:
+            raise ValueError(
+                f"position {furthest} is beyond max_seq_len = {self.config.max_seq_len}; shorten the input or "
+                "raise max_seq_len in the config (positions beyond the trained length are extrapolation)"
+            )
+
+        x = self.dropout(self.embed(input_ids))
+        layer_caches = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, None if cache is None else cache.layers[i], position_ids, doc_start)
+            layer_caches.append(layer_cache)
+        logits = self.lm_head(self.norm(x))
+
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+
+        new_cache = None
+        if use_cache:
+            if position_ids is None:
+                next_position = torch.full((batch,), offset + length, dtype=torch.long, device=input_ids.device)
+                last_doc = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+            else:
+                next_position = position_ids[:, -1] + 1
+                last_doc = doc_start[:, -1]
+            new_cache = ModelCache(
+                layers=layer_caches,
+                length=offset + length,
+                next_position=next_position,
+                doc_start=last_doc,
+                layer_mixers=tuple(self.config.layer_mixers()),
+            )
+        return CausalLMOutput(logits=logits, loss=loss, cache=new_cache)
+
+
+__all__ = ["PRESETS", "Block", "CausalLM", "CausalLMOutput", "ModelCache", "ModelConfig", "RMSNorm", "SwiGLU"]
