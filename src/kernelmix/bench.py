@@ -1,0 +1,342 @@
+"""Speed and memory of the mixers' ops: ``kernelmix bench``.
+
+For each mixer and sequence length: forward and forward+backward time (median over repeats after
+a warm-up), peak memory of forward+backward, the op's FLOPs (counts below) and the achieved rate
+against a matrix-multiply peak measured in the same run; decode latency per token versus the
+position; and the crossover length against softmax attention (SDPA). Everything is measured in
+one run and written as JSON (+ PNG when matplotlib is installed); nothing is typed in by hand.
+
+FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B·H omitted):
+    softmax        2·T²·d                      (q kᵀ and A v over the causal triangle)
+    cubit          4·T²·d                      (Gram r r̂ᵀ, the triangular solve, read-out q kᵀ and A U)
+    deltaformer    4·T²·d                      (as Cubit)
+    performer      8·T·m·d + 2·T·C·(m + d)     (features of q and k, state updates, read-out, intra-chunk)
+    darkformer     performer + 4·T·d²          (M applied to q̃ and k̃)
+Backward is counted as 2× forward.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import ops
+from .demo import _cuda_peak_memory_mb, peak_memory_mb
+
+MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
+
+
+@dataclass
+class BenchRecord:
+    mixer: str
+    length: int
+    forward_ms: float | None
+    forward_backward_ms: float | None
+    peak_memory_mb: float | None
+    forward_gflop: float
+    achieved_gflops: float | None  # forward+backward FLOPs / forward+backward time
+    note: str = ""
+
+
+@dataclass
+class DecodeRecord:
+    mixer: str
+    position: int
+    step_ms: float
+
+
+@dataclass
+class BenchReport:
+    device: str
+    dtype: str
+    batch: int
+    heads: int
+    head_dim: int
+    num_features: int
+    chunk_size: int
+    threads: int
+    matmul_peak_gflops: float
+    records: list[BenchRecord] = field(default_factory=list)
+    decode: list[DecodeRecord] = field(default_factory=list)
+    crossover: dict[str, int | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def forward_flops(mixer: str, length: int, head_dim: int, num_features: int, chunk_size: int) -> float:
+    """Forward FLOPs per (batch, head) — see the module docstring for the counts."""
+    t, d, m, c = length, head_dim, num_features, min(chunk_size, length)
+    if mixer == "softmax":
+        return 2.0 * t * t * d
+    if mixer in ("cubit", "deltaformer"):
+        return 4.0 * t * t * d
+    if mixer == "performer":
+        return 8.0 * t * m * d + 2.0 * t * c * (m + d)
+    if mixer == "darkformer":
+        return 8.0 * t * m * d + 2.0 * t * c * (m + d) + 4.0 * t * d * d
+    raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Achieved GFLOP/s of one large square matrix product: the machine's practical peak."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = _median_ms(lambda: a @ b, repeats, device)
+    return 2.0 * size**3 / (ms * 1e-3) / 1e9
+
+
+def _mixer_call(mixer: str, inputs: dict, chunk_size: int):
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if mixer == "softmax":
+        return lambda: ops.softmax_attention(q, k, v)
+    if mixer == "cubit":
+        return lambda: ops.cubit_attention(q, k, v, inputs["r"], rho=inputs["rho"], chunk_size=chunk_size)
+    if mixer == "deltaformer":
+        return lambda: ops.deltaformer_attention(q, k, v, beta=inputs["beta"], chunk_size=chunk_size)
+    if mixer == "performer":
+        return lambda: ops.random_feature_attention(q, k, v, inputs["projection"], chunk_size=chunk_size)
+    if mixer == "darkformer":
+        return lambda: ops.random_feature_attention(
+            q, k, v, inputs["projection"], transform=inputs["transform"], chunk_size=chunk_size
+        )
+    raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
+
+
+def _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad):
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+    return {
+        "q": rnd(batch, length, heads, head_dim),
+        "k": rnd(batch, length, heads, head_dim),
+        "v": rnd(batch, length, heads, head_dim),
+        "r": rnd(batch, length, heads, head_dim),
+        "rho": (0.5 + 1.5 * torch.rand(batch, length, heads, generator=g)).to(device),
+        "beta": torch.rand(batch, length, heads, generator=g).to(device),
+        "projection": ops.orthogonal_random_features(num_features, head_dim, num_heads=heads, generator=g).to(device),
+        "transform": (torch.eye(head_dim) + 0.05 * torch.randn(heads, head_dim, head_dim, generator=g)).to(device),
+    }
+
+
+def bench_op(
+    mixer: str,
+    length: int,
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    num_features: int,
+    chunk_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    backward: bool = True,
+    memory: bool = True,
+) -> BenchRecord:
+    inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
+    call = _mixer_call(mixer, inputs, chunk_size)
+    grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
+
+    def forward():
+        with torch.no_grad():
+            call()
+
+    def forward_backward():
+        call().backward(grad_out)
+
+    flops = forward_flops(mixer, length, head_dim, num_features, chunk_size) * batch * heads
+    forward_ms = _median_ms(forward, repeats, device)
+    fb_ms = _median_ms(forward_backward, repeats, device) if backward else None
+    peak = None
+    if memory and backward:
+        peak = _cuda_peak_memory_mb(forward_backward, device) if device.type == "cuda" else peak_memory_mb(forward_backward)
+    achieved = 3 * flops / (fb_ms * 1e-3) / 1e9 if fb_ms else None
+    return BenchRecord(mixer, length, forward_ms, fb_ms, peak, flops / 1e9, achieved)
+
+
+def bench_decode(
+    mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
+    device: torch.device, dtype: torch.dtype, repeats: int,
+) -> DecodeRecord:
+    """Latency of one decode step after a prefill of ``position`` tokens (state built by the parallel op)."""
+    inputs = _inputs(batch, position + 1, heads, head_dim, num_features, device, dtype, requires_grad=False)
+    prefix = {key: (val[:, :position] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
+    last = {key: (val[:, position:] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
+    with torch.no_grad():
+        if mixer == "softmax":
+            _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
+            step = lambda: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
+        elif mixer == "cubit":
+            _, state = ops.cubit_attention(prefix["q"], prefix["k"], prefix["v"], prefix["r"], rho=prefix["rho"],
+                                           chunk_size=chunk_size, return_state=True)
+            step = lambda: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
+        elif mixer == "deltaformer":
+            _, state = ops.deltaformer_attention(prefix["q"], prefix["k"], prefix["v"], beta=prefix["beta"],
+                                                 chunk_size=chunk_size, return_state=True)
+            step = lambda: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
+        else:
+            transform = inputs["transform"] if mixer == "darkformer" else None
+            _, state = ops.random_feature_attention(prefix["q"], prefix["k"], prefix["v"], inputs["projection"],
+                                                    transform=transform, chunk_size=chunk_size, return_state=True)
+            step = lambda: ops.random_feature_attention_step(  # noqa: E731
+                last["q"], last["k"], last["v"], inputs["projection"], state, transform=transform
+            )
+        ms = _median_ms(step, repeats, device)
+    return DecodeRecord(mixer, position, ms)
+
+
+def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
+    """Smallest measured T from which ``mixer``'s forward+backward is faster than softmax's at every
+    larger measured T (None if never)."""
+    mine = {r.length: r.forward_backward_ms for r in records if r.mixer == mixer and r.forward_backward_ms}
+    base = {r.length: r.forward_backward_ms for r in records if r.mixer == "softmax" and r.forward_backward_ms}
+    lengths = sorted(set(mine) & set(base))
+    result = None
+    for t in reversed(lengths):
+        if mine[t] < base[t]:
+            result = t
+        else:
+            break
+    return result
+
+
+def run_bench(
+    *,
+    mixers: tuple[str, ...] = MIXER_NAMES,
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+    decode_positions: tuple[int, ...] = (256, 1024, 4096),
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+    num_features: int = 128,
+    chunk_size: int = 64,
+    device: str = "cpu",
+    dtype: str = "float32",
+    repeats: int = 3,
+    memory: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    unknown = [m for m in mixers if m not in MIXER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown mixer(s) {unknown} (choose from: {', '.join(MIXER_NAMES)})")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    torch_device, torch_dtype = torch.device(device), dtypes[dtype]
+    report = BenchReport(
+        device=str(torch_device), dtype=dtype, batch=batch, heads=heads, head_dim=head_dim,
+        num_features=num_features, chunk_size=chunk_size, threads=torch.get_num_threads(),
+        matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype),
+    )
+    shared = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
+                  device=torch_device, dtype=torch_dtype, repeats=repeats)
+    for length in lengths:
+        for mixer in mixers:
+            if progress:
+                progress(f"{mixer} T={length}")
+            report.records.append(bench_op(mixer, length, memory=memory, **shared))
+    for position in decode_positions:
+        for mixer in mixers:
+            if progress:
+                progress(f"decode {mixer} @ {position}")
+            report.decode.append(bench_decode(mixer, position, **shared))
+    report.crossover = {m: crossover_length(report.records, m) for m in mixers if m != "softmax"}
+    return report
+
+
+def format_report(report: BenchReport) -> str:
+    lines = [
+        f"device {report.device}, {report.dtype}, B={report.batch} H={report.heads} d={report.head_dim} "
+        f"m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
+        f"matmul peak {report.matmul_peak_gflops:.1f} GFLOP/s",
+        "",
+        f"{'mixer':<12} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}",
+    ]
+    base = {r.length: r.forward_backward_ms for r in report.records if r.mixer == "softmax"}
+    for r in report.records:
+        ratio = f"{r.forward_backward_ms / base[r.length]:.2f}x" if r.forward_backward_ms and base.get(r.length) else "-"
+        peak = f"{r.peak_memory_mb:.0f}" if r.peak_memory_mb is not None else "-"
+        rate = f"{r.achieved_gflops:.1f}" if r.achieved_gflops else "-"
+        share = f"{100 * r.achieved_gflops / report.matmul_peak_gflops:.0f}%" if r.achieved_gflops else "-"
+        fb = f"{r.forward_backward_ms:.1f}" if r.forward_backward_ms else "-"
+        lines.append(f"{r.mixer:<12} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}")
+    if report.decode:
+        lines += ["", f"{'decode':<12} {'position':>8} {'ms/token':>9}"]
+        lines += [f"{d.mixer:<12} {d.position:>8} {d.step_ms:>9.3f}" for d in report.decode]
+    if report.crossover:
+        lines += ["", "crossover vs softmax (fwd+bwd faster from this T on, among measured T): "
+                  + ", ".join(f"{m} {t if t is not None else 'none'}" for m, t in report.crossover.items())]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
+    """Write ``bench.json`` (and ``bench.png`` when matplotlib is available) into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        report.notes.append("matplotlib not installed: no plot written (pip install 'kernelmix[plot]')")
+        json_path.write_text(json.dumps(asdict(report), indent=2))
+        return [json_path]
+    json_path.write_text(json.dumps(asdict(report), indent=2))
+    written = [json_path]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for mixer in dict.fromkeys(r.mixer for r in report.records):
+        rows = [r for r in report.records if r.mixer == mixer]
+        axes[0].plot([r.length for r in rows], [r.forward_backward_ms for r in rows], marker="o", label=mixer)
+        axes[1].plot([r.length for r in rows], [r.peak_memory_mb for r in rows], marker="o", label=mixer)
+        dec = [d for d in report.decode if d.mixer == mixer]
+        axes[2].plot([d.position for d in dec], [d.step_ms for d in dec], marker="o", label=mixer)
+    for ax, title, ylabel in zip(
+        axes, ("forward+backward time", "peak memory (fwd+bwd)", "decode latency"), ("ms", "MiB", "ms / token")
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("T" if title != "decode latency" else "position")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}, B={report.batch} H={report.heads} d={report.head_dim}")
+    fig.tight_layout()
+    png = out / "bench.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    written.append(png)
+    return written
+
+
+__all__ = [
+    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "bench_decode", "bench_op", "crossover_length",
+    "format_report", "forward_flops", "matmul_peak_gflops", "run_bench", "write_report",
+]
