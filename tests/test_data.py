@@ -29,6 +29,7 @@ from kernelmix.data import (
     load_corpus,
     load_tokenizer,
     loader_throughput,
+    open_dataset,
     parse_tokenizer_spec,
     prepare_dataset,
     split_documents,
@@ -334,10 +335,10 @@ def test_bpe_is_trained_on_the_training_split_only(tmp_path, monkeypatch):
     seen = []
     real = dataset_module.train_bpe
 
-    def spy(texts, vocab_size):
+    def spy(texts, vocab_size, **options):
         texts = list(texts)
         seen.extend(texts)
-        return real(texts, vocab_size)
+        return real(texts, vocab_size, **options)
 
     monkeypatch.setattr(dataset_module, "train_bpe", spy)
     data = prepare_dataset(CORPUS, "bpe:300", val_fraction=0.4, cache_dir=tmp_path)
@@ -357,6 +358,11 @@ def test_cache_location_env_var_and_corrupt_cache(tmp_path, monkeypatch):
         f.truncate(3)
     rebuilt = prepare_dataset(JSONL)
     assert not rebuilt.reused and rebuilt.train.num_tokens == data.meta["splits"]["train"]["num_tokens"]
+    (rebuilt.path / "val.offsets.npy").unlink()  # a missing file: rebuilt too
+    assert not prepare_dataset(JSONL).reused
+    assert prepare_dataset(JSONL).reused and not prepare_dataset(JSONL, rebuild=True).reused
+    with pytest.raises(ValueError, match="not a tokenized dataset"):
+        open_dataset(tmp_path)
     assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
 
 

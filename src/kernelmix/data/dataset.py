@@ -203,24 +203,29 @@ def open_dataset(path: str | Path, *, reused: bool = True) -> TokenizedDataset:
         raise ValueError(f"{str(path)!r} is not a tokenized dataset (no readable meta.json): {error}") from error
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{str(path)!r} has dataset format {meta.get('format')!r}, expected {FORMAT_VERSION}; prepare it again")
-    tokenizer = load_tokenizer(path)
-    dtype = np.dtype(meta["dtype"])
-    splits = {}
-    for name in SPLITS:
-        info = meta["splits"][name]
-        offsets = np.load(path / f"{name}.offsets.npy")
-        token_file = path / f"{name}.tokens"
-        expected = info["num_tokens"] * dtype.itemsize
-        if len(offsets) != info["num_documents"] + 1 or int(offsets[-1]) != info["num_tokens"] or token_file.stat().st_size != expected:
-            raise ValueError(f"{str(path)!r}: {name} split does not match meta.json (truncated?); prepare it again")
-        if info["num_tokens"]:
-            tokens = np.memmap(token_file, dtype=dtype, mode="r", shape=(info["num_tokens"],))
-        else:
-            tokens = np.zeros(0, dtype=dtype)  # numpy cannot map an empty file
-        splits[name] = TokenizedSplit(
-            name, tokens, offsets, info["doc_names"], info["num_bytes"], fingerprint=f"{meta['key']}:{name}"
-        )
+    try:
+        tokenizer = load_tokenizer(path)
+        dtype = np.dtype(meta["dtype"])
+        splits = {}
+        for name in SPLITS:
+            splits[name] = _open_split(path, name, meta, dtype)
+    except (KeyError, OSError, TypeError) as error:
+        raise ValueError(f"{str(path)!r} is an incomplete tokenized dataset ({type(error).__name__}: {error}); prepare it again") from error
     return TokenizedDataset(path, splits["train"], splits["val"], tokenizer, meta, reused=reused)
+
+
+def _open_split(path: Path, name: str, meta: dict, dtype: np.dtype) -> TokenizedSplit:
+    info = meta["splits"][name]
+    offsets = np.load(path / f"{name}.offsets.npy")
+    token_file = path / f"{name}.tokens"
+    expected = info["num_tokens"] * dtype.itemsize
+    if len(offsets) != info["num_documents"] + 1 or int(offsets[-1]) != info["num_tokens"] or token_file.stat().st_size != expected:
+        raise ValueError(f"{str(path)!r}: {name} split does not match meta.json (truncated?); prepare it again")
+    if info["num_tokens"]:
+        tokens = np.memmap(token_file, dtype=dtype, mode="r", shape=(info["num_tokens"],))
+    else:
+        tokens = np.zeros(0, dtype=dtype)  # numpy cannot map an empty file
+    return TokenizedSplit(name, tokens, offsets, info["doc_names"], info["num_bytes"], fingerprint=f"{meta['key']}:{name}")
 
 
 def _tokenizer_key(spec) -> tuple[str, Tokenizer | None, int | None]:
@@ -253,7 +258,7 @@ def _build(source: Corpus, work: Path, tokenizer, bpe_vocab, tokenizer_key, key,
     if tokenizer is None:  # bpe:N — learn it from the training split only
         if not split_docs["train"]:
             raise ValueError("cannot train a BPE tokenizer: the training split is empty; lower val_fraction")
-        tokenizer = train_bpe((d.text for d in split_docs["train"]), bpe_vocab)
+        tokenizer = train_bpe((d.text for d in split_docs["train"]), bpe_vocab, show_progress=bool(progress))
     tokenizer.save(work)
     dtype = token_dtype(tokenizer.vocab_size)
     doc_bytes = {name: [len(d.text.encode("utf-8")) for d in docs] for name, docs in split_docs.items()}

@@ -145,7 +145,9 @@ class HFTokenizer:
         return f"HFTokenizer(vocab_size={self.vocab_size}, spec={self.spec!r})"
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB, *, min_frequency: int = 2) -> HFTokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB, *, min_frequency: int = 2, show_progress: bool = False
+) -> HFTokenizer:
     """Train a byte-level BPE tokenizer (GPT-2 style pre-tokenisation, the 256 bytes always in the
     vocabulary, so any text can be encoded) on ``texts``. Pass the training split only."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256:
@@ -160,7 +162,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB, *, min_
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return HFTokenizer(tok, spec=f"bpe:{vocab_size}")
