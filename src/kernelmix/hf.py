@@ -1,0 +1,288 @@
+"""Hugging Face adapter: a kernelmix :class:`~kernelmix.model.CausalLM` as a transformers model.
+
+Optional (``pip install "kernelmix[hf]"``, transformers ≥ 5.24). Our config and model stay ours;
+this module only translates::
+
+    from kernelmix.hf import KernelMixConfig, KernelMixForCausalLM
+    config = KernelMixConfig.from_model_config(ModelConfig.preset("tiny", mixer="cubit"))
+    model = KernelMixForCausalLM(config)          # model.model is the kernelmix CausalLM
+    model.save_pretrained(path)                   # config.json + model.safetensors
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokens = model.generate(input_ids, max_new_tokens=20, do_sample=False)
+
+* :class:`KernelMixConfig` (``model_type = "kernelmix"``) holds every :class:`ModelConfig` field
+  under the same name (plus HF's aliases ``num_hidden_layers``, ``num_attention_heads``,
+  ``num_key_value_heads``, ``max_position_embeddings``, ``tie_word_embeddings``) and converts
+  both ways: :meth:`KernelMixConfig.from_model_config` / :meth:`KernelMixConfig.to_model_config`.
+* :class:`KernelMixForCausalLM` owns a ``CausalLM`` (``.model``) and translates arguments and
+  outputs. The state dict is the CausalLM's under ``model.``: the random-feature projections
+  (``projection``) and DARKFormer's ``query_fold`` are persistent buffers and its ``transform``
+  a parameter, so all of them travel in ``model.safetensors``. A tied LM head is stored once
+  (``model.embed.weight``) and re-tied on load.
+* Generation keeps the model's own :class:`~kernelmix.model.ModelCache` under HF's cache name
+  ``cache`` (``outputs.cache`` → next step's ``cache=``); no ``DynamicCache`` is created. Once
+  a cache exists only the tokens it has not seen are fed; positions and document boundaries come
+  from ``attention_mask`` (``[B, past + T]``, left padding) and the cache. Greedy and sampling
+  are supported; beam search and assisted decoding are refused (the cache cannot be reordered
+  or rolled back).
+* Loading is strict: a checkpoint with missing or unexpected tensors (e.g. saved with other
+  mixers) is an error, never a silently re-initialised layer.
+
+Registration: ``import kernelmix`` registers these classes with ``AutoConfig`` and
+``AutoModelForCausalLM`` as soon as transformers is imported (see ``kernelmix/__init__.py``);
+importing this module registers them too.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import transformers
+except ImportError as error:
+    raise ImportError('kernelmix.hf needs transformers >= 5.24: pip install "kernelmix[hf]"') from error
+if tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 24):
+    raise ImportError(
+        f"kernelmix.hf needs transformers >= 5.24, found {transformers.__version__}; "
+        'upgrade with: pip install "kernelmix[hf]"'
+    )
+
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.generation import GenerationMode
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .model import CausalLM, ModelCache, ModelConfig
+
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+class KernelMixConfig(PreTrainedConfig):
+    """A :class:`~kernelmix.model.ModelConfig` as a transformers config (same fields, same
+    defaults, validated by ModelConfig itself; ``None`` defaults are resolved on construction).
+    Extra keyword arguments are HF's (``eos_token_id``, ``pad_token_id``, ...)."""
+
+    model_type = "kernelmix"
+    attribute_map = {
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+        "max_position_embeddings": "max_seq_len",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    # every ModelConfig field (tests/test_hf.py checks the names and defaults stay in sync)
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+    mixer: str = "softmax"
+    mixers: list[str] | None = None
+    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chunk_size: int = 64
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        # ModelConfig validates (its errors name the field and the fix) and fills in the defaults
+        for name, value in self.to_model_config().to_dict().items():
+            setattr(self, name, value)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        # transformers only warns when a config.json of another model type is loaded with this class
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(
+                f"this config has model_type {model_type!r}, not {cls.model_type!r}: it describes another kind of "
+                "model; load it with its own class (AutoConfig / AutoModelForCausalLM choose it from model_type)"
+            )
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> "KernelMixConfig":
+        """The HF config of a kernelmix ``ModelConfig``; ``kwargs`` are HF extras (``eos_token_id``, ...)."""
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a kernelmix ModelConfig, got {type(config).__name__}")
+        return cls(**copy.deepcopy(config.to_dict()), **kwargs)
+
+    def to_model_config(self) -> ModelConfig:
+        """The kernelmix ``ModelConfig`` these fields describe (a copy: changing it changes nothing here)."""
+        return ModelConfig.from_dict(copy.deepcopy({name: getattr(self, name) for name in _MODEL_FIELDS}))
+
+
+class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
+    """A kernelmix :class:`~kernelmix.model.CausalLM` (``self.model``) behind the transformers API.
+
+    ``forward(input_ids, attention_mask, position_ids, cache, labels, use_cache, return_dict)``
+    returns a ``CausalLMOutputWithPast`` (``logits``, ``loss``, ``cache``: a ``ModelCache``).
+    ``use_cache`` defaults to ``not self.training``. ``inputs_embeds`` and attention/hidden-state
+    outputs are not supported."""
+
+    config_class = KernelMixConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # applies when tie_word_embeddings
+    _is_stateful = True  # no rollback: assisted decoding is refused clearly
+    _supported_generation_modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+    def __init__(self, config: KernelMixConfig) -> None:
+        if not isinstance(config, KernelMixConfig):
+            raise ValueError(
+                f"config must be a KernelMixConfig, got {type(config).__name__}; "
+                "convert a ModelConfig with KernelMixConfig.from_model_config(config)"
+            )
+        super().__init__(config)
+        self.model = CausalLM(config.to_model_config())
+        self.post_init()
+
+    @classmethod
+    def from_model(cls, model: CausalLM, **config_kwargs: Any) -> "KernelMixForCausalLM":
+        """Wrap an existing kernelmix ``CausalLM`` (shared, not copied), e.g. to save a trained model."""
+        if not isinstance(model, CausalLM):
+            raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+        config = KernelMixConfig.from_model_config(model.config, **config_kwargs)
+        with torch.device("meta"):  # a placeholder CausalLM: no memory, no draw from the RNG
+            wrapper = cls(config)
+        wrapper.model = model
+        return wrapper
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        # CausalLM initialises itself (GPT-2 residual scaling, mixer-specific inits, random
+        # projections); HF's generic re-initialisation would undo that. Missing tensors on load
+        # are an error (from_pretrained below), so nothing is ever left to initialise here.
+        pass
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.embed
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """``PreTrainedModel.from_pretrained``, strict: a checkpoint whose tensors do not match this
+        config (missing or unexpected keys) raises ``ValueError`` instead of loading a partly
+        random model."""
+        want_info = kwargs.pop("output_loading_info", False)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:  # its message names neither the file nor the likely cause
+            raise ValueError(
+                f"cannot read the weights in {str(source)!r} ({error}): the .safetensors file is truncated or "
+                "corrupt; save or copy the model again"
+            ) from error
+        missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {str(source)!r} does not match its config (mixers "
+                f"{model.config.to_model_config().layer_mixers()}): missing tensors {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}; was config.json edited or the weights saved from "
+                "another model?"
+            )
+        return (model, info) if want_info else model
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: ModelCache | None = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> CausalLMOutputWithPast | tuple:
+        if use_cache is None:
+            use_cache = not self.training
+        out = self.model(
+            input_ids,
+            labels=labels,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+        )
+        output = CausalLMOutputWithPast(loss=out.loss, logits=out.logits, cache=out.cache)
+        if return_dict is False or (return_dict is None and not self.config.return_dict):
+            return output.to_tuple()
+        return output
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """``GenerationMixin.generate`` (see its documentation); generation starts from the prompt,
+        a cache cannot be passed in (transformers would treat it as one of its ``Cache`` objects)."""
+        if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params")):
+            raise ValueError(
+                "generate() does not take a cache for a kernelmix model (a ModelCache is not a transformers "
+                "Cache); pass the whole token sequence, or continue with model(new_ids, cache=...) yourself"
+            )
+        return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Tensor,
+        cache: ModelCache | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        use_cache: bool = True,
+        next_sequence_length: int | None = None,
+        is_first_iteration: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Inputs of one generation step: with a cache only the tokens it has not seen (HF keeps
+        the whole sequence in ``input_ids`` and the whole ``[B, past + T]`` attention mask, which
+        the model accepts). HF derives ``position_ids`` from the mask exactly as the model does;
+        on the first step of an unpadded batch they are dropped, so the model takes its plain
+        causal path (bitwise equal to :func:`kernelmix.generate.generate`)."""
+        if cache is not None:
+            input_ids = input_ids[:, cache.length :]
+        elif next_sequence_length is not None:
+            input_ids = input_ids[:, -next_sequence_length:]
+        length = input_ids.shape[1]
+        if position_ids is not None:
+            position_ids = position_ids[:, -length:]
+            if cache is None and attention_mask is None:
+                default = torch.arange(length, device=position_ids.device).expand_as(position_ids)
+                if torch.equal(position_ids, default):
+                    position_ids = None
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "cache": cache,
+            "use_cache": use_cache,
+            **kwargs,
+        }
+        return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in inputs.items() if v is not None}
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model carries its own ModelCache (HF's escape route for mamba-like models)
+
+
+def register() -> None:
+    """Register :class:`KernelMixConfig` / :class:`KernelMixForCausalLM` with ``AutoConfig`` and
+    ``AutoModelForCausalLM`` (idempotent; done on import of this module)."""
+    AutoConfig.register(KernelMixConfig.model_type, KernelMixConfig, exist_ok=True)
+    AutoModelForCausalLM.register(KernelMixConfig, KernelMixForCausalLM, exist_ok=True)
+
+
+register()
+
+__all__ = ["KernelMixConfig", "KernelMixForCausalLM", "register"]
