@@ -1,0 +1,40 @@
+"""Training and evaluation on real text: ``kernelmix train``.
+
+    from kernelmix.training import TrainConfig, build_config, train
+
+    config = build_config("run.toml", ["model.mixer=cubit", "lr=3e-4"])   # or TrainConfig(...)
+    result = train(config)                    # result.losses, result.val_losses, result.tokens_per_s
+    result = train(config, resume=True)       # continue from the newest checkpoint in config.out_dir
+
+- :mod:`~kernelmix.training.config` — :class:`TrainConfig` (one dataclass; TOML/YAML/JSON files and
+  ``key=value`` overrides; unknown keys are errors that list the valid ones).
+- :mod:`~kernelmix.training.loop` — :func:`train`: AdamW, warmup + cosine, clipping, accumulation,
+  bf16 autocast, evaluation, metrics (JSONL, TensorBoard if installed), DDP/FSDP under torchrun.
+- :mod:`~kernelmix.training.checkpoint` — atomic, verified checkpoints (safetensors + weights-only
+  torch state + JSON config) for exact resumption.
+
+Run output (``out_dir``): ``config.json`` (the resolved train + model config), ``metrics.jsonl``
+(one line per log step and per evaluation), ``checkpoints/step_<N>/``, ``tensorboard/``.
+"""
+
+from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
+from .loop import TrainResult, lr_at, param_groups, redraw_random_features, train
+
+__all__ = [
+    "CheckpointError",
+    "TrainConfig",
+    "TrainResult",
+    "apply_override",
+    "build_config",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "lr_at",
+    "param_groups",
+    "parse_value",
+    "read_config_file",
+    "redraw_random_features",
+    "run_config",
+    "train",
+]

@@ -1,0 +1,88 @@
+"""Process-group setup for ``torchrun``: detection from environment variables, gloo on CPU
+(so multi-process runs are testable anywhere), nccl on CUDA."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # we initialised the process group, so we tear it down
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer (set by torchrun)") from None
+
+
+def setup(device: str = "auto") -> DistEnv:
+    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT), or run as a single process when those are absent."""
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK") or 0
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is available; use device=cpu (or auto)")
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if rank is None or world_size is None or world_size == 1:
+        return DistEnv(device=dev)
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        owns = True
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, owns_group=owns)
+
+
+def teardown(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.enabled:
+        dist.barrier()
+
+
+def all_reduce_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over processes in place (gloo has no AVG, so averages are sums divided by counts)."""
+    if env.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(env: DistEnv, obj):
+    if not env.enabled:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+__all__ = ["DistEnv", "all_gather_object", "all_reduce_sum", "barrier", "setup", "teardown"]

@@ -1,0 +1,624 @@
+"""The training loop: ``train(config) -> TrainResult``, readable top to bottom (nanoGPT style).
+
+One process or many (``torchrun --nproc_per_node=N``, detected from RANK/WORLD_SIZE/LOCAL_RANK;
+DDP, or FSDP2 with ``fsdp=true``; gloo on CPU, nccl on CUDA). The order of things:
+
+1. refuse to overwrite a run, or load and check the checkpoint to resume — before anything is written;
+2. tokenize the corpus (cached) and build the model, AdamW and the samplers;
+3. loop: evaluate → checkpoint → (stop?) → redraw random features → one optimizer step → log.
+
+Data: the batch of step s is a pure function of (seed, s) and the *global* batch
+``batch_size × grad_accum × world_size``: process r's micro-step a reads the sampler shard
+``r·grad_accum + a`` of ``world_size·grad_accum`` shards, so the global batch is the same
+sequence of windows however it is split into processes and micro-steps (one process with
+``grad_accum=2`` trains on exactly what two processes with ``grad_accum=1`` do), and a resumed run
+sees exactly the batches it would have seen.
+
+The loss of a step is the mean over its micro-batches (and processes) of each micro-batch's mean
+token loss, as in nanoGPT; with ``cross_documents`` windows every micro-batch predicts nearly the
+same number of tokens, so this is close to the mean over all tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers.random_features import PerformerMixer
+from ..model import CausalLM
+from . import distributed as distrib
+from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .config import RESOLVED_FORMAT, TrainConfig
+
+# Settings that may change when a run is resumed: budgets, bookkeeping, and how the global batch
+# is split over processes and micro-steps (the data depend only on the global batch).
+MAY_CHANGE_ON_RESUME = frozenset(
+    {"steps", "tokens", "eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
+     "out_dir", "device", "batch_size", "grad_accum", "fsdp"}
+)
+
+
+@dataclass
+class TrainResult:
+    """What a call to :func:`train` did. ``losses``/``val_losses`` map a step (optimizer updates
+    done) to the training loss of that update / the validation loss after it, for the steps run
+    in this call. ``tokens_per_s``: training tokens (all processes) per second of training steps
+    (evaluation and checkpointing excluded)."""
+
+    start_step: int
+    final_step: int
+    total_steps: int
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    tokens_seen: int = 0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    out_dir: Path = Path(".")
+    checkpoint: Path | None = None
+    metrics_path: Path = Path(".")
+    config_path: Path = Path(".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of the loop
+
+
+def param_groups(model: CausalLM, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on the weight matrices of linear layers only. Not decayed:
+    embeddings (and the LM head tied to them: decay would shrink rare tokens' vectors, which get
+    few gradients), norm gains and biases (decaying them towards 0 changes the function, not its
+    complexity), and mixer parameters that are not linear maps — Cubit's per-head scales, the
+    DARKFormer metric M, whose natural centre is the identity it starts at, not 0."""
+    decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    decay_ids.discard(id(model.embed.weight))  # a tied LM head is the embedding
+    decay, no_decay = [], []
+    for param in model.parameters():  # each shared (tied) parameter once
+        (decay if id(param) in decay_ids else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, config: TrainConfig, total_steps: int) -> float:
+    """The learning rate of update ``step`` (0-based): linear warmup to ``lr`` over
+    ``warmup_steps``, then cosine decay reaching ``min_lr`` at the last update."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, total_steps - 1 - config.warmup_steps)
+    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (config.lr - config.min_lr)
+
+
+def derived_seed(*parts: Any) -> int:
+    """A 63-bit seed from any values (the same on every process and every Python run)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def redraw_random_features(model: nn.Module, seed: int, step: int) -> int:
+    """New projections for every Performer/DARKFormer layer, from a generator seeded by
+    (seed, step, layer): identical on every process without communication, different per layer.
+    Returns the number of layers redrawn."""
+    count = 0
+    for index, module in enumerate(model.modules()):
+        if isinstance(module, PerformerMixer):
+            module.redraw(torch.Generator().manual_seed(derived_seed(seed, "redraw", step, index)))
+            count += 1
+    return count
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states in types that ``torch.load(weights_only=True)`` accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # pragma: no cover - numpy comes with the data module
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def resolved_config(config: TrainConfig, model_config, env, total_steps: int, dataset, parameters: int) -> dict[str, Any]:
+    """The full record of a run, saved as ``config.json`` beside its checkpoints and metrics."""
+    from .. import __version__
+
+    global_batch = config.batch_size * config.grad_accum * env.world_size
+    return {
+        "format": RESOLVED_FORMAT,
+        "train": config.to_dict(),
+        "model": json.loads(model_config.to_json()),
+        "run": {
+            "world_size": env.world_size,
+            "global_batch": global_batch,
+            "tokens_per_step": global_batch * config.seq_len,
+            "total_steps": total_steps,
+            "parameters": parameters,
+            "device": str(env.device),
+            "data": {
+                "path": str(dataset.path),
+                "key": dataset.meta.get("key"),
+                "vocab_size": dataset.vocab_size,
+                "train_tokens": dataset.train.num_tokens,
+                "val_tokens": dataset.val.num_tokens,
+            },
+            "kernelmix": __version__,
+            "torch": torch.__version__,
+        },
+    }
+
+
+def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose model or training settings differ from this run's (except
+    :data:`MAY_CHANGE_ON_RESUME`), naming every difference and the fix."""
+    fix = (
+        "resume with the run's own settings (`kernelmix train --resume --out DIR` without --config/--set reuses "
+        "them) or start a fresh run with another --out"
+    )
+    if saved.get("format") != RESOLVED_FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no kernelmix training config; {fix}")
+
+    def diff(a: dict, b: dict, skip=frozenset()) -> list[str]:
+        keys = sorted((set(a) | set(b)) - skip)
+        return [f"{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
+
+    model_diff = diff(saved["model"], current["model"])
+    if model_diff:
+        raise CheckpointError(f"checkpoint {str(path)!r} is from another model config ({'; '.join(model_diff)}); {fix}")
+    # the model overrides are compared through the resolved model above
+    train_diff = diff(saved["train"], current["train"], MAY_CHANGE_ON_RESUME | {"model"})
+    if train_diff:
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained with other settings ({'; '.join(train_diff)}); {fix}")
+    before, now = saved["run"]["global_batch"], current["run"]["global_batch"]
+    if before != now:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was trained with a global batch of {before} sequences (batch_size × grad_accum × "
+            f"processes), this run has {now}; keep the global batch to resume exactly (e.g. with half the processes, "
+            "double grad_accum)"
+        )
+
+
+def _full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool):
+    """Unsharded model and optimizer state on the CPU, keyed by parameter name (so a checkpoint of
+    a DDP run resumes under FSDP and vice versa). Under FSDP every process must call this."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options) if fsdp else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor], path: Path) -> None:
+    weights = dict(weights)
+    if model.config.tie_embeddings and "lm_head.weight" not in weights and "embed.weight" in weights:
+        weights["lm_head.weight"] = weights["embed.weight"]  # stored once, see save
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {error}") from None
+
+
+class _Reporter:
+    """Rank 0's outputs: metrics.jsonl, TensorBoard (when installed), and a rich progress bar or
+    plain lines."""
+
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int, progress: bool | None, active: bool):
+        self.active = active
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.bar = self.task = self.tb = self.file = None
+        if not active:
+            return
+        self.file = open(self.metrics_path, "a", encoding="utf-8")
+        try:  # optional: torch's SummaryWriter needs the tensorboard package
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        except Exception:
+            self.tb = None
+        self.quiet = progress is False
+        if progress is None:  # a bar on a terminal, plain lines in a log file
+            progress = sys.stderr.isatty()
+        if progress:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("val {task.fields[val]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-")
+            self.bar.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key not in ("kind", "step", "tokens", "wall_s") and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def show(self, text: str, **fields: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.update(self.task, **fields)
+        elif not self.quiet:
+            print(text, flush=True)
+
+    def note(self, text: str) -> None:
+        """A message that is not a metric (printed above the bar)."""
+        if not self.active or self.quiet:
+            return
+        (self.bar.console.print if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past ``step`` (written after the checkpoint we resume from), atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# train()
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    stop_at: int | None = None,
+    progress: bool | None = None,
+) -> TrainResult:
+    """Train (or, with ``resume``, continue from the newest checkpoint in ``config.out_dir``).
+
+    ``stop_at``: checkpoint and return after this step although the schedule runs to the last
+    step (for time-sliced jobs; continue later with ``resume=True``). ``progress``: a rich bar
+    (True), nothing printed (False), or plain lines unless stderr is a terminal (None)."""
+    if not isinstance(config, TrainConfig):
+        raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+    env = distrib.setup(config.device)
+    try:
+        return _train(config, env, resume=resume, stop_at=stop_at, progress=progress)
+    finally:
+        distrib.teardown(env)
+
+
+def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: int | None, progress: bool | None):
+    from ..data import WindowSampler, eval_batches, prepare_dataset
+
+    out_dir = Path(config.out_dir)
+    device = env.device
+
+    # -- 1. Nothing is written before we know we may: a fresh run must not clobber an old one,
+    #       a resumed one must have a sound checkpoint.
+    ckpt: Checkpoint | None = None
+    if resume:
+        path = latest_checkpoint(out_dir)
+        if path is None:
+            raise CheckpointError(f"nothing to resume: {str(out_dir)!r} holds no checkpoint; run without --resume to start")
+        ckpt = load_checkpoint(path)
+    elif list_checkpoints(out_dir) or (out_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists():
+        raise ValueError(
+            f"{str(out_dir)!r} already holds a training run; pass --resume to continue it, or choose another --out "
+            "(or delete that directory)"
+        )
+
+    # -- 2. Data, model, optimizer. Rank 0 tokenizes first; the others then open its cache.
+    if not env.is_main:
+        distrib.barrier(env)
+    dataset = prepare_dataset(config.corpus, config.tokenizer, val_fraction=config.val_fraction)
+    if env.is_main:
+        distrib.barrier(env)
+    model_config = config.model_config(dataset.vocab_size)
+    global_batch = config.batch_size * config.grad_accum * env.world_size
+    tokens_per_step = global_batch * config.seq_len
+    total_steps = math.ceil(config.tokens / tokens_per_step) if config.tokens else config.steps
+
+    seed_everything(config.seed)  # the same initial weights on every process
+    model = CausalLM(model_config)
+    record = resolved_config(config, model_config, env, total_steps, dataset, model.num_parameters())
+    start_step = 0
+    if ckpt is not None:
+        check_resumable(ckpt.config, record, ckpt.path)
+        if ckpt.config["run"]["data"]["key"] != record["run"]["data"]["key"] and env.is_main:
+            warnings.warn(
+                f"the tokenized corpus changed since {str(ckpt.path)!r} was written (the files or the tokenizer "
+                "differ); training continues on the new data", stacklevel=2,
+            )
+        _load_weights(model, ckpt.weights, ckpt.path)
+        start_step = ckpt.step
+        if start_step > total_steps:
+            raise CheckpointError(
+                f"checkpoint {str(ckpt.path)!r} is at step {start_step}, beyond this run's {total_steps} steps; "
+                f"raise steps (e.g. --set steps={start_step + config.steps}) to train further"
+            )
+    model.to(device)
+    raw_model = model
+    if env.enabled and config.fsdp:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+
+        # FSDP2 warns about views returned by wrapped modules; our blocks return fresh tensors
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)  # in place: model is still a CausalLM, its parameters now sharded
+    elif env.enabled:
+        # broadcast_buffers=False: buffers (random-feature projections) are identical on every rank
+        # by construction (same seed, same seeded redraws), so no need to broadcast them each step.
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+    use_fused = device.type == "cuda" and not config.fsdp
+    optimizer = torch.optim.AdamW(
+        param_groups(raw_model, config.weight_decay), lr=config.lr, betas=config.betas, fused=use_fused or None
+    )
+    if ckpt is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        try:
+            set_optimizer_state_dict(
+                raw_model, optimizer, ckpt.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
+        except (KeyError, RuntimeError, ValueError) as error:
+            raise CheckpointError(f"the optimizer state in {str(ckpt.path)!r} does not fit this model: {error}") from None
+        rngs = ckpt.state["rng"]
+        if env.rank < len(rngs):
+            set_rng_state(rngs[env.rank])
+        else:  # more processes than before: a fresh but deterministic stream for the new ones
+            torch.manual_seed(derived_seed(config.seed, "rank", env.rank, start_step))
+    else:
+        # dropout masks should differ between processes (they see different data anyway)
+        torch.manual_seed(derived_seed(config.seed, "rank", env.rank))
+
+    shards = env.world_size * config.grad_accum
+    samplers = [
+        WindowSampler(
+            dataset.train, config.seq_len, config.batch_size, cross_documents=config.cross_documents,
+            seed=config.seed, rank=env.rank * config.grad_accum + micro, world_size=shards,
+        )
+        for micro in range(config.grad_accum)
+    ]
+    val_batches = []
+    if dataset.val.num_tokens - len(dataset.val) > 0:
+        val_batches = list(eval_batches(dataset.val, config.seq_len, config.batch_size, config.eval_batches or None))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)
+
+    # -- 3. Now we may write: the resolved config, and metrics cut back to the checkpoint.
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(out_dir / "config.json", record)
+        if ckpt is not None:
+            _truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    reporter = _Reporter(out_dir, total_steps, start_step, progress, active=env.is_main)
+    if env.is_main and start_step == 0:
+        reporter.note(
+            f"training {model_config.num_layers}-layer {'/'.join(sorted(set(model_config.layer_mixers())))} model "
+            f"({record['run']['parameters']:,} parameters) on {config.corpus} with {config.tokenizer} tokens: "
+            f"{total_steps} steps × {global_batch} sequences × {config.seq_len} tokens, {env.world_size} process(es)"
+        )
+    elif env.is_main:
+        reporter.note(f"resuming {str(out_dir)!r} from step {start_step} of {total_steps}")
+
+    wall_before = float(ckpt.state.get("wall_s", 0.0)) if ckpt is not None else 0.0  # of earlier sessions
+    started = time.perf_counter()
+
+    def evaluate() -> float:
+        """Mean validation loss per predicted token, over every process's share of the batches."""
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        # every process runs the same number of forwards: FSDP gathers weights collectively
+        rounds = math.ceil(len(val_batches) / env.world_size)
+        with torch.no_grad(), autocast:
+            for r in range(rounds):
+                index = r * env.world_size + env.rank
+                if index >= len(val_batches) and not config.fsdp:
+                    break
+                batch = val_batches[min(index, len(val_batches) - 1)].to(device)
+                loss = raw_model(**batch.model_inputs(), use_cache=False).loss
+                if index < len(val_batches):
+                    count = batch.num_predicted
+                    totals += torch.stack([loss.double() * count, torch.tensor(float(count), dtype=torch.float64, device=device)])
+        distrib.all_reduce_sum(env, totals)
+        model.train()
+        return float(totals[0] / totals[1])
+
+    def save(step: int) -> Path | None:
+        weights, optim_state = _full_state_dicts(raw_model, optimizer, config.fsdp)
+        rngs = distrib.all_gather_object(env, rng_state())
+        path = None
+        if env.is_main:
+            if model_config.tie_embeddings:
+                weights.pop("lm_head.weight", None)  # the embedding, stored once
+            state = {
+                "step": step,
+                "tokens_seen": step * tokens_per_step,
+                "optimizer": optim_state,
+                "scheduler": {"name": "warmup_cosine", "step": step, "total_steps": total_steps,
+                              "lr": lr_at(min(step, total_steps - 1), config, total_steps)},
+                "data": {"step": step, "seed": config.seed, "global_batch": global_batch},
+                "rng": rngs,
+                "wall_s": wall_before + time.perf_counter() - started,
+            }
+            path = save_checkpoint(out_dir, step, weights, state, record, keep=config.keep_checkpoints)
+        distrib.barrier(env)
+        return path
+
+    # -- 4. The loop.
+    result = TrainResult(
+        start_step=start_step, final_step=start_step, total_steps=total_steps, out_dir=out_dir,
+        metrics_path=out_dir / "metrics.jsonl", config_path=out_dir / "config.json",
+    )
+    train_time = 0.0  # seconds of optimizer steps (tokens/s excludes evaluation and checkpoints)
+    pending: list[torch.Tensor] = []  # [loss, grad norm] of the steps not yet logged
+    window_start = time.perf_counter()
+
+    def log_pending(step: int) -> None:
+        """Log the steps since the last log: one device sync and one all-reduce, not one per step."""
+        nonlocal pending, train_time
+        values = distrib.all_reduce_sum(env, torch.stack(pending).float()) / env.world_size
+        rows = values.tolist()  # waits for the device
+        elapsed = time.perf_counter() - window_start
+        train_time += elapsed
+        tokens_per_s = len(rows) * tokens_per_step / max(elapsed, 1e-9)
+        wall = round(wall_before + time.perf_counter() - started, 3)
+        for s, (loss_value, norm_value) in enumerate(rows, start=step - len(rows) + 1):
+            result.losses[s] = loss_value
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(
+                    f"the training loss became {loss_value} at step {s}; lower lr, keep grad_clip > 0 or disable "
+                    f"bf16, and resume from the last checkpoint in {str(out_dir)!r} (or start over)"
+                )
+            reporter.write({
+                "kind": "train", "step": s, "tokens": s * tokens_per_step, "loss": loss_value,
+                "lr": lr_at(s - 1, config, total_steps), "grad_norm": norm_value,
+                "tokens_per_s": round(tokens_per_s, 1), "wall_s": wall,
+            })
+        eta = (total_steps - step) * elapsed / len(rows)
+        reporter.show(
+            f"step {step:>6}/{total_steps} | loss {rows[-1][0]:.4f} | lr {lr_at(step - 1, config, total_steps):.2e} | "
+            f"{tokens_per_s:,.0f} tok/s | ETA {eta / 60:.1f} min",
+            loss=f"{rows[-1][0]:.4f}", tps=f"{tokens_per_s:,.0f}",
+        )
+        pending = []
+
+    step = start_step
+    model.train()
+    try:
+        while True:
+            last = step == total_steps
+            stopping = last or step == stop_at
+            # evaluate at the start, every eval_every steps and at the end (not again at the step
+            # we resume from: it was evaluated before that checkpoint was written)
+            eval_due = bool(val_batches) and (last or step == 0 or (config.eval_every > 0 and step % config.eval_every == 0))
+            eval_due = eval_due and not (ckpt is not None and step == start_step)
+            save_due = step > start_step and (stopping or (config.checkpoint_every > 0 and step % config.checkpoint_every == 0))
+            # log before evaluating or saving, so metrics.jsonl is complete up to every checkpoint
+            if pending and (step % config.log_every == 0 or eval_due or save_due or stopping):
+                log_pending(step)
+            if eval_due:
+                val_loss = evaluate()
+                result.val_losses[step] = val_loss
+                reporter.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
+                                "wall_s": round(wall_before + time.perf_counter() - started, 3)})
+                reporter.show(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}", val=f"{val_loss:.4f}")
+            if save_due:
+                result.checkpoint = save(step)
+            if stopping:
+                break
+
+            if not pending:  # a new throughput window: evaluation and checkpointing stay outside
+                window_start = time.perf_counter()
+            # redraw random features at the start of every redraw_every-th step (before its data)
+            if config.redraw_every and step > 0 and step % config.redraw_every == 0:
+                redraw_random_features(raw_model, config.seed, step)
+
+            # -- one optimizer step over grad_accum micro-batches -----------------------------
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, config, total_steps)
+            step_loss = torch.zeros((), device=device)
+            for micro, sampler in enumerate(samplers):
+                batch = sampler.batch(step).to(device, non_blocking=True)
+                sync = micro == config.grad_accum - 1
+                # gradients are averaged over processes only after the last micro-batch
+                if config.fsdp and env.enabled:
+                    model.set_requires_gradient_sync(sync)
+                    no_sync = contextlib.nullcontext()
+                else:
+                    no_sync = model.no_sync() if env.enabled and not sync else contextlib.nullcontext()
+                with no_sync:
+                    with autocast:
+                        loss = model(**batch.model_inputs(), use_cache=False).loss / config.grad_accum
+                    loss.backward()
+                step_loss += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                raw_model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf")
+            )
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            pending.append(torch.stack([step_loss, grad_norm.to(step_loss.dtype)]))
+            step += 1
+            reporter.advance(step)
+    finally:
+        reporter.close()
+
+    result.final_step = step
+    result.tokens_seen = step * tokens_per_step
+    result.tokens_per_s = (step - start_step) * tokens_per_step / train_time if train_time > 0 else 0.0
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+__all__ = ["MAY_CHANGE_ON_RESUME", "TrainResult", "lr_at", "param_groups", "redraw_random_features", "train"]

@@ -1,0 +1,467 @@
+"""kernelmix.training: config, training loop, exact resumption, crash-safe checkpoints,
+multi-process (torchrun, gloo) runs and the errors a user can run into.
+
+Tiny preset on a 7 KB fixture corpus (tests/fixtures/train_corpus, byte tokens); the token cache
+lives in a per-module temporary directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernelmix.cli import main as cli_main
+from kernelmix.model import CausalLM, ModelConfig
+from kernelmix.training import (
+    CheckpointError,
+    TrainConfig,
+    build_config,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    lr_at,
+    param_groups,
+    redraw_random_features,
+    run_config,
+    train,
+)
+from kernelmix.training.config import RESOLVED_FORMAT
+
+CORPUS = str(Path(__file__).parent / "fixtures" / "train_corpus")
+REPO = Path(__file__).resolve().parents[1]
+
+# The reference run of the resume tests: dropout (the RNG state must be restored), Performer layers
+# redrawn every 3 steps (the redraw must follow the step, not the process's history), a checkpoint
+# every 4 steps (keep 2), evaluation every 4 steps.
+REF = dict(
+    preset="tiny", corpus=CORPUS, seq_len=32, batch_size=4, steps=8, lr=3e-3, warmup_steps=2,
+    eval_every=4, eval_batches=2, log_every=3, checkpoint_every=4, redraw_every=3, seed=1,
+    model={"mixer": "performer", "dropout": 0.1},
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_cache(tmp_path_factory):
+    """Tokenize the fixture corpus once per module, into a temporary cache (also used by subprocesses)."""
+    old = os.environ.get("KERNELMIX_CACHE")
+    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
+    yield
+    if old is None:
+        os.environ.pop("KERNELMIX_CACHE", None)
+    else:
+        os.environ["KERNELMIX_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted reference run (one thread, like every test here: see conftest)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(TrainConfig(**REF, out_dir=str(tmp_path_factory.mktemp("ref") / "run")), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every file below ``directory`` with the hash of its bytes."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def metric_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. End to end
+
+
+def test_train_end_to_end_loss_decreases(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = TrainConfig(
+        preset="tiny", corpus=CORPUS, seq_len=64, batch_size=8, steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=3,
+        eval_every=10, eval_batches=4, log_every=5, checkpoint_every=10, out_dir=str(out),
+    )
+    result = train(config, progress=True)  # the rich bar, rendered into captured output
+
+    assert (result.start_step, result.final_step, result.total_steps) == (0, 30, 30)
+    assert sorted(result.losses) == list(range(1, 31))
+    assert sorted(result.val_losses) == [0, 10, 20, 30]
+    first, last = [result.losses[s] for s in (1, 2, 3)], [result.losses[s] for s in (28, 29, 30)]
+    assert sum(first) / 3 > sum(last) / 3 + 1.0, result.losses  # from ln 256 ≈ 5.5 to below ≈ 3.5
+    assert result.val_losses[30] < result.val_losses[0] - 1.0, result.val_losses
+    assert abs(result.val_losses[0] - math.log(256)) < 0.2  # a fresh model is near uniform
+    assert result.tokens_seen == 30 * 8 * 64 and result.tokens_per_s > 0
+
+    # metrics: one train line per step, one eval line per evaluation, with the promised fields
+    lines = metric_lines(out)
+    train_lines = [r for r in lines if r["kind"] == "train"]
+    assert [r["step"] for r in train_lines] == list(range(1, 31))
+    assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "wall_s"} <= set(train_lines[0])
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 10, 20, 30]
+    assert train_lines[-1]["tokens"] == 30 * 8 * 64 and train_lines[-1]["loss"] == result.losses[30]
+    assert train_lines[1]["lr"] == pytest.approx(2e-3) and train_lines[-1]["lr"] == pytest.approx(lr_at(29, config, 30))
+
+    # the resolved config: train settings, the full model config, run facts; it rebuilds the config
+    record = json.loads((out / "config.json").read_text())
+    assert record["format"] == RESOLVED_FORMAT
+    assert record["model"] == json.loads(config.model_config(256).to_json())
+    assert record["run"]["global_batch"] == 8 and record["run"]["tokens_per_step"] == 512
+    assert TrainConfig.from_dict(record) == config
+
+    # the checkpoints: the newest two, loadable into a model that reproduces the final val loss
+    assert [s for s, _ in list_checkpoints(out)] == [20, 30] and result.checkpoint == latest_checkpoint(out)
+    ckpt = load_checkpoint(result.checkpoint)
+    assert ckpt.step == 30 and "lm_head.weight" not in ckpt.weights  # tied: stored once
+    model = CausalLM(ModelConfig.from_dict(ckpt.config["model"]))
+    model.load_state_dict({**ckpt.weights, "lm_head.weight": ckpt.weights["embed.weight"]})
+    assert ckpt.state["tokens_seen"] == result.tokens_seen and ckpt.state["data"]["step"] == 30
+    assert "30/30 loss" in capsys.readouterr().err  # the bar (on stderr)
+
+
+def test_token_budget_and_bf16_autocast(tmp_path):
+    config = TrainConfig(
+        preset="tiny", corpus=CORPUS, seq_len=32, batch_size=4, tokens=300, bf16=True, warmup_steps=1,
+        eval_batches=1, out_dir=str(tmp_path / "run"),
+    )
+    result = train(config, progress=False)
+    assert result.total_steps == result.final_step == 3  # ceil(300 / (4 · 32))
+    assert all(math.isfinite(v) for v in [*result.losses.values(), *result.val_losses.values()])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["run"]["total_steps"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Resumption and crash safety
+
+
+def test_resume_continues_exactly(reference, tmp_path):
+    """Stop after step 5 (mid-way between checkpoints, after one redraw), resume to 8: every loss
+    and validation loss is bitwise the uninterrupted run's."""
+    out = tmp_path / "run"
+    config = TrainConfig(**REF, out_dir=str(out))
+    first = train(config, stop_at=5, progress=False)
+    assert first.final_step == 5 and latest_checkpoint(out).name == "step_00000005"
+    second = train(config, resume=True, progress=False)
+    assert (second.start_step, second.final_step) == (5, 8)
+    assert {**first.losses, **second.losses} == reference.losses
+    assert {**first.val_losses, **second.val_losses} == reference.val_losses
+    assert [r["step"] for r in metric_lines(out) if r["kind"] == "train"] == list(range(1, 9))
+    # the final weights are bitwise those of the uninterrupted run
+    ours, theirs = load_checkpoint(latest_checkpoint(out)), load_checkpoint(reference.checkpoint)
+    assert ours.weights.keys() == theirs.weights.keys()
+    assert all(torch.equal(ours.weights[k], theirs.weights[k]) for k in ours.weights)
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    import kernelmix.training.checkpoint as checkpoint
+    from kernelmix.training import TrainConfig, train
+
+    torch.set_num_threads(1)
+    real_write_state = checkpoint.write_state
+    saves = []
+
+    def write_state_then_die(state, path):
+        saves.append(state["step"])
+        real_write_state(state, path)
+        if len(saves) == 2:  # the second checkpoint: half of state.pt is on disk when the kill comes
+            data = path.read_bytes()
+            with open(path, "wb") as handle:
+                handle.write(data[: len(data) // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.write_state = write_state_then_die
+    train(TrainConfig(**json.loads(sys.argv[1])), progress=False)
+    """
+)
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(reference, tmp_path):
+    out = tmp_path / "run"
+    script = tmp_path / "die.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps({**REF, "out_dir": str(out)})],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == -9, proc.stderr  # killed by SIGKILL inside the second save (step 8)
+    root = out / "checkpoints"
+    assert [s for s, _ in list_checkpoints(out)] == [4]
+    assert any(p.name.startswith(".tmp-step_00000008") for p in root.iterdir())  # the half-written one
+    assert load_checkpoint(root / "step_00000004").step == 4
+
+    resumed = train(TrainConfig(**REF, out_dir=str(out)), resume=True, progress=False)
+    assert resumed.start_step == 4
+    assert resumed.losses == {s: v for s, v in reference.losses.items() if s > 4}
+    assert [s for s, _ in list_checkpoints(out)] == [4, 8]
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # debris cleaned by the next save
+    # metrics written after the step-4 checkpoint by the killed run were dropped, then rewritten once
+    assert [r["step"] for r in metric_lines(out) if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_failed_checkpoint_write_raises_and_keeps_the_previous_one(reference, tmp_path, monkeypatch):
+    import kernelmix.training.checkpoint as checkpoint
+
+    out = tmp_path / "run"
+    real = checkpoint.write_weights
+    calls = []
+
+    def disk_full(weights, path):
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        real(weights, path)
+
+    monkeypatch.setattr(checkpoint, "write_weights", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        train(TrainConfig(**REF, out_dir=str(out)), progress=False)
+    assert [s for s, _ in list_checkpoints(out)] == [4]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # the temporary dir is gone
+    monkeypatch.setattr(checkpoint, "write_weights", real)
+    resumed = train(TrainConfig(**REF, out_dir=str(out)), resume=True, progress=False)
+    assert resumed.losses == {s: v for s, v in reference.losses.items() if s > 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Many processes: torchrun, gloo
+
+
+def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    args = [arg for s in sets for arg in ("--set", s)]
+    # --standalone: a local rendezvous on a free port; OMP_NUM_THREADS=1: two processes on two cores
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "kernelmix.cli", "train", *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+DIST = dict(
+    preset="tiny", corpus=CORPUS, seq_len=32, batch_size=4, steps=4, lr=3e-3, warmup_steps=1, eval_every=2,
+    eval_batches=3, log_every=1, checkpoint_every=2, redraw_every=2, model={"mixer": "performer"},
+)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode):
+    """2 processes × batch 4 (DDP or FSDP2 over gloo) vs 1 process × batch 4 × grad_accum 2.
+
+    Both see the same 8 windows per step (the sampler shard of a micro-batch depends only on the
+    global batch) and the same Performer redraws (seeded by step), so the math is the same and
+    only the order of float32 sums differs (averaging gradients over processes vs accumulating
+    them): ~1e-7 relative per step, which Adam's normalised updates carry over a few steps at that
+    order. 1e-4 relative is far below what a real mismatch gives (different data, unsynchronised
+    gradients or redraws move the loss by >1e-2 at the second step)."""
+    sets = [f"{k}={json.dumps(v)}" for k, v in DIST.items() if k != "model"] + ["model.mixer=performer"]
+    if mode == "fsdp":
+        sets.append("fsdp=true")
+    out = tmp_path / "two"
+    proc = _torchrun(tmp_path, out, sets)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    one = train(TrainConfig(**DIST, grad_accum=2, out_dir=str(tmp_path / "one")), progress=False)
+
+    lines = metric_lines(out)  # written by rank 0 only: one line per step, not one per process
+    losses = {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
+    val_losses = {r["step"]: r["val_loss"] for r in lines if r["kind"] == "eval"}
+    assert len([r for r in lines if r["kind"] == "train"]) == 4
+    assert losses.keys() == one.losses.keys() and val_losses.keys() == one.val_losses.keys() == {0, 2, 4}
+    for step in losses:
+        assert losses[step] == pytest.approx(one.losses[step], rel=1e-4), (step, losses, one.losses)
+    for step in val_losses:
+        assert val_losses[step] == pytest.approx(one.val_losses[step], rel=1e-4), (step, val_losses, one.val_losses)
+    record = json.loads((out / "config.json").read_text())
+    assert record["run"]["world_size"] == 2 and record["run"]["global_batch"] == 8
+    # the checkpoint of the 2-process run holds both processes' RNG states and full (unsharded) weights
+    ckpt = load_checkpoint(latest_checkpoint(out))
+    assert len(ckpt.state["rng"]) == 2
+    ref = load_checkpoint(latest_checkpoint(tmp_path / "one"))
+    for name, tensor in ref.weights.items():
+        assert torch.allclose(ckpt.weights[name], tensor, rtol=1e-3, atol=1e-5), name
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Bad input: clear errors, nothing overwritten
+
+
+@pytest.fixture
+def finished_run(reference, tmp_path) -> Path:
+    """A copy of the reference run (checkpoints at steps 4 and 8) to damage."""
+    out = tmp_path / "run"
+    shutil.copytree(reference.out_dir, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": {"mixer": "cubit"}}, r"another model config \(.*mixer: 'performer' in the checkpoint, 'cubit' now"),
+        ({"model": {"mixer": "performer", "dropout": 0.1, "hidden_size": 128}}, r"another model config .*hidden_size"),
+        ({"seed": 2}, r"other settings \(seed: 1 in the checkpoint, 2 now\)"),
+        ({"batch_size": 8}, r"global batch of 4 sequences .* this run has 8"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_config(finished_run, change, message):
+    before = snapshot(finished_run)
+    with pytest.raises(CheckpointError, match=message) as error:
+        train(TrainConfig(**{**REF, **change, "steps": 12}, out_dir=str(finished_run)), resume=True, progress=False)
+    assert "--resume --out DIR` without --config/--set reuses them" in str(error.value) or "grad_accum" in str(error.value)
+    assert snapshot(finished_run) == before
+
+
+def test_truncated_checkpoint_is_reported_and_the_named_fix_works(reference, finished_run):
+    latest = finished_run / "checkpoints" / "step_00000008"
+    weights = latest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    before = snapshot(finished_run)
+    with pytest.raises(CheckpointError, match="truncated or corrupt: 1000 bytes") as error:
+        train(TrainConfig(**REF, out_dir=str(finished_run)), resume=True, progress=False)
+    assert f"delete '{latest}' to resume from the previous checkpoint" in str(error.value)
+    assert snapshot(finished_run) == before
+    shutil.rmtree(latest)  # the fix the message names
+    resumed = train(TrainConfig(**REF, out_dir=str(finished_run)), resume=True, progress=False)
+    assert resumed.losses == {s: v for s, v in reference.losses.items() if s > 4}
+
+
+def test_corrupt_checkpoint_is_reported(finished_run):
+    state = finished_run / "checkpoints" / "step_00000008" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    state.write_bytes(bytes(data))
+    before = snapshot(finished_run)
+    with pytest.raises(CheckpointError, match=r"state.pt' is corrupt \(SHA-256 mismatch\)"):
+        train(TrainConfig(**REF, out_dir=str(finished_run)), resume=True, progress=False)
+    assert snapshot(finished_run) == before
+
+
+def test_a_fresh_run_never_overwrites_and_resume_needs_a_checkpoint(finished_run, tmp_path):
+    before = snapshot(finished_run)
+    with pytest.raises(ValueError, match="already holds a training run; pass --resume to continue it"):
+        train(TrainConfig(**REF, out_dir=str(finished_run)), progress=False)
+    assert snapshot(finished_run) == before
+    with pytest.raises(CheckpointError, match="nothing to resume: .* holds no checkpoint; run without --resume"):
+        train(TrainConfig(**REF, out_dir=str(tmp_path / "empty")), resume=True, progress=False)
+    assert not (tmp_path / "empty").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["lrate=1e-3"], r"unknown training setting 'lrate' .*valid settings: preset, model, corpus"),
+        (["model.mixr=cubit"], r"unknown config field\(s\) \['mixr'\]; fields are: .*mixer"),
+        (["model.mixer=cubt"], r"unknown mixer 'cubt' \(choose from: softmax, cubit"),
+        (["model.mixer_options.cubit.lrx=false"], r"unknown option\(s\) \['lrx'\]; accepted: .*lrr"),
+        (["preset=huge"], r"unknown preset 'huge' \(choose from: tiny, small"),
+        (["lr=fast"], r"lr must be a number, got 'fast'"),
+        (["betas=0.9"], r"betas must be two numbers, e.g. betas=\[0.9,0.95\]"),
+        (["seq_len=512", "preset=tiny"], r"seq_len 512 exceeds the model's max_seq_len 256 .*model.max_seq_len=512"),
+        (["steps"], r"not key=value"),
+        (["lr.peak=1"], r"'lr' has no sub-settings"),
+    ],
+)
+def test_bad_settings_are_clear_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(None, overrides)
+
+
+def test_config_files_and_overrides(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'preset = "tiny"\nsteps = 50\nbetas = [0.9, 0.99]\n[model]\nmixer = "cubit"\n'
+        "mixer_options = { cubit = { lrr = false } }\n"
+    )
+    config = build_config(toml, ["lr=3e-4", "model.mixer_options.cubit.ridge=1e-5", "tokens=1e6", "bf16=true"])
+    assert (config.preset, config.steps, config.lr, config.betas, config.tokens, config.bf16) == (
+        "tiny", 50, 3e-4, (0.9, 0.99), 1_000_000, True)
+    assert config.model == {"mixer": "cubit", "mixer_options": {"cubit": {"lrr": False, "ridge": 1e-5}}}
+    assert config.model_config(256).mixer_options == {"cubit": {"lrr": False, "ridge": 1e-5}}
+
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("preset: tiny\nfoo: 1\n")
+    pytest.importorskip("yaml")
+    with pytest.raises(ValueError, match=r"unknown training setting\(s\) \['foo'\]; valid settings: preset"):
+        build_config(yaml)
+    ini = tmp_path / "run.ini"
+    ini.write_text("[train]\n")
+    with pytest.raises(ValueError, match="unknown format '.ini' \\(use .toml, .yaml, .yml or .json\\)"):
+        build_config(ini)
+
+
+def test_cli_train_resume_and_errors(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'preset = "tiny"\ncorpus = "{CORPUS}"\nseq_len = 32\nbatch_size = 4\nsteps = 3\nwarmup_steps = 1\n'
+        "eval_batches = 1\nlog_every = 1\n"
+    )
+    out = tmp_path / "run"
+    assert cli_main(["train", "--config", str(toml), "--set", "model.mixer=cubit", "--out", str(out)]) == 0
+    assert "step 3/3" in capsys.readouterr().out
+    # --resume alone reuses the run's settings (the cubit mixer included); --set extends the run
+    assert run_config(None, ["steps=5"], out_dir=out, resume=True).model == {"mixer": "cubit"}
+    assert cli_main(["train", "--resume", "--out", str(out), "--set", "steps=5"]) == 0
+    assert [r["step"] for r in metric_lines(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert json.loads((out / "config.json").read_text())["model"]["mixer"] == "cubit"
+    capsys.readouterr()
+
+    assert cli_main(["train", "--config", str(toml), "--out", str(out)]) == 2  # a fresh run over an old one
+    assert "already holds a training run; pass --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--set", "lrate=1", "--out", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert "unknown training setting 'lrate'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+
+
+def test_warmup_then_cosine_to_min_lr():
+    config = TrainConfig(preset="tiny", lr=1e-3, min_lr=1e-4, warmup_steps=10, steps=111)
+    lrs = [lr_at(s, config, 111) for s in range(111)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # linear warmup to the peak
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then non-increasing
+    assert lrs[60] == pytest.approx(5.5e-4)  # half-way: the mean of lr and min_lr
+    assert lrs[-1] == pytest.approx(1e-4)  # the last update uses min_lr
+
+
+def test_weight_decay_only_on_linear_weights():
+    model = CausalLM(ModelConfig.preset("tiny", mixer="darkformer"))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert len(decayed) + len(kept) == len(names)  # every parameter once (the tied head is the embedding)
+    assert "embed.weight" in kept and "norm.weight" in kept and "blocks.0.mixer.transform" in kept
+    assert "blocks.0.mixer.q_proj.weight" in decayed and "blocks.1.mlp.down_proj.weight" in decayed
+    assert all(".weight" in n and "norm" not in n for n in decayed)
+
+
+def test_redraw_is_a_function_of_seed_and_step():
+    torch.manual_seed(0)
+    a = CausalLM(ModelConfig.preset("tiny", mixer="performer"))
+    torch.manual_seed(1)
+    b = CausalLM(ModelConfig.preset("tiny", mixer="performer"))
+    assert redraw_random_features(a, 7, 100) == redraw_random_features(b, 7, 100) == 2
+    wa = [blk.mixer.projection.clone() for blk in a.blocks]
+    assert all(torch.equal(x, blk.mixer.projection) for x, blk in zip(wa, b.blocks))  # any process, any history
+    assert not torch.equal(wa[0], wa[1])  # layers differ
+    redraw_random_features(a, 7, 101)
+    assert not torch.equal(wa[0], a.blocks[0].mixer.projection)  # steps differ
