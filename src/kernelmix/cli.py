@@ -46,6 +46,106 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _mixer_list(text: str) -> list[str]:
+    from .layers import MIXERS
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MIXERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mixer(s) {', '.join(repr(n) for n in unknown) or repr(text)} (choose from: {', '.join(MIXERS)})"
+        )
+    return names
+
+
+def _model_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from .model import CausalLM, ModelConfig
+
+    overrides = {"mixers": args.mixers} if args.mixers else {"mixer": args.mixer}
+    try:
+        config = ModelConfig.preset(args.preset, **overrides)
+    except ValueError as err:  # e.g. a --mixers list of the wrong length
+        args.parser.error(str(err))
+    with torch.device("meta"):  # shapes only: instant and no memory, even for 1.3b
+        model = CausalLM(config)
+    total = model.num_parameters()
+    embedding = model.embed.weight.numel()
+    mixer = sum(p.numel() for block in model.blocks for p in block.mixer.parameters())
+    mlp = sum(p.numel() for block in model.blocks for p in block.mlp.parameters())
+    names = config.layer_mixers()
+    layout = f"{names[0]} x {len(names)}" if len(set(names)) == 1 else ", ".join(names)
+    print(f"preset {args.preset}: {config.num_layers} layers ({layout})")
+    print(config.to_json())
+    head = 0 if config.tie_embeddings else model.lm_head.weight.numel()
+    tied = "tied with the LM head, counted once" if config.tie_embeddings else f"LM head separate: {head:,}"
+    print(f"embedding: {embedding:,} ({tied})")
+    print(f"mixers: {mixer:,}  MLPs: {mlp:,}  norms: {total - embedding - head - mixer - mlp:,}")
+    print(f"parameters: {total:,} ({total / 1e6:.1f}M)")
+    return 0
+
+
+def _generate_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .generate import benchmark_generation, format_bench_table
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        args.parser.error(f"unknown device {args.device!r} (e.g. cpu, cuda, cuda:1)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        args.parser.error("--device cuda asked for, but torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    where = f"{torch.get_num_threads()} CPU threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    uncached = args.new_tokens if args.uncached_new_tokens is None else args.uncached_new_tokens
+    fewer = 0 < uncached < args.new_tokens
+    print(
+        f"kernelmix generate-bench: preset {args.preset}, freshly initialised float32 models, greedy, batch "
+        f"{args.batch}, prompt {args.prompt_length} tokens; cached: {args.new_tokens} new tokens, uncached: "
+        + (f"{uncached} new tokens" if uncached else "not measured")
+        + f"; {where}, median of {args.repeats}\n"
+    )
+    try:
+        rows = benchmark_generation(
+            args.preset, args.mixers, prompt_length=args.prompt_length, new_tokens=args.new_tokens,
+            uncached_new_tokens=uncached, batch=args.batch, repeats=args.repeats, seed=args.seed, device=device,
+        )
+    except ValueError as err:  # e.g. prompt + new tokens beyond the preset's max_seq_len
+        args.parser.error(str(err))
+    print(format_bench_table(rows))
+    print(
+        "\ntokens/s = batch x new tokens / wall time of one generate call (prefill included)."
+        + (
+            f" Uncached was measured on {uncached} new tokens only (it recomputes the whole sequence per token); "
+            f"its cost per token grows with length, so over {args.new_tokens} tokens it would be slower still and "
+            "the ratio larger."
+            if fewer else ""
+        )
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                [dict(row.__dict__, speedup=row.speedup, prompt_length=args.prompt_length, batch=args.batch,
+                      device=where) for row in rows],
+                fh, indent=2,
+            )
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from .training import CheckpointError, run_config, train
 
@@ -88,6 +188,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="torch device for the fast paths, e.g. cuda (default: cpu)")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the fast paths")
     demo.set_defaults(func=_demo)
+
+    from .layers import MIXERS
+    from .model import PRESETS
+
+    info = sub.add_parser("model-info", help="print a preset's config and parameter count")
+    info.add_argument("preset", metavar="PRESET", choices=list(PRESETS), help=f"one of: {', '.join(PRESETS)}")
+    which = info.add_mutually_exclusive_group()
+    which.add_argument("--mixer", choices=list(MIXERS), default="softmax", help="the mixer of every layer")
+    which.add_argument("--mixers", type=_mixer_list, help="one mixer per layer, comma-separated (a hybrid)")
+    info.set_defaults(func=_model_info, parser=info)
+
+    bench = sub.add_parser(
+        "generate-bench", help="generation throughput per mixer: cached (prefill + 1 token/step) vs uncached"
+    )
+    bench.add_argument("--preset", choices=list(PRESETS), default="small")
+    bench.add_argument("--mixers", type=_mixer_list, default=list(MIXERS), help="comma-separated (default: all)")
+    bench.add_argument("--prompt-length", type=_positive_int, default=32)
+    bench.add_argument("--new-tokens", type=_positive_int, default=1024)
+    bench.add_argument(
+        "--uncached-new-tokens", type=_non_negative_int, default=None,
+        help="measure the slow uncached baseline on this many new tokens (default: --new-tokens; 0 skips it)",
+    )
+    bench.add_argument("--batch", type=_positive_int, default=1)
+    bench.add_argument("--repeats", type=_positive_int, default=1)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
+    bench.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    bench.add_argument("--json", help="also write the rows as JSON to this path")
+    bench.set_defaults(func=_generate_bench, parser=bench)
 
     trainer = sub.add_parser(
         "train", help="train a model on text (a preset + overrides); checkpoints, metrics, exact --resume",

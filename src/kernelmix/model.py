@@ -79,6 +79,8 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mixers is not None:
+            if isinstance(self.mixers, str):
+                raise ValueError(f"mixers must be a list of mixer names (one per layer), got the string {self.mixers!r}")
             self.mixers = list(self.mixers)
             if len(self.mixers) != self.num_layers:
                 raise ValueError(
@@ -88,6 +90,11 @@ class ModelConfig:
         for name in self.layer_mixers():
             if name not in MIXERS:
                 raise ValueError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+        if not isinstance(self.mixer_options, dict) or not all(isinstance(o, dict) for o in self.mixer_options.values()):
+            raise ValueError(
+                f"mixer_options must map a mixer name to a dict of options, e.g. {{'cubit': {{'lrr': False}}}}; "
+                f"got {self.mixer_options!r}"
+            )
         for name, options in self.mixer_options.items():
             if name not in MIXERS:
                 raise ValueError(f"mixer_options names unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
@@ -288,6 +295,19 @@ class CausalLM(nn.Module):
                 "is the tokenizer the one this model was built for?"
             )
 
+    def _check_labels(self, labels: Any, input_ids: Tensor) -> None:
+        if not isinstance(labels, Tensor) or labels.shape != input_ids.shape:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}")
+        bad = ((labels < 0) & (labels != -100)) | (labels >= self.config.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels must lie in [0, {self.config.vocab_size}) (vocab_size) or be -100 (ignored), got "
+                f"{labels[bad].unique()[:5].tolist()}"
+            )
+
     def _check_cache(self, cache: Any, batch: int) -> None:
         if not isinstance(cache, ModelCache):
             raise ValueError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
@@ -302,8 +322,9 @@ class CausalLM(nn.Module):
 
     def _positions_and_documents(
         self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, cache: ModelCache | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """RoPE positions and document starts ``[B, T]`` (None, None for a plain unpadded batch).
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """RoPE positions and document starts ``[B, T]`` and each row's next position ``[B]``
+        (None, None, None for a plain unpadded batch).
 
         Real token at index a with position p belongs to the document starting at a − p (positions
         restart at 0 per document); a padding token (mask 0) is a one-token document of its own,
@@ -313,7 +334,7 @@ class CausalLM(nn.Module):
         offset = 0 if cache is None else cache.length
         index = offset + torch.arange(length, device=input_ids.device)
         if attention_mask is None and position_ids is None and cache is None:
-            return None, None
+            return None, None, None
         real = None
         if attention_mask is not None:
             real = self._current_mask(attention_mask, batch, length, offset)
@@ -324,10 +345,15 @@ class CausalLM(nn.Module):
                 start = torch.zeros(batch, 1, dtype=torch.long, device=input_ids.device)
             if real is None:
                 position_ids = start + torch.arange(length, device=input_ids.device)
+                next_position = start[:, 0] + length
             else:
                 position_ids = start + (real.long().cumsum(dim=1) - 1).clamp_min(0)
+                # not position_ids[:, -1] + 1: a chunk that is all left padding leaves the next position at start
+                next_position = start[:, 0] + real.long().sum(dim=1)
         elif tuple(position_ids.shape) != (batch, length) or position_ids.is_floating_point():
             raise ValueError(f"position_ids must be integers of shape [B, T] = {(batch, length)}, got {tuple(position_ids.shape)}")
+        else:
+            next_position = position_ids[:, -1].long() + 1
         position_ids = position_ids.long()
         doc_start = (index - position_ids).clamp(min=0)
         if cache is not None:  # the document of the last cached token may go on
@@ -336,7 +362,7 @@ class CausalLM(nn.Module):
         doc_start = torch.cummax(doc_start, dim=1).values
         if real is not None:
             doc_start = torch.where(real, doc_start, index.expand(batch, length))
-        return position_ids, doc_start
+        return position_ids, doc_start, next_position
 
     @staticmethod
     def _current_mask(attention_mask: Tensor, batch: int, length: int, offset: int) -> Tensor:
@@ -378,7 +404,11 @@ class CausalLM(nn.Module):
         batch, length = input_ids.shape
         if cache is not None:
             self._check_cache(cache, batch)
-        position_ids, doc_start = self._positions_and_documents(input_ids, attention_mask, position_ids, cache)
+        if labels is not None:
+            self._check_labels(labels, input_ids)
+        position_ids, doc_start, next_position = self._positions_and_documents(
+            input_ids, attention_mask, position_ids, cache
+        )
         offset = 0 if cache is None else cache.length
         furthest = offset + length - 1 if position_ids is None else int(position_ids.max())
         if furthest >= self.config.max_seq_len:
@@ -396,10 +426,10 @@ class CausalLM(nn.Module):
 
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            loss = F.cross_entropy(  # in float32 at least (float64 stays float64)
+                logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
             )
 
         new_cache = None
@@ -408,7 +438,6 @@ class CausalLM(nn.Module):
                 next_position = torch.full((batch,), offset + length, dtype=torch.long, device=input_ids.device)
                 last_doc = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
             else:
-                next_position = position_ids[:, -1] + 1
                 last_doc = doc_start[:, -1]
             new_cache = ModelCache(
                 layers=layer_caches,

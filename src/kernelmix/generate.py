@@ -1,0 +1,367 @@
+"""Autoregressive generation with the model's cache, and a throughput measurement.
+
+    from kernelmix.generate import generate
+    tokens = generate(model, prompt, 64, temperature=0.0)                     # greedy
+    tokens = generate(model, prompt, 64, top_p=0.9, generator=torch.Generator().manual_seed(0))
+
+With ``use_cache=True`` (the default) the prompt is prefilled in one forward and every new token
+is one forward of a single token that continues the cache: constant work per token for Performer
+and DARKFormer (their cache is an m×d state per head), O(t) for softmax, Cubit and DeltaFormer
+(their cache grows with the sequence). ``use_cache=False`` recomputes the full forward over the
+whole sequence at every step — the slow baseline, kept for measurement and as a reference.
+
+Batched prompts of different lengths are LEFT-padded and described by ``attention_mask`` (1 for
+real tokens, 0 for padding); the model masks the padding out, so each row generates what it would
+alone. The CLI's ``generate-bench`` is a thin shell over :func:`benchmark_generation`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .model import CausalLM, ModelConfig
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
+    if value is None:
+        return
+    if not _is_int(value) or not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must be a token id in [0, {vocab_size}) (vocab_size) or None, got {value!r}")
+
+
+def _check_generate_args(
+    model: Any,
+    input_ids: Any,
+    max_new_tokens: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    eos_token_id: Any,
+    pad_token_id: Any,
+    attention_mask: Any,
+    generator: Any,
+    use_cache: Any,
+) -> Tensor | None:
+    """Raise ValueError for any bad argument; returns the attention mask as bool (or None)."""
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+    config = model.config
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"input_ids must be a [B, T] tensor of token ids, got {got}; add a batch dim with ids.unsqueeze(0)"
+        )
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must hold at least one prompt token per row, got shape {tuple(input_ids.shape)}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= config.vocab_size:
+        raise ValueError(
+            f"token ids must lie in [0, {config.vocab_size}) (vocab_size), got min {low} and max {high}"
+        )
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0
+    ):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    _check_token_id("eos_token_id", eos_token_id, config.vocab_size)
+    _check_token_id("pad_token_id", pad_token_id, config.vocab_size)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != input_ids.device.type:
+            raise ValueError(
+                f"generator is on {generator.device} but input_ids are on {input_ids.device}; "
+                "sample with a generator on the model's device"
+            )
+    if not isinstance(use_cache, bool):
+        raise ValueError(f"use_cache must be True or False, got {use_cache!r}")
+
+    mask = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+        # left padding: once a row's real tokens begin they go on to the end (a row never ends in padding)
+        if bool((mask[:, :-1] & ~mask[:, 1:]).any()) or not bool(mask[:, -1].all()):
+            raise ValueError(
+                "generate needs LEFT padding: in every row of attention_mask the zeros come first and the "
+                "last token is real (pad batched prompts on the left)"
+            )
+
+    prompt_length = input_ids.shape[1] if mask is None else int(mask.sum(dim=1).max())
+    if prompt_length + max_new_tokens > config.max_seq_len:
+        raise ValueError(
+            f"a prompt of {prompt_length} tokens plus max_new_tokens={max_new_tokens} is "
+            f"{prompt_length + max_new_tokens} positions, beyond the model's max_seq_len = {config.max_seq_len}; "
+            "shorten the prompt or ask for fewer new tokens"
+        )
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def _select(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+) -> Tensor:
+    """Next token ids ``[B]`` from last-position logits ``[B, V]``."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if top_k is not None and top_k < vocab:
+        # exactly k tokens survive, even with ties (so top_k=1 is the argmax, as in greedy)
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, torch.topk(logits, top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # nucleus: keep the smallest set of most likely tokens whose probability reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always stays (mass_before = 0)
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class _EvalMode:
+    """``model.eval()`` for the duration of a block, then every submodule's own mode restored."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modes: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        self.modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, mode in self.modes:
+            module.training = mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def generate(
+    model: CausalLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """Continue each row of ``input_ids`` ``[B, T]`` by up to ``max_new_tokens`` tokens.
+
+    Returns ``[B, T + n]``: the prompt (padding included, unchanged) followed by the ``n`` new
+    tokens, where ``n == max_new_tokens`` unless ``eos_token_id`` is given and every row has
+    emitted it earlier — generation then stops and ``n`` is the number of steps taken (the tensor
+    is padded to the *generated* length, not to ``T + max_new_tokens``, as in Hugging Face). A row
+    that has emitted ``eos_token_id`` emits ``pad_token_id`` (default: ``eos_token_id``) after it.
+
+    * ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it and sampled.
+    * ``top_k`` (≥ 1): sample only among the k most likely tokens (``top_k=1`` is greedy).
+    * ``top_p`` in (0, 1]: nucleus sampling — the smallest set of most likely tokens whose
+      probability reaches ``top_p`` (the most likely token is always kept).
+    * ``generator``: a ``torch.Generator`` on the model's device, for reproducible sampling.
+    * ``attention_mask`` ``[B, T]``: 1 for real tokens, 0 for LEFT padding (batched prompts of
+      different lengths). New tokens need no mask.
+    * ``use_cache``: prefill once, then one token per forward (default). ``False`` reruns the full
+      forward over the whole sequence every step (the slow reference).
+
+    Runs under ``torch.no_grad`` in eval mode (dropout off); the model's train/eval mode is
+    restored afterwards. Raises ``ValueError`` for bad arguments, including a longest prompt plus
+    ``max_new_tokens`` beyond ``config.max_seq_len``.
+    """
+    mask = _check_generate_args(
+        model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
+        attention_mask, generator, use_cache,
+    )
+    if pad_token_id is None:
+        pad_token_id = eos_token_id
+    batch = input_ids.shape[0]
+    if max_new_tokens == 0:
+        return input_ids.clone()
+
+    with torch.no_grad(), _EvalMode(model):
+        done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        new_tokens: list[Tensor] = []
+        model_mask = None if mask is None else mask.long()
+        out = model(input_ids, attention_mask=model_mask, use_cache=use_cache)
+        cache = out.cache
+        for step in range(max_new_tokens):
+            token = _select(out.logits[:, -1], float(temperature), top_k, top_p, generator).to(input_ids.dtype)
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, pad_token_id), token)
+                done = done | (token == eos_token_id)
+            new_tokens.append(token)
+            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
+                break
+            if use_cache:
+                out = model(token[:, None], cache=cache)
+                cache = out.cache
+            else:
+                sequence = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+                if model_mask is not None:
+                    model_mask = torch.cat([model_mask, model_mask.new_ones(batch, 1)], dim=1)
+                out = model(sequence, attention_mask=model_mask, use_cache=False)
+        return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generation_throughput(
+    model: CausalLM,
+    prompt_length: int,
+    new_tokens: int,
+    *,
+    batch: int = 1,
+    use_cache: bool = True,
+    repeats: int = 1,
+    seed: int = 0,
+) -> float:
+    """New tokens per second of greedy :func:`generate` (``batch · new_tokens`` / wall time of one
+    call, prefill included), median of ``repeats`` timed calls with ``time.perf_counter``.
+
+    The prompt is ``batch`` rows of ``prompt_length`` random token ids (seeded); no eos, so every
+    call generates exactly ``new_tokens`` tokens. One short untimed call warms up first."""
+    for name, value in (("prompt_length", prompt_length), ("new_tokens", new_tokens), ("batch", batch),
+                        ("repeats", repeats)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_length), generator=g).to(device)
+    generate(model, prompt, min(new_tokens, 2), temperature=0.0, use_cache=use_cache)  # warm-up (also validates)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        generate(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return batch * new_tokens / statistics.median(times)
+
+
+@dataclass
+class BenchRow:
+    mixer: str
+    parameters: int
+    cached_tokens: int
+    cached_tokens_per_s: float
+    uncached_tokens: int  # 0: not measured
+    uncached_tokens_per_s: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.uncached_tokens_per_s is None:
+            return None
+        return self.cached_tokens_per_s / self.uncached_tokens_per_s
+
+
+def benchmark_generation(
+    preset: str,
+    mixers: list[str],
+    *,
+    prompt_length: int = 32,
+    new_tokens: int = 1024,
+    uncached_new_tokens: int | None = None,
+    batch: int = 1,
+    repeats: int = 1,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[BenchRow]:
+    """Cached vs uncached generation throughput of a freshly initialised ``preset`` model per mixer
+    (same seed for every mixer). ``uncached_new_tokens`` (default: ``new_tokens``) lets the slow
+    uncached baseline run on fewer tokens; 0 skips it."""
+    if uncached_new_tokens is None:
+        uncached_new_tokens = new_tokens
+    if not _is_int(uncached_new_tokens) or uncached_new_tokens < 0:
+        raise ValueError(f"uncached_new_tokens must be an int >= 0, got {uncached_new_tokens!r}")
+    if not mixers:
+        raise ValueError("mixers is empty; name at least one mixer")
+    rows = []
+    for name in mixers:
+        config = ModelConfig.preset(preset, mixer=name)
+        if prompt_length + max(new_tokens, uncached_new_tokens) > config.max_seq_len:
+            raise ValueError(
+                f"prompt_length {prompt_length} + new tokens {max(new_tokens, uncached_new_tokens)} is beyond the "
+                f"preset's max_seq_len = {config.max_seq_len}"
+            )
+        torch.manual_seed(seed)
+        model = CausalLM(config).to(device=device, dtype=dtype).eval()
+        cached = generation_throughput(
+            model, prompt_length, new_tokens, batch=batch, use_cache=True, repeats=repeats, seed=seed
+        )
+        uncached = None
+        if uncached_new_tokens:
+            uncached = generation_throughput(
+                model, prompt_length, uncached_new_tokens, batch=batch, use_cache=False, repeats=repeats, seed=seed
+            )
+        rows.append(BenchRow(name, model.num_parameters(), new_tokens, cached, uncached_new_tokens, uncached))
+    return rows
+
+
+def format_bench_table(rows: list[BenchRow]) -> str:
+    """A plain-text table of :func:`benchmark_generation` rows."""
+    header = (
+        f"{'mixer':<12} {'params':>10} {'cached tok/s':>13} {'(tokens)':>9} {'uncached tok/s':>15} "
+        f"{'(tokens)':>9} {'cached/uncached':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        uncached = "-" if row.uncached_tokens_per_s is None else f"{row.uncached_tokens_per_s:.1f}"
+        speedup = "-" if row.speedup is None else f"{row.speedup:.1f}x"
+        lines.append(
+            f"{row.mixer:<12} {row.parameters:>10,} {row.cached_tokens_per_s:>13.1f} {row.cached_tokens:>9} "
+            f"{uncached:>15} {row.uncached_tokens or '-':>9} {speedup:>16}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["BenchRow", "benchmark_generation", "format_bench_table", "generate", "generation_throughput"]
