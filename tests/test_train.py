@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 REF = dict(
     preset="tiny", corpus=CORPUS, seq_len=32, batch_size=4, steps=8, lr=3e-3, warmup_steps=2,
     eval_every=4, eval_batches=2, log_every=3, checkpoint_every=4, redraw_every=3, seed=1,
-    model={"mixer": "performer", "dropout": 0.1},
+    model={"mixer": "performer", "dropout": 0.1}, device="cpu",  # exactness is a CPU promise
 )
 
 
@@ -243,8 +243,8 @@ def test_failed_checkpoint_write_raises_and_keeps_the_previous_one(reference, tm
 # 3. Many processes: torchrun, gloo
 
 
-def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    args = [arg for s in sets for arg in ("--set", s)]
+def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2, raw: bool = False) -> subprocess.CompletedProcess:
+    args = sets if raw else [arg for s in sets for arg in ("--set", s)]
     # --standalone: a local rendezvous on a free port; OMP_NUM_THREADS=1: two processes on two cores
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -256,7 +256,7 @@ def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2) -> sub
 
 DIST = dict(
     preset="tiny", corpus=CORPUS, seq_len=32, batch_size=4, steps=4, lr=3e-3, warmup_steps=1, eval_every=2,
-    eval_batches=3, log_every=1, checkpoint_every=2, redraw_every=2, model={"mixer": "performer"},
+    eval_batches=3, log_every=1, checkpoint_every=2, redraw_every=2, model={"mixer": "performer"}, device="cpu",
 )
 
 
@@ -295,6 +295,18 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode
     ref = load_checkpoint(latest_checkpoint(tmp_path / "one"))
     for name, tensor in ref.weights.items():
         assert torch.allclose(ckpt.weights[name], tensor, rtol=1e-3, atol=1e-5), name
+
+    # resume from the step-2 checkpoint: FSDP loads the full state into its shards (2 processes
+    # again); the DDP checkpoint continues in one process with grad_accum=2 (same global batch)
+    shutil.rmtree(latest_checkpoint(out))
+    if mode == "fsdp":
+        proc = _torchrun(tmp_path, out, ["--resume"], raw=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        resumed = {r["step"]: r["loss"] for r in metric_lines(out) if r["kind"] == "train"}
+    else:
+        resumed = train(TrainConfig(**DIST, grad_accum=2, out_dir=str(out)), resume=True, progress=False).losses
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(losses[step], rel=1e-4), (step, resumed, losses)
 
 
 # ---------------------------------------------------------------------------------------------
