@@ -24,3 +24,24 @@ def test_demo_rejects_non_positive_sizes(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--length", "0"])
     assert "must be a positive integer" in capsys.readouterr().err
+
+
+def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
+    code = main(["bench", "--mixers", "softmax,cubit,performer", "--lengths", "32,48", "--decode-positions", "16",
+                 "--heads", "2", "--head-dim", "8", "--num-features", "8", "--chunk-size", "16", "--repeats", "1",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {(r["mixer"], r["length"]) for r in report["records"]} == {
+        (m, t) for m in ("softmax", "cubit", "performer") for t in (32, 48)
+    }
+    assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["records"])
+    assert {d["mixer"] for d in report["decode"]} == {"softmax", "cubit", "performer"}
+    assert report["matmul_peak_gflops"] > 0
+    assert "crossover vs softmax" in capsys.readouterr().out
+
+
+def test_op_bench_rejects_bad_lengths(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--lengths", "0,5"])
+    assert "positive integers" in capsys.readouterr().err

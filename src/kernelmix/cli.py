@@ -229,7 +229,50 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     trainer.add_argument("--out", help="the run directory (sets out_dir)")
     trainer.set_defaults(func=_train, parser=trainer)
+
+    opbench = sub.add_parser(
+        "bench", help="op speed and memory per mixer vs T (forward, forward+backward, decode); JSON + PNG",
+    )
+    opbench.add_argument("--mixers", type=_mixer_list, default=None, help="comma-separated (default: all)")
+    opbench.add_argument("--lengths", type=_int_list, default=[256, 512, 1024, 2048, 4096], help="e.g. 256,1024,4096")
+    opbench.add_argument("--decode-positions", type=_int_list, default=[256, 1024, 4096])
+    opbench.add_argument("--batch", type=_positive_int, default=1)
+    opbench.add_argument("--heads", type=_positive_int, default=8)
+    opbench.add_argument("--head-dim", type=_positive_int, default=64)
+    opbench.add_argument("--num-features", type=_positive_int, default=128)
+    opbench.add_argument("--chunk-size", type=_positive_int, default=64)
+    opbench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    opbench.add_argument("--device", default="cpu")
+    opbench.add_argument("--repeats", type=_positive_int, default=3)
+    opbench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    opbench.add_argument("--out", default="benchmarks", help="directory for bench.json / bench.png")
+    opbench.set_defaults(func=_op_bench)
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _op_bench(args: argparse.Namespace) -> int:
+    from .bench import MIXER_NAMES, format_report, run_bench, write_report
+
+    report = run_bench(
+        mixers=tuple(args.mixers or MIXER_NAMES), lengths=tuple(args.lengths),
+        decode_positions=tuple(args.decode_positions), batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        num_features=args.num_features, chunk_size=args.chunk_size, device=args.device, dtype=args.dtype,
+        repeats=args.repeats, memory=not args.no_memory, progress=lambda text: print(f"  measuring {text}", flush=True),
+    )
+    written = write_report(report, args.out)
+    print(format_report(report))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
