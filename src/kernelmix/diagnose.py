@@ -1,0 +1,426 @@
+"""Kernel diagnostics of a pretrained causal LM converted to random-feature attention.
+
+:func:`diagnose` measures, per converted layer and head, on held-out real text:
+
+* q/k anisotropy of the feature-space inputs (queries q·scaling·√d, post QK-norm and RoPE; keys):
+  effective rank exp(H(λ/Σλ)) of the *uncentred* second moment (what enters the estimator's
+  variance), the top-5 eigenvalue share, the condition number over the non-zero eigenvalues and the
+  number of (numerically) zero directions;
+* the relative error ‖o_RF − o‖/‖o‖ of the attention outputs, and of the attention weights on a
+  subsample of query rows, against exact softmax attention on the same q/k/v (the host's mask,
+  sliding windows included), as a function of m, averaged over draws of W, for
+  ``performer`` (= DARKFormer with M = I, the ``identity`` initialisation, bit for bit),
+  ``whiten`` (SPEC §5 data-aware M, F from calibration text) and ``distill`` (whiten, then
+  per-layer attention-output distillation of M at ``distill_m`` features; evaluated with fresh W);
+* the empirical variance of φ(q)·φ(k) over iid Gaussian W against SPEC §5's closed form
+  (1/m)·K²·(exp((x̃+ỹ)ᵀΣ(x̃+ỹ)) − 1) for sampled causal (q, k) pairs;
+* the end-to-end next-token loss and accuracy of the converted model (all chosen layers) per
+  variant and m, next to the host's.
+
+Writes ``diagnostics.json``, ``diagnostics.md`` and PNG plots (matplotlib, ``kernelmix[plot]``)
+into ``out_dir``. Calibration and held-out text are disjoint (the first ``calib_seqs`` windows
+calibrate, the next ``eval_seqs`` are measured).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from . import convert as cv
+from .layers.random_features import data_aware_transform
+
+VARIANTS = ("performer", "whiten", "distill")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces (testable on their own)
+
+
+def anisotropy(samples: Tensor) -> list[dict]:
+    """Per head of ``samples`` ``[N, H, d]``: eigen-statistics of the uncentred second moment."""
+    x = samples.detach().double()
+    second = torch.einsum("nhi,nhj->hij", x, x) / x.shape[0]
+    evals = torch.linalg.eigvalsh(second).clamp_min(0).flip(-1)  # descending
+    out = []
+    for ev in evals:
+        total = float(ev.sum())
+        if total <= 0:
+            out.append({"effective_rank": 0.0, "top5_share": float("nan"), "condition": float("nan"), "zero_dims": len(ev)})
+            continue
+        p = ev / total
+        nz = p[p > 0]
+        entropy = float(-(nz * nz.log()).sum())
+        floor = float(ev[0]) * 1e-10
+        positive = ev[ev > floor]
+        out.append({
+            "effective_rank": math.exp(entropy),
+            "top5_share": float(p[:5].sum()),
+            "condition": float(positive[0] / positive[-1]),
+            "zero_dims": int((ev <= floor).sum()),
+        })
+    return out
+
+
+def _visible(c: cv.Captured) -> Tensor:
+    batch, _, length_q, _ = c.query.shape
+    length_k = c.key.shape[2]
+    if c.mask is None:
+        rows = torch.arange(length_q)[:, None] + (length_k - length_q)
+        return (torch.arange(length_k)[None, :] <= rows).expand(batch, -1, -1)
+    return cv._visible_from_mask(c.mask).expand(batch, -1, -1)
+
+
+def per_head_rel_error(approx: Tensor, exact: Tensor, head_dim: int) -> list[float]:
+    """‖a − e‖/‖e‖ per head; tensors ``[B, T, H, d]`` (head_dim = 2) or ``[B, H, T, L]`` (head_dim = 1)."""
+    dims = [i for i in range(approx.dim()) if i != head_dim]
+    num = (approx.double() - exact.double()).pow(2).sum(dims).sqrt()
+    den = exact.double().pow(2).sum(dims).sqrt().clamp_min(1e-300)
+    return (num / den).tolist()
+
+
+def estimator_variance(x: Tensor, y: Tensor, transform: Tensor | None, *, num_features: int = 64, draws: int = 256,
+                       generator: torch.Generator | None = None) -> dict:
+    """Empirical vs closed-form variance of φ_Σ(x)·φ_Σ(y) (iid Gaussian W, m = ``num_features``) for
+    pairs ``x``, ``y`` ``[P, d]`` (feature space: kernel exp(xᵀΣy/√d)), Σ = MᵀM (M = ``transform``
+    ``[d, d]`` or None). Returns per-pair K, the empirical and closed-form variances (float64)."""
+    d = x.shape[-1]
+    xt, yt = x.double() * d**-0.25, y.double() * d**-0.25
+    if transform is not None:
+        xt, yt = xt @ transform.double().T, yt @ transform.double().T  # M x̃
+    kernel = torch.exp((xt * yt).sum(-1))
+    s = xt + yt
+    closed = kernel.pow(2) * torch.expm1((s * s).sum(-1)) / num_features
+    w = torch.randn(draws, num_features, d, generator=generator, dtype=torch.float64)
+    fx = torch.exp(torch.einsum("rmd,pd->rpm", w, xt) - 0.5 * (xt * xt).sum(-1)[None, :, None])
+    fy = torch.exp(torch.einsum("rmd,pd->rpm", w, yt) - 0.5 * (yt * yt).sum(-1)[None, :, None])
+    est = (fx * fy).mean(-1)  # [R, P]
+    return {"kernel": kernel, "empirical": est.var(0), "closed": closed, "mean": est.mean(0)}
+
+
+def _sample_pairs(q: Tensor, k: Tensor, vis: Tensor, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``count`` visible (query row, key col) pairs from batch element 0: indices."""
+    rows, cols = torch.nonzero(vis[0], as_tuple=True)
+    pick = torch.randint(0, rows.numel(), (count,), generator=generator)
+    return rows[pick], cols[pick]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _tokens(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> Tensor:
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
+        if len(ids) >= seq_len * count:
+            break
+    if len(ids) < seq_len * count:
+        raise ValueError(f"not enough text: {len(ids)} tokens for {count} windows of {seq_len}; give more text or lower seq_len")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    windows = torch.tensor(ids[: seq_len * count]).view(count, seq_len)
+    if bos is not None:
+        windows = torch.cat([torch.full((count, 1), bos), windows[:, :-1]], dim=1)
+    return windows
+
+
+def _lm_metrics(model, ids: Tensor) -> dict:
+    total, correct, n = 0.0, 0, 0
+    with torch.no_grad():
+        for row in ids:
+            logits = model(input_ids=row[None]).logits[0, :-1].float()
+            target = row[1:]
+            total += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(-1) == target).sum())
+            n += target.numel()
+    return {"loss": total / n, "accuracy": correct / n}
+
+
+def diagnose(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    out_dir: str | Path | None = None,
+    *,
+    layers: Any = "all",
+    m_values: Sequence[int] = (16, 64, 256, 1024),
+    variants: Sequence[str] = VARIANTS,
+    seq_len: int = 512,
+    calib_seqs: int = 2,
+    eval_seqs: int = 1,
+    seeds: int = 2,
+    weight_rows: int = 64,
+    variance_pairs: int = 16,
+    variance_draws: int = 256,
+    variance_m: int = 64,
+    distill_steps: int = 100,
+    distill_m: int = 256,
+    distill_lr: float = 5e-3,
+    e2e_m: Sequence[int] = (64, 256, 1024),
+    eps: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict:
+    """Run the diagnostics on an *unconverted* host ``model`` (left unchanged) and its tokenizer;
+    ``texts`` are documents of real text. Returns the results dict (also written to ``out_dir``)."""
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r} (choose from: {', '.join(VARIANTS)}; identity ≡ performer)")
+    if cv.kernels(model):
+        raise ValueError("diagnose takes the original (unconverted) model")
+    timings: dict[str, float] = {}
+    t_all = time.perf_counter()
+    ids = _tokens(tokenizer, texts, seq_len, calib_seqs + eval_seqs)
+    calib, held = ids[:calib_seqs], ids[calib_seqs:]
+    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=distill_m, seed=seed))
+    kernels = cv.kernels(probe)
+    t = time.perf_counter()
+    cal = cv.capture(probe, calib)
+    ev = cv.capture(probe, held)
+    timings["capture_s"] = time.perf_counter() - t
+
+    # transforms per variant and layer: (M, F) or None (identity)
+    transforms: dict[str, dict[int, tuple[Tensor, Tensor] | None]] = {v: {} for v in variants}
+    t = time.perf_counter()
+    for i, kernel in kernels.items():
+        q, k = cv._token_samples(cal[i], kernel)
+        white = data_aware_transform(q, k, eps)
+        for v in variants:
+            transforms[v][i] = None if v == "performer" else (white[0].float(), white[1].float())
+    timings["whiten_s"] = time.perf_counter() - t
+    distill_history = {}
+    if "distill" in variants:
+        t = time.perf_counter()
+        for i, kernel in kernels.items():
+            with torch.no_grad():
+                kernel.transform.copy_(transforms["distill"][i][0])
+                kernel.query_fold.copy_(transforms["distill"][i][1])
+        distill_history = cv.distill(probe, cal, steps=distill_steps, lr=distill_lr, progress=progress)
+        for i, kernel in kernels.items():
+            transforms["distill"][i] = (kernel.transform.detach().clone(), kernel.query_fold.detach().clone())
+        timings["distill_s"] = time.perf_counter() - t
+
+    layer_results = []
+    bar = cv._progress(progress, "attention errors", len(kernels) * len(variants) * len(m_values) * seeds)
+    t = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for i, kernel in kernels.items():
+        c = ev[i][0]
+        q_feat, k_feat = cv._token_samples(ev[i], kernel)
+        entry: dict = {"layer": i, "local": bool(cv.is_local(model.model.layers[i].self_attn)),
+                       "q": anisotropy(q_feat), "k": anisotropy(k_feat), "errors": {}, "variance": {}}
+        with torch.no_grad():
+            exact = cv.exact_output(c).float()
+            vis = _visible(c)
+            length_q = c.query.shape[2]
+            rows = torch.linspace(0, length_q - 1, min(weight_rows, length_q)).round().long().unique()
+            q_base = kernel.feature_queries(c.query.float(), c.scaling, fold=torch.eye(kernel.head_dim).expand(kernel.num_heads, -1, -1))
+            k_in = c.key.transpose(1, 2).float()
+            v_in = c.value.transpose(1, 2).float()
+            _, w_exact = cv.softmax_attention_dense(q_base[:, rows], k_in, v_in, vis[:, rows])
+            for v in variants:
+                mf = transforms[v][i]
+                transform = None if mf is None else mf[0]
+                fold = None if mf is None else mf[1]
+                q_rows = q_base[:, rows] if fold is None else torch.einsum("hij,bthj->bthi", fold, q_base[:, rows])
+                per_m = {}
+                for m in m_values:
+                    out_err, w_err = [], []
+                    for s in range(seeds):
+                        proj_gen = torch.Generator().manual_seed(1000 * s + m)
+                        kernel.projection = kernel._draw(proj_gen, m)
+                        approx = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling,
+                                               transform=transform if transform is not None else _eye_like(kernel),
+                                               fold=fold if fold is not None else _eye_like(kernel))
+                        out_err.append(per_head_rel_error(approx.float(), exact, 2))
+                        _, w_rf = cv.rf_attention_dense(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
+                        w_err.append(per_head_rel_error(w_rf, w_exact, 1))
+                        bar.advance()
+                    per_m[str(m)] = {"output": _mean_lists(out_err), "weights": _mean_lists(w_err)}
+                entry["errors"][v] = per_m
+                # estimator variance on sampled causal pairs (per head, pooled)
+                ri, ci = _sample_pairs(q_base, k_in, vis, variance_pairs, gen)
+                ratios, rel_std = [], []
+                for h in range(kernel.num_heads):
+                    kh = h // (kernel.num_heads // kernel.num_kv_heads)
+                    x = q_base[0, ri, h]
+                    if fold is not None:
+                        x = x @ fold[h].T
+                    y = k_in[0, ci, kh]
+                    res = estimator_variance(x, y, None if transform is None else transform[h], num_features=variance_m,
+                                             draws=variance_draws, generator=gen)
+                    ok = res["closed"] > 0
+                    ratios.extend((res["empirical"][ok] / res["closed"][ok]).tolist())
+                    rel_std.extend((res["closed"][ok].sqrt() / res["kernel"][ok]).tolist())
+                entry["variance"][v] = {
+                    "m": variance_m,
+                    "median_empirical_over_closed": _median(ratios),
+                    "median_closed_rel_std": _median(rel_std),
+                }
+        layer_results.append(entry)
+    bar.close()
+    timings["attention_errors_s"] = time.perf_counter() - t
+
+    # end to end
+    t = time.perf_counter()
+    host_metrics = _lm_metrics(model, held)
+    e2e = {"host": host_metrics}
+    for v in variants:
+        e2e[v] = {}
+        for m in e2e_m:
+            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed))
+            with torch.no_grad():
+                for i, kernel in cv.kernels(conv).items():
+                    if transforms[v][i] is not None:
+                        kernel.transform.copy_(transforms[v][i][0])
+                        kernel.query_fold.copy_(transforms[v][i][1])
+            e2e[v][str(m)] = _lm_metrics(conv, held)
+            del conv
+    timings["end_to_end_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_all
+
+    result = {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "model_type": model.config.model_type,
+        "layers": list(kernels),
+        "settings": {"m_values": list(m_values), "variants": list(variants), "seq_len": seq_len, "calib_seqs": calib_seqs,
+                     "eval_seqs": eval_seqs, "seeds": seeds, "weight_rows": int(min(weight_rows, seq_len)),
+                     "distill_steps": distill_steps, "distill_m": distill_m, "eps": eps, "seed": seed,
+                     "note": "identity init ≡ performer (M = F = I) bit for bit"},
+        "per_layer": layer_results,
+        "summary": _summary(layer_results, variants, m_values),
+        "distill_loss": {str(i): {"first": h[0], "last": h[-1]} for i, h in distill_history.items()},
+        "end_to_end": e2e,
+        "timings": timings,
+    }
+    if out_dir is not None:
+        write_report(result, out_dir, plots=plots)
+    return result
+
+
+def _eye_like(kernel) -> Tensor:
+    return torch.eye(kernel.head_dim).expand(kernel.num_heads, -1, -1)
+
+
+def _mean_lists(lists: list[list[float]]) -> list[float]:
+    return [sum(col) / len(col) for col in zip(*lists)]
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return None
+    values.sort()
+    return values[len(values) // 2]
+
+
+def _summary(layers: list[dict], variants, m_values) -> dict:
+    """Mean over layers and heads of the output / weight errors per variant and m."""
+    out = {}
+    for v in variants:
+        out[v] = {}
+        for m in m_values:
+            o = [e for L in layers for e in L["errors"][v][str(m)]["output"]]
+            w = [e for L in layers for e in L["errors"][v][str(m)]["weights"]]
+            out[v][str(m)] = {"output": sum(o) / len(o), "weights": sum(w) / len(w)}
+    return out
+
+
+def write_report(result: dict, out_dir: str | Path, *, plots: bool = True) -> Path:
+    """``diagnostics.json``, ``diagnostics.md`` and (matplotlib permitting) PNG plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnostics.json").write_text(json.dumps(result, indent=1, allow_nan=True))
+    (out / "diagnostics.md").write_text(markdown(result))
+    if plots:
+        try:
+            _plots(result, out)
+        except ImportError:
+            pass
+    return out
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"# Kernel diagnostics — {result['model']}", "",
+             f"layers {result['layers']}; held-out {s['eval_seqs']}×{s['seq_len']} tokens, calibration {s['calib_seqs']}×{s['seq_len']}; "
+             f"{s['seeds']} draws of W per m; weights on {s['weight_rows']} rows; {s['note']}.", "",
+             "## Relative error vs exact softmax (mean over layers and heads)", "",
+             "| variant | m | output rel. error | weights rel. error |", "|---|---:|---:|---:|"]
+    for v, per_m in result["summary"].items():
+        for m, e in per_m.items():
+            lines.append(f"| {v} | {m} | {e['output']:.4f} | {e['weights']:.4f} |")
+    lines += ["", "## Per layer (mean over heads): anisotropy and output error at the largest m", ""]
+    m_last = str(s["m_values"][-1])
+    variants = s["variants"]
+    lines.append("| layer | local | eff. rank q | eff. rank k | top-5 q | top-5 k | zero dims q/k | " +
+                 " | ".join(f"{v} m={m_last}" for v in variants) + " |")
+    lines.append("|---:|:---:|---:|---:|---:|---:|---:|" + "---:|" * len(variants))
+    for L in result["per_layer"]:
+        mean = lambda key, side: sum(h[key] for h in L[side]) / len(L[side])  # noqa: E731
+        errs = " | ".join(f"{sum(L['errors'][v][m_last]['output']) / len(L['errors'][v][m_last]['output']):.4f}" for v in variants)
+        lines.append(f"| {L['layer']} | {'yes' if L['local'] else 'no'} | {mean('effective_rank', 'q'):.1f} | {mean('effective_rank', 'k'):.1f} | "
+                     f"{mean('top5_share', 'q'):.2f} | {mean('top5_share', 'k'):.2f} | "
+                     f"{max(h['zero_dims'] for h in L['q'])}/{max(h['zero_dims'] for h in L['k'])} | {errs} |")
+    lines += ["", "## Estimator variance (iid W): empirical vs SPEC §5 closed form (median over layers)", "",
+              "| variant | m | median empirical/closed | median closed-form rel. std |", "|---|---:|---:|---:|"]
+    for v in variants:
+        r = [L["variance"][v]["median_empirical_over_closed"] for L in result["per_layer"]]
+        sd = [L["variance"][v]["median_closed_rel_std"] for L in result["per_layer"]]
+        m = result["per_layer"][0]["variance"][v]["m"] if result["per_layer"] else ""
+        lines.append(f"| {v} | {m} | {_fmt(_median([x for x in r if x is not None]))} | {_fmt(_median([x for x in sd if x is not None]))} |")
+    e2e = result["end_to_end"]
+    lines += ["", "## End to end (held-out next-token prediction)", "", "| model | m | loss | accuracy |", "|---|---:|---:|---:|",
+              f"| host | – | {e2e['host']['loss']:.4f} | {e2e['host']['accuracy']:.4f} |"]
+    for v in variants:
+        for m, r in e2e[v].items():
+            lines.append(f"| {v} | {m} | {r['loss']:.4f} | {r['accuracy']:.4f} |")
+    lines += ["", "## Wall times (s)", "", "| stage | s |", "|---|---:|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in result["timings"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def _plots(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("output", "weights")):
+        for v, per_m in result["summary"].items():
+            ms = [int(m) for m in per_m]
+            ax.loglog(ms, [per_m[str(m)][key] for m in ms], marker="o", label=v)
+        ax.set_xlabel("random features m")
+        ax.set_ylabel(f"relative error of attention {key}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{result['model']}: random-feature attention vs exact softmax")
+    fig.tight_layout()
+    fig.savefig(out / "error_vs_m.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    layers = [L["layer"] for L in result["per_layer"]]
+    for side in ("q", "k"):
+        ax.plot(layers, [sum(h["effective_rank"] for h in L[side]) / len(L[side]) for L in result["per_layer"]], marker="o", label=side)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("effective rank (mean over heads)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "anisotropy.png", dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["VARIANTS", "anisotropy", "diagnose", "estimator_variance", "markdown", "per_head_rel_error", "write_report"]
