@@ -370,6 +370,8 @@ def test_a_fresh_run_never_overwrites_and_resume_needs_a_checkpoint(finished_run
     assert snapshot(finished_run) == before
     with pytest.raises(CheckpointError, match="nothing to resume: .* holds no checkpoint; run without --resume"):
         train(TrainConfig(**REF, out_dir=str(tmp_path / "empty")), resume=True, progress=False)
+    with pytest.raises(ValueError, match="stop_at must be a step >= 1"):
+        train(TrainConfig(**REF, out_dir=str(tmp_path / "empty")), stop_at=0, progress=False)
     assert not (tmp_path / "empty").exists()
 
 

@@ -344,6 +344,8 @@ def train(
     (True), nothing printed (False), or plain lines unless stderr is a terminal (None)."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise ValueError(f"stop_at must be a step >= 1 (or None to train to the end), got {stop_at!r}")
     env = distrib.setup(config.device)
     try:
         return _train(config, env, resume=resume, stop_at=stop_at, progress=progress)
