@@ -257,3 +257,24 @@ def test_gemma3_270m_real():
     assert loss < ref_loss + 1.5, (float(loss), float(ref_loss))
     gen = conv.generate(x[:, :16], max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 20)
+
+
+def test_cli_convert_and_errors(tmp_path, capsys, monkeypatch):
+    from kernelmix.cli import main
+
+    monkeypatch.setenv("KERNELMIX_CACHE", str(tmp_path / "cache"))
+    host = tiny_gemma()
+    host.save_pretrained(str(tmp_path / "host"))
+    assert main(["convert", str(tmp_path / "host"), "--out", str(tmp_path / "conv"), "--mixer", "performer",
+                 "--layers", "global", "--num-features", "16"]) == 0
+    loaded = cv.load_converted(tmp_path / "conv")
+    assert list(cv.kernels(loaded)) == [1] and cv.kernels(loaded)[1].mixer == "performer"
+    x = ids()
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", layers="global", num_features=16))
+    torch.testing.assert_close(logits(loaded, x), logits(model, x))
+    assert main(["convert", str(tmp_path / "host"), "--out", str(tmp_path / "bad"), "--layers", "0,7"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), "--out", str(tmp_path / "bad")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["pretrained", "list"]) == 0
+    assert "gemma3-270m" in capsys.readouterr().out

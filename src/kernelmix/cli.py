@@ -247,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     opbench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     opbench.add_argument("--out", default="benchmarks", help="directory for bench.json / bench.png")
     opbench.set_defaults(func=_op_bench)
+
+    # pretrained models, conversion and kernel diagnostics (their modules hold the commands)
+    from . import convert as _convert, diagnose as _diagnose, pretrained as _pretrained
+
+    for module in (_pretrained, _convert, _diagnose):
+        module.add_commands(sub)
     return parser
 
 
