@@ -549,19 +549,39 @@ def distill(model, captured: dict[int, list[Captured]], *, steps: int = 200, lr:
             params.append(fold)
         opt = torch.optim.Adam(params, lr=lr)
         losses = []
+        # Guard against blow-ups (real models give the estimator a huge variance): clip the
+        # gradient, undo a step whose loss or parameters are not finite (and halve the rate),
+        # and keep the parameters with the lowest loss seen.
+        best = (float("inf"), [p.detach().clone() for p in params])
         for step in range(steps):
             c = items[step % len(items)]
             t = teachers[step % len(items)]
             out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling, transform=transform, fold=fold)
             loss = (out.float() - t).pow(2).mean() / norms[step % len(items)]
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                with torch.no_grad():
+                    for p, b in zip(params, best[1]):
+                        p.copy_(b)
+                for group in opt.param_groups:
+                    group["lr"] *= 0.5
+                opt.state.clear()
+                losses.append(value)
+                bar.advance()
+                continue
+            if value < best[0]:
+                best = (value, [p.detach().clone() for p in params])
             opt.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            losses.append(float(loss.detach()))
+            losses.append(value)
             bar.advance()
             if log is not None and (step % 50 == 0 or step == steps - 1):
-                log(f"layer {i} step {step}: relative MSE {float(loss):.4g}")
+                log(f"layer {i} step {step}: relative MSE {value:.4g} (best {best[0]:.4g})")
         with torch.no_grad():
+            for p, b in zip(params, best[1]):
+                p.copy_(b)
             kernel.transform.copy_(transform.to(kernel.transform))
             if fold is not None:
                 kernel.query_fold.copy_(fold.to(kernel.query_fold))

@@ -167,6 +167,7 @@ def diagnose(
     seed: int = 0,
     progress: bool = True,
     plots: bool = True,
+    log: Any = None,
 ) -> dict:
     """Run the diagnostics on an *unconverted* host ``model`` (left unchanged) and its tokenizer;
     ``texts`` are documents of real text. Returns the results dict (also written to ``out_dir``)."""
@@ -175,6 +176,7 @@ def diagnose(
             raise ValueError(f"unknown variant {v!r} (choose from: {', '.join(VARIANTS)}; identity ≡ performer)")
     if cv.kernels(model):
         raise ValueError("diagnose takes the original (unconverted) model")
+    say = log or (lambda msg: None)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
     ids = _tokens(tokenizer, texts, seq_len, calib_seqs + eval_seqs)
@@ -185,6 +187,7 @@ def diagnose(
     cal = cv.capture(probe, calib)
     ev = cv.capture(probe, held)
     timings["capture_s"] = time.perf_counter() - t
+    say(f"captured q/k/v of layers {list(kernels)} in {timings['capture_s']:.1f} s")
 
     # transforms per variant and layer: (M, F) or None (identity)
     transforms: dict[str, dict[int, tuple[Tensor, Tensor] | None]] = {v: {} for v in variants}
@@ -202,7 +205,7 @@ def diagnose(
             with torch.no_grad():
                 kernel.transform.copy_(transforms["distill"][i][0])
                 kernel.query_fold.copy_(transforms["distill"][i][1])
-        distill_history = cv.distill(probe, cal, steps=distill_steps, lr=distill_lr, progress=progress)
+        distill_history = cv.distill(probe, cal, steps=distill_steps, lr=distill_lr, progress=progress, log=log)
         for i, kernel in kernels.items():
             transforms["distill"][i] = (kernel.transform.detach().clone(), kernel.query_fold.detach().clone())
         timings["distill_s"] = time.perf_counter() - t
@@ -265,6 +268,7 @@ def diagnose(
                     "median_closed_rel_std": _median(rel_std),
                 }
         layer_results.append(entry)
+        say(f"layer {i}: errors done ({time.perf_counter() - t:.1f} s)")
     bar.close()
     timings["attention_errors_s"] = time.perf_counter() - t
 
@@ -282,6 +286,7 @@ def diagnose(
                         kernel.transform.copy_(transforms[v][i][0])
                         kernel.query_fold.copy_(transforms[v][i][1])
             e2e[v][str(m)] = _lm_metrics(conv, held)
+            say(f"end to end {v} m={m}: {e2e[v][str(m)]}")
             del conv
     timings["end_to_end_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_all
@@ -451,7 +456,8 @@ def _cli_diagnose(args) -> int:
         result = diagnose(model, tok, docs, args.out, layers=cv.parse_layers(args.layers), m_values=_int_list(args.m),
                           variants=tuple(v for v in args.variants.split(",") if v), seq_len=args.seq_len,
                           calib_seqs=args.calib_seqs, eval_seqs=args.eval_seqs, seeds=args.seeds,
-                          distill_steps=args.distill_steps, e2e_m=_int_list(args.e2e_m), progress=True)
+                          distill_steps=args.distill_steps, e2e_m=_int_list(args.e2e_m), progress=True,
+                          log=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
