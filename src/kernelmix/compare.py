@@ -1,0 +1,505 @@
+"""``kernelmix compare``: train every mixer the same way and compare them — the README's main job.
+
+    from kernelmix.compare import CompareConfig, run_compare
+    summary = run_compare(CompareConfig(mixers=["softmax", "cubit"], lengths=[256, 512], steps=60))
+
+For every (mixer, training length, seed) one run of :func:`kernelmix.training.train` with the
+same preset, corpus, tokenizer, optimizer settings and **token budget**: every step sees
+``tokens_per_step`` tokens at every length (``batch = tokens_per_step / length``), for ``steps``
+steps. The budget that is equal is tokens, not FLOPs or wall-clock: the mixers do not cost the
+same per token, so each run's wall time and training throughput (tokens/s) are reported beside
+its loss. The seed sets the initial weights and the order of the training windows; different
+mixers with the same seed see exactly the same training windows.
+
+Each finished run is evaluated on the same held-out tokens (the first ``max(lengths)`` tokens of
+``eval_docs`` validation documents; :func:`kernelmix.evaluate.evaluate_loss`) at its training
+length: loss, perplexity and loss by token position in the window.
+
+Output (``out_dir``, default ``runs/compare/``)::
+
+    results.json              settings, every run, the mean ± spread over seeds per (mixer, length)
+    results.md                the tables
+    val_loss_vs_length.png    validation loss vs training length per mixer
+    loss_curves.png           training loss vs tokens, one panel per length
+    throughput.png            training tokens/s per mixer and length
+    loss_by_position.png      validation loss by position bucket at the longest length
+    runs/<mixer>-T<len>-s<seed>-<hash>/   each run's train() directory + result.json
+
+Resumable: a run whose ``result.json`` exists for the same settings (the hash in its directory
+name) is reused; one that was interrupted after its last checkpoint is resumed; an interrupted
+one without a checkpoint is started again. So an interrupted compare loses at most one run.
+
+Mixer names: the registry's (softmax, cubit, deltaformer, performer, darkformer) and
+``cubit-nolrr`` (Cubit with ``mixer_options cubit.lrr=false``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .model import PRESETS
+
+# name → (registry mixer, mixer_options)
+MIXER_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "softmax": ("softmax", {}),
+    "cubit": ("cubit", {}),
+    "cubit-nolrr": ("cubit", {"cubit": {"lrr": False}}),
+    "deltaformer": ("deltaformer", {}),
+    "performer": ("performer", {}),
+    "darkformer": ("darkformer", {}),
+}
+DEFAULT_MIXERS = list(MIXER_VARIANTS)
+RESULT_FORMAT = "kernelmix.compare/1"
+
+
+@dataclass
+class CompareConfig:
+    """What ``kernelmix compare`` trains. The defaults are sized to finish in about 15 minutes on
+    2 CPU cores (measured; see the README): the ``tiny`` preset (2 layers, width 64) on byte-level
+    ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 4,096 tokens per step."""
+
+    mixers: list[str] = field(default_factory=lambda: list(DEFAULT_MIXERS))
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    seeds: list[int] = field(default_factory=lambda: [0])
+    preset: str = "tiny"
+    model: dict[str, Any] = field(default_factory=dict)  # extra ModelConfig overrides for every run
+    corpus: str = "pystdlib"
+    tokenizer: str = "byte"
+    tokens_per_step: int = 4096  # the same at every length: batch = tokens_per_step / length
+    steps: int = 40
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    eval_docs: int = 16  # validation documents evaluated (their first max(lengths) tokens each)
+    eval_batch_size: int = 4
+    buckets: list[int] | None = None  # position-bucket edges; None: 0, 64, 256, 1024, ...
+    out_dir: str = "runs/compare"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.mixers if m not in MIXER_VARIANTS]
+        if unknown or not self.mixers:
+            raise ValueError(
+                f"unknown mixer(s) {', '.join(map(repr, unknown)) or '(none given)'} "
+                f"(choose from: {', '.join(MIXER_VARIANTS)})"
+            )
+        if len(set(self.mixers)) != len(self.mixers):
+            raise ValueError(f"mixers lists a name twice: {self.mixers}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r} (choose from: {', '.join(PRESETS)})")
+        for name in ("tokens_per_step", "steps", "eval_docs", "eval_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not self.lengths or not self.seeds:
+            raise ValueError("give at least one length and one seed")
+        for length in self.lengths:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+                raise ValueError(f"lengths must be ints ≥ 2, got {length!r}")
+            if self.tokens_per_step % length:
+                raise ValueError(
+                    f"tokens_per_step {self.tokens_per_step} is not a multiple of length {length}: every length must get "
+                    f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
+                )
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be ints ≥ 0, got {self.seeds}")
+        self.lengths = sorted(set(self.lengths))
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r} (choose from: auto, cpu, cuda)")
+        for mixer in self.mixers:  # a bad model override fails now, not after the first runs
+            self.train_config(mixer, self.lengths[-1], self.seeds[0], "unused")
+
+    @property
+    def tokens_per_run(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    def model_overrides(self, mixer: str) -> dict[str, Any]:
+        base, options = MIXER_VARIANTS[mixer]
+        overrides = json.loads(json.dumps(self.model))
+        overrides["mixer"] = base
+        merged = dict(overrides.get("mixer_options", {}))
+        for name, opts in options.items():
+            merged[name] = {**merged.get(name, {}), **opts}
+        if merged:
+            overrides["mixer_options"] = merged
+        # every run has the same model (positions up to the longest length), whatever its length
+        overrides.setdefault("max_seq_len", max(max(self.lengths), PRESETS[self.preset]["max_seq_len"]))
+        return overrides
+
+    def train_config(self, mixer: str, length: int, seed: int, out_dir: str | Path):
+        from .training import TrainConfig
+
+        return TrainConfig(
+            preset=self.preset, model=self.model_overrides(mixer), corpus=self.corpus, tokenizer=self.tokenizer,
+            seq_len=length, batch_size=self.tokens_per_step // length, steps=self.steps, lr=self.lr,
+            min_lr=min(self.min_lr, self.lr), warmup_steps=self.warmup_steps, seed=seed, device=self.device,
+            eval_every=0, eval_batches=2, log_every=max(1, self.steps // 10), checkpoint_every=0,
+            keep_checkpoints=1, out_dir=str(out_dir),
+        )
+
+    def run_key(self, mixer: str, length: int, seed: int) -> str:
+        """A hash of everything that defines the run and its evaluation (not out_dir)."""
+        settings = self.train_config(mixer, length, seed, "").to_dict()
+        settings.pop("out_dir")
+        settings["eval"] = {"docs": self.eval_docs, "doc_tokens": max(self.lengths), "buckets": self.buckets}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_split=None,
+            progress: bool | None = None, note: Callable[[str], None] = print) -> tuple[dict[str, Any], bool]:
+    """Train and evaluate one (mixer, length, seed), or reuse its result. Returns (result, reused)."""
+    from .evaluate import evaluate_loss, load_run
+    from .training import latest_checkpoint, train
+
+    key = config.run_key(mixer, length, seed)
+    run_dir = Path(config.out_dir) / "runs" / f"{mixer}-T{length}-s{seed}-{key}"
+    result_path = run_dir / "result.json"
+    if result_path.is_file():
+        try:
+            saved = json.loads(result_path.read_text(encoding="utf-8"))
+            if saved.get("key") == key and saved.get("format") == RESULT_FORMAT:
+                return saved, True
+        except ValueError:
+            pass  # a damaged result: redo the run's evaluation below
+    train_config = config.train_config(mixer, length, seed, run_dir)
+    resume = latest_checkpoint(run_dir) is not None
+    if not resume and run_dir.exists():  # interrupted before its only checkpoint: start over
+        shutil.rmtree(run_dir)
+    if resume:
+        note(f"  resuming {run_dir}")
+    trained = train(train_config, resume=resume, progress=progress)
+
+    started = time.perf_counter()
+    run = load_run(run_dir, device=train_config.device if train_config.device != "auto" else "cpu")
+    report = evaluate_loss(run.model, val_split, length, batch_size=config.eval_batch_size, buckets=config.buckets,
+                           train_seq_len=length)[0]
+    eval_s = time.perf_counter() - started
+
+    curve, rates, train_wall, tokens_per_s = [], [], trained.wall_s, trained.tokens_per_s
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") == "train":
+            curve.append([record["step"], record["tokens"], record["loss"]])
+            rates.append(record["tokens_per_s"])
+    if rates and (resume or not tokens_per_s):  # a resumed run: over all its logged steps, not this call's
+        tokens_per_s = len(rates) / sum(1 / max(r, 1e-9) for r in rates)  # seconds per token, averaged per step
+    result = {
+        "format": RESULT_FORMAT,
+        "key": key,
+        "mixer": mixer,
+        "length": length,
+        "seed": seed,
+        "batch_size": train_config.batch_size,
+        "steps": trained.final_step,
+        "tokens": trained.final_step * config.tokens_per_step,
+        "parameters": run.model.num_parameters(),
+        "val_loss": report.loss,
+        "val_perplexity": report.perplexity,
+        "val_tokens": report.tokens,
+        "buckets": [{"start": b.start, "end": b.end, "loss": b.loss, "tokens": b.tokens} for b in report.buckets],
+        "final_train_loss": curve[-1][2] if curve else None,
+        "tokens_per_s": tokens_per_s,
+        "train_wall_s": train_wall,
+        "eval_s": eval_s,
+        "curve": curve,
+        "run_dir": str(run_dir),
+    }
+    tmp = result_path.with_name("result.json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, result_path)
+    return result, False
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole comparison
+
+
+def _mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarize(config: CompareConfig, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (mixer, length): mean and spread (sample std over seeds) of val loss, tokens/s, wall."""
+    rows = []
+    for mixer in config.mixers:
+        for length in config.lengths:
+            group = [r for r in runs if r["mixer"] == mixer and r["length"] == length]
+            if not group:
+                continue
+            loss, loss_sd = _mean_spread([r["val_loss"] for r in group])
+            tps, tps_sd = _mean_spread([r["tokens_per_s"] for r in group])
+            wall, _ = _mean_spread([r["train_wall_s"] for r in group])
+            buckets = []
+            for i, b in enumerate(group[0]["buckets"]):
+                mean, sd = _mean_spread([r["buckets"][i]["loss"] for r in group])
+                buckets.append({"start": b["start"], "end": b["end"], "loss": mean, "loss_sd": sd})
+            rows.append({
+                "mixer": mixer, "length": length, "seeds": len(group), "val_loss": loss, "val_loss_sd": loss_sd,
+                "val_perplexity": math.exp(loss), "tokens_per_s": tps, "tokens_per_s_sd": tps_sd,
+                "train_wall_s": wall, "buckets": buckets, "parameters": group[0]["parameters"],
+            })
+    return rows
+
+
+def run_compare(config: CompareConfig, *, progress: bool | None = None, console=None) -> dict[str, Any]:
+    """Run (or reuse) every (mixer, length, seed), then write results.json, results.md and the
+    plots into ``config.out_dir``. Returns the results.json content."""
+    from .data import prepare_dataset
+    from .evaluate import cap_split
+
+    if console is None:
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False)
+    note = console.print
+    started = time.perf_counter()
+    out = Path(config.out_dir)
+    dataset = prepare_dataset(config.corpus, config.tokenizer)  # fails early on an unknown corpus
+    val = cap_split(dataset.val, doc_tokens=max(config.lengths), max_docs=config.eval_docs)
+    if val.num_tokens - len(val) <= 0:
+        raise ValueError(f"corpus {config.corpus!r} has no validation text to evaluate on; use a larger corpus")
+    if dataset.train.num_tokens < max(config.lengths) * 2:
+        raise ValueError(
+            f"corpus {config.corpus!r} has {dataset.train.num_tokens} training tokens, too few for length {max(config.lengths)}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(m, length, s) for s in config.seeds for length in config.lengths for m in config.mixers]
+    note(
+        f"[bold]kernelmix compare[/]: {len(config.mixers)} mixers × lengths {config.lengths} × seeds {config.seeds} = "
+        f"{len(plan)} runs; preset {config.preset}, {config.corpus} / {config.tokenizer}; equal budget: "
+        f"{config.tokens_per_run:,} tokens per run ({config.steps} steps × {config.tokens_per_step:,} tokens); "
+        f"{torch.get_num_threads()} torch threads; output {out}"
+    )
+    runs, reused_count = [], 0
+    for index, (mixer, length, seed) in enumerate(plan, start=1):
+        note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
+             f"(batch {config.tokens_per_step // length} × {length})")
+        t0 = time.perf_counter()
+        result, reused = run_one(config, mixer, length, seed, val_split=val, progress=progress, note=note)
+        runs.append(result)
+        reused_count += reused
+        note(
+            f"      {'reused' if reused else 'done'}: val loss {result['val_loss']:.4f}, "
+            f"{result['tokens_per_s']:,.0f} tok/s, train {result['train_wall_s']:.0f} s"
+            + ("" if reused else f", total {time.perf_counter() - t0:.0f} s")
+        )
+    summary = summarize(config, runs)
+    results = {
+        "format": RESULT_FORMAT,
+        "settings": config.to_dict(),
+        "budget": {
+            "equal": "tokens",
+            "tokens_per_run": config.tokens_per_run,
+            "tokens_per_step": config.tokens_per_step,
+            "steps": config.steps,
+            "note": "equal training tokens per run; mixers differ in cost per token, see tokens_per_s and train_wall_s",
+        },
+        "evaluation": {"split": "val", "documents": len(val), "tokens_per_document": max(config.lengths),
+                       "predicted_tokens": int(val.num_tokens - len(val)), "at": "each run's training length"},
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "cpus": os.cpu_count(), "device": config.device},
+        "runs": runs,
+        "summary": summary,
+        "wall_s": time.perf_counter() - started,  # this invocation (reused runs cost ~nothing)
+        "runs_wall_s": sum(r["train_wall_s"] + r["eval_s"] for r in runs),  # training + evaluation of all runs
+        "reused_runs": reused_count,
+    }
+    (out / "results.md").write_text(format_markdown(results), encoding="utf-8")
+    results["plots"] = write_plots(results, out)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "results.json")
+    note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(results['plots'])} plots "
+         f"in {results['wall_s'] / 60:.1f} min")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def _fmt(mean: float, sd: float, seeds: int, digits: int = 3) -> str:
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}" if seeds > 1 else f"{mean:.{digits}f}"
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    """The tables of results.md: val loss per mixer and length, throughput and wall time, loss by
+    position at the longest length."""
+    settings, summary = results["settings"], results["summary"]
+    lengths, mixers = settings["lengths"], settings["mixers"]
+    seeds = settings["seeds"]
+    cell = {(r["mixer"], r["length"]): r for r in summary}
+    spread = " (mean ± sample std over seeds)" if len(seeds) > 1 else ""
+    lines = [
+        f"# kernelmix compare — preset `{settings['preset']}`, {settings['corpus']} / {settings['tokenizer']} tokens",
+        "",
+        f"Equal budget: **{results['budget']['tokens_per_run']:,} training tokens** per run "
+        f"({settings['steps']} steps × {settings['tokens_per_step']:,} tokens; batch = {settings['tokens_per_step']:,} / length); "
+        f"seeds {seeds}; lr {settings['lr']}. Validation: {results['evaluation']['predicted_tokens']:,} predicted tokens "
+        f"(first {results['evaluation']['tokens_per_document']} tokens of {results['evaluation']['documents']} held-out "
+        f"documents) at each run's training length. Wall time {results['wall_s'] / 60:.1f} min for this invocation "
+        f"({results['reused_runs']} of {len(results['runs'])} runs reused), {results['runs_wall_s'] / 60:.1f} min of "
+        f"training + evaluation over all runs; {results['machine']['threads']} torch threads.",
+        "",
+        f"## Validation loss (nats/token){spread}",
+        "",
+        "| mixer | " + " | ".join(f"T={t}" for t in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    best = {t: min((r["val_loss"] for r in summary if r["length"] == t), default=None) for t in lengths}
+    for m in mixers:
+        cells = []
+        for t in lengths:
+            r = cell.get((m, t))
+            if r is None:
+                cells.append("–")
+                continue
+            text = _fmt(r["val_loss"], r["val_loss_sd"], r["seeds"])
+            cells.append(f"**{text}**" if r["val_loss"] == best[t] else text)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Training throughput (tokens/s) and wall time per run (s)",
+        "",
+        "| mixer | params | " + " | ".join(f"tok/s T={t}" for t in lengths) + " | " + " | ".join(f"s T={t}" for t in lengths) + " |",
+        "|---|---:|" + "---:|" * (2 * len(lengths)),
+    ]
+    for m in mixers:
+        rows = [cell.get((m, t)) for t in lengths]
+        params = next((r["parameters"] for r in rows if r), 0)
+        lines.append(
+            f"| {m} | {params:,} | "
+            + " | ".join(f"{r['tokens_per_s']:,.0f}" if r else "–" for r in rows) + " | "
+            + " | ".join(f"{r['train_wall_s']:.0f}" if r else "–" for r in rows) + " |"
+        )
+    longest = lengths[-1]
+    at_longest = [cell[(m, longest)] for m in mixers if (m, longest) in cell]
+    if at_longest:
+        ranges = [(b["start"], b["end"]) for b in at_longest[0]["buckets"]]
+        lines += [
+            "",
+            f"## Validation loss by position in the window (T={longest})",
+            "",
+            "| mixer | " + " | ".join(f"[{a}, {b})" for a, b in ranges) + " |",
+            "|---|" + "---:|" * len(ranges),
+        ]
+        for r in at_longest:
+            lines.append(f"| {r['mixer']} | " + " | ".join(_fmt(b["loss"], b["loss_sd"], r["seeds"]) for b in r["buckets"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(results: dict[str, Any], out: Path) -> list[str]:
+    """The PNGs (matplotlib, Agg backend); returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    settings, summary, runs = results["settings"], results["summary"], results["runs"]
+    mixers, lengths = settings["mixers"], settings["lengths"]
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in mixers:
+        rows = sorted((r for r in summary if r["mixer"] == m), key=lambda r: r["length"])
+        if rows:
+            ax.errorbar([r["length"] for r in rows], [r["val_loss"] for r in rows], yerr=[r["val_loss_sd"] for r in rows],
+                        marker="o", capsize=3, label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(t) for t in lengths])
+    ax.set_xlabel("training length (tokens)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"{results['budget']['tokens_per_run']:,} training tokens per run")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "val_loss_vs_length.png")
+
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.8), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], lengths):
+        for m in mixers:
+            group = [r for r in runs if r["mixer"] == m and r["length"] == t and r["curve"]]
+            if not group:
+                continue
+            n = min(len(r["curve"]) for r in group)
+            tokens = [group[0]["curve"][i][1] for i in range(n)]
+            losses = [sum(r["curve"][i][2] for r in group) / len(group) for i in range(n)]
+            ax.plot(tokens, losses, label=m)
+        ax.set_title(f"T={t}")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss" + (" (mean over seeds)" if len(settings["seeds"]) > 1 else ""))
+    axes[0][-1].legend()
+    save(fig, "loss_curves.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    width = 0.8 / len(lengths)
+    for i, t in enumerate(lengths):
+        values = [next((r["tokens_per_s"] for r in summary if r["mixer"] == m and r["length"] == t), 0) for m in mixers]
+        ax.bar([x + (i - (len(lengths) - 1) / 2) * width for x in range(len(mixers))], values, width, label=f"T={t}")
+    ax.set_xticks(range(len(mixers)), mixers, rotation=20)
+    ax.set_ylabel("training tokens/s")
+    ax.set_title(f"throughput ({results['machine']['threads']} threads, {settings['device']})")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, "throughput.png")
+
+    longest = lengths[-1]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in mixers:
+        r = next((r for r in summary if r["mixer"] == m and r["length"] == longest), None)
+        if r:
+            labels = [f"[{b['start']},{b['end']})" for b in r["buckets"]]
+            ax.plot(range(len(labels)), [b["loss"] for b in r["buckets"]], marker="o", label=m)
+            ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("position of the predicted token in the window")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"loss by position, T={longest}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "loss_by_position.png")
+    return written
+
+
+__all__ = [
+    "DEFAULT_MIXERS",
+    "MIXER_VARIANTS",
+    "CompareConfig",
+    "format_markdown",
+    "run_compare",
+    "run_one",
+    "summarize",
+    "write_plots",
+]

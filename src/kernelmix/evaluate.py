@@ -1,0 +1,679 @@
+"""Evaluation of a trained model: ``kernelmix eval``.
+
+    from kernelmix.evaluate import load_run, evaluate_loss, build_tasks, score_tasks
+
+    run = load_run("runs/train")                        # a run directory or one checkpoint directory
+    split = run.split("val")                            # the run's validation split (or split_from_texts / text_split)
+    reports = evaluate_loss(run.model, split, [128, 256, 512])
+    reports[0].loss, reports[0].perplexity, reports[0].buckets   # loss by position within the window
+    tasks = build_tasks(split, run.tokenizer, items=100, seed=0)  # zero-shot tasks from held-out documents
+    scores = score_tasks(run.model, run.tokenizer, tasks)          # or backend="lm-eval"
+
+**Loss at several context lengths.** For each context length T the split is cut into windows of
+T tokens inside each document (:func:`kernelmix.data.eval_windows`: windows overlap by one token,
+so every token but a document's first is predicted exactly once, with at most T - 1 tokens of
+context). The set of predicted tokens is therefore the same for every T, and the losses at
+different T are directly comparable: a model that uses long context has a lower loss at larger T.
+T may exceed the length the model was trained at (reported as ``beyond_training_length``) but not
+its ``max_seq_len``: positions beyond it are refused by the model, never extrapolated.
+
+**Loss by position.** The token at index t of a window is predicted from the t tokens before it;
+``buckets`` (default [0, 64), [64, 256), [256, 1024), ... up to T) group the predicted tokens by t,
+so a model that ignores distant context shows the same loss in every bucket and one that uses it
+a falling loss. Bucket losses at a given T are means over different tokens (early vs late in a
+window), so compare them across models, not across buckets of one model in isolation.
+
+**Zero-shot tasks** are built from the held-out documents of a split, deterministically from a
+seed (:func:`build_tasks`):
+
+* ``continuation`` (multiple choice): a context of ``context_tokens`` tokens from a document, and
+  ``num_choices`` spans of ``span_tokens`` tokens: the true continuation and spans from other
+  documents. Accuracy: the choice with the highest log-likelihood is the true one (chance
+  1/num_choices); ``acc_norm`` divides by the choice's length in characters.
+* ``cloze`` (last word): a context ending just before the last word of a line (an identifier in
+  code, a word in prose) and that word as target. Accuracy: the target is the model's greedy
+  continuation, token by token (lm-eval's ``acc`` for loglikelihood tasks); ``perplexity`` is
+  lm-eval's (exp of minus the mean log-likelihood of a whole target word), ``token_perplexity``
+  per target token.
+
+Scoring is our own log-likelihood code by default (:func:`loglikelihoods`: our tokenizer, no
+network). ``backend="lm-eval"`` runs the same tasks through lm-evaluation-harness
+(``pip install "kernelmix[eval]"``) from local task files (``dataset_path: json``, see
+:func:`write_lm_eval_tasks`) with a small ``lm_eval.api.model.LM`` subclass that calls the same
+scorer, offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): it never contacts a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import TokenizedSplit, eval_batches, load_corpus
+from .model import CausalLM, ModelConfig
+
+TASKS = ("continuation", "cloze")
+BACKENDS = ("builtin", "lm-eval")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a run
+
+
+@dataclass
+class LoadedRun:
+    """A trained model with what is needed to evaluate it. ``record`` is the run's resolved
+    config (``config.json``: ``train``/``model``/``run`` sections); ``train_seq_len`` the length
+    it was trained at."""
+
+    model: CausalLM
+    tokenizer: Any
+    checkpoint: Path
+    step: int
+    record: dict[str, Any]
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def train_seq_len(self) -> int | None:
+        return self.record.get("train", {}).get("seq_len")
+
+    def dataset(self):
+        """The run's tokenized corpus (the same split as in training; cached)."""
+        from .data import prepare_dataset
+
+        train = self.record.get("train", {})
+        return prepare_dataset(train.get("corpus", "pystdlib"), train.get("tokenizer", "byte"),
+                               val_fraction=train.get("val_fraction", 0.05))
+
+    def split(self, name: str = "val") -> TokenizedSplit:
+        """``"val"``/``"train"``: a split of the run's own corpus; anything else: a corpus spec
+        (a text file, directory, glob, .jsonl; see :func:`kernelmix.data.load_corpus`) tokenized
+        with the run's tokenizer, every document of it evaluated."""
+        if name in ("val", "train"):
+            return self.dataset().split(name)
+        return text_split(name, self.tokenizer)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory of ``path``: ``path`` itself if it is one (holds
+    ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``."""
+    from .training import latest_checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"run directory {str(path)!r} does not exist; give a `kernelmix train --out` directory or a checkpoint")
+    if (path / "manifest.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(
+            f"{str(path)!r} holds no checkpoint (no checkpoints/step_N/ inside, and it is not a checkpoint directory "
+            "itself); train one with `kernelmix train --out DIR` (or let the run finish: it saves at its last step)"
+        )
+    return latest
+
+
+def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedRun:
+    """Load the newest checkpoint of a run directory (or a given checkpoint directory) as a
+    :class:`LoadedRun`, in eval mode. Verified like any checkpoint (manifest sizes and hashes;
+    safetensors and JSON only, no code executed). The tokenizer is the one saved with the run's
+    tokenized corpus, re-created from the corpus if that cache is gone."""
+    from .data import load_tokenizer
+    from .training import load_checkpoint
+    from .training.loop import _load_weights
+
+    ckpt = load_checkpoint(find_checkpoint(path))
+    record = ckpt.config
+    if not isinstance(record, dict) or "model" not in record:
+        raise ValueError(f"checkpoint {str(ckpt.path)!r} holds no kernelmix model config; is it from `kernelmix train`?")
+    model = CausalLM(ModelConfig.from_dict(record["model"]))
+    _load_weights(model, ckpt.weights, ckpt.path)
+    model.to(device).eval()
+    run = LoadedRun(model=model, tokenizer=None, checkpoint=ckpt.path, step=ckpt.step, record=record)
+    data_path = record.get("run", {}).get("data", {}).get("path")
+    try:
+        run.tokenizer = load_tokenizer(data_path) if data_path else None
+    except ValueError:
+        run.tokenizer = None
+    if run.tokenizer is None:
+        run.tokenizer = run.dataset().tokenizer
+    if run.tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the run's tokenizer has {run.tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}; "
+            "the tokenized corpus changed since training"
+        )
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits to evaluate
+
+
+def split_from_texts(texts: Sequence[str], tokenizer, names: Sequence[str] | None = None, name: str = "text") -> TokenizedSplit:
+    """An in-memory split: each text one document, tokenized with ``tokenizer``."""
+    return TokenizedSplit.from_token_lists([tokenizer.encode(t) for t in texts], name=name, names=names)
+
+
+def text_split(spec: str | Path, tokenizer) -> TokenizedSplit:
+    """Every document of a corpus spec (a text file is one document; see
+    :func:`kernelmix.data.load_corpus`), tokenized with ``tokenizer``."""
+    docs = list(load_corpus(spec).documents())
+    if not docs:
+        raise ValueError(f"{str(spec)!r} holds no text to evaluate")
+    return split_from_texts([d.text for d in docs], tokenizer, [d.name for d in docs], name=str(spec))
+
+
+def cap_split(split: TokenizedSplit, *, doc_tokens: int | None = None, max_docs: int | None = None) -> TokenizedSplit:
+    """The first ``doc_tokens`` tokens of each of the first ``max_docs`` documents with at least
+    2 tokens: a smaller evaluation set that is the same for every context length ≤ doc_tokens."""
+    for label, value in (("doc_tokens", doc_tokens), ("max_docs", max_docs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{label} must be a positive int or None, got {value!r}")
+    docs, names = [], []
+    for i in range(len(split)):
+        tokens = split.document(i)
+        if len(tokens) < 2:
+            continue
+        docs.append(np.asarray(tokens[:doc_tokens] if doc_tokens else tokens, dtype=np.int64))
+        names.append(split.doc_names[i] if i < len(split.doc_names) else f"doc{i}")
+        if max_docs is not None and len(docs) >= max_docs:
+            break
+    capped = TokenizedSplit.from_token_lists(docs, name=split.name, names=names)
+    capped.num_bytes = 0 if (doc_tokens or max_docs) else split.num_bytes
+    return capped
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss, perplexity, loss by position
+
+
+def default_buckets(seq_len: int) -> list[tuple[int, int]]:
+    """[0, 64), [64, 256), [256, 1024), ... (×4), the last one ending at ``seq_len``."""
+    edges = [0, 64]
+    while edges[-1] < seq_len:
+        edges.append(edges[-1] * 4)
+    edges = [e for e in edges if e < seq_len] + [seq_len]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def parse_buckets(edges: Sequence[int] | str, seq_len: int) -> list[tuple[int, int]]:
+    """Buckets from edges ``[0, 64, 256]`` (or ``"0,64,256"``); a last bucket up to ``seq_len``
+    is added, and edges at or beyond ``seq_len`` are dropped."""
+    if isinstance(edges, str):
+        try:
+            edges = [int(e) for e in edges.split(",") if e.strip()]
+        except ValueError:
+            raise ValueError(f"bucket edges must be comma-separated integers, e.g. 0,64,256; got {edges!r}") from None
+    edges = list(edges)
+    if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"bucket edges must start at 0 and increase, e.g. [0, 64, 256]; got {edges}")
+    kept = [e for e in edges if e < seq_len] + [seq_len]
+    return list(zip(kept[:-1], kept[1:]))
+
+
+@dataclass
+class BucketLoss:
+    start: int  # the predicted token's index in its window (= tokens of context it sees), inclusive
+    end: int  # exclusive
+    loss: float  # mean nats per predicted token (nan if the bucket is empty)
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.tokens else float("nan")
+
+
+@dataclass
+class LossReport:
+    """Loss of one model on one split at one context length ``seq_len``. ``loss``: mean
+    next-token cross-entropy in nats over ``tokens`` predicted tokens; ``bits_per_byte`` when the
+    split's UTF-8 size is known (a whole split)."""
+
+    seq_len: int
+    loss: float
+    tokens: int
+    windows: int
+    buckets: list[BucketLoss] = field(default_factory=list)
+    bits_per_byte: float | None = None
+    beyond_training_length: bool = False
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["perplexity"] = self.perplexity
+        for bucket, entry in zip(self.buckets, data["buckets"]):
+            entry["perplexity"] = bucket.perplexity
+        return data
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: CausalLM,
+    split: TokenizedSplit,
+    seq_lens: int | Iterable[int],
+    *,
+    batch_size: int = 8,
+    buckets: Sequence[int] | str | None = None,
+    train_seq_len: int | None = None,
+    max_batches: int | None = None,
+    progress=None,
+) -> list[LossReport]:
+    """Loss, perplexity and loss by position bucket of ``model`` on ``split`` at each context
+    length (see the module docstring). ``buckets``: bucket edges (default :func:`default_buckets`);
+    ``train_seq_len``: marks lengths beyond it in the reports; ``max_batches``: cut each length's
+    evaluation short (then the token sets of different lengths differ; prefer :func:`cap_split`);
+    ``progress``: a callable ``progress(seq_len, batches_done)``."""
+    if isinstance(seq_lens, int):
+        seq_lens = [seq_lens]
+    seq_lens = list(seq_lens)
+    if not seq_lens:
+        raise ValueError("give at least one context length")
+    limit = model.config.max_seq_len
+    for T in seq_lens:
+        if isinstance(T, bool) or not isinstance(T, int) or T < 2:
+            raise ValueError(f"context lengths must be ints ≥ 2, got {T!r}")
+        if T > limit:
+            raise ValueError(
+                f"context length {T} exceeds the model's max_seq_len {limit}: positions beyond it are refused, not "
+                f"extrapolated; evaluate at ≤ {limit} (beyond the training length is allowed up to max_seq_len)"
+            )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    reports = []
+    try:
+        for T in seq_lens:
+            ranges = parse_buckets(buckets, T) if buckets is not None else default_buckets(T)
+            edges = torch.tensor([start for start, _ in ranges] + [T])
+            sums = torch.zeros(len(ranges), dtype=torch.float64)
+            counts = torch.zeros(len(ranges), dtype=torch.float64)
+            windows = 0
+            for index, batch in enumerate(eval_batches(split, T, batch_size, max_batches)):
+                nll, mask = token_nll(model, batch.to(device))
+                positions = torch.arange(1, batch.input_ids.shape[1])  # index of each predicted token in its window
+                bucket = torch.bucketize(positions, edges, right=True) - 1  # [T-1]
+                nll, mask = nll.cpu().double(), mask.cpu()
+                sums.index_add_(0, bucket, (nll * mask).sum(0))
+                counts.index_add_(0, bucket, mask.sum(0).double())
+                windows += batch.input_ids.shape[0]
+                if progress is not None:
+                    progress(T, index + 1)
+            total, count = float(sums.sum()), int(counts.sum())
+            if count == 0:
+                raise ValueError(f"split {split.name!r} has no token to predict at context length {T}")
+            bpb = total / math.log(2) / split.num_bytes if split.num_bytes and max_batches is None else None
+            reports.append(LossReport(
+                seq_len=T, loss=total / count, tokens=count, windows=windows,
+                buckets=[BucketLoss(a, b, float(s / c) if c else float("nan"), int(c))
+                         for (a, b), s, c in zip(ranges, sums.tolist(), counts.tolist())],
+                bits_per_byte=bpb,
+                beyond_training_length=bool(train_seq_len and T > train_seq_len),
+            ))
+    finally:
+        model.train(was_training)
+    return reports
+
+
+def token_nll(model: CausalLM, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token negative log-likelihood ``[B, T-1]`` of ``batch.labels[:, 1:]`` (in at least
+    float32) and the mask of tokens that count (label ≠ -100)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, use_cache=False).logits
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    labels = batch.labels[:, 1:]
+    mask = labels != -100
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
+    return nll * mask, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero-shot tasks from held-out documents
+
+
+def _roundtrips(tokenizer, ids: np.ndarray) -> str | None:
+    """The text of ``ids`` if encoding it gives ``ids`` back (no character cut in half), else None."""
+    text = tokenizer.decode([int(i) for i in ids])
+    return text if tokenizer.encode(text) == [int(i) for i in ids] else None
+
+
+def build_continuation_task(
+    split: TokenizedSplit, tokenizer, *, items: int = 100, context_tokens: int = 256, span_tokens: int = 32,
+    num_choices: int = 4, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Multiple-choice items ``{"id", "doc", "context", "choices", "label"}``: ``context_tokens``
+    tokens of a document, then the true next ``span_tokens`` tokens among ``num_choices - 1``
+    spans of the same length from other documents (at random positions). Deterministic in
+    (split, tokenizer, arguments)."""
+    for label, value, low in (("items", items, 1), ("context_tokens", context_tokens, 1),
+                              ("span_tokens", span_tokens, 1), ("num_choices", num_choices, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{label} must be an int ≥ {low}, got {value!r}")
+    lengths = split.doc_lengths
+    hosts = np.flatnonzero(lengths >= context_tokens + span_tokens)
+    donors = np.flatnonzero(lengths >= span_tokens)
+    if len(hosts) == 0 or len(donors) < 2:
+        raise ValueError(
+            f"split {split.name!r} ({len(split)} documents) cannot give continuation items: it needs a document of "
+            f"≥ {context_tokens + span_tokens} tokens and another of ≥ {span_tokens}; use shorter context_tokens/span_tokens"
+        )
+    rng = np.random.default_rng([seed, 0xC0])
+    out: list[dict[str, Any]] = []
+    attempts = 0
+    while len(out) < items and attempts < items * 50:
+        attempts += 1
+        doc = int(rng.choice(hosts))
+        tokens = split.document(doc)
+        p = int(rng.integers(context_tokens, len(tokens) - span_tokens + 1))
+        context = _roundtrips(tokenizer, tokens[p - context_tokens : p])
+        true = _roundtrips(tokenizer, tokens[p : p + span_tokens])
+        if context is None or true is None or not true.strip():
+            continue
+        others = donors[donors != doc]
+        distractors: list[str] = []
+        for _ in range(20 * num_choices):
+            if len(distractors) == num_choices - 1:
+                break
+            other = split.document(int(rng.choice(others)))
+            q = int(rng.integers(0, len(other) - span_tokens + 1))
+            text = _roundtrips(tokenizer, other[q : q + span_tokens])
+            if text is not None and text.strip() and text != true and text not in distractors:
+                distractors.append(text)
+        if len(distractors) < num_choices - 1:
+            continue
+        label = int(rng.integers(0, num_choices))
+        choices = distractors[:label] + [true] + distractors[label:]
+        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": context, "choices": choices, "label": label})
+    if len(out) < items:
+        raise ValueError(f"could only build {len(out)} of {items} continuation items from split {split.name!r}")
+    return out
+
+
+_CLOZE_WORD = re.compile(r"(?<=[ \t(\[.,=:!])([A-Za-z_][A-Za-z0-9_]{2,})[ \t]*$", re.MULTILINE)
+
+
+def build_cloze_task(
+    split: TokenizedSplit, tokenizer, *, items: int = 100, context_tokens: int = 256, seed: int = 0,
+    min_context_chars: int = 64,
+) -> list[dict[str, Any]]:
+    """Last-word cloze items ``{"id", "doc", "context", "target"}``: the text before the last
+    word of a line (a word of ≥ 3 letters/digits/underscores after a space or punctuation, e.g.
+    the ``result`` of ``return result``; at most ``context_tokens`` tokens of it) and that word.
+    Deterministic in (split, tokenizer, arguments)."""
+    for label, value in (("items", items), ("context_tokens", context_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    candidates: list[tuple[int, int, str]] = []  # (doc, char offset of the word, word)
+    texts: dict[int, str] = {}
+    for doc in range(len(split)):
+        text = tokenizer.decode([int(t) for t in split.document(doc)])
+        texts[doc] = text
+        for match in _CLOZE_WORD.finditer(text):
+            if match.start(1) >= min_context_chars:
+                candidates.append((doc, match.start(1), match.group(1)))
+    if len(candidates) < items:
+        raise ValueError(
+            f"split {split.name!r} has only {len(candidates)} lines ending in a word (after ≥ {min_context_chars} "
+            f"characters of context); ask for ≤ {len(candidates)} cloze items"
+        )
+    rng = np.random.default_rng([seed, 0xC1])
+    out = []
+    for index in sorted(rng.choice(len(candidates), size=items, replace=False).tolist()):
+        doc, start, word = candidates[index]
+        prefix_ids = tokenizer.encode(texts[doc][:start])[-context_tokens:]
+        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": tokenizer.decode(prefix_ids), "target": word})
+    return out
+
+
+def _doc_name(split: TokenizedSplit, doc: int) -> str:
+    return split.doc_names[doc] if doc < len(split.doc_names) else f"doc{doc}"
+
+
+def build_tasks(
+    split: TokenizedSplit, tokenizer, *, tasks: Sequence[str] = TASKS, items: int = 100, context_tokens: int = 256,
+    span_tokens: int = 32, num_choices: int = 4, seed: int = 0,
+) -> dict[str, list[dict[str, Any]]]:
+    """The named zero-shot tasks (``continuation``, ``cloze``) built from ``split``."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"unknown task(s) {unknown or list(tasks)} (choose from: {', '.join(TASKS)})")
+    built = {}
+    for name in tasks:
+        if name == "continuation":
+            built[name] = build_continuation_task(split, tokenizer, items=items, context_tokens=context_tokens,
+                                                  span_tokens=span_tokens, num_choices=num_choices, seed=seed)
+        else:
+            built[name] = build_cloze_task(split, tokenizer, items=items, context_tokens=context_tokens, seed=seed)
+    return built
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-likelihood scoring (our own; also what the lm-eval backend calls)
+
+
+@torch.no_grad()
+def loglikelihoods(
+    model: CausalLM, tokenizer, requests: Sequence[tuple[str, str]], *, batch_size: int = 8,
+) -> list[tuple[float, bool]]:
+    """For each ``(context, continuation)``: the summed log-probability of the continuation's
+    tokens given the context, and whether every one of them is the model's greedy choice (the
+    pair lm-eval's ``loglikelihood`` returns). Context and continuation are tokenized separately
+    and concatenated; a context too long for ``max_seq_len`` loses its oldest tokens."""
+    device = next(model.parameters()).device
+    limit = model.config.max_seq_len
+    encoded = []
+    for context, continuation in requests:
+        ctx, cont = tokenizer.encode(context), tokenizer.encode(continuation)
+        if not cont:
+            raise ValueError(f"empty continuation after {context[-40:]!r}: nothing to score")
+        if not ctx:
+            raise ValueError(f"empty context before {continuation[:40]!r}: the model has no start token to condition on")
+        if len(cont) >= limit:
+            raise ValueError(f"continuation of {len(cont)} tokens does not fit max_seq_len {limit} with any context")
+        ctx = ctx[-(limit - len(cont)):]
+        encoded.append((ctx, cont))
+    results: list[tuple[float, bool] | None] = [None] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: -(len(encoded[i][0]) + len(encoded[i][1])))
+    was_training = model.training
+    model.eval()
+    try:
+        for first in range(0, len(order), batch_size):
+            chunk = order[first : first + batch_size]
+            rows = [encoded[i][0] + encoded[i][1] for i in chunk]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, row in enumerate(rows):
+                ids[r, : len(row)] = torch.tensor(row)
+                mask[r, : len(row)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            for r, i in enumerate(chunk):
+                ctx, cont = encoded[i]
+                target = torch.tensor(cont)
+                span = logprobs[r, len(ctx) - 1 : len(ctx) - 1 + len(cont)]  # the logits before each continuation token
+                total = float(span.gather(1, target[:, None]).sum())
+                greedy = bool((span.argmax(-1) == target).all())
+                results[i] = (total, greedy)
+    finally:
+        model.train(was_training)
+    return results  # type: ignore[return-value]
+
+
+def score_tasks(
+    model: CausalLM, tokenizer, tasks: dict[str, list[dict[str, Any]]], *, batch_size: int = 8,
+    backend: str = "builtin", task_dir: str | Path | None = None,
+) -> dict[str, dict[str, float]]:
+    """Accuracy (and more) per task: ``continuation`` → ``acc``, ``acc_norm``, ``items``;
+    ``cloze`` → ``acc`` (target = greedy continuation), ``perplexity`` (per target token)...
+    ``backend="lm-eval"`` scores through lm-evaluation-harness with task files written to
+    ``task_dir`` (a temporary directory if None)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
+    if backend == "lm-eval":
+        return score_with_lm_eval(model, tokenizer, tasks, batch_size=batch_size, task_dir=task_dir)
+    scores = {}
+    for name, items in tasks.items():
+        if name == "continuation":
+            requests = [(item["context"], choice) for item in items for choice in item["choices"]]
+            values = loglikelihoods(model, tokenizer, requests, batch_size=batch_size)
+            correct = correct_norm = 0
+            at = 0
+            for item in items:
+                n = len(item["choices"])
+                lls = [v[0] for v in values[at : at + n]]
+                at += n
+                norm = [ll / max(1, len(c)) for ll, c in zip(lls, item["choices"])]  # per character, as lm-eval
+                correct += int(np.argmax(lls)) == item["label"]
+                correct_norm += int(np.argmax(norm)) == item["label"]
+            scores[name] = {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "items": len(items),
+                            "chance": float(np.mean([1 / len(i["choices"]) for i in items]))}
+        elif name == "cloze":
+            values = loglikelihoods(model, tokenizer, [(i["context"], i["target"]) for i in items], batch_size=batch_size)
+            n_tokens = sum(len(tokenizer.encode(i["target"])) for i in items)
+            scores[name] = {"acc": float(np.mean([g for _, g in values])), "items": len(items),
+                            # lm-eval's perplexity: exp(−mean log-likelihood of a whole target)
+                            "perplexity": math.exp(-float(np.mean([ll for ll, _ in values]))),
+                            "token_perplexity": math.exp(-sum(ll for ll, _ in values) / n_tokens)}
+        else:
+            raise ValueError(f"unknown task {name!r} (choose from: {', '.join(TASKS)})")
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------
+# lm-evaluation-harness backend (optional: pip install "kernelmix[eval]")
+
+
+def write_lm_eval_tasks(tasks: dict[str, list[dict[str, Any]]], task_dir: str | Path) -> dict[str, Path]:
+    """Write each task as ``<task_dir>/kernelmix_<name>.jsonl`` plus a task YAML that lm-eval
+    reads with ``--include_path task_dir`` (``dataset_path: json``: a local file, no hub).
+    Returns the YAML paths by task name."""
+    task_dir = Path(task_dir)
+    task_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, items in tasks.items():
+        data = (task_dir / f"kernelmix_{name}.jsonl").resolve()
+        data.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
+        lines = [
+            f"task: kernelmix_{name}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            "  data_files:",
+            f"    test: {json.dumps(str(data))}",
+            "test_split: test",
+            'doc_to_text: "{{context}}"',
+            'target_delimiter: ""',
+        ]
+        if name == "continuation":
+            lines += ["output_type: multiple_choice", 'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{label}}"',
+                      "metric_list:", *_metric("acc", "mean", True), *_metric("acc_norm", "mean", True)]
+        elif name == "cloze":
+            lines += ["output_type: loglikelihood", 'doc_to_target: "{{target}}"',
+                      "metric_list:", *_metric("perplexity", "perplexity", False), *_metric("acc", "mean", True)]
+        else:
+            raise ValueError(f"unknown task {name!r} (choose from: {', '.join(TASKS)})")
+        lines += ["metadata:", "  version: 1.0"]
+        path = task_dir / f"kernelmix_{name}.yaml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        written[name] = path
+    return written
+
+
+def _metric(name: str, aggregation: str, higher_is_better: bool) -> list[str]:
+    return [f"  - metric: {name}", f"    aggregation: {aggregation}", f"    higher_is_better: {str(higher_is_better).lower()}"]
+
+
+def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8):
+    """An ``lm_eval.api.model.LM`` for ``model``: loglikelihood through :func:`loglikelihoods`
+    (our tokenizer); rolling loglikelihood and generation are not provided."""
+    try:
+        from lm_eval.api.model import LM
+    except ImportError as error:
+        raise ImportError('the lm-eval backend needs lm-evaluation-harness: pip install "kernelmix[eval]"') from error
+
+    class KernelMixLM(LM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return loglikelihoods(self.model, self.tokenizer, [r.args for r in requests], batch_size=self.batch_size)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError("kernelmix's lm-eval model scores loglikelihood tasks only")
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError("kernelmix's lm-eval model scores loglikelihood tasks only")
+
+    return KernelMixLM()
+
+
+def score_with_lm_eval(
+    model: CausalLM, tokenizer, tasks: dict[str, list[dict[str, Any]]], *, batch_size: int = 8,
+    task_dir: str | Path | None = None,
+) -> dict[str, dict[str, float]]:
+    """Score ``tasks`` with lm-evaluation-harness (offline: local task files, no hub)."""
+    import tempfile
+
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # before datasets is imported: never contact a hub
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    lm = lm_eval_model(model, tokenizer, batch_size=batch_size)
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory(prefix="kernelmix-lm-eval-") as tmp:
+        directory = Path(task_dir) if task_dir is not None else Path(tmp)
+        write_lm_eval_tasks(tasks, directory)
+        manager = TaskManager(include_path=str(directory), include_defaults=False)
+        names = [f"kernelmix_{name}" for name in tasks]
+        output = lm_eval.simple_evaluate(
+            model=lm, tasks=names, task_manager=manager, bootstrap_iters=0, log_samples=False, verbosity="ERROR",
+        )
+    scores = {}
+    for name in tasks:
+        raw = output["results"][f"kernelmix_{name}"]
+        entry = {key.split(",")[0]: float(value) for key, value in raw.items()
+                 if "," in key and "stderr" not in key and isinstance(value, (int, float))}
+        entry["items"] = len(tasks[name])
+        scores[name] = entry
+    return scores
+
+
+__all__ = [
+    "BACKENDS",
+    "TASKS",
+    "BucketLoss",
+    "LoadedRun",
+    "LossReport",
+    "build_cloze_task",
+    "build_continuation_task",
+    "build_tasks",
+    "cap_split",
+    "default_buckets",
+    "evaluate_loss",
+    "find_checkpoint",
+    "lm_eval_model",
+    "load_run",
+    "loglikelihoods",
+    "parse_buckets",
+    "score_tasks",
+    "score_with_lm_eval",
+    "split_from_texts",
+    "text_split",
+    "token_nll",
+    "write_lm_eval_tasks",
+]
