@@ -249,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     opbench.set_defaults(func=_op_bench)
 
     # pretrained models, conversion and kernel diagnostics (their modules hold the commands)
-    from . import convert as _convert, diagnose as _diagnose, pretrained as _pretrained
+    from . import compare as _compare, convert as _convert, diagnose as _diagnose, evaluate as _evaluate, pretrained as _pretrained
 
-    for module in (_pretrained, _convert, _diagnose):
+    for module in (_pretrained, _convert, _diagnose, _evaluate, _compare):
         module.add_commands(sub)
     return parser
 

@@ -68,7 +68,7 @@ RESULT_FORMAT = "kernelmix.compare/1"
 class CompareConfig:
     """What ``kernelmix compare`` trains. The defaults are sized to finish in about 15 minutes on
     2 CPU cores (measured; see the README): the ``tiny`` preset (2 layers, width 64) on byte-level
-    ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 4,096 tokens per step."""
+    ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 30 steps × 2,048 tokens per run."""
 
     mixers: list[str] = field(default_factory=lambda: list(DEFAULT_MIXERS))
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
@@ -77,12 +77,12 @@ class CompareConfig:
     model: dict[str, Any] = field(default_factory=dict)  # extra ModelConfig overrides for every run
     corpus: str = "pystdlib"
     tokenizer: str = "byte"
-    tokens_per_step: int = 4096  # the same at every length: batch = tokens_per_step / length
-    steps: int = 40
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    tokens_per_step: int = 2048  # the same at every length: batch = tokens_per_step / length
+    steps: int = 30
+    lr: float = 5e-3
+    min_lr: float = 5e-4
     warmup_steps: int = 5
-    eval_docs: int = 16  # validation documents evaluated (their first max(lengths) tokens each)
+    eval_docs: int = 8  # validation documents evaluated (their first max(lengths) tokens each)
     eval_batch_size: int = 4
     buckets: list[int] | None = None  # position-bucket edges; None: 0, 64, 256, 1024, ...
     out_dir: str = "runs/compare"
@@ -145,7 +145,7 @@ class CompareConfig:
             preset=self.preset, model=self.model_overrides(mixer), corpus=self.corpus, tokenizer=self.tokenizer,
             seq_len=length, batch_size=self.tokens_per_step // length, steps=self.steps, lr=self.lr,
             min_lr=min(self.min_lr, self.lr), warmup_steps=self.warmup_steps, seed=seed, device=self.device,
-            eval_every=0, eval_batches=2, log_every=max(1, self.steps // 10), checkpoint_every=0,
+            eval_every=0, eval_batches=1, log_every=max(1, self.steps // 10), checkpoint_every=0,
             keep_checkpoints=1, out_dir=str(out_dir),
         )
 
@@ -503,3 +503,76 @@ __all__ = [
     "summarize",
     "write_plots",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: kernelmix compare
+
+
+def add_commands(sub) -> None:
+    """Register ``kernelmix compare``."""
+    defaults = CompareConfig.__dataclass_fields__
+    p = sub.add_parser(
+        "compare", help="train every mixer with the same data, tokens and seeds at several lengths; table + plots",
+        description="Train every mixer (softmax, cubit, cubit-nolrr, deltaformer, performer, darkformer) with the same "
+        "preset, data, tokenizer, token budget and seeds at each training length, evaluate them (val loss at the "
+        "training length, loss by position), and write results.json, results.md and PNG plots. Finished runs in the "
+        "output directory are reused, so an interrupted compare continues where it stopped.",
+    )
+    p.add_argument("--mixers", default=",".join(DEFAULT_MIXERS), help=f"comma-separated (default: all: {', '.join(DEFAULT_MIXERS)})")
+    p.add_argument("--lengths", default="256,512,1024", help="training lengths (default 256,512,1024)")
+    p.add_argument("--seeds", default="0", help="seeds, e.g. 0,1,2 (mean ± spread over them)")
+    p.add_argument("--preset", default=defaults["preset"].default)
+    p.add_argument("--corpus", default=defaults["corpus"].default)
+    p.add_argument("--tokenizer", default=defaults["tokenizer"].default)
+    p.add_argument("--steps", type=int, default=defaults["steps"].default, help="optimizer steps per run")
+    p.add_argument("--tokens-per-step", type=int, default=defaults["tokens_per_step"].default,
+                   help="tokens per step at every length (batch = this / length)")
+    p.add_argument("--lr", type=float, default=defaults["lr"].default, help="peak learning rate (min: lr / 10)")
+    p.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
+    p.add_argument("--eval-docs", type=int, default=defaults["eval_docs"].default)
+    p.add_argument("--buckets", default=None, help="position-bucket edges, e.g. 0,64,256 (default 0,64,256,1024,…)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="model override for every run, e.g. hidden_size=128 or mixer_options.performer.num_features=64")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", default=defaults["out_dir"].default, help="output directory (default runs/compare)")
+    p.set_defaults(func=_cli_compare, parser=p)
+
+
+def _cli_compare(args) -> int:
+    import sys
+
+    from .training import CheckpointError
+    from .training.config import apply_override
+
+    def ints(text: str, what: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            args.parser.error(f"{what} must be comma-separated integers, got {text!r}")
+
+    model: dict[str, Any] = {}
+    try:
+        wrapper: dict[str, Any] = {}
+        for assignment in args.set:
+            apply_override(wrapper, "model." + assignment)
+        model = wrapper.get("model", {})
+        config = CompareConfig(
+            mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], lengths=ints(args.lengths, "--lengths"),
+            seeds=ints(args.seeds, "--seeds"), preset=args.preset, model=model, corpus=args.corpus,
+            tokenizer=args.tokenizer, tokens_per_step=args.tokens_per_step, steps=args.steps, lr=args.lr,
+            min_lr=args.lr / 10, warmup_steps=args.warmup_steps, eval_docs=args.eval_docs,
+            buckets=ints(args.buckets, "--buckets") if args.buckets else None, out_dir=args.out, device=args.device,
+        )
+    except ValueError as error:
+        args.parser.error(str(error))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        results = run_compare(config)
+    except (CheckpointError, ValueError) as error:  # an unknown corpus, a damaged run directory, ...
+        print(f"kernelmix compare: error: {error}", file=sys.stderr)
+        return 2
+    print(format_markdown(results))
+    return 0

@@ -1,0 +1,257 @@
+"""kernelmix.evaluate: loss/perplexity against an independent computation from logits, position
+buckets, zero-shot tasks (deterministic construction, the scorer on a model with known
+log-likelihoods), lm-eval backend agreement, loading runs and the CLI's errors.
+
+Tiny preset on the 7 KB fixture corpus (tests/fixtures/train_corpus, byte tokens)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernelmix.cli import main as cli_main
+from kernelmix.data import ByteTokenizer, TokenizedSplit, eval_windows
+from kernelmix.evaluate import (
+    build_cloze_task,
+    build_continuation_task,
+    build_tasks,
+    cap_split,
+    default_buckets,
+    evaluate_loss,
+    load_run,
+    loglikelihoods,
+    parse_buckets,
+    score_tasks,
+    split_from_texts,
+    write_lm_eval_tasks,
+)
+from kernelmix.model import CausalLM, ModelConfig
+from kernelmix.training import TrainConfig, train
+
+CORPUS = str(Path(__file__).parent / "fixtures" / "train_corpus")
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_cache(tmp_path_factory):
+    old = os.environ.get("KERNELMIX_CACHE")
+    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
+    yield
+    if old is None:
+        os.environ.pop("KERNELMIX_CACHE", None)
+    else:
+        os.environ["KERNELMIX_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny run trained for a few steps on the fixture corpus (30% of documents held out)."""
+    out = tmp_path_factory.mktemp("evalrun") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(TrainConfig(preset="tiny", corpus=CORPUS, seq_len=64, batch_size=4, steps=6, lr=3e-3, warmup_steps=1,
+                          eval_every=0, eval_batches=1, val_fraction=0.3, out_dir=str(out), device="cpu"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def small_model(seed=0, **overrides) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(ModelConfig.preset("tiny", **overrides)).eval()
+
+
+def test_loss_matches_an_independent_computation():
+    """Per window: cross-entropy of the logits of a plain forward over the window's tokens;
+    windows from eval_windows; the mean over every predicted token, in float64."""
+    model = small_model().double()
+    texts = ["the quick brown fox jumps over the lazy dog " * 3, "pack my box with five dozen liquor jugs. " * 4, "ab"]
+    split = split_from_texts(texts, TOK)
+    T = 32
+    total, count = 0.0, 0
+    bucket_sum, bucket_count = [0.0, 0.0], [0, 0]
+    with torch.no_grad():
+        for start, length in eval_windows(split, T):
+            ids = torch.as_tensor(split.tokens[start : start + length], dtype=torch.long)[None]
+            logits = model(ids, use_cache=False).logits[0]
+            nll = F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
+            total += float(nll.sum())
+            count += len(nll)
+            for t, value in enumerate(nll.tolist(), start=1):  # the t-th token of the window sees t tokens
+                b = 0 if t < 8 else 1
+                bucket_sum[b] += value
+                bucket_count[b] += 1
+    (report,) = evaluate_loss(model, split, T, batch_size=3, buckets=[0, 8])
+    assert count == split.num_tokens - len(split) == report.tokens
+    assert report.loss == pytest.approx(total / count, rel=1e-9)
+    assert report.perplexity == pytest.approx(math.exp(total / count), rel=1e-9)
+    assert [(b.start, b.end) for b in report.buckets] == [(0, 8), (8, 32)]
+    assert [b.tokens for b in report.buckets] == bucket_count
+    for b, s, c in zip(report.buckets, bucket_sum, bucket_count):
+        assert b.loss == pytest.approx(s / c, rel=1e-9)
+    assert report.bits_per_byte is None  # an in-memory split has no byte count
+
+
+def test_every_length_predicts_the_same_tokens_and_refuses_beyond_max_seq_len():
+    model = small_model()
+    split = split_from_texts(["x = 1\n" * 60, "def f(a):\n    return a\n" * 10], TOK)
+    reports = evaluate_loss(model, split, [16, 64, 256], train_seq_len=64)
+    assert len({r.tokens for r in reports}) == 1
+    assert [r.beyond_training_length for r in reports] == [False, False, True]
+    assert [(b.start, b.end) for b in reports[2].buckets] == [(0, 64), (64, 256)]
+    assert sum(b.tokens for b in reports[2].buckets) == reports[2].tokens
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len 256"):
+        evaluate_loss(model, split, 512)
+
+
+def test_buckets():
+    assert default_buckets(1024) == [(0, 64), (64, 256), (256, 1024)]
+    assert default_buckets(2048) == [(0, 64), (64, 256), (256, 1024), (1024, 2048)]
+    assert default_buckets(128) == [(0, 64), (64, 128)]
+    assert default_buckets(32) == [(0, 32)]
+    assert parse_buckets("0,100,1000", 256) == [(0, 100), (100, 256)]
+    with pytest.raises(ValueError, match="start at 0"):
+        parse_buckets([5, 10], 64)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_buckets("0,a", 64)
+
+
+def test_cap_split_keeps_a_prefix_of_each_document():
+    split = TokenizedSplit.from_token_lists([[1, 2, 3, 4, 5], [6], [7, 8, 9]])
+    capped = cap_split(split, doc_tokens=2, max_docs=2)
+    assert capped.tokens.tolist() == [1, 2, 7, 8]  # the 1-token document has nothing to predict
+    assert len(capped) == 2
+
+
+class KnownModel(torch.nn.Module):
+    """A stand-in with known log-likelihoods: after any token it predicts ``favourite`` with
+    probability ~1 (logit 20, all others 0)."""
+
+    def __init__(self, favourite: int) -> None:
+        super().__init__()
+        self.config = ModelConfig.preset("tiny")
+        self.favourite = favourite
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, **_):
+        logits = torch.zeros(*input_ids.shape, 256)
+        logits[..., self.favourite] = 20.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_loglikelihoods_and_the_scorer_on_known_models():
+    model = KnownModel(ord("z"))
+    (zz, greedy), (ab, not_greedy) = loglikelihoods(model, TOK, [("context", "zz"), ("context", "ab")])
+    p = torch.log_softmax(torch.tensor([20.0] + [0.0] * 255), 0)
+    assert zz == pytest.approx(2 * float(p[0]), abs=1e-5) and greedy
+    assert ab == pytest.approx(2 * float(p[1]), abs=1e-4) and not not_greedy
+    items = {"continuation": [{"context": "abc", "choices": ["xy", "zz", "qq"], "label": 1},
+                              {"context": "abc", "choices": ["zzz", "aaa"], "label": 0}],
+             "cloze": [{"context": "abc", "target": "zzz"}, {"context": "abc", "target": "zaz"}]}
+    scores = score_tasks(model, TOK, items)
+    assert scores["continuation"]["acc"] == 1.0
+    assert scores["cloze"]["acc"] == 0.5
+    with pytest.raises(ValueError, match="empty context"):
+        loglikelihoods(model, TOK, [("", "x")])
+
+
+def test_tasks_build_deterministically(trained_run):
+    run = load_run(trained_run)
+    split = run.split("val")
+    a = build_tasks(split, run.tokenizer, items=6, context_tokens=48, span_tokens=12, seed=3)
+    b = build_tasks(split, run.tokenizer, items=6, context_tokens=48, span_tokens=12, seed=3)
+    c = build_tasks(split, run.tokenizer, items=6, context_tokens=48, span_tokens=12, seed=4)
+    assert a == b and a != c
+    for item in a["continuation"]:
+        assert len(item["choices"]) == 4 and 0 <= item["label"] < 4
+        assert len(TOK.encode(item["context"])) == 48
+        assert all(len(TOK.encode(choice)) == 12 for choice in item["choices"])
+        # the true continuation follows the context in its document
+        doc = split.doc_names.index(item["doc"])
+        text = TOK.decode(split.document(doc).tolist())
+        assert item["context"] + item["choices"][item["label"]] in text
+    for item in a["cloze"]:
+        assert item["target"].isidentifier() and len(item["target"]) >= 3
+        doc = split.doc_names.index(item["doc"])
+        assert item["context"] + item["target"] in TOK.decode(split.document(doc).tolist())
+    with pytest.raises(ValueError, match="unknown task"):
+        build_tasks(split, run.tokenizer, tasks=["hellaswag"])
+
+
+def test_a_model_overfit_to_one_document_picks_the_true_continuation():
+    """Train a tiny model to memorise one document; continuation items from it (distractors from
+    other documents) must then be answered right, and its cloze words predicted greedily."""
+    torch.manual_seed(0)
+    text = "def add(left, right):\n    total = left + right\n    return total\n"
+    others = ["The rivers run to the sea, and the sea is never full of them. " * 3,
+              "Lighthouses stand on rocks and turn their lamps all night long. " * 3]
+    model = CausalLM(ModelConfig.preset("tiny", hidden_size=64, num_layers=2))
+    ids = torch.tensor([TOK.encode(text)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(200):
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.1
+    model.eval()
+    split = split_from_texts([text] + others, TOK)
+    items = build_continuation_task(split, TOK, items=8, context_tokens=24, span_tokens=12, seed=0)
+    items = [i for i in items if i["doc"] == "doc0"]
+    assert items
+    assert score_tasks(model, TOK, {"continuation": items})["continuation"]["acc"] == 1.0
+    cloze = [i for i in build_cloze_task(split, TOK, items=2, context_tokens=64, seed=0, min_context_chars=20)
+             if i["doc"] == "doc0"]
+    assert cloze and score_tasks(model, TOK, {"cloze": cloze})["cloze"]["acc"] == 1.0
+
+
+def test_lm_eval_backend_agrees_with_ours(tmp_path):
+    pytest.importorskip("lm_eval")
+    model = small_model()
+    split = split_from_texts(["alpha beta gamma delta\n    return value\n" * 8, "one two three four five six\n" * 8,
+                              "import os\nprint(os.getcwd())\n" * 8], TOK)
+    tasks = build_tasks(split, TOK, items=4, context_tokens=32, span_tokens=8, seed=1)
+    paths = write_lm_eval_tasks(tasks, tmp_path / "tasks")
+    assert "dataset_path: json" in paths["continuation"].read_text()
+    ours = score_tasks(model, TOK, tasks)
+    theirs = score_tasks(model, TOK, tasks, backend="lm-eval", task_dir=tmp_path / "tasks")
+    assert theirs["continuation"]["acc"] == ours["continuation"]["acc"]
+    assert theirs["continuation"]["acc_norm"] == ours["continuation"]["acc_norm"]
+    assert theirs["cloze"]["acc"] == ours["cloze"]["acc"]
+    assert theirs["cloze"]["perplexity"] == pytest.approx(ours["cloze"]["perplexity"], rel=1e-4)
+
+
+def test_load_run_and_cli(trained_run, tmp_path, capsys):
+    run = load_run(trained_run)
+    assert run.step == 6 and run.train_seq_len == 64 and not run.model.training
+    (report,) = evaluate_loss(run.model, run.split("val"), 64)
+    assert report.bits_per_byte is not None  # the whole split: its bytes are known
+    out = tmp_path / "eval.json"
+    code = cli_main(["eval", str(trained_run), "--lengths", "32,128", "--tasks", "continuation", "--items", "3",
+                     "--context-tokens", "32", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [r["seq_len"] for r in data["losses"]] == [32, 128]
+    assert data["losses"][1]["beyond_training_length"] is True
+    assert data["tasks"]["continuation"]["items"] == 3
+    assert "(beyond the training length)" in capsys.readouterr().out
+
+
+def test_bad_input_gives_clear_errors(trained_run, tmp_path, capsys):
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert cli_main(["eval", str(empty)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert cli_main(["eval", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["eval", str(trained_run), "--lengths", "512"]) == 2
+    assert "max_seq_len 256" in capsys.readouterr().err
+    assert cli_main(["eval", str(trained_run), "--data", "no/such/file.txt"]) == 2
+    assert "does not exist" in capsys.readouterr().err
