@@ -13,6 +13,11 @@ FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B
     performer      8·T·m·d + 2·T·C·(m + d)     (features of q and k, state updates, read-out, intra-chunk)
     darkformer     performer + 4·T·d²          (M applied to q̃ and k̃)
 Backward is counted as 2× forward.
+
+Peers (``--peers``, optional extra ``peers``): performer-pytorch's causal FAVOR+ (its CPU path),
+flash-linear-attention's reference DeltaFormer (``fla.ops.deltaformer.naive``; it is the Q–K form,
+i.e. our ``w="q"``), and our own dense ``solve_triangular`` Cubit — each skipped with a note when
+not installed.
 """
 
 from __future__ import annotations
@@ -209,6 +214,60 @@ def bench_decode(
     return DecodeRecord(mixer, position, ms)
 
 
+# ---------------------------------------------------------------------------------------------
+# Peers: public implementations measured side by side when installed (optional extra `peers`).
+
+PEERS = ("performer-pytorch", "fla-deltaformer-naive", "cubit-dense")
+
+
+def _peer_call(peer: str, inputs: dict, num_features: int):
+    """A zero-argument callable running ``peer`` on ``inputs``, or a string saying why it cannot run."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if peer == "cubit-dense":  # our own dense solve_triangular reference, as the naive baseline
+        return lambda: ops.cubit_attention_naive(q, k, v, inputs["r"], rho=inputs["rho"])
+    if peer == "performer-pytorch":
+        try:
+            from performer_pytorch import FastAttention
+        except ImportError:
+            return "performer-pytorch not installed (pip install 'kernelmix[peers]')"
+        attention = FastAttention(dim_heads=q.shape[-1], nb_features=num_features, causal=True).to(q.device)
+        return lambda: attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    if peer == "fla-deltaformer-naive":
+        try:
+            from fla.ops.deltaformer.naive import naive_deltaformer_attn
+        except Exception as error:  # fla's import can fail on machines without its kernels
+            return f"flash-linear-attention's naive DeltaFormer not importable ({type(error).__name__})"
+        return lambda: naive_deltaformer_attn(q, k, v, inputs["beta"])
+    raise ValueError(f"unknown peer {peer!r} (choose from: {', '.join(PEERS)})")
+
+
+def bench_peer(
+    peer: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
+    device: torch.device, dtype: torch.dtype, repeats: int, memory: bool = True,
+) -> BenchRecord | str:
+    inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
+    call = _peer_call(peer, inputs, num_features)
+    if isinstance(call, str):
+        return call
+    grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
+
+    def forward():
+        with torch.no_grad():
+            call()
+
+    def forward_backward():
+        call().backward(grad_out)
+
+    base = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}[peer]
+    flops = forward_flops(base, length, head_dim, num_features, chunk_size) * batch * heads
+    forward_ms = _median_ms(forward, repeats, device)
+    fb_ms = _median_ms(forward_backward, repeats, device)
+    peak = None
+    if memory:
+        peak = _cuda_peak_memory_mb(forward_backward, device) if device.type == "cuda" else peak_memory_mb(forward_backward)
+    return BenchRecord(f"peer:{peer}", length, forward_ms, fb_ms, peak, flops / 1e9, 3 * flops / (fb_ms * 1e-3) / 1e9)
+
+
 def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
     """Smallest measured T from which ``mixer``'s forward+backward is faster than softmax's at every
     larger measured T (None if never)."""
@@ -238,6 +297,8 @@ def run_bench(
     dtype: str = "float32",
     repeats: int = 3,
     memory: bool = True,
+    peers: tuple[str, ...] = (),
+    peer_max_length: int = 2048,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     unknown = [m for m in mixers if m not in MIXER_NAMES]
@@ -259,6 +320,18 @@ def run_bench(
             if progress:
                 progress(f"{mixer} T={length}")
             report.records.append(bench_op(mixer, length, memory=memory, **shared))
+    for peer in peers:
+        for length in lengths:
+            if length > peer_max_length:
+                report.notes.append(f"peer {peer} skipped at T={length} (> peer_max_length={peer_max_length})")
+                continue
+            if progress:
+                progress(f"peer {peer} T={length}")
+            record = bench_peer(peer, length, memory=memory, **shared)
+            if isinstance(record, str):
+                report.notes.append(f"peer {peer} skipped: {record}")
+                break
+            report.records.append(record)
     for position in decode_positions:
         for mixer in mixers:
             if progress:
@@ -274,7 +347,7 @@ def format_report(report: BenchReport) -> str:
         f"m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
         f"matmul peak {report.matmul_peak_gflops:.1f} GFLOP/s",
         "",
-        f"{'mixer':<12} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}",
+        f"{'mixer':<28} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}",
     ]
     base = {r.length: r.forward_backward_ms for r in report.records if r.mixer == "softmax"}
     for r in report.records:
@@ -283,7 +356,7 @@ def format_report(report: BenchReport) -> str:
         rate = f"{r.achieved_gflops:.1f}" if r.achieved_gflops else "-"
         share = f"{100 * r.achieved_gflops / report.matmul_peak_gflops:.0f}%" if r.achieved_gflops else "-"
         fb = f"{r.forward_backward_ms:.1f}" if r.forward_backward_ms else "-"
-        lines.append(f"{r.mixer:<12} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}")
+        lines.append(f"{r.mixer:<28} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}")
     if report.decode:
         lines += ["", f"{'decode':<12} {'position':>8} {'ms/token':>9}"]
         lines += [f"{d.mixer:<12} {d.position:>8} {d.step_ms:>9.3f}" for d in report.decode]
@@ -312,7 +385,7 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
     written = [json_path]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for mixer in dict.fromkeys(r.mixer for r in report.records):
-        rows = [r for r in report.records if r.mixer == mixer]
+        rows = [r for r in report.records if r.mixer == mixer]  # peers are drawn too ("peer:…")
         axes[0].plot([r.length for r in rows], [r.forward_backward_ms for r in rows], marker="o", label=mixer)
         axes[1].plot([r.length for r in rows], [r.peak_memory_mb for r in rows], marker="o", label=mixer)
         dec = [d for d in report.decode if d.mixer == mixer]
@@ -337,6 +410,7 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
 
 
 __all__ = [
-    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "bench_decode", "bench_op", "crossover_length",
+    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS", "bench_decode", "bench_op", "bench_peer",
+    "crossover_length",
     "format_report", "forward_flops", "matmul_peak_gflops", "run_bench", "write_report",
 ]

@@ -246,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     opbench.add_argument("--repeats", type=_positive_int, default=3)
     opbench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     opbench.add_argument("--out", default="benchmarks", help="directory for bench.json / bench.png")
+    opbench.add_argument(
+        "--peers", default="", help="comma-separated peers measured in the same run: performer-pytorch, "
+        "fla-deltaformer-naive, cubit-dense (skipped with a note when not installed)",
+    )
+    opbench.add_argument("--peer-max-length", type=_positive_int, default=2048, help="largest T for the peers")
     opbench.set_defaults(func=_op_bench)
 
     # pretrained models, conversion and kernel diagnostics (their modules hold the commands)
@@ -273,7 +278,8 @@ def _op_bench(args: argparse.Namespace) -> int:
         mixers=tuple(args.mixers or MIXER_NAMES), lengths=tuple(args.lengths),
         decode_positions=tuple(args.decode_positions), batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         num_features=args.num_features, chunk_size=args.chunk_size, device=args.device, dtype=args.dtype,
-        repeats=args.repeats, memory=not args.no_memory, progress=lambda text: print(f"  measuring {text}", flush=True),
+        repeats=args.repeats, memory=not args.no_memory, peers=tuple(p for p in args.peers.split(",") if p),
+        peer_max_length=args.peer_max_length, progress=lambda text: print(f"  measuring {text}", flush=True),
     )
     written = write_report(report, args.out)
     print(format_report(report))
