@@ -68,7 +68,7 @@ RESULT_FORMAT = "kernelmix.compare/1"
 class CompareConfig:
     """What ``kernelmix compare`` trains. The defaults are sized to finish in about 15 minutes on
     2 CPU cores (measured; see the README): the ``tiny`` preset (2 layers, width 64) on byte-level
-    ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 30 steps × 2,048 tokens per run."""
+    ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 40 steps × 4,096 tokens per run."""
 
     mixers: list[str] = field(default_factory=lambda: list(DEFAULT_MIXERS))
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
@@ -77,8 +77,8 @@ class CompareConfig:
     model: dict[str, Any] = field(default_factory=dict)  # extra ModelConfig overrides for every run
     corpus: str = "pystdlib"
     tokenizer: str = "byte"
-    tokens_per_step: int = 2048  # the same at every length: batch = tokens_per_step / length
-    steps: int = 30
+    tokens_per_step: int = 4096  # the same at every length: batch = tokens_per_step / length
+    steps: int = 40
     lr: float = 5e-3
     min_lr: float = 5e-4
     warmup_steps: int = 5
