@@ -421,6 +421,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     settings, summary, runs = results["settings"], results["summary"], results["runs"]
     mixers, lengths = settings["mixers"], settings["lengths"]
@@ -459,6 +460,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
             ax.plot(tokens, losses, label=m)
         ax.set_title(f"T={t}")
         ax.set_xlabel("training tokens")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss" + (" (mean over seeds)" if len(settings["seeds"]) > 1 else ""))
     axes[0][-1].legend()
