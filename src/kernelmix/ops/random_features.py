@@ -225,9 +225,11 @@ def random_feature_attention(
         running = torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
         k_feat = torch.exp(k_logits - running[..., None])  # ≤ 1
         outputs = []
-        for i0 in range(0, length, chunk_size):
-            i1 = min(i0 + chunk_size, length)
-            qc, kc, vc, sc = q_feat[:, :, i0:i1], k_feat[:, :, i0:i1], values[:, :, i0:i1], running[:, :, i0:i1]
+        # split once instead of slicing per chunk: the backward of a slice writes into a zero tensor
+        # of the full size, which made the backward O(T²/C) memory traffic; split's backward is one cat
+        chunks = zip(*(x.split(chunk_size, dim=2) for x in (q_feat, k_feat, values, running)))
+        for i0, (qc, kc, vc, sc) in zip(range(0, length, chunk_size), chunks):
+            i1 = i0 + qc.shape[2]
             rows_doc = None if doc_start is None else doc_start[:, i0:i1]
             # exp(s_j − s_i) for visible j (≤ 1); future / other-document entries are exactly 0.
             decay = _exp_where(sc[..., None, :] - sc[..., :, None], visible(positions[i0:i1], positions[i0:i1], rows_doc))
