@@ -23,8 +23,6 @@ not installed.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +30,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .demo import _cuda_peak_memory_mb, peak_memory_mb
+from .demo import _cuda_peak_memory_mb, _median_ms, peak_memory_mb
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -85,23 +83,6 @@ def forward_flops(mixer: str, length: int, head_dim: int, num_features: int, chu
     if mixer == "darkformer":
         return 8.0 * t * m * d + 2.0 * t * c * (m + d) + 4.0 * t * d * d
     raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:

@@ -33,16 +33,6 @@ def _rel_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (err / expected.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features: int, seed: int = 0):
     """(name, fast fn, reference fn, inputs) for each mixer on one random float64 batch."""
     g = torch.Generator().manual_seed(seed)
@@ -77,6 +67,19 @@ ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` in ms after one warm-up call (CUDA work is waited for)."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def run_demo(
@@ -115,18 +118,16 @@ def run_demo(
         def forward():
             with torch.no_grad():
                 fast(*fast_args, **fast_kwargs)
-            _sync(device)
 
         def forward_backward():
             fast(*fast_args, **fast_kwargs).backward(grad_out.to(dtype))
-            _sync(device)
 
         rows.append(
             DemoRow(
                 mixer=name,
                 shape=tuple(out.shape),
-                forward_ms=_median_ms(forward, repeats),
-                backward_ms=_median_ms(forward_backward, repeats),
+                forward_ms=_median_ms(forward, repeats, device),
+                backward_ms=_median_ms(forward_backward, repeats, device),
                 forward_error=_rel_rmse(out, reference),
                 grad_error=max(grad_errors),
             )

@@ -10,7 +10,6 @@ backward); ``deltaformer_attention_naive`` is the per-token loop of the definiti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from ._common import (
     masked_softmax,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import softmax_attention, softmax_attention_naive
+from .softmax import _scale, softmax_attention, softmax_attention_naive
 
 
 @dataclass
@@ -54,10 +53,6 @@ def _check_inputs(q, k, v, beta, w) -> None:
                 f"w must have shape [B, T, H_w, d] with q's B, T, d and H divisible by H_w; "
                 f"q is {tuple(q.shape)}, w is {tuple(w.shape)}"
             )
-
-
-def _scale(q: Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def deltaformer_attention(
