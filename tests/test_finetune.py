@@ -1,0 +1,198 @@
+"""Finetuning converted models (tiny random Gemma 3 / Llama built locally): what each mode trains,
+that the loss goes down, resume equality, spikes, the comparison with its outputs, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kernelmix import convert as cv  # noqa: E402
+from kernelmix import finetune as ft  # noqa: E402
+
+from .test_convert import tiny_gemma, tiny_llama  # noqa: E402
+from .test_diagnose import ByteTokenizer  # noqa: E402
+
+class SavableByteTokenizer(ByteTokenizer):
+    def save_pretrained(self, directory):
+        pass
+
+
+TEXT = "the quick brown fox jumps over the lazy dog; " * 12
+
+
+def windows(count=12, length=32, seed=0):
+    """Learnable token windows: a repeated phrase, offsets varying per window."""
+    tok = ByteTokenizer()
+    stream = torch.tensor(tok(TEXT * 4).input_ids)
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
+    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+
+
+def config(**kw):
+    base = dict(steps=12, seq_len=32, lr=3e-3, warmup_steps=2, eval_every=6, eval_seqs=2)
+    base.update(kw)
+    return ft.FinetuneConfig(**base)
+
+
+def converted(make=tiny_gemma, mixer="darkformer", m=16):
+    return cv.convert(make(), cv.ConversionConfig(mixer=mixer, num_features=m))
+
+
+def trainable_names(model):
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_modes_train_what_they_say():
+    model, params = ft.prepare_trainable(converted(), config(mode="partial"))
+    names = trainable_names(model)
+    assert names and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "kernelmix_rf.transform")) for n in names)
+    assert "model.layers.0.self_attn.kernelmix_rf.transform" in names
+    assert not any("projection" in n for n in names)  # W is a buffer, never trained
+    assert len(params) == len(names)
+
+    model, _ = ft.prepare_trainable(converted(), config(mode="full"))
+    names = trainable_names(model)
+    assert "model.embed_tokens.weight" not in names and "model.layers.1.mlp.up_proj.weight" in names
+    model, _ = ft.prepare_trainable(converted(), config(mode="full", train_embeddings=True))
+    assert "model.embed_tokens.weight" in trainable_names(model)
+
+    pytest.importorskip("peft")
+    model, _ = ft.prepare_trainable(converted(tiny_llama), config(mode="lora", lora_rank=4), layers="all")
+    names = trainable_names(model)
+    assert any("lora_A" in n for n in names) and any(n.endswith("kernelmix_rf.transform") for n in names)
+    assert not any("mlp" in n or "o_proj" in n for n in names)
+
+
+@pytest.mark.parametrize("mode", ["partial", "full", "lora"])
+def test_finetune_lowers_loss_and_keeps_a_working_model(mode, tmp_path):
+    if mode == "lora":
+        pytest.importorskip("peft")
+    x = windows()
+    model, result = ft.finetune(converted(), x, x[:2], config(mode=mode))
+    assert result["finished"] and not result["diverged"] and result["steps_done"] == 12
+    assert [e["step"] for e in result["evals"]] == [0, 6, 12]
+    assert result["final"]["loss"] < result["initial"]["loss"] - 0.1
+    assert all(not p.requires_grad for p in model.parameters())
+    assert cv.kernels(model)  # still converted (LoRA merged back into a plain converted model)
+    cv.save_converted(model, tmp_path / "m")
+    again = cv.load_converted(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x[:2]).logits, model(input_ids=x[:2]).logits)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    x = windows()
+    cfg = config(steps=10, eval_every=4, lr=1e-3)
+    _, full = ft.finetune(converted(), x, x[:2], cfg)
+    _, part = ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)
+    assert part["steps_done"] == 6 and not part["finished"]
+    with pytest.raises(ValueError, match="already holds finetuning checkpoints"):
+        ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path)
+    _, resumed = ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
+    # the checkpoint of step 4 is the newest before the stop: steps 5..10 are rerun identically
+    assert resumed["finished"]
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=0, abs=1e-6)
+    assert resumed["final"]["loss"] == pytest.approx(full["final"]["loss"], abs=1e-6)
+    with pytest.raises(ValueError, match="another finetune config"):
+        ft.finetune(converted(), x, x[:2], config(steps=10, eval_every=4, lr=2e-3), out_dir=tmp_path, resume=True)
+
+
+def test_spikes_and_divergence():
+    assert not ft.is_spike([2.0] * 10, 2.3, window=20, nats=0.5)
+    assert ft.is_spike([2.0] * 10, 2.6, window=20, nats=0.5)
+    assert not ft.is_spike([2.0] * 3, 9.0, window=20, nats=0.5)  # too little history to judge
+    assert ft.is_spike([], float("nan"), window=20, nats=0.5)
+    # an absurd learning rate: losses blow up; spikes are counted, non-finite updates skipped
+    x = windows()
+    model = converted(mixer="performer")
+    _, result = ft.finetune(model, x, x[:2], config(steps=12, lr=50.0, warmup_steps=0, mode="full"))
+    assert result["num_spikes"] >= 1
+    assert result["num_spikes"] == len(result["spikes"]) and all(s["step"] < 12 for s in result["spikes"])
+
+
+def test_compare_finetune_outputs_and_reuse(tmp_path):
+    x = windows()
+    host = tiny_gemma()
+    logs = []
+    report = ft.compare_finetune(host, x, x[:2], config(steps=6, eval_every=3), variants=("softmax", "performer", "darkformer"),
+                                 lrs=(1e-3, 3e-3), num_features=16, init="whiten", out_dir=tmp_path, log=logs.append)
+    assert not cv.kernels(host)  # host untouched
+    assert [(r["variant"], r["lr"]) for r in report["runs"]] == [
+        (v, lr) for v in ("softmax", "performer", "darkformer") for lr in (1e-3, 3e-3)]
+    by = {(r["variant"], r["lr"]): r for r in report["runs"]}
+    assert by[("softmax", 1e-3)]["num_features"] is None and by[("darkformer", 1e-3)]["init"] == "whiten"
+    # equal budget: the same steps and tokens for every run
+    assert len({r["tokens"] for r in report["runs"]}) == 1
+    for name in ("finetune.json", "finetune.md", "finetune_curves.png"):
+        assert (tmp_path / name).is_file()
+    assert "| darkformer | 0.003 |" in (tmp_path / "finetune.md").read_text()
+    assert not (tmp_path / "runs" / "softmax-lr0.001" / "checkpoints").exists()  # finished: only the result stays
+    again = ft.compare_finetune(host, x, x[:2], config(steps=6, eval_every=3), variants=("softmax",), lrs=(1e-3,),
+                                out_dir=tmp_path, log=logs.append)
+    assert any("reusing" in line for line in logs)
+    assert again["runs"][0]["final"] == by[("softmax", 1e-3)]["final"]
+
+
+def test_token_windows_and_split():
+    from kernelmix.data.corpus import Document
+
+    tok = ByteTokenizer()
+    docs = [Document(f"d{i}", TEXT) for i in range(10)]
+    train, val = ft.split_texts(docs, 0.2)
+    assert train and val and len(train) + len(val) == 10
+    w = ft.token_windows(tok, train, 40)
+    assert w.shape[1] == 40 and w[0, 0] == 1  # BOS first
+    assert ft.token_windows(tok, train, 40, max_windows=3).shape == (3, 40)
+    with pytest.raises(ValueError, match="not enough text"):
+        ft.token_windows(tok, ["ab"], 40)
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        ft.split_texts(docs[:1])
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown finetuning mode"):
+        config(mode="half").validate()
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        config(steps=0).validate()
+    with pytest.raises(ValueError, match="unknown finetune option"):
+        ft.FinetuneConfig.from_dict({"stepz": 3})
+    x = windows()
+    with pytest.raises(ValueError, match="unknown variant"):
+        ft.compare_finetune(tiny_gemma(), x, x[:2], config(), variants=("cubit",))
+    with pytest.raises(ValueError, match=r"windows must be \[N, T\]"):
+        ft.finetune(converted(), x[0], x[:2], config())
+    with pytest.raises(ValueError, match="out of range"):
+        ft.build_variant(tiny_gemma(), "performer", num_features=8, layers=[7], init="identity", calibration=None)
+
+
+def test_cli_finetune(tmp_path, capsys, monkeypatch):
+    from kernelmix.cli import main
+
+    host = tiny_gemma()
+    host.save_pretrained(tmp_path / "host")
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(TEXT * 2)
+    out = tmp_path / "out"
+    rc = main(["finetune", str(tmp_path / "host"), "--out", str(out), "--text", str(corpus), "--variants", "performer",
+               "--num-features", "8", "--steps", "3", "--seq-len", "32", "--eval-every", "3", "--eval-seqs", "1",
+               "--val-fraction", "0.3", "--lr", "1e-3,2e-3"])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "finetune.json").read_text())
+    assert [r["lr"] for r in data["runs"]] == [1e-3, 2e-3]
+    # an already converted model is finetuned as it is and saved
+    conv = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8))
+    cv.save_converted(conv, tmp_path / "conv")
+    rc = main(["finetune", str(tmp_path / "conv"), "--out", str(tmp_path / "out2"), "--text", str(corpus), "--steps", "2",
+               "--seq-len", "32", "--eval-every", "2", "--eval-seqs", "1", "--val-fraction", "0.3"])
+    assert rc == 0, capsys.readouterr().err
+    assert cv.kernels(cv.load_converted(tmp_path / "out2" / "model"))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["finetune", str(tmp_path / "host"), "--out", str(out), "--text", str(corpus), "--mode", "half"])
+    rc = main(["finetune", str(tmp_path / "host"), "--out", str(tmp_path / "o3"), "--text", str(corpus), "--lr=-1"])
+    assert rc == 2 and "learning rates must be positive" in capsys.readouterr().err
