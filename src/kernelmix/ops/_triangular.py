@@ -10,61 +10,153 @@ block-diagonal, one independent solve per document.
 DeltaFormer: x = w, y = k, scale = 1/√d, β = β_i, γ = 1, strict mask (SPEC §3).
 
 The dense reference builds K (T×T) and calls ``solve_triangular``. This module never holds more
-than a C×T (or T×C) block of K: the forward pass is forward substitution over row blocks of C
-tokens, and the backward pass is the transposed (backward) substitution over column blocks, with
-K recomputed from the saved row log-normalisers. Memory is O(T·C + T·d) in both directions.
+than a C×T block of K for a few heads at a time (``TILE_ELEMENTS`` bounds a block; heads are
+processed in groups so that memory stays bounded as T grows). Memory is O(T·C + T·d) per group.
 
-Backward, with db = A^{-T} dU, Y = K U and e_i = db_i · Y_i:
+Forward: forward substitution over row blocks of C tokens. A row block's logits come from one
+matrix product; the stabiliser is folded into that product as an extra column (x_i ↦ [x_i, −m_i],
+y_j ↦ [y_j, 1]), so the tile sees one elementwise pass, an in-place ``exp2``. The row sums come from
+the same product that mixes the past values (U ↦ [U, 1]), so the tile is never normalised either:
+only the C×C diagonal block and the C×d results are. For Cubit the row maximum is known before the
+product — the diagonal logit r_i·r̂_i = s‖r_i‖ bounds every r_i·r̂_j (Cauchy–Schwarz) — otherwise
+(DeltaFormer) a max pass runs first. The row log-normalisers (base 2) are saved.
+
+Backward: with db = A^{-T} dU, Y = K U and e_i = db_i · Y_i:
     dγ = -Σ_i db_i·u_i,   dβ_i = -e_i,
     dL_ij = β_i K_ij (e_i - db_i·u_j)        (softmax backward; Σ_j K_ij dK_ij = -β_i e_i)
     dx_i = scale Σ_j dL_ij y_j,   dy_j = scale Σ_i dL_ij x_i.
+It runs over row blocks from the last: row block I recomputes its normalised kernel rows in one
+product (the saved log-normaliser is the extra column) and one ``exp2``; its db_I is final once
+every later row block has subtracted its contribution A[I', I]ᵀ db_I' from the right-hand side,
+and it then subtracts its own from the earlier rows (one product), so db, dx (complete per row
+block) and dy (accumulated) come out of the same pass. e_i - db_i·u_j is one product with
+[db_i, -e_i] against [u_j, 1]; one elementwise multiply with K gives dL up to a per-row factor.
+Five T×C×d products per row block (logits, Aᵀdb, db uᵀ, dL y, dLᵀ x) and two elementwise passes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import masked_logsumexp, visible
+# A kernel block holds at most about this many elements (×4 bytes in float32): heads are processed
+# in groups of ⌊TILE_ELEMENTS / (C·T)⌋ (at least one). 2**21 elements = 8 MiB in float32.
+TILE_ELEMENTS = 2**21
+LOG2E = 1.0 / math.log(2.0)
 
 
+def _head_groups(heads: int, rows: int, length: int) -> list[tuple[int, int]]:
+    size = max(1, min(heads, TILE_ELEMENTS // max(1, rows * length)))
+    return [(h0, min(h0 + size, heads)) for h0 in range(0, heads, size)]
+
+
+class _Blocks:
+    """Row blocks [i0, i1) of one batch element, with the first visible column ``lo`` of the block
+    (the earliest document start among its rows; 0 without documents) and the boolean mask of
+    columns [lo, i1) hidden from each row by its document (None where no row needs one)."""
+
+    def __init__(self, length: int, chunk_size: int, doc_start: Tensor | None, device):
+        self.blocks: list[tuple[int, int, int, Tensor | None]] = []
+        starts = None if doc_start is None else doc_start.tolist()
+        for i0 in range(0, length, chunk_size):
+            i1 = min(i0 + chunk_size, length)
+            if starts is None:
+                self.blocks.append((i0, i1, 0, None))
+                continue
+            lo, hi = min(starts[i0:i1]), max(starts[i0:i1])
+            hidden = None
+            if hi > lo:
+                cols = torch.arange(lo, i1, device=device)
+                hidden = cols[None, :] < doc_start[i0:i1, None]
+            self.blocks.append((i0, i1, lo, hidden))
+
+
+def _causal_hidden(size: int, strict: bool, device) -> Tensor:
+    """Within the diagonal block: True where column j is not visible from row i (j > i, or j ≥ i)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(0 if strict else 1)
+
+
+def _kernel_block(xa: Tensor, ya: Tensor, i0: int, i1: int, lo: int, hidden_doc, hidden_diag) -> Tensor:
+    """Base-2 logits (minus the stabiliser carried in the last column of ``xa``) of rows [i0, i1)
+    against columns [lo, i1), with hidden entries at −inf: ``[g, C, i1 − lo]``, a fresh tensor."""
+    logits = xa[:, i0:i1] @ ya[:, lo:i1].transpose(-1, -2)
+    logits[..., i0 - lo:].masked_fill_(hidden_diag[: i1 - i0, : i1 - i0], float("-inf"))
+    if hidden_doc is not None:
+        logits.masked_fill_(hidden_doc, float("-inf"))
+    return logits
+
+
+def _with_column(x: Tensor, column: Tensor | float) -> Tensor:
+    """[x, column] along the last dim: ``[g, T, k]`` → ``[g, T, k + 1]`` (contiguous)."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
+    out[..., :-1] = x
+    out[..., -1] = column
+    return out
 
 
 class _KernelTriangularSolve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size):
-        # x, y: [B, H, T, dk]; b: [B, H, T, dv]; beta: [B, H, T] or None; gamma: [H];
+    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size, diagonal_is_row_max):
+        # x, y: [B, H, T, dk]; b: [B, H, T, dv] (any strides); beta: [B, H, T] or None; gamma: [H];
         # doc_start: [B, T] (first token of each token's document) or None (one document)
         batch, heads, length, _ = x.shape
-        device = x.device
-        gamma_diag = gamma.view(1, heads, 1, 1)
-        u = torch.empty_like(b)
-        ku = torch.empty_like(b)  # Y = K U, needed by the backward pass
-        lse = x.new_empty(batch, heads, length)
-        positions = torch.arange(length, device=device)
-        for i0 in range(0, length, chunk_size):
-            i1 = min(i0 + chunk_size, length)
-            logits = scale * (x[:, :, i0:i1] @ y[:, :, :i1].transpose(-1, -2))  # [B, H, C, i1]
-            rows_doc = None if doc_start is None else doc_start[:, i0:i1]
-            logits = logits.masked_fill(~visible(positions[i0:i1], positions[:i1], rows_doc, strict=strict), float("-inf"))
-            row_lse = masked_logsumexp(logits)
-            kernel = torch.exp(logits - row_lse[..., None])
-            lse[:, :, i0:i1] = row_lse
-            diag_block = kernel[..., i0:i1]
-            if i0 > 0:
-                past = kernel[..., :i0] @ u[:, :, :i0]
-            else:
-                past = torch.zeros_like(b[:, :, i0:i1])
-            beta_c = None if beta is None else beta[:, :, i0:i1, None]
-            rhs = b[:, :, i0:i1] - (past if beta_c is None else beta_c * past)
-            scaled_block = diag_block if beta_c is None else beta_c * diag_block
-            eye = torch.eye(i1 - i0, dtype=x.dtype, device=device)
-            system = scaled_block + gamma_diag * eye
-            u_c = torch.linalg.solve_triangular(system, rhs, upper=False)
-            u[:, :, i0:i1] = u_c
-            ku[:, :, i0:i1] = past + diag_block @ u_c
-        ctx.save_for_backward(x, y, beta, gamma, u, ku, lse, doc_start)
+        dv = b.shape[-1]
+        # outputs laid out [B, T, H, dv] (the callers' layout), seen here as [B, H, T, dv]
+        u = b.new_empty(batch, length, heads, dv).transpose(1, 2)
+        ku = torch.empty_like(u)  # Y = K U, needed by the backward pass
+        lse2 = x.new_empty(batch, heads, length)  # base-2 row log-normalisers
+        hidden_diag = _causal_hidden(min(chunk_size, length), strict, x.device)
+        factor = scale * LOG2E
+        for bi in range(batch):
+            blocks = _Blocks(length, chunk_size, None if doc_start is None else doc_start[bi], x.device)
+            for h0, h1 in _head_groups(heads, min(chunk_size, length), length):
+                xs = x[bi, h0:h1] * factor  # [g, T, dk], base-2 logits
+                ys = y[bi, h0:h1]
+                if diagonal_is_row_max:  # Cubit: the diagonal logit is every row's maximum
+                    row_max = (xs * ys).sum(-1)
+                    xa = _with_column(xs, -row_max)
+                else:
+                    row_max = None
+                    xa = _with_column(xs, 0.0)
+                ya = _with_column(ys, 1.0)
+                ua = b.new_empty(h1 - h0, length, dv + 1)  # [U, 1]: one product gives K U and the row sums
+                ua[..., dv] = 1.0
+                gam = gamma[h0:h1, None]
+                for i0, i1, lo, hidden_doc in blocks.blocks:
+                    tile = _kernel_block(xa, ya, i0, i1, lo, hidden_doc, hidden_diag)
+                    if row_max is None:
+                        block_max = tile.amax(dim=-1, keepdim=True)
+                        # a row with nothing visible (strict mask, first token) is −inf: keep it 0
+                        block_max = block_max.masked_fill_(torch.isinf(block_max), 0.0)
+                        tile.sub_(block_max)
+                        block_max = block_max[..., 0]
+                    else:
+                        block_max = row_max[:, i0:i1]
+                    tile.exp2_()
+                    diag = tile[..., i0 - lo:]
+                    row_sum = diag.sum(-1)
+                    past = None
+                    if i0 > lo:
+                        past_aug = tile[..., : i0 - lo] @ ua[:, lo:i0]
+                        past, row_sum = past_aug[..., :dv], row_sum + past_aug[..., dv]
+                    inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
+                    lse2[bi, h0:h1, i0:i1] = torch.where(row_sum > 0, block_max + torch.log2(row_sum), 0.0)
+                    kernel_diag = diag * inv[..., None]
+                    rhs = b[bi, h0:h1, i0:i1]
+                    if past is not None:
+                        past = past * inv[..., None]
+                        rhs = rhs - (past if beta is None else beta[bi, h0:h1, i0:i1, None] * past)
+                    system = kernel_diag if beta is None else beta[bi, h0:h1, i0:i1, None] * kernel_diag
+                    system = system + torch.diag_embed(gam.expand(-1, i1 - i0))
+                    u_c = torch.linalg.solve_triangular(system, rhs, upper=False)
+                    ua[:, i0:i1, :dv] = u_c
+                    u[bi, h0:h1, i0:i1] = u_c
+                    y_c = kernel_diag @ u_c
+                    ku[bi, h0:h1, i0:i1] = y_c if past is None else y_c + past
+        ctx.save_for_backward(x, y, beta, gamma, u, ku, lse2, doc_start)
         ctx.scale, ctx.strict, ctx.chunk_size = scale, strict, chunk_size
         return u
 
@@ -76,44 +168,55 @@ class _KernelTriangularSolve(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_u):
-        x, y, beta, gamma, u, ku, lse, doc_start = ctx.saved_tensors
+        x, y, beta, gamma, u, ku, lse2, doc_start = ctx.saved_tensors
         scale, strict, chunk_size = ctx.scale, ctx.strict, ctx.chunk_size
         batch, heads, length, _ = x.shape
-        device = x.device
-        grad_u = grad_u.to(u.dtype)
-        gamma_diag = gamma.view(1, heads, 1, 1)
-        grad_b = torch.empty_like(u)
-        grad_x = torch.zeros_like(x)
-        grad_y = torch.empty_like(y)
-        grad_gamma = x.new_zeros(batch, heads)
-        e = x.new_empty(batch, heads, length)  # e_i = db_i · (K U)_i
-        positions = torch.arange(length, device=device)
-        last = ((length - 1) // chunk_size) * chunk_size
-        for i0 in range(last, -1, -chunk_size):
-            i1 = min(i0 + chunk_size, length)
-            c = i1 - i0
-            # Column block j ∈ [i0, i1) of K for every row i ≥ i0 (rows above it are masked anyway).
-            logits = scale * (x[:, :, i0:] @ y[:, :, i0:i1].transpose(-1, -2))  # [B, H, T - i0, C]
-            rows_doc = None if doc_start is None else doc_start[:, i0:]
-            logits = logits.masked_fill(~visible(positions[i0:], positions[i0:i1], rows_doc, strict=strict), float("-inf"))
-            kernel = torch.exp(logits - lse[:, :, i0:, None])
-            scaled = kernel if beta is None else beta[:, :, i0:, None] * kernel
-            rhs = grad_u[:, :, i0:i1]
-            if i1 < length:
-                rhs = rhs - scaled[:, :, c:].transpose(-1, -2) @ grad_b[:, :, i1:]
-            eye = torch.eye(c, dtype=x.dtype, device=device)
-            system = scaled[:, :, :c] + gamma_diag * eye
-            db_c = torch.linalg.solve_triangular(system.transpose(-1, -2), rhs, upper=True)
-            grad_b[:, :, i0:i1] = db_c
-            u_c = u[:, :, i0:i1]
-            grad_gamma -= (db_c * u_c).sum(dim=(-1, -2))
-            e[:, :, i0:i1] = (db_c * ku[:, :, i0:i1]).sum(-1)
-            grad_logits = scaled * (e[:, :, i0:, None] - grad_b[:, :, i0:] @ u_c.transpose(-1, -2))
-            grad_x[:, :, i0:] += scale * (grad_logits @ y[:, :, i0:i1])
-            grad_y[:, :, i0:i1] = scale * (grad_logits.transpose(-1, -2) @ x[:, :, i0:])
-        grad_beta = -e if beta is not None and ctx.needs_input_grad[3] else None
-        grad_gamma = grad_gamma.sum(0) if ctx.needs_input_grad[4] else None
-        return grad_x, grad_y, grad_b, grad_beta, grad_gamma, None, None, None, None
+        dv = u.shape[-1]
+        # grad_b doubles as the right-hand side of the transposed solve: rows ≥ i0 hold db once row
+        # block i0 is done, rows < i0 the dU still to be reduced by the later rows' contributions.
+        grad_b = u.new_empty(batch, length, heads, dv).transpose(1, 2)
+        grad_b.copy_(grad_u)
+        grad_x = x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2)
+        grad_y = y.new_zeros(batch, length, heads, y.shape[-1]).transpose(1, 2)
+        grad_gamma = x.new_zeros(heads)
+        grad_beta = None if beta is None else x.new_empty(batch, heads, length)
+        hidden_diag = _causal_hidden(min(chunk_size, length), strict, x.device)
+        factor = scale * LOG2E
+        for bi in range(batch):
+            blocks = _Blocks(length, chunk_size, None if doc_start is None else doc_start[bi], x.device)
+            for h0, h1 in _head_groups(heads, min(chunk_size, length), length):
+                xs = x[bi, h0:h1] * factor
+                ys = y[bi, h0:h1]
+                xa = _with_column(xs, -lse2[bi, h0:h1])  # exp2 of these logits is K itself
+                ya = _with_column(ys, 1.0)
+                ua = _with_column(u[bi, h0:h1], 1.0)
+                gb, gy = grad_b[bi, h0:h1], grad_y[bi, h0:h1]
+                gam = gamma[h0:h1, None]
+                for i0, i1, lo, hidden_doc in reversed(blocks.blocks):
+                    kernel = _kernel_block(xa, ya, i0, i1, lo, hidden_doc, hidden_diag).exp2_()
+                    beta_c = None if beta is None else beta[bi, h0:h1, i0:i1, None]
+                    diag = kernel[..., i0 - lo:]
+                    system = diag if beta_c is None else beta_c * diag
+                    system = system + torch.diag_embed(gam.expand(-1, i1 - i0))
+                    db = torch.linalg.solve_triangular(system.transpose(-1, -2), gb[:, i0:i1], upper=True)
+                    gb[:, i0:i1] = db
+                    scaled_db = db if beta_c is None else beta_c * db
+                    if i0 > lo:  # A[I, :i0]ᵀ db_I leaves the right-hand side of the earlier rows
+                        gb[:, lo:i0].baddbmm_(kernel[..., : i0 - lo].transpose(-1, -2), scaled_db, alpha=-1.0)
+                    u_c = u[bi, h0:h1, i0:i1]
+                    e = (db * ku[bi, h0:h1, i0:i1]).sum(-1)
+                    grad_gamma[h0:h1] -= (db * u_c).sum(dim=(-1, -2))
+                    if grad_beta is not None:
+                        grad_beta[bi, h0:h1, i0:i1] = -e
+                    # P = K ⊙ (db uᵀ − e) = −dL / β
+                    p = (_with_column(db, -e) @ ua[:, lo:i1].transpose(-1, -2)).mul_(kernel)
+                    row = (-scale) if beta_c is None else -scale * beta_c
+                    grad_x[bi, h0:h1, i0:i1] = (p @ ys[:, lo:i1]) * row
+                    # dy_j = scale Σ_i dL_ij x_i
+                    gy[:, lo:i1].baddbmm_(p.transpose(-1, -2), x[bi, h0:h1, i0:i1] * row)
+        grad_beta = grad_beta if grad_beta is not None and ctx.needs_input_grad[3] else None
+        grad_gamma = grad_gamma if ctx.needs_input_grad[4] else None
+        return grad_x, grad_y, grad_b, grad_beta, grad_gamma, None, None, None, None, None
 
 
 def kernel_triangular_solve(
@@ -127,10 +230,13 @@ def kernel_triangular_solve(
     strict: bool,
     chunk_size: int,
     doc_start: Tensor | None = None,
+    diagonal_is_row_max: bool = False,
 ) -> Tensor:
-    """Solve (diag(β) K + γ I) U = b blockwise; tensors are ``[B, H, T, *]`` in the compute dtype."""
+    """Solve (diag(β) K + γ I) U = b blockwise; tensors are ``[B, H, T, *]`` in the compute dtype
+    (any strides: the callers pass transposed ``[B, T, H, *]`` tensors). ``diagonal_is_row_max``
+    promises x_i·y_i ≥ x_i·y_j for every visible j (Cubit, by Cauchy–Schwarz), which saves a pass.
+    Returns U as a ``[B, H, T, dv]`` view of a ``[B, T, H, dv]`` tensor."""
     with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
         return _KernelTriangularSolve.apply(
-            x.contiguous(), y.contiguous(), b.contiguous(), beta, gamma, doc_start, float(scale), bool(strict),
-            int(chunk_size),
+            x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size), bool(diagonal_is_row_max)
         )

@@ -63,7 +63,7 @@ def _check_cubit_inputs(q, k, v, r, rho) -> None:
 def normalize_reference(r: Tensor, ref_scale: Tensor) -> Tensor:
     """r̂ = s_h · r / max(‖r‖₂, 1e-6) for ``r`` ``[B, T, H, d]`` and ``ref_scale`` ``[H]``."""
     norm = r.norm(dim=-1, keepdim=True).clamp_min(REFERENCE_NORM_EPS)
-    return ref_scale[:, None] * r / norm
+    return r * (ref_scale[:, None] / norm)  # one T×d product: autograd saves r and a [B, T, H, 1] factor
 
 
 def cubit_solve(
@@ -109,6 +109,7 @@ def cubit_solve(
         strict=False,
         chunk_size=chunk_size,
         doc_start=doc_start,
+        diagonal_is_row_max=True,  # r_i·r̂_j ≤ s‖r_i‖ = r_i·r̂_i (Cauchy–Schwarz)
     ).transpose(1, 2)
     return u, r_hat
 
