@@ -255,9 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # pretrained models, conversion and kernel diagnostics (their modules hold the commands)
     from . import compare as _compare, convert as _convert, diagnose as _diagnose, evaluate as _evaluate, pretrained as _pretrained
-    from . import finetune as _finetune
+    from . import finetune as _finetune, report as _report
 
-    for module in (_pretrained, _convert, _diagnose, _finetune, _evaluate, _compare):
+    for module in (_pretrained, _convert, _diagnose, _finetune, _report, _evaluate, _compare):
         module.add_commands(sub)
     return parser
 
