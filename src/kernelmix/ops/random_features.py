@@ -99,8 +99,9 @@ def orthogonal_random_features(
     return w.to(dtype=dtype, device=device)
 
 
-def _feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None) -> Tensor:
-    """log(√m · φ(x)) = W (M x̃) − ½‖M x̃‖² for ``x`` ``[B, T, H, d]`` → ``[B, T, H, m]``."""
+def _feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None, *, norm_term: bool = True) -> Tensor:
+    """log(√m · φ(x)) = W (M x̃) − ½‖M x̃‖² for ``x`` ``[B, T, H, d]`` → ``[B, T, H, m]``.
+    ``norm_term=False`` leaves out −½‖M x̃‖², a per-token constant (for queries it cancels in the ratio)."""
     x = x * x.shape[-1] ** -0.25
     if transform is not None:
         x = torch.einsum("hed,bthd->bthe", transform, x)
@@ -108,6 +109,8 @@ def _feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None) -> 
         proj = torch.einsum("bthd,md->bthm", x, projection)
     else:
         proj = torch.einsum("bthd,hmd->bthm", x, projection)
+    if not norm_term:
+        return proj
     return proj - 0.5 * x.pow(2).sum(dim=-1, keepdim=True)
 
 
@@ -148,7 +151,9 @@ def _prepare(q, k, v, projection, transform):
     dtype = compute_dtype(q, k, v, projection)
     proj = projection.to(dtype)
     m = None if transform is None else transform.to(dtype)
-    q_logits = _feature_logits(q.to(dtype), proj, m)
+    # −½‖q̃‖² is a per-query constant: it cancels between numerator and denominator, so the
+    # queries skip it (and its backward); the per-query max subtracted later stabilises them.
+    q_logits = _feature_logits(q.to(dtype), proj, m, norm_term=False)
     k_logits = _feature_logits(expand_heads(k, heads).to(dtype), proj, m)
     return q_logits, k_logits, expand_heads(v, heads).to(dtype), dtype
 
@@ -196,67 +201,108 @@ def random_feature_attention(
     ``transform`` DARKFormer's M ``[H, d, d]`` or None (Performer). ``initial_state`` continues
     from a previous call (chunked prefill / decode of several tokens). ``doc_start`` ``[B, T]``
     (absolute indices, counting the tokens of ``initial_state``) keeps packed documents / left
-    padding apart: the state restarts at every document boundary."""
+    padding apart: the state restarts at every document boundary.
+
+    All chunks are processed at once as batched products over a ``[B, H, N, C, *]`` view (N chunks
+    of C tokens, the last one padded): the intra-chunk scores, every chunk's own state contribution
+    and the read-out are each one product; only the carry of the (m × d) state from chunk to chunk
+    is a loop over N. Values carry an extra ones column, so one product gives numerator and
+    denominator (S and z travel together as ``[m, d_v + 1]``)."""
     check_chunk_size(chunk_size)
     with torch.autocast(q.device.type, enabled=False):  # feature logits and states stay ≥ fp32
         q_logits, k_logits, values, dtype = _prepare(q, k, v, projection, transform)
-        # [B, H, T, *] layout for batched matmuls per head.
-        q_feat = _normalised_queries(q_logits).transpose(1, 2)
-        k_logits = k_logits.transpose(1, 2)
-        values = values.transpose(1, 2)
-        batch, heads, length, m = k_logits.shape
+        batch, length, heads, m = k_logits.shape
+        dv = values.shape[-1]
         if initial_state is None:
-            state_s = values.new_zeros(batch, heads, m, values.shape[-1])
-            state_z = values.new_zeros(batch, heads, m)
+            state = values.new_zeros(batch, heads, m, dv + 1)
             shift = values.new_full((batch, heads), float("-inf"))
             start = 0
         else:
-            _check_state(initial_state, batch, heads, m, values.shape[-1])
-            state_s, state_z = initial_state.S.to(dtype), initial_state.z.to(dtype)
+            _check_state(initial_state, batch, heads, m, dv)
+            state = torch.cat([initial_state.S.to(dtype), initial_state.z.to(dtype)[..., None]], dim=-1)
             shift, start = initial_state.shift.to(dtype), initial_state.length
         check_doc_start(doc_start, batch, length, offset=start)
-        positions = start + torch.arange(length, device=q.device)
+        chunk = min(chunk_size, max(length, 1))
+        n_chunks = -(-length // chunk)
+        pad = n_chunks * chunk - length
+        positions = start + torch.arange(n_chunks * chunk, device=q.device)
+        if doc_start is not None and pad:  # padding tokens continue the last document
+            doc_start = torch.cat([doc_start, doc_start[:, -1:].expand(-1, pad)], dim=1)
         # Tokens whose document began before this call continue the carried state.
-        continues = (
-            torch.ones(batch, length, dtype=torch.bool, device=q.device) if doc_start is None else doc_start < start
-        )
+        continues = None if doc_start is None else doc_start[:, :length] < start
         # Running max of key logits (causal, per document); detached: the output is invariant to it.
-        running = _running_shift(k_logits.detach().amax(dim=-1), doc_start)
-        running = torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
-        k_feat = torch.exp(k_logits - running[..., None])  # ≤ 1
-        outputs = []
-        # split once instead of slicing per chunk: the backward of a slice writes into a zero tensor
-        # of the full size, which made the backward O(T²/C) memory traffic; split's backward is one cat
-        chunks = zip(*(x.split(chunk_size, dim=2) for x in (q_feat, k_feat, values, running)))
-        for i0, (qc, kc, vc, sc) in zip(range(0, length, chunk_size), chunks):
-            i1 = i0 + qc.shape[2]
-            rows_doc = None if doc_start is None else doc_start[:, i0:i1]
-            # exp(s_j − s_i) for visible j (≤ 1); future / other-document entries are exactly 0.
-            decay = _exp_where(sc[..., None, :] - sc[..., :, None], visible(positions[i0:i1], positions[i0:i1], rows_doc))
-            scores = (qc @ kc.transpose(-1, -2)) * decay  # [B, H, C, C]
-            # The state (keys of the document of token i0 − 1) at scale exp(−s_i), for rows in that document.
-            reads_state = (rows_doc < start + i0)[:, None, :] if rows_doc is not None else torch.ones_like(sc, dtype=torch.bool)
-            carry = _exp_where(shift[..., None] - sc, reads_state)[..., None]
-            numerator = scores @ vc + carry * (qc @ state_s)
-            denominator = scores.sum(-1, keepdim=True) + carry * (qc @ state_z[..., None])
-            outputs.append(numerator / denominator.clamp_min(torch.finfo(dtype).tiny))
-            # New state: keys of the last token's document, at scale exp(−s_last).
-            new_shift = sc[..., -1]
-            if rows_doc is None:
-                in_last_doc = torch.ones_like(sc, dtype=torch.bool)
-                keeps_state = torch.ones_like(new_shift, dtype=torch.bool)
-            else:
-                in_last_doc = (positions[i0:i1][None, :] >= rows_doc[:, -1:])[:, None, :].expand_as(sc)
-                keeps_state = (rows_doc[:, -1] < start + i0)[:, None].expand_as(new_shift)
-            weights = _exp_where(sc - new_shift[..., None], in_last_doc)[..., None] * kc
-            rescale = _exp_where(shift - new_shift, keeps_state)
-            state_s = rescale[..., None, None] * state_s + weights.transpose(-1, -2) @ vc
-            state_z = rescale[..., None] * state_z + weights.sum(dim=-2)
-            shift = new_shift
-        out = torch.cat(outputs, dim=2).transpose(1, 2).to(v.dtype)
+        running = _running_shift(k_logits.detach().amax(dim=-1).transpose(1, 2), None if doc_start is None else doc_start[:, :length])
+        if continues is None:
+            running = torch.maximum(running, shift[..., None])
+        else:
+            running = torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
+
+        def chunked(x: Tensor, fill: float = 0.0) -> Tensor:  # [B, T, H, *] → [B, H, N, C, *]
+            x = x.transpose(1, 2)
+            if pad:
+                x = torch.nn.functional.pad(x, (0, 0, 0, pad), value=fill)
+            return x.reshape(batch, heads, n_chunks, chunk, x.shape[-1])
+
+        q_feat = chunked(_normalised_queries(q_logits))
+        k_feat = chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]))  # ≤ 1; padding: 0
+        ones = values.new_ones(()).expand(*values.shape[:-1], 1)
+        values = chunked(torch.cat([values, ones], dim=-1))  # [V, 1]: numerator and denominator at once
+        if pad:  # padding keys repeat the last shift (their features are 0 anyway)
+            running = torch.cat([running, running[..., -1:].expand(-1, -1, pad)], dim=-1)
+        sc = running.view(batch, heads, n_chunks, chunk)
+        chunk_start = positions[::chunk]  # [N]
+        pos = positions.view(n_chunks, chunk)
+        rows_doc = None if doc_start is None else doc_start.view(batch, n_chunks, chunk)
+        # Intra-chunk: (φ(Q_c) φ(K_c)ᵀ ⊙ exp(s_j − s_i)) over visible j ≤ i; exactly 0 elsewhere.
+        causal = pos[:, None, :] <= pos[:, :, None]  # [N, C, C]
+        if rows_doc is None:
+            seen = causal[None, None]
+        else:
+            seen = (causal[None] & (pos[None, :, None, :] >= rows_doc[..., None]))[:, None]  # [B, 1, N, C, C]
+        decay = _exp_where(sc[..., None, :] - sc[..., :, None], seen)
+        scores = (q_feat @ k_feat.transpose(-1, -2)) * decay
+        # Each chunk's own keys (those of its last token's document), at scale exp(−s_last).
+        last_shift = sc[..., -1]  # [B, H, N]
+        if rows_doc is None:
+            in_last_doc = None
+            keeps_state = None
+            reads_state = None
+        else:
+            in_last_doc = (pos[None] >= rows_doc[..., -1:])[:, None]  # [B, 1, N, C]
+            keeps_state = (rows_doc[..., -1] < chunk_start)[:, None]  # [B, 1, N]
+            reads_state = (rows_doc < chunk_start[:, None])[:, None]  # [B, 1, N, C]
+        own = torch.exp(sc - last_shift[..., None])
+        if in_last_doc is not None:
+            own = own.masked_fill(~in_last_doc, 0.0)
+        own_state = (own[..., None] * k_feat).transpose(-1, -2) @ values  # [B, H, N, m, d_v + 1]
+        # Carry the state from chunk to chunk: before[n] is the state at the start of chunk n.
+        # (unbind, not indexing: the backward of an index zero-fills a full-size tensor per chunk)
+        before = []
+        for n, own_n in enumerate(own_state.unbind(dim=2)):
+            before.append(state)
+            rescale = torch.exp(shift - last_shift[..., n])
+            if keeps_state is not None:
+                rescale = rescale.masked_fill(~keeps_state[..., n], 0.0)
+            state = rescale[..., None, None] * state + own_n
+            shift = last_shift[..., n]
+        before = torch.stack(before, dim=2)  # [B, H, N, m, d_v + 1]
+        # Rows read the carried state at scale exp(−s_i): factor exp(shift_before − s_i) ≤ 1.
+        shift_before = torch.cat([_initial_shift(initial_state, batch, heads, values), last_shift[..., :-1]], dim=-1)
+        carry_ok = torch.ones_like(sc, dtype=torch.bool) if reads_state is None else reads_state.expand_as(sc)
+        carry = _exp_where(shift_before[..., None] - sc, carry_ok & torch.isfinite(shift_before)[..., None])
+        mixed = scores @ values + carry[..., None] * (q_feat @ before)
+        out = mixed[..., :dv] / mixed[..., dv:].clamp_min(torch.finfo(dtype).tiny)
+        out = out.reshape(batch, heads, n_chunks * chunk, dv)[:, :, :length].transpose(1, 2).to(v.dtype)
     if return_state:
-        return out, RandomFeatureState(S=state_s, z=state_z, shift=shift, length=start + length)
+        final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
+        return out, final
     return out
+
+
+def _initial_shift(state: RandomFeatureState | None, batch: int, heads: int, like: Tensor) -> Tensor:
+    if state is None:
+        return like.new_full((batch, heads, 1), float("-inf"))
+    return state.shift.to(like.dtype)[..., None]
 
 
 def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: int) -> None:
