@@ -278,3 +278,62 @@ def test_cli_convert_and_errors(tmp_path, capsys, monkeypatch):
     assert "no config.json" in capsys.readouterr().err
     assert main(["pretrained", "list"]) == 0
     assert "gemma3-270m" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Experimental Cubit conversion
+
+
+def test_cubit_conversion_approaches_host_as_ridge_grows():
+    host = tiny_gemma(layer_types=("full_attention", "full_attention"))
+    x = ids(2, 33)
+    ref = logits(host, x)
+    errors = [rel(logits(cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="cubit", ridge=r)), x), ref)
+              for r in (0.5, 8.0, 512.0)]
+    assert errors[0] > errors[1] > errors[2], errors
+    assert errors[2] < 1e-2 and errors[0] > 1e-2, errors  # λ → ∞ is the host; small λ really changes the layer
+
+
+@pytest.mark.parametrize("make", [tiny_gemma, tiny_llama])
+def test_cubit_conversion_generates_saves_and_pads(make, tmp_path):
+    layers = "global" if make is tiny_gemma else "all"
+    model = cv.convert(make(), cv.ConversionConfig(mixer="cubit", layers=layers, ridge=1.0, chunk_size=5))
+    x = ids(1, 19)
+    # cached generation equals a full forward at every step
+    gen = model.generate(x[:, :7], max_new_tokens=9, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = logits(model, gen.sequences)
+    for step, step_logits in enumerate(gen.logits):
+        torch.testing.assert_close(step_logits[0], full[0, 6 + step], atol=1e-4, rtol=1e-4)
+    # left padding = the unpadded row (λ and s differ from their initial values to make it a real check)
+    with torch.no_grad():
+        for k in cv.kernels(model).values():
+            k.log_ridge.uniform_(-1, 1)
+            k.log_ref_scale.uniform_(-1, 1)
+    y = ids(2, 20)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    torch.testing.assert_close(logits(model, y, attention_mask=mask, position_ids=positions)[1, 6:],
+                               logits(model, y[1:, 6:])[0], atol=1e-4, rtol=1e-4)
+    cv.save_converted(model, tmp_path / "c")
+    again = cv.load_converted(tmp_path / "c")
+    assert cv.conversion_config(again).mixer == "cubit"
+    torch.testing.assert_close(logits(again, y), logits(model, y))
+
+
+def test_cubit_conversion_trains_ridge_and_refuses_windows():
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="cubit", layers="global"))
+    params = cv.set_trainable(model)
+    kernel = cv.kernels(model)[1]
+    assert any(p is kernel.log_ridge for p in params) and any(p is kernel.log_ref_scale for p in params)
+    x = ids(2, 16)
+    model(input_ids=x, labels=x).loss.backward()
+    assert kernel.log_ridge.grad is not None and kernel.log_ridge.grad.abs().sum() > 0
+    assert kernel.log_ref_scale.grad.abs().sum() > 0
+    windowed = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="cubit", layers="local"))
+    with pytest.raises(ValueError, match="sliding windows"):
+        logits(windowed, ids(1, 24))  # longer than the window of 8
+    with pytest.raises(ValueError, match="no random features"):
+        cv.set_num_features(model, 16)
+    with pytest.raises(ValueError, match="ridge must be a positive number"):
+        cv.ConversionConfig(mixer="cubit", ridge=0.0).validate()

@@ -161,7 +161,7 @@ def test_bad_input():
         ft.FinetuneConfig.from_dict({"stepz": 3})
     x = windows()
     with pytest.raises(ValueError, match="unknown variant"):
-        ft.compare_finetune(tiny_gemma(), x, x[:2], config(), variants=("cubit",))
+        ft.compare_finetune(tiny_gemma(), x, x[:2], config(), variants=("cosine",))
     with pytest.raises(ValueError, match=r"windows must be \[N, T\]"):
         ft.finetune(converted(), x[0], x[:2], config())
     with pytest.raises(ValueError, match="out of range"):
@@ -196,3 +196,13 @@ def test_cli_finetune(tmp_path, capsys, monkeypatch):
         main(["finetune", str(tmp_path / "host"), "--out", str(out), "--text", str(corpus), "--mode", "half"])
     rc = main(["finetune", str(tmp_path / "host"), "--out", str(tmp_path / "o3"), "--text", str(corpus), "--lr=-1"])
     assert rc == 2 and "learning rates must be positive" in capsys.readouterr().err
+
+
+def test_cubit_variant_finetunes():
+    x = windows()
+    model = ft.build_variant(tiny_llama(), "cubit", num_features=16, layers="all", init="identity", calibration=None)
+    before = [k.log_ridge.detach().clone() for k in cv.kernels(model).values()]
+    model, result = ft.finetune(model, x, x[:2], config())
+    assert result["final"]["loss"] < result["initial"]["loss"] - 0.1
+    after = [k.log_ridge for k in cv.kernels(model).values()]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))  # λ learned

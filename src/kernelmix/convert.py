@@ -30,8 +30,8 @@ settings are stored in ``config.kernelmix_conversion``; reload with :func:`load_
 DARKFormer initialisations (:func:`initialise`): ``identity`` (exactly Performer), ``whiten``
 (SPEC §5's function-preserving data-aware transform from calibration statistics) and ``distill``
 (train M, optionally F, so each layer's attention output matches exact softmax attention on the
-same q/k/v; host weights untouched). Cubit is not offered here: it needs an extra reference
-projection per layer and a solve, which this adapter does not wire in.
+same q/k/v; host weights untouched). ``cubit`` is experimental (:class:`CubitKernel`): the keys
+serve as Cubit's reference, λ and s are learned, global (unwindowed) layers only.
 
 For finetuning later: :func:`set_trainable` freezes the host except q/k/v projections (and the
 QK-norm scales) of converted layers and the DARKFormer transforms.
@@ -60,7 +60,7 @@ from .ops.random_features import (
 )
 
 ATTENTION_NAME = "kernelmix"
-MIXERS = ("performer", "darkformer")
+MIXERS = ("performer", "darkformer", "cubit")  # cubit: experimental (see CubitKernel)
 LAYER_CHOICES = ("all", "global", "local")
 INITS = ("identity", "whiten", "distill", "whiten+distill")
 PROJECTIONS = ("orthogonal", "iid")
@@ -78,6 +78,7 @@ class ConversionConfig:
     * ``num_features``: m per head. ``projection``: ``orthogonal`` or ``iid``. ``seed``: the draw of W
       (one generator, layers in order).
     * ``chunk_size``: chunk of the linear-time op.
+    * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
     """
 
     mixer: str = "darkformer"
@@ -86,6 +87,7 @@ class ConversionConfig:
     projection: str = "orthogonal"
     seed: int = 0
     chunk_size: int = 64
+    ridge: float = 4.0
     # filled in by convert(): the resolved layer indices and the initialisation used
     layer_indices: list = field(default_factory=list)
     init: str = "identity"
@@ -93,7 +95,9 @@ class ConversionConfig:
 
     def validate(self) -> None:
         if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r} for conversion (choose from: {', '.join(MIXERS)}; cubit is not supported here)")
+            raise ValueError(f"unknown mixer {self.mixer!r} for conversion (choose from: {', '.join(MIXERS)})")
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not (self.ridge > 0 and math.isfinite(self.ridge)):
+            raise ValueError(f"ridge must be a positive number, got {self.ridge!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"unknown projection {self.projection!r} (choose from: {', '.join(PROJECTIONS)})")
         if isinstance(self.num_features, bool) or not isinstance(self.num_features, int) or self.num_features <= 0:
@@ -278,6 +282,64 @@ class RandomFeatureKernel(nn.Module):
         self.query_fold.copy_(fold.to(self.query_fold))
 
 
+class CubitKernel(nn.Module):
+    """Experimental Cubit conversion of one layer (attached as ``self_attn.kernelmix_rf``).
+
+    Cubit needs a reference projection; a converted layer has none, so the host's keys serve as
+    the reference (r = k, per query head). Per head: ridge λ = exp(``log_ridge``) and reference
+    scale s = exp(``log_ref_scale``), both trained by finetuning. The solve is rescaled,
+    U = (1 + λ)(G + λI)⁻¹V: G's rows sum to 1, so constant values pass unchanged for any λ, and as
+    λ → ∞, U → V — the host's exact attention (a per-head output scale the host's o_proj could
+    equally absorb). No LRR (ρ ≡ 1: the host has no projection for it). Masks: causal, left
+    padding and decoding with the host's cache; sliding windows are refused (convert global layers
+    only, ``layers="global"``)."""
+
+    mixer = "cubit"
+    transform = None
+    query_fold = None
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, ridge: float = 4.0, chunk_size: int = 64):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_size = num_heads, num_kv_heads, head_dim, chunk_size
+        self.log_ridge = nn.Parameter(torch.full((num_heads,), math.log(ridge)))
+        self.log_ref_scale = nn.Parameter(torch.zeros(num_heads))
+
+    def extra_repr(self) -> str:
+        return f"mixer='cubit', num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.log_ridge, self.log_ref_scale]
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float | None,
+               **_unused) -> Tensor:
+        """HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value`` ``[B, H_kv, L, d]``) → ``[B, T, H, d_v]``."""
+        from .ops.cubit import cubit_attention
+
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        length_q, length_k = q.shape[1], k.shape[1]
+        doc_start = None
+        if attention_mask is not None:
+            visible = _visible_from_mask(attention_mask)
+            if visible.shape[0] != q.shape[0]:
+                visible = visible.expand(q.shape[0], -1, -1)
+            doc_start = _left_padding_doc_start(visible, length_k - length_q)
+            if doc_start is None:
+                raise ValueError("the cubit conversion supports causal masks with left padding only (no sliding windows "
+                                 "or packed sequences); convert the global layers only (layers='global')")
+        elif length_q > 1 and length_q < length_k:  # SDPA's upper-left convention (prefill into a static cache)
+            k, v, length_k = k[:, :length_q], v[:, :length_q], length_q
+        if length_k > length_q:  # decoding: queries at the end of the cached keys
+            q = RandomFeatureKernel._pad_queries(q, length_k)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        ridge = self.log_ridge.exp()
+        reference = expand_heads(k, self.num_heads)
+        out = cubit_attention(q.to(dtype), k.to(dtype), v.to(dtype), reference.to(dtype), ridge=ridge,
+                              ref_scale=self.log_ref_scale.exp(), scale=scaling, chunk_size=self.chunk_size,
+                              doc_start=doc_start)
+        out = out * (1.0 + ridge)[:, None].to(out.dtype)
+        return out[:, length_k - length_q:].to(v.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registered attention function, exact mode and recorders
 
@@ -420,9 +482,13 @@ def _attach(model, config: ConversionConfig) -> None:
         attn = decoder[i].self_attn
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
-                                     num_features=config.num_features, projection=config.projection,
-                                     chunk_size=config.chunk_size, generator=generator)
+        if config.mixer == "cubit":
+            kernel = CubitKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, ridge=config.ridge,
+                                 chunk_size=config.chunk_size)
+        else:
+            kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
+                                         num_features=config.num_features, projection=config.projection,
+                                         chunk_size=config.chunk_size, generator=generator)
         attn.kernelmix_rf = kernel.to(device=param.device)  # float32 whatever the host dtype
     model.config._attn_implementation = ATTENTION_NAME
     for sub in model.modules():  # sub-configs (some models keep their own) follow
@@ -437,8 +503,8 @@ def conversion_config(model) -> ConversionConfig | None:
     return None if raw is None else ConversionConfig(**raw)
 
 
-def kernels(model) -> dict[int, RandomFeatureKernel]:
-    """Layer index → its :class:`RandomFeatureKernel` (converted layers only)."""
+def kernels(model) -> dict[int, "RandomFeatureKernel | CubitKernel"]:
+    """Layer index → its :class:`RandomFeatureKernel` / :class:`CubitKernel` (converted layers only)."""
     return {i: layer.self_attn.kernelmix_rf for i, layer in enumerate(_decoder_layers(model))
             if getattr(layer.self_attn, "kernelmix_rf", None) is not None}
 
@@ -447,6 +513,8 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
     """Redraw every converted layer's W with ``num_features`` rows (M and F are kept)."""
     generator = torch.Generator().manual_seed(seed)
     for kernel in kernels(model).values():
+        if kernel.mixer == "cubit":
+            raise ValueError("a cubit conversion has no random features to redraw")
         kernel.redraw(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)
     raw.update(num_features=int(num_features), seed=int(seed))
@@ -644,6 +712,10 @@ def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: boo
         if transform and kernel.transform is not None:
             kernel.transform.requires_grad_(True)
             trainable.append(kernel.transform)
+        if kernel.mixer == "cubit":
+            for p in kernel.trainable():
+                p.requires_grad_(True)
+                trainable.append(p)
     return trainable
 
 
@@ -772,6 +844,7 @@ __all__ = [
     "ATTENTION_NAME",
     "Captured",
     "ConversionConfig",
+    "CubitKernel",
     "RandomFeatureKernel",
     "capture",
     "conversion_config",
@@ -815,7 +888,7 @@ def _cli_convert(args) -> int:
 
     try:
         config = ConversionConfig(mixer=args.mixer, layers=parse_layers(args.layers), num_features=args.num_features,
-                                  projection=args.projection, seed=args.seed, chunk_size=args.chunk_size)
+                                  projection=args.projection, seed=args.seed, chunk_size=args.chunk_size, ridge=args.ridge)
         config.init = args.init
         config.validate()
         model, tok = load_pretrained(args.model)
@@ -855,4 +928,5 @@ def add_commands(sub) -> None:
     p.add_argument("--steps", type=int, default=200, help="distillation steps per layer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--ridge", type=float, default=4.0, help="cubit (experimental): initial ridge λ")
     p.set_defaults(func=_cli_convert)

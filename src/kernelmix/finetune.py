@@ -52,7 +52,8 @@ from torch import Tensor, nn
 from . import convert as cv
 
 MODES = ("partial", "lora", "full")
-VARIANTS = ("softmax", "performer", "darkformer")
+VARIANTS = ("softmax", "performer", "darkformer", "cubit")  # cubit: the experimental conversion
+DEFAULT_VARIANTS = ("softmax", "performer", "darkformer")
 INITS = ("identity", "whiten", "distill", "whiten+distill")
 
 
@@ -189,9 +190,12 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
         for p in model.parameters():
             if config.train_embeddings or id(p) not in embedding_ids:
                 p.requires_grad_(True)
-    for kernel in cv.kernels(_base(model)).values():  # the DARKFormer metric M trains in every mode
+    for kernel in cv.kernels(_base(model)).values():  # the DARKFormer metric M (Cubit's λ, s) train in every mode
         if kernel.transform is not None:
             kernel.transform.requires_grad_(True)
+        if kernel.mixer == "cubit":
+            for p in kernel.trainable():
+                p.requires_grad_(True)
     seen, params = set(), []
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
@@ -417,7 +421,8 @@ def finetune(
 def build_variant(host, variant: str, *, num_features: int, layers: Any, init: str, calibration: Tensor | None,
                   seed: int = 0, distill_steps: int = 100, log: Callable | None = None):
     """A fresh copy of ``host`` as ``variant``: ``softmax`` (unchanged), ``performer`` or
-    ``darkformer`` (converted with ``init``; the same W draw for both at equal m and seed)."""
+    ``darkformer`` (converted with ``init``; the same W draw for both at equal m and seed), or the
+    experimental ``cubit`` conversion (global layers only)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (choose from: {', '.join(VARIANTS)})")
     model = copy.deepcopy(host)
@@ -435,7 +440,7 @@ def compare_finetune(
     val_windows: Tensor,
     config: FinetuneConfig,
     *,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     lrs: Sequence[float] | None = None,
     num_features: int = 64,
     layers: Any = "all",
@@ -477,7 +482,7 @@ def compare_finetune(
             resume = run_dir is not None and (run_dir / "checkpoints").is_dir()
             model, result = finetune(model, train_windows, val_windows, run_config, layers=layers, out_dir=run_dir,
                                      resume=resume, progress=progress, label=name)
-            result.update({"variant": variant, "lr": lr, "num_features": None if variant == "softmax" else num_features,
+            result.update({"variant": variant, "lr": lr, "num_features": num_features if variant in ("performer", "darkformer") else None,
                            "init": None if variant == "softmax" else (init if variant == "darkformer" else "identity"),
                            "setup_s": setup_s})
             say(f"{name}: val loss {result['initial']['loss']:.3f} → {result['final']['loss']:.3f}, "
@@ -647,7 +652,7 @@ def add_commands(sub) -> None:
     )
     p.add_argument("model", help="a prepared name (gemma3-270m, smollm2-135m), a local HF causal-LM directory, or a converted one")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="softmax,performer,darkformer")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="softmax,performer,darkformer (and cubit, experimental)")
     p.add_argument("--mode", choices=MODES, default="partial")
     p.add_argument("--num-features", type=int, default=64, help="m for performer and darkformer (equal m)")
     p.add_argument("--layers", default="all", help="all | global | local | comma-separated indices")
