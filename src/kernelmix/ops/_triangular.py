@@ -43,8 +43,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 # A kernel block holds at most about this many elements (×4 bytes in float32): heads are processed
-# in groups of ⌊TILE_ELEMENTS / (C·T)⌋ (at least one). 2**21 elements = 8 MiB in float32.
-TILE_ELEMENTS = 2**21
+# in groups of ⌊TILE_ELEMENTS / (C·T)⌋ (at least one). 2**20 elements = 4 MiB in float32.
+TILE_ELEMENTS = 2**20
 LOG2E = 1.0 / math.log(2.0)
 
 
