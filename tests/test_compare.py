@@ -104,3 +104,27 @@ def test_bad_input_gives_clear_errors(tmp_path, capsys):
     assert "unknown mixer(s) 'cubt'" in capsys.readouterr().err
     assert cli_main(["compare", "--mixers", "softmax", "--corpus", "no/such/dir", "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_torchrun_two_processes_match_one(tmp_path):
+    """`torchrun --nproc_per_node=2 -m kernelmix.cli compare`: each process trains half of every
+    step's windows (DDP over gloo), rank 0 writes the outputs; the validation losses equal the
+    one-process run's up to the order of float32 sums (see test_train's DDP test for the bound)."""
+    import subprocess
+    import sys
+
+    args = ["--mixers", "softmax,performer", "--lengths", "32", "--steps", "3", "--tokens-per-step", "128",
+            "--corpus", CORPUS, "--eval-docs", "2", "--warmup-steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "kernelmix.cli",
+         "compare", *args, "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("| mixer | [0, 32) |") == 1  # one report, from rank 0
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["machine"]["processes"] == 2 and all(r["batch_size"] == 2 for r in two["runs"])  # 4 windows / 2 ranks
+    one = run_compare(small(tmp_path / "one", mixers=["softmax", "performer"], lengths=[32]), progress=False)
+    for a, b in zip(one["runs"], two["runs"]):
+        assert (a["mixer"], a["tokens"]) == (b["mixer"], b["tokens"])
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)

@@ -138,12 +138,18 @@ class CompareConfig:
         overrides.setdefault("max_seq_len", max(max(self.lengths), PRESETS[self.preset]["max_seq_len"]))
         return overrides
 
-    def train_config(self, mixer: str, length: int, seed: int, out_dir: str | Path):
+    def train_config(self, mixer: str, length: int, seed: int, out_dir: str | Path, world_size: int = 1):
+        """The run's TrainConfig; under torchrun each of ``world_size`` processes takes an equal share
+        of the step's windows, so the global batch (and the budget) does not depend on the process count."""
         from .training import TrainConfig
 
+        windows = self.tokens_per_step // length
+        if windows % world_size:
+            raise ValueError(f"{windows} windows per step at length {length} do not split over {world_size} processes; "
+                             f"choose --tokens-per-step a multiple of {length * world_size}")
         return TrainConfig(
             preset=self.preset, model=self.model_overrides(mixer), corpus=self.corpus, tokenizer=self.tokenizer,
-            seq_len=length, batch_size=self.tokens_per_step // length, steps=self.steps, lr=self.lr,
+            seq_len=length, batch_size=windows // world_size, steps=self.steps, lr=self.lr,
             min_lr=min(self.min_lr, self.lr), warmup_steps=self.warmup_steps, seed=seed, device=self.device,
             eval_every=0, eval_batches=1, log_every=max(1, self.steps // 10), checkpoint_every=0,
             keep_checkpoints=1, out_dir=str(out_dir),
@@ -165,10 +171,15 @@ class CompareConfig:
 
 
 def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_split=None,
-            progress: bool | None = None, note: Callable[[str], None] = print) -> tuple[dict[str, Any], bool]:
-    """Train and evaluate one (mixer, length, seed), or reuse its result. Returns (result, reused)."""
+            progress: bool | None = None, note: Callable[[str], None] = print, env=None) -> tuple[dict[str, Any], bool]:
+    """Train and evaluate one (mixer, length, seed), or reuse its result. Returns (result, reused).
+    Under torchrun (``env``: the joined process group) every process trains its share and
+    evaluates; only rank 0 touches the run directory's files outside training."""
     from .evaluate import evaluate_loss, load_run
+    from .training import distributed as distrib
     from .training import latest_checkpoint, train
+
+    env = env if env is not None else distrib.DistEnv()
 
     key = config.run_key(mixer, length, seed)
     run_dir = Path(config.out_dir) / "runs" / f"{mixer}-T{length}-s{seed}-{key}"
@@ -180,13 +191,16 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
                 return saved, True
         except ValueError:
             pass  # a damaged result: redo the run's evaluation below
-    train_config = config.train_config(mixer, length, seed, run_dir)
+    train_config = config.train_config(mixer, length, seed, run_dir, world_size=env.world_size)
     resume = latest_checkpoint(run_dir) is not None
-    if not resume and run_dir.exists():  # interrupted before its only checkpoint: start over
+    distrib.barrier(env)  # every process has decided before rank 0 changes anything
+    if not resume and run_dir.exists() and env.is_main:  # interrupted before its only checkpoint: start over
         shutil.rmtree(run_dir)
+    distrib.barrier(env)
     if resume:
         note(f"  resuming {run_dir}")
-    trained = train(train_config, resume=resume, progress=progress)
+    trained = train(train_config, resume=resume, progress=progress if env.is_main else False)
+    distrib.barrier(env)  # the final checkpoint is on disk for every process
 
     started = time.perf_counter()
     run = load_run(run_dir, device=train_config.device if train_config.device != "auto" else "cpu")
@@ -227,9 +241,11 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
         "curve": curve,
         "run_dir": str(run_dir),
     }
-    tmp = result_path.with_name("result.json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, result_path)
+    if env.is_main:
+        tmp = result_path.with_name("result.json.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, result_path)
+    distrib.barrier(env)
     return result, False
 
 
@@ -270,18 +286,37 @@ def summarize(config: CompareConfig, runs: list[dict[str, Any]]) -> list[dict[st
 
 def run_compare(config: CompareConfig, *, progress: bool | None = None, console=None) -> dict[str, Any]:
     """Run (or reuse) every (mixer, length, seed), then write results.json, results.md and the
-    plots into ``config.out_dir``. Returns the results.json content."""
+    plots into ``config.out_dir``. Returns the results.json content.
+
+    Under ``torchrun --nproc_per_node=N -m kernelmix.cli compare ...`` the processes share every
+    run (DDP, each a 1/N share of the step's windows: the same global batch and budget) and rank 0
+    writes the outputs."""
+    from .training import distributed as distrib
+
+    env = distrib.setup(config.device)
+    try:
+        return _run_compare(config, env, progress=progress, console=console)
+    finally:
+        distrib.teardown(env)
+
+
+def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) -> dict[str, Any]:
     from .data import prepare_dataset
     from .evaluate import cap_split
+    from .training import distributed as distrib
 
     if console is None:
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False)
-    note = console.print
+    note = console.print if env.is_main else (lambda *a, **k: None)
     started = time.perf_counter()
     out = Path(config.out_dir)
+    if not env.is_main:
+        distrib.barrier(env)  # rank 0 builds the token cache first
     dataset = prepare_dataset(config.corpus, config.tokenizer)  # fails early on an unknown corpus
+    if env.is_main:
+        distrib.barrier(env)
     val = cap_split(dataset.val, doc_tokens=max(config.lengths), max_docs=config.eval_docs)
     if val.num_tokens - len(val) <= 0:
         raise ValueError(f"corpus {config.corpus!r} has no validation text to evaluate on; use a larger corpus")
@@ -295,14 +330,14 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
         f"[bold]kernelmix compare[/]: {len(config.mixers)} mixers × lengths {config.lengths} × seeds {config.seeds} = "
         f"{len(plan)} runs; preset {config.preset}, {config.corpus} / {config.tokenizer}; equal budget: "
         f"{config.tokens_per_run:,} tokens per run ({config.steps} steps × {config.tokens_per_step:,} tokens); "
-        f"{torch.get_num_threads()} torch threads; output {out}"
+        f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "") + f"; output {out}"
     )
     runs, reused_count = [], 0
     for index, (mixer, length, seed) in enumerate(plan, start=1):
         note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
              f"(batch {config.tokens_per_step // length} × {length})")
         t0 = time.perf_counter()
-        result, reused = run_one(config, mixer, length, seed, val_split=val, progress=progress, note=note)
+        result, reused = run_one(config, mixer, length, seed, val_split=val, progress=progress, note=note, env=env)
         runs.append(result)
         reused_count += reused
         note(
@@ -324,13 +359,15 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
         "evaluation": {"split": "val", "documents": len(val), "tokens_per_document": max(config.lengths),
                        "predicted_tokens": int(val.num_tokens - len(val)), "at": "each run's training length"},
         "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "device": config.device},
+                    "cpus": os.cpu_count(), "device": config.device, "processes": env.world_size},
         "runs": runs,
         "summary": summary,
         "wall_s": time.perf_counter() - started,  # this invocation (reused runs cost ~nothing)
         "runs_wall_s": sum(r["train_wall_s"] + r["eval_s"] for r in runs),  # training + evaluation of all runs
         "reused_runs": reused_count,
     }
+    if not env.is_main:
+        return results
     (out / "results.md").write_text(format_markdown(results), encoding="utf-8")
     results["plots"] = write_plots(results, out)
     tmp = out / "results.json.tmp"
@@ -576,5 +613,6 @@ def _cli_compare(args) -> int:
     except (CheckpointError, ValueError) as error:  # an unknown corpus, a damaged run directory, ...
         print(f"kernelmix compare: error: {error}", file=sys.stderr)
         return 2
-    print(format_markdown(results))
+    if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 reports
+        print(format_markdown(results))
     return 0
