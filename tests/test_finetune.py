@@ -206,3 +206,14 @@ def test_cubit_variant_finetunes():
     assert result["final"]["loss"] < result["initial"]["loss"] - 0.1
     after = [k.log_ridge for k in cv.kernels(model).values()]
     assert any(not torch.equal(a, b) for a, b in zip(after, before))  # λ learned
+
+
+def test_resumed_run_metrics_have_each_step_once(tmp_path):
+    x = windows()
+    cfg = config(steps=8, eval_every=4)
+    ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)  # steps 5, 6 logged after the step-4 checkpoint
+    ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if r["kind"] == "train"]
+    assert steps == list(range(1, 9))
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 4, 8]

@@ -287,7 +287,7 @@ def finetune(
     LoRA merged and parameters frozen, and a dict with the per-step losses, evaluations, spikes,
     wall time and tokens/s. ``stop_at`` ends early after that many steps (for resume tests)."""
     from .training import checkpoint as ckpt
-    from .training.loop import _Reporter, lr_at
+    from .training.loop import _Reporter, _truncate_metrics, lr_at
 
     config.validate()
     if train_windows.dim() != 2 or val_windows.dim() != 2:
@@ -320,8 +320,11 @@ def finetune(
                     own[n].copy_(saved.weights[n])
             optimizer.load_state_dict(saved.state["optimizer"])
             state = saved.state["progress"]
+            _truncate_metrics(out / "metrics.jsonl", state["step"])  # lines written after that checkpoint
         elif not resume and ckpt.latest_checkpoint(out) is not None:
             raise ValueError(f"{out} already holds finetuning checkpoints; pass resume=True (--resume) or use another directory")
+        else:  # a fresh start (a run killed before its first checkpoint leaves metrics behind)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
     reporter = _Reporter(out, config.steps, state["step"], progress, active=out is not None) if out is not None else None
 
     def save(step: int) -> None:
