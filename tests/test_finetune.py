@@ -105,6 +105,10 @@ def test_spikes_and_divergence():
     assert ft.is_spike([2.0] * 10, 2.6, window=20, nats=0.5)
     assert not ft.is_spike([2.0] * 3, 9.0, window=20, nats=0.5)  # too little history to judge
     assert ft.is_spike([], float("nan"), window=20, nats=0.5)
+    noisy = [2.0, 3.0] * 10  # batch noise of ±0.5 around 2.5: σ ≈ 0.74, threshold 2.5 + 4σ ≈ 5.5
+    assert not ft.is_spike(noisy, 4.0, window=20, nats=0.5) and ft.is_spike(noisy, 6.0, window=20, nats=0.5)
+    history = [2.0] * 10 + [9.0] + [2.0] * 5
+    assert [s["step"] for s in ft.find_spikes(history, window=20, nats=0.5)] == [10]
     # an absurd learning rate: losses blow up; spikes are counted, non-finite updates skipped
     x = windows()
     model = converted(mixer="performer")

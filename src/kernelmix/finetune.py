@@ -16,8 +16,8 @@ finetuning on the text also adapts any model to its domain, so the honest ceilin
 model is the host finetuned the same way, not the host as it was. Both are reported.
 
 Stability: a *loss spike* is an update whose training loss exceeds the median of the previous
-``spike_window`` losses by more than ``spike_nats`` nats, or is not finite (that update is
-skipped); after ``max_bad_steps`` non-finite losses in a row the run is marked diverged and
+``spike_window`` losses by more than max(``spike_nats``, 4σ) — σ a robust (MAD) estimate of the
+batch-to-batch noise in those losses — or is not finite (that update is skipped); after ``max_bad_steps`` non-finite losses in a row the run is marked diverged and
 stops. :func:`compare_finetune` with several learning rates is the learning-rate sweep of the
 stability claim.
 
@@ -250,12 +250,24 @@ def evaluate_windows(model, windows: Tensor, batch_size: int = 1) -> dict:
     return {"loss": total / count, "accuracy": correct / count, "tokens": count}
 
 
-def is_spike(history: Sequence[float], loss: float, *, window: int, nats: float) -> bool:
-    """A non-finite loss, or one more than ``nats`` above the median of the last ``window`` finite losses."""
+def is_spike(history: Sequence[float], loss: float, *, window: int, nats: float, noise_k: float = 4.0) -> bool:
+    """A non-finite loss, or one above the median of the last ``window`` finite losses by more than
+    ``max(nats, noise_k · σ)``, σ = 1.4826·MAD of those losses (a robust estimate of the batch-to-batch
+    noise: with small batches some windows of text are simply harder, and those are not spikes)."""
     if not math.isfinite(loss):
         return True
     recent = [x for x in history[-window:] if math.isfinite(x)]
-    return len(recent) >= min(window, 5) and loss > statistics.median(recent) + nats
+    if len(recent) < min(window, 5):
+        return False
+    centre = statistics.median(recent)
+    sigma = 1.4826 * statistics.median([abs(x - centre) for x in recent])
+    return loss > centre + max(nats, noise_k * sigma)
+
+
+def find_spikes(losses: Sequence[float], *, window: int, nats: float) -> list[dict]:
+    """Every spike of a loss history (:func:`is_spike` at each step against the steps before it)."""
+    return [{"step": step, "loss": value} for step, value in enumerate(losses)
+            if is_spike(losses[:step], value, window=window, nats=nats)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +486,11 @@ def compare_finetune(
             run_dir = out / "runs" / name if out is not None else None
             done_file = run_dir / "result.json" if run_dir is not None else None
             if done_file is not None and done_file.is_file():
-                runs.append(json.loads(done_file.read_text()))
+                saved = json.loads(done_file.read_text())
+                # spikes are a function of the logged losses: recount with the current rule
+                saved["spikes"] = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
+                saved["num_spikes"] = len(saved["spikes"])
+                runs.append(saved)
                 say(f"{name}: reusing the finished run in {run_dir}")
                 continue
             t = time.perf_counter()
@@ -522,7 +538,8 @@ def markdown(report: dict) -> str:
         f"Finetuning ({f['mode']}, {f['steps']} steps × {f['batch_size']} × {f['seq_len']} tokens, warmup {f['warmup_steps']}, "
         f"cosine to {f['min_lr_ratio']}·lr, seed {f['seed']}); m = {s['num_features']}, layers {s['layers']}, "
         f"DARKFormer init {s['init']}; validation {s['val_windows']} held-out windows ({s['val_tokens']} predicted tokens). "
-        f"Spike: loss > median of previous {f['spike_window']} + {f['spike_nats']} nats, or not finite.",
+        f"Spike: loss > median of the previous {f['spike_window']} + max({f['spike_nats']} nats, 4σ), σ = 1.4826·MAD of those "
+        f"losses (batch noise), or not finite.",
         "",
         "| variant | lr | val loss before | val loss after | val acc after | spikes | diverged | trainable params | train s | tok/s |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
@@ -689,6 +706,7 @@ __all__ = [
     "evaluate_windows",
     "finetune",
     "finished_model",
+    "find_spikes",
     "is_spike",
     "load_text_windows",
     "markdown",
