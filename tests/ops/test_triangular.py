@@ -129,3 +129,92 @@ def test_large_logits_do_not_overflow():
     c = ops.cubit_attention(t32["q"], t32["k"], t32["v"], t32["r"], ref_scale=200.0, chunk_size=16)
     c_ref = ops.cubit_attention_naive(t["q"], t["k"], t["v"], t["r"], ref_scale=200.0)
     assert torch.isfinite(c).all() and rel_rmse(c, c_ref) <= 1e-3
+
+
+def _dense_solve(x, y, b, beta, gamma, scale, strict, doc_start, y_scale=None, b_scale=None):
+    """(diag(β) K + γ I)⁻¹ (b ⊙ b_scale) with K the dense masked softmax of scale · x yᵀ; ``[B, H, T, *]``."""
+    if y is None:
+        y = x if y_scale is None else x * y_scale[..., None]
+    T = x.shape[2]
+    idx = torch.arange(T)
+    hidden = (idx[None, :] >= idx[:, None]) if strict else (idx[None, :] > idx[:, None])
+    hidden = hidden[None, None]
+    if doc_start is not None:
+        hidden = hidden | (idx[None, None, None, :] < doc_start[:, None, :, None])
+    kernel = ops._common.masked_softmax(scale * x @ y.transpose(-1, -2), hidden.expand(x.shape[0], x.shape[1], T, T))
+    system = kernel if beta is None else beta[..., None] * kernel
+    system = system + gamma[:, None, None] * torch.eye(T, dtype=x.dtype)
+    rhs = b if b_scale is None else b * b_scale[..., None]
+    return torch.linalg.solve_triangular(system, rhs, upper=False)
+
+
+@pytest.mark.parametrize("tile", [None, 1], ids=["whole", "head-groups"])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-doc", "docs"])
+@pytest.mark.parametrize("T, chunk", [(1, 16), (63, 16), (65, 16), (65, 7)])
+@pytest.mark.parametrize("form", ["y-scaled", "y-is-x", "separate-y"])
+def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, form, T, chunk, documents, tile):
+    # the solve's own options: y = x ⊙ y_scale (Cubit's r̂), y = x (DeltaFormer's K–K form), a
+    # separate y; b ⊙ b_scale (Cubit's ρ) — forward and every input gradient against the dense
+    # float64 solve, at odd lengths and chunk sizes not dividing T, with and without documents
+    if tile is not None:
+        monkeypatch.setattr(_triangular, "TILE_ELEMENTS", tile)
+    g = torch.Generator().manual_seed(T * 31 + chunk)
+    strict = form == "y-is-x"  # DeltaFormer's mask with its own form, Cubit's with the others
+    t = {
+        "x": torch.randn(B, H, T, D, generator=g, dtype=F64),
+        "y": torch.randn(B, H, T, D, generator=g, dtype=F64) if form == "separate-y" else None,
+        "b": torch.randn(B, H, T, D, generator=g, dtype=F64),
+        "beta": torch.rand(B, H, T, generator=g, dtype=F64) if strict else None,
+        "gamma": torch.tensor([1e-2, 0.1, 0.5, 1.0], dtype=F64),
+        "y_scale": (0.5 + torch.rand(B, H, T, generator=g, dtype=F64)) if form == "y-scaled" else None,
+        "b_scale": (0.5 + 1.5 * torch.rand(B, H, T, generator=g, dtype=F64)) if form != "y-is-x" else None,
+    }
+    leaves = {n: v.clone().requires_grad_() for n, v in t.items() if v is not None}
+    doc_start = _layouts(T) if documents else None
+    grad_out = torch.randn(B, H, T, D, generator=g, dtype=F64)
+    kw = dict(scale=0.7, strict=strict, doc_start=doc_start)
+
+    def args(z):
+        return {n: z.get(n) for n in ("x", "y", "b", "beta", "gamma", "y_scale", "b_scale")}
+
+    ref = _dense_solve(**args(leaves), **kw)
+    ref_grads = torch.autograd.grad(ref, list(leaves.values()), grad_out)
+    leaves2 = {n: v.clone().requires_grad_() for n, v in t.items() if v is not None}
+    a = args(leaves2)
+    out = _triangular.kernel_triangular_solve(
+        a["x"], a["y"], a["b"], beta=a["beta"], gamma=a["gamma"], y_scale=a["y_scale"], b_scale=a["b_scale"],
+        chunk_size=chunk, diagonal_is_row_max=False, **kw,
+    )
+    grads = torch.autograd.grad(out, list(leaves2.values()), grad_out)
+    assert rel_rmse(out, ref) <= 1e-10
+    for n, got, want in zip(leaves, grads, ref_grads):
+        assert torch.isfinite(got).all(), n
+        assert rel_rmse(got, want) <= 1e-9, n
+
+
+def test_y_scale_needs_derived_y():
+    x = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="y_scale"):
+        _triangular.kernel_triangular_solve(
+            x, x, x, beta=None, gamma=torch.ones(2), scale=1.0, strict=False, chunk_size=4, y_scale=torch.ones(1, 2, 5)
+        )
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (63, 16), (65, 7)])
+def test_cubit_ridge_and_ref_scale_gradients(T, chunk):
+    # λ and s reach the solve as γ and the row scale of y: their gradients against the reference
+    t = _inputs(T, seed=T + 100)
+    t["ridge"] = torch.tensor([1e-3, 1e-2, 0.1, 0.5], dtype=F64)
+    t["ref_scale"] = torch.tensor([1.0, 0.5, 2.0, 3.0], dtype=F64)
+    names = ["q", "k", "v", "r", "rho", "ridge", "ref_scale"]
+    grad_out = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(6), dtype=F64)
+
+    def call(impl, **kw):
+        return lambda z: impl(z["q"], z["k"], z["v"], z["r"], rho=z["rho"], ridge=z["ridge"], ref_scale=z["ref_scale"],
+                              doc_start=_layouts(T), **kw)
+
+    ref, ref_grads = _forward_and_grads(call(ops.cubit_attention_naive), t, names, grad_out)
+    out, grads = _forward_and_grads(call(ops.cubit_attention, chunk_size=chunk), t, names, grad_out)
+    assert rel_rmse(out, ref) <= 1e-10
+    for n, got, want in zip(names, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-9, n

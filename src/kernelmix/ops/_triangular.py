@@ -21,7 +21,8 @@ only the C×C diagonal block and the C×d results are. For Cubit the row maximum
 product — the diagonal logit r_i·r̂_i = s‖r_i‖ bounds every r_i·r̂_j (Cauchy–Schwarz) — otherwise
 (DeltaFormer) a max pass runs first. The row log-normalisers (base 2) are saved.
 
-Backward: with db = A^{-T} dU, Y = K U and e_i = db_i · Y_i:
+Backward: with db = A^{-T} dU, Y = K U and e_i = db_i · Y_i (Y is not stored: e_i = Σ_j K_ij db_i·u_j
+comes from the tile that also gives dL):
     dγ = -Σ_i db_i·u_i,   dβ_i = -e_i,
     dL_ij = β_i K_ij (e_i - db_i·u_j)        (softmax backward; Σ_j K_ij dK_ij = -β_i e_i)
     dx_i = scale Σ_j dL_ij y_j,   dy_j = scale Σ_i dL_ij x_i.
@@ -29,9 +30,16 @@ It runs over row blocks from the last: row block I recomputes its normalised ker
 product (the saved log-normaliser is the extra column) and one ``exp2``; its db_I is final once
 every later row block has subtracted its contribution A[I', I]ᵀ db_I' from the right-hand side,
 and it then subtracts its own from the earlier rows (one product), so db, dx (complete per row
-block) and dy (accumulated) come out of the same pass. e_i - db_i·u_j is one product with
-[db_i, -e_i] against [u_j, 1]; one elementwise multiply with K gives dL up to a per-row factor.
-Five T×C×d products per row block (logits, Aᵀdb, db uᵀ, dL y, dLᵀ x) and two elementwise passes.
+block) and dy (accumulated) come out of the same pass. S = db uᵀ is one product; K ⊙ S, its row
+sums e and K ⊙ S − e K (= dL up to a per-row factor) three elementwise passes.
+Five T×C×d products per row block (logits, Aᵀdb, db uᵀ, dL y, dLᵀ x) and four elementwise passes.
+
+Memory (fwd+bwd peak at T=8192, H=8, d=64, C=128, fp32, RSS high-water mark): the forward keeps
+only U and the log-normalisers besides its inputs. y may be given as x ⊙ y_scale (Cubit's
+r̂ = r·s/‖r‖) or as x itself (DeltaFormer's K–K form): it then exists one head group at a time,
+and dy, whose rows ≥ i0 are final once row block i0 is done, turns into dx in place (one [T, H, d]
+gradient buffer instead of two). The right-hand side may carry a per-row scale (Cubit's ρ), so
+ρ ⊙ V is never materialised either.
 """
 
 from __future__ import annotations
@@ -89,39 +97,50 @@ def _kernel_block(xa: Tensor, ya: Tensor, i0: int, i1: int, lo: int, hidden_doc,
     return logits
 
 
-def _with_column(x: Tensor, column: Tensor | float) -> Tensor:
-    """[x, column] along the last dim: ``[g, T, k]`` → ``[g, T, k + 1]`` (contiguous)."""
+def _with_column(x: Tensor, column: Tensor | float, factor: Tensor | float | None = None) -> Tensor:
+    """[x · factor, column] along the last dim: ``[g, T, k]`` → ``[g, T, k + 1]`` (contiguous);
+    ``factor`` is a float or ``[g, T]`` (one per row), None for 1."""
     out = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
-    out[..., :-1] = x
+    if factor is None:
+        out[..., :-1] = x
+    elif isinstance(factor, Tensor):
+        torch.mul(x, factor[..., None], out=out[..., :-1])
+    else:
+        torch.mul(x, factor, out=out[..., :-1])
     out[..., -1] = column
     return out
 
 
+def _augmented_y(x: Tensor, y: Tensor | None, y_scale: Tensor | None, bi: int, h0: int, h1: int) -> Tensor:
+    """[y, 1] of one head group: ``y`` itself, or ``x`` (times ``y_scale`` per row) when y is None."""
+    if y is not None:
+        return _with_column(y[bi, h0:h1], 1.0)
+    return _with_column(x[bi, h0:h1], 1.0, None if y_scale is None else y_scale[bi, h0:h1])
+
+
 class _KernelTriangularSolve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size, diagonal_is_row_max):
-        # x, y: [B, H, T, dk]; b: [B, H, T, dv] (any strides); beta: [B, H, T] or None; gamma: [H];
+    def forward(ctx, x, y, b, beta, gamma, y_scale, b_scale, doc_start, scale, strict, chunk_size, diagonal_is_row_max):
+        # x, y: [B, H, T, dk] (y None: y = x ⊙ y_scale, or x); b: [B, H, T, dv] (any strides);
+        # beta, y_scale, b_scale: [B, H, T] or None; gamma: [H];
         # doc_start: [B, T] (first token of each token's document) or None (one document)
         batch, heads, length, _ = x.shape
-        dv = b.shape[-1]
+        dk, dv = x.shape[-1], b.shape[-1]
         # outputs laid out [B, T, H, dv] (the callers' layout), seen here as [B, H, T, dv]
         u = b.new_empty(batch, length, heads, dv).transpose(1, 2)
-        ku = torch.empty_like(u)  # Y = K U, needed by the backward pass
         lse2 = x.new_empty(batch, heads, length)  # base-2 row log-normalisers
         hidden_diag = _causal_hidden(min(chunk_size, length), strict, x.device)
         factor = scale * LOG2E
         for bi in range(batch):
             blocks = _Blocks(length, chunk_size, None if doc_start is None else doc_start[bi], x.device)
             for h0, h1 in _head_groups(heads, min(chunk_size, length), length):
-                xs = x[bi, h0:h1] * factor  # [g, T, dk], base-2 logits
-                ys = y[bi, h0:h1]
+                xa = _with_column(x[bi, h0:h1], 0.0, factor)  # [g, T, dk + 1], base-2 logits
+                ya = _augmented_y(x, y, y_scale, bi, h0, h1)
                 if diagonal_is_row_max:  # Cubit: the diagonal logit is every row's maximum
-                    row_max = (xs * ys).sum(-1)
-                    xa = _with_column(xs, -row_max)
+                    row_max = (xa[..., :dk] * ya[..., :dk]).sum(-1)
+                    xa[..., dk] = -row_max
                 else:
                     row_max = None
-                    xa = _with_column(xs, 0.0)
-                ya = _with_column(ys, 1.0)
                 ua = b.new_empty(h1 - h0, length, dv + 1)  # [U, 1]: one product gives K U and the row sums
                 ua[..., dv] = 1.0
                 gam = gamma[h0:h1, None]
@@ -146,6 +165,8 @@ class _KernelTriangularSolve(torch.autograd.Function):
                     lse2[bi, h0:h1, i0:i1] = torch.where(row_sum > 0, block_max + torch.log2(row_sum), 0.0)
                     kernel_diag = diag * inv[..., None]
                     rhs = b[bi, h0:h1, i0:i1]
+                    if b_scale is not None:
+                        rhs = rhs * b_scale[bi, h0:h1, i0:i1, None]
                     if past is not None:
                         past = past * inv[..., None]
                         rhs = rhs - (past if beta is None else beta[bi, h0:h1, i0:i1, None] * past)
@@ -154,9 +175,9 @@ class _KernelTriangularSolve(torch.autograd.Function):
                     u_c = torch.linalg.solve_triangular(system, rhs, upper=False)
                     ua[:, i0:i1, :dv] = u_c
                     u[bi, h0:h1, i0:i1] = u_c
-                    y_c = kernel_diag @ u_c
-                    ku[bi, h0:h1, i0:i1] = y_c if past is None else y_c + past
-        ctx.save_for_backward(x, y, beta, gamma, u, ku, lse2, doc_start)
+        # b is needed only for the gradient of its row scale (ρ); K U is not stored (see _backward)
+        keep_b = b if b_scale is not None and ctx.needs_input_grad[6] else None
+        ctx.save_for_backward(x, y, keep_b, beta, gamma, y_scale, b_scale, u, lse2, doc_start)
         ctx.scale, ctx.strict, ctx.chunk_size = scale, strict, chunk_size
         return u
 
@@ -168,28 +189,34 @@ class _KernelTriangularSolve(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_u):
-        x, y, beta, gamma, u, ku, lse2, doc_start = ctx.saved_tensors
+        x, y, b, beta, gamma, y_scale, b_scale, u, lse2, doc_start = ctx.saved_tensors
         scale, strict, chunk_size = ctx.scale, ctx.strict, ctx.chunk_size
-        batch, heads, length, _ = x.shape
+        batch, heads, length, dk = x.shape
         dv = u.shape[-1]
+        fused = y is None  # y derived from x: one buffer receives dy, then becomes the whole dx
         # grad_b doubles as the right-hand side of the transposed solve: rows ≥ i0 hold db once row
         # block i0 is done, rows < i0 the dU still to be reduced by the later rows' contributions.
         grad_b = u.new_empty(batch, length, heads, dv).transpose(1, 2)
         grad_b.copy_(grad_u)
-        grad_x = x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2)
-        grad_y = y.new_zeros(batch, length, heads, y.shape[-1]).transpose(1, 2)
+        del grad_u
+        # dy accumulates over the row blocks from the last; columns ≥ i0 are final once row block i0
+        # is done (later rows only reach back), so with y = x ⊙ y_scale the same rows can then turn
+        # into dx = dx_direct + y_scale ⊙ dy in place.
+        grad_y = x.new_zeros(batch, length, heads, dk).transpose(1, 2)
+        grad_x = grad_y if fused else x.new_empty(batch, length, heads, dk).transpose(1, 2)
         grad_gamma = x.new_zeros(heads)
-        grad_beta = None if beta is None else x.new_empty(batch, heads, length)
+        grad_beta = None if beta is None or not ctx.needs_input_grad[3] else x.new_empty(batch, heads, length)
+        grad_y_scale = None if y_scale is None or not ctx.needs_input_grad[5] else x.new_empty(batch, heads, length)
+        grad_b_scale = None if b is None else x.new_empty(batch, heads, length)
         hidden_diag = _causal_hidden(min(chunk_size, length), strict, x.device)
         factor = scale * LOG2E
         for bi in range(batch):
             blocks = _Blocks(length, chunk_size, None if doc_start is None else doc_start[bi], x.device)
             for h0, h1 in _head_groups(heads, min(chunk_size, length), length):
-                xs = x[bi, h0:h1] * factor
-                ys = y[bi, h0:h1]
-                xa = _with_column(xs, -lse2[bi, h0:h1])  # exp2 of these logits is K itself
-                ya = _with_column(ys, 1.0)
-                ua = _with_column(u[bi, h0:h1], 1.0)
+                xa = _with_column(x[bi, h0:h1], -lse2[bi, h0:h1], factor)  # exp2 of these logits is K itself
+                ya = _augmented_y(x, y, y_scale, bi, h0, h1)
+                ys = ya[..., :dk]
+                uc = u[bi, h0:h1].contiguous()
                 gb, gy = grad_b[bi, h0:h1], grad_y[bi, h0:h1]
                 gam = gamma[h0:h1, None]
                 for i0, i1, lo, hidden_doc in reversed(blocks.blocks):
@@ -199,29 +226,46 @@ class _KernelTriangularSolve(torch.autograd.Function):
                     system = diag if beta_c is None else beta_c * diag
                     system = system + torch.diag_embed(gam.expand(-1, i1 - i0))
                     db = torch.linalg.solve_triangular(system.transpose(-1, -2), gb[:, i0:i1], upper=True)
-                    gb[:, i0:i1] = db
                     scaled_db = db if beta_c is None else beta_c * db
                     if i0 > lo:  # A[I, :i0]ᵀ db_I leaves the right-hand side of the earlier rows
                         gb[:, lo:i0].baddbmm_(kernel[..., : i0 - lo].transpose(-1, -2), scaled_db, alpha=-1.0)
-                    u_c = u[bi, h0:h1, i0:i1]
-                    e = (db * ku[bi, h0:h1, i0:i1]).sum(-1)
+                    u_c = uc[:, i0:i1]
                     grad_gamma[h0:h1] -= (db * u_c).sum(dim=(-1, -2))
+                    # P = K ⊙ (db uᵀ − e) = −dL / β, with e_i = db_i·(K U)_i = Σ_j K_ij (db_i·u_j)
+                    # taken from the same tile (K U itself is not kept from the forward pass)
+                    p = torch.bmm(db, uc[:, lo:i1].transpose(-1, -2)).mul_(kernel)
+                    e = p.sum(-1)
+                    p.addcmul_(kernel, e[..., None], value=-1.0)
                     if grad_beta is not None:
                         grad_beta[bi, h0:h1, i0:i1] = -e
-                    # P = K ⊙ (db uᵀ − e) = −dL / β
-                    p = (_with_column(db, -e) @ ua[:, lo:i1].transpose(-1, -2)).mul_(kernel)
                     row = (-scale) if beta_c is None else -scale * beta_c
-                    grad_x[bi, h0:h1, i0:i1] = (p @ ys[:, lo:i1]) * row
+                    grad_x_c = (p @ ys[:, lo:i1]) * row
                     # dy_j = scale Σ_i dL_ij x_i
                     gy[:, lo:i1].baddbmm_(p.transpose(-1, -2), x[bi, h0:h1, i0:i1] * row)
-        grad_beta = grad_beta if grad_beta is not None and ctx.needs_input_grad[3] else None
+                    if fused:  # dy of rows [i0, i1) is final: dx = dx_direct + y_scale ⊙ dy
+                        gy_c = gy[:, i0:i1]
+                        if y_scale is not None:
+                            if grad_y_scale is not None:
+                                grad_y_scale[bi, h0:h1, i0:i1] = (gy_c * x[bi, h0:h1, i0:i1]).sum(-1)
+                            gy_c.mul_(y_scale[bi, h0:h1, i0:i1, None])
+                        gy_c.add_(grad_x_c)
+                    else:
+                        grad_x[bi, h0:h1, i0:i1] = grad_x_c
+                    if b_scale is not None:  # rhs = b ⊙ b_scale: db becomes the gradient of b
+                        if grad_b_scale is not None:
+                            grad_b_scale[bi, h0:h1, i0:i1] = (db * b[bi, h0:h1, i0:i1]).sum(-1)
+                        db = db * b_scale[bi, h0:h1, i0:i1, None]
+                    gb[:, i0:i1] = db
         grad_gamma = grad_gamma if ctx.needs_input_grad[4] else None
-        return grad_x, grad_y, grad_b, grad_beta, grad_gamma, None, None, None, None, None
+        return (
+            grad_x, None if fused else grad_y, grad_b, grad_beta, grad_gamma, grad_y_scale, grad_b_scale,
+            None, None, None, None, None,
+        )
 
 
 def kernel_triangular_solve(
     x: Tensor,
-    y: Tensor,
+    y: Tensor | None,
     b: Tensor,
     *,
     beta: Tensor | None,
@@ -231,12 +275,22 @@ def kernel_triangular_solve(
     chunk_size: int,
     doc_start: Tensor | None = None,
     diagonal_is_row_max: bool = False,
+    y_scale: Tensor | None = None,
+    b_scale: Tensor | None = None,
 ) -> Tensor:
-    """Solve (diag(β) K + γ I) U = b blockwise; tensors are ``[B, H, T, *]`` in the compute dtype
-    (any strides: the callers pass transposed ``[B, T, H, *]`` tensors). ``diagonal_is_row_max``
-    promises x_i·y_i ≥ x_i·y_j for every visible j (Cubit, by Cauchy–Schwarz), which saves a pass.
+    """Solve (diag(β) K + γ I) U = b ⊙ b_scale blockwise; tensors are ``[B, H, T, *]`` in the
+    compute dtype (any strides: the callers pass transposed ``[B, T, H, *]`` tensors).
+
+    ``y=None`` means y = x ⊙ y_scale (per row; y = x without ``y_scale``): the solve then never
+    materialises y beyond one head group, and dx and dy share one buffer in the backward pass
+    (Cubit: r̂ = r · s/‖r‖; DeltaFormer's K–K form: y = x = k). ``b_scale`` ``[B, H, T]`` scales the
+    right-hand side per row (Cubit's ρ) without a full-size ρ ⊙ v. ``diagonal_is_row_max`` promises
+    x_i·y_i ≥ x_i·y_j for every visible j (Cubit, by Cauchy–Schwarz), which saves a pass.
     Returns U as a ``[B, H, T, dv]`` view of a ``[B, T, H, dv]`` tensor."""
+    if y is not None and y_scale is not None:
+        raise ValueError("y_scale applies only when y is None (y = x ⊙ y_scale)")
     with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
         return _KernelTriangularSolve.apply(
-            x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size), bool(diagonal_is_row_max)
+            x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict), int(chunk_size),
+            bool(diagonal_is_row_max),
         )

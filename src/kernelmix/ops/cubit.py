@@ -60,10 +60,14 @@ def _check_cubit_inputs(q, k, v, r, rho) -> None:
     check_per_token_heads("rho", rho, q)
 
 
+def reference_factor(r: Tensor, ref_scale: Tensor) -> Tensor:
+    """s_h / max(‖r‖₂, 1e-6), ``[B, T, H]``, for ``r`` ``[B, T, H, d]`` and ``ref_scale`` ``[H]``: r̂ = r ⊙ factor."""
+    return ref_scale / r.norm(dim=-1).clamp_min(REFERENCE_NORM_EPS)
+
+
 def normalize_reference(r: Tensor, ref_scale: Tensor) -> Tensor:
     """r̂ = s_h · r / max(‖r‖₂, 1e-6) for ``r`` ``[B, T, H, d]`` and ``ref_scale`` ``[H]``."""
-    norm = r.norm(dim=-1, keepdim=True).clamp_min(REFERENCE_NORM_EPS)
-    return r * (ref_scale[:, None] / norm)  # one T×d product: autograd saves r and a [B, T, H, 1] factor
+    return r * reference_factor(r, ref_scale)[..., None]
 
 
 def cubit_solve(
@@ -80,6 +84,12 @@ def cubit_solve(
 
     ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
     """
+    return _cubit_solve(
+        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start, want_r_hat=True
+    )
+
+
+def _cubit_solve(r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, want_r_hat) -> tuple[Tensor, Tensor | None]:
     check_4d("r", r)
     check_4d("v", v)
     if r.shape[:2] != v.shape[:2] or r.shape[2] % v.shape[2]:
@@ -95,14 +105,13 @@ def cubit_solve(
     r = r.to(dtype)
     lam = per_head("ridge", ridge, heads, r, positive=True)
     s = per_head("ref_scale", ref_scale, heads, r, positive=True)
-    r_hat = normalize_reference(r, s)
-    b = expand_heads(v, heads).to(dtype)
-    if rho is not None:
-        b = rho.to(dtype)[..., None] * b
+    # r̂ = r ⊙ factor and ρ ⊙ v are applied inside the solve, one head group at a time: neither
+    # full-size product is materialised (nor kept for the backward pass)
+    factor = reference_factor(r, s)  # [B, T, H]
     u = kernel_triangular_solve(
         r.transpose(1, 2),
-        r_hat.transpose(1, 2),
-        b.transpose(1, 2),
+        None,  # y = r ⊙ factor = r̂
+        expand_heads(v, heads).to(dtype).transpose(1, 2),
         beta=None,
         gamma=lam,
         scale=1.0,
@@ -110,8 +119,10 @@ def cubit_solve(
         chunk_size=chunk_size,
         doc_start=doc_start,
         diagonal_is_row_max=True,  # r_i·r̂_j ≤ s‖r_i‖ = r_i·r̂_i (Cauchy–Schwarz)
+        y_scale=factor.transpose(1, 2),
+        b_scale=None if rho is None else rho.to(dtype).transpose(1, 2),
     ).transpose(1, 2)
-    return u, r_hat
+    return u, (r * factor[..., None] if want_r_hat else None)
 
 
 def cubit_attention(
@@ -136,8 +147,9 @@ def cubit_attention(
     Output: ``[B, T, H, d_v]`` in v's dtype.
     """
     _check_cubit_inputs(q, k, v, r, rho)
-    u, r_hat = cubit_solve(
-        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start
+    u, r_hat = _cubit_solve(
+        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start,
+        want_r_hat=return_state,
     )
     heads = q.shape[2]
     out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale, doc_start=doc_start).to(v.dtype)

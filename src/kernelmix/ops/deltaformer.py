@@ -75,11 +75,11 @@ def deltaformer_attention(
     check_chunk_size(chunk_size)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]
-    w = k if w is None else w
-    dtype = compute_dtype(q, k, v, w)
+    dtype = compute_dtype(q, k, v, k if w is None else w)
+    keys = expand_heads(k, heads).to(dtype).transpose(1, 2)
     u = kernel_triangular_solve(
-        expand_heads(w, heads).to(dtype).transpose(1, 2),
-        expand_heads(k, heads).to(dtype).transpose(1, 2),
+        keys if w is None else expand_heads(w, heads).to(dtype).transpose(1, 2),
+        None if w is None else keys,  # K–K form: y = x = k, and one gradient buffer
         expand_heads(v, heads).to(dtype).transpose(1, 2),
         beta=None if beta is None else beta.to(dtype).transpose(1, 2),
         gamma=torch.ones(heads, dtype=dtype, device=q.device),
