@@ -41,6 +41,23 @@ def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
     assert "crossover vs softmax" in capsys.readouterr().out
 
 
+def test_op_bench_under_autocast_writes_valid_json(tmp_path, capsys):
+    code = main(["bench", "--mixers", "softmax,cubit,deltaformer,darkformer", "--lengths", "33",
+                 "--decode-positions", "16", "--heads", "2", "--head-dim", "8", "--num-features", "8",
+                 "--chunk-size", "16", "--repeats", "1", "--autocast", "bfloat16", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["autocast"] == "bfloat16" and report["dtype"] == "float32"
+    assert {r["mixer"] for r in report["records"]} == {"softmax", "cubit", "deltaformer", "darkformer"}
+    assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["records"])
+    assert "under bfloat16 autocast" in capsys.readouterr().out
+
+
+def test_op_bench_autocast_needs_fp32_inputs(capsys):
+    with pytest.raises(ValueError, match="autocast"):
+        main(["bench", "--lengths", "16", "--dtype", "bfloat16", "--autocast", "bfloat16"])
+
+
 def test_op_bench_rejects_bad_lengths(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--lengths", "0,5"])

@@ -14,6 +14,11 @@ FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B
     darkformer     performer + 4·T·d²          (M applied to q̃ and k̃)
 Backward is counted as 2× forward.
 
+``autocast`` (e.g. ``"bfloat16"``): fp32 inputs, every mixer's forward run under
+``torch.autocast(device, dtype)`` (backward outside it, as in training) — the mixed-precision
+path of a model, as opposed to ``dtype="bfloat16"`` (bf16 inputs). The matmul peak stays the
+inputs' (fp32) one.
+
 Peers (``--peers``, optional extra ``peers``): performer-pytorch's causal FAVOR+ (its CPU path),
 flash-linear-attention's reference DeltaFormer (``fla.ops.deltaformer.naive``; it is the Q–K form,
 i.e. our ``w="q"``), and our own dense ``solve_triangular`` Cubit — each skipped with a note when
@@ -22,6 +27,7 @@ not installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +75,7 @@ class BenchReport:
     decode: list[DecodeRecord] = field(default_factory=list)
     crossover: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    autocast: str | None = None  # the autocast dtype the forward passes ran under (None: off)
 
 
 def forward_flops(mixer: str, length: int, head_dim: int, num_features: int, chunk_size: int) -> float:
@@ -110,6 +117,16 @@ def _mixer_call(mixer: str, inputs: dict, chunk_size: int):
     raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
 
 
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _autocast(device: torch.device, autocast: str | None):
+    """A fresh context manager: ``torch.autocast`` in the given dtype, or nothing."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[autocast])
+
+
 def _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad):
     g = torch.Generator().manual_seed(0)
 
@@ -142,17 +159,20 @@ def bench_op(
     repeats: int,
     backward: bool = True,
     memory: bool = True,
+    autocast: str | None = None,
 ) -> BenchRecord:
     inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
     call = _mixer_call(mixer, inputs, chunk_size)
     grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
 
     def forward():
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(device, autocast):
             call()
 
     def forward_backward():
-        call().backward(grad_out)
+        with _autocast(device, autocast):
+            out = call()
+        out.backward(grad_out.to(out.dtype))  # autocast may return its own dtype
 
     flops = forward_flops(mixer, length, head_dim, num_features, chunk_size) * batch * heads
     forward_ms = _median_ms(forward, repeats, device)
@@ -166,13 +186,13 @@ def bench_op(
 
 def bench_decode(
     mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
-    device: torch.device, dtype: torch.dtype, repeats: int,
+    device: torch.device, dtype: torch.dtype, repeats: int, autocast: str | None = None,
 ) -> DecodeRecord:
     """Latency of one decode step after a prefill of ``position`` tokens (state built by the parallel op)."""
     inputs = _inputs(batch, position + 1, heads, head_dim, num_features, device, dtype, requires_grad=False)
     prefix = {key: (val[:, :position] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
     last = {key: (val[:, position:] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, autocast):
         if mixer == "softmax":
             _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
             step = lambda: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
@@ -224,7 +244,7 @@ def _peer_call(peer: str, inputs: dict, num_features: int):
 
 def bench_peer(
     peer: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
-    device: torch.device, dtype: torch.dtype, repeats: int, memory: bool = True,
+    device: torch.device, dtype: torch.dtype, repeats: int, memory: bool = True, autocast: str | None = None,
 ) -> BenchRecord | str:
     inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
     call = _peer_call(peer, inputs, num_features)
@@ -233,11 +253,13 @@ def bench_peer(
     grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
 
     def forward():
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(device, autocast):
             call()
 
     def forward_backward():
-        call().backward(grad_out)
+        with _autocast(device, autocast):
+            out = call()
+        out.backward(grad_out.to(out.dtype))
 
     base = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}[peer]
     flops = forward_flops(base, length, head_dim, num_features, chunk_size) * batch * heads
@@ -276,6 +298,7 @@ def run_bench(
     chunk_size: int = 64,
     device: str = "cpu",
     dtype: str = "float32",
+    autocast: str | None = None,
     repeats: int = 3,
     memory: bool = True,
     peers: tuple[str, ...] = (),
@@ -288,14 +311,18 @@ def run_bench(
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or None, got {autocast!r}")
+    if autocast is not None and dtype != "float32":
+        raise ValueError(f"autocast runs fp32 inputs under torch.autocast: use dtype='float32', got {dtype!r}")
     torch_device, torch_dtype = torch.device(device), dtypes[dtype]
     report = BenchReport(
         device=str(torch_device), dtype=dtype, batch=batch, heads=heads, head_dim=head_dim,
         num_features=num_features, chunk_size=chunk_size, threads=torch.get_num_threads(),
-        matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype),
+        matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype), autocast=autocast,
     )
     shared = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
-                  device=torch_device, dtype=torch_dtype, repeats=repeats)
+                  device=torch_device, dtype=torch_dtype, repeats=repeats, autocast=autocast)
     for length in lengths:
         for mixer in mixers:
             if progress:
@@ -322,9 +349,13 @@ def run_bench(
     return report
 
 
+def _autocast_label(report: BenchReport) -> str:
+    return f" under {report.autocast} autocast" if report.autocast else ""
+
+
 def format_report(report: BenchReport) -> str:
     lines = [
-        f"device {report.device}, {report.dtype}, B={report.batch} H={report.heads} d={report.head_dim} "
+        f"device {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} d={report.head_dim} "
         f"m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
         f"matmul peak {report.matmul_peak_gflops:.1f} GFLOP/s",
         "",
@@ -381,7 +412,7 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}, B={report.batch} H={report.heads} d={report.head_dim}")
+    fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} d={report.head_dim}")
     fig.tight_layout()
     png = out / "bench.png"
     fig.savefig(png, dpi=110)

@@ -241,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     opbench.add_argument("--head-dim", type=_positive_int, default=64)
     opbench.add_argument("--num-features", type=_positive_int, default=128)
     opbench.add_argument("--chunk-size", type=_positive_int, default=64)
-    opbench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    opbench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the inputs' dtype")
+    opbench.add_argument(
+        "--autocast", choices=["bfloat16", "float16"], default=None,
+        help="run the forward passes under torch.autocast in this dtype (fp32 inputs; needs --dtype float32)",
+    )
     opbench.add_argument("--device", default="cpu")
     opbench.add_argument("--repeats", type=_positive_int, default=3)
     opbench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -279,7 +283,7 @@ def _op_bench(args: argparse.Namespace) -> int:
         mixers=tuple(args.mixers or MIXER_NAMES), lengths=tuple(args.lengths),
         decode_positions=tuple(args.decode_positions), batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         num_features=args.num_features, chunk_size=args.chunk_size, device=args.device, dtype=args.dtype,
-        repeats=args.repeats, memory=not args.no_memory, peers=tuple(p for p in args.peers.split(",") if p),
+        autocast=args.autocast, repeats=args.repeats, memory=not args.no_memory, peers=tuple(p for p in args.peers.split(",") if p),
         peer_max_length=args.peer_max_length, progress=lambda text: print(f"  measuring {text}", flush=True),
     )
     written = write_report(report, args.out)
