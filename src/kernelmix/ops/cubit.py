@@ -29,7 +29,7 @@ from ._common import (
     per_head,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import softmax_attention, softmax_attention_naive
+from .softmax import _readout_values, softmax_attention, softmax_attention_naive
 
 REFERENCE_NORM_EPS = 1e-6
 
@@ -152,7 +152,9 @@ def cubit_attention(
         want_r_hat=return_state,
     )
     heads = q.shape[2]
-    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale, doc_start=doc_start).to(v.dtype)
+    out = softmax_attention(q, expand_heads(k, heads), _readout_values(q, u), scale=scale, doc_start=doc_start).to(
+        v.dtype
+    )
     if return_state:
         return out, CubitState(k=k, u=u, r_hat=r_hat)
     return out

@@ -26,7 +26,7 @@ from ._common import (
     masked_softmax,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import _scale, softmax_attention, softmax_attention_naive
+from .softmax import _readout_values, _scale, softmax_attention, softmax_attention_naive
 
 
 @dataclass
@@ -88,7 +88,9 @@ def deltaformer_attention(
         chunk_size=chunk_size,
         doc_start=doc_start,
     ).transpose(1, 2)
-    out = softmax_attention(q, expand_heads(k, heads), u.to(q.dtype), scale=scale, doc_start=doc_start).to(v.dtype)
+    out = softmax_attention(q, expand_heads(k, heads), _readout_values(q, u), scale=scale, doc_start=doc_start).to(
+        v.dtype
+    )
     if return_state:
         return out, DeltaFormerState(k=k, u=u)
     return out
