@@ -221,3 +221,24 @@ def test_resumed_run_metrics_have_each_step_once(tmp_path):
     steps = [r["step"] for r in lines if r["kind"] == "train"]
     assert steps == list(range(1, 9))
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 4, 8]
+
+
+def test_a_non_finite_gradient_skips_the_update():
+    """A finite loss whose gradient is NaN (seen on Gemma: every M turned NaN after one such step)
+    must leave the parameters as they were and count as a spike."""
+    x = windows()
+    model = converted()
+    kernel = cv.kernels(model)[0]
+    calls = {"n": 0}
+
+    def poison(grad):
+        calls["n"] += 1
+        return torch.full_like(grad, float("nan")) if calls["n"] == 3 else grad
+
+    kernel.transform.register_hook(poison)
+    model, result = ft.finetune(model, x, x[:2], config(steps=6, eval_every=6))
+    assert calls["n"] == 6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(sp["step"] == 2 and sp.get("gradient") == "non-finite" for sp in result["spikes"])
+    assert result["skipped_updates"] == 1 and not result["diverged"]
+    assert result["final"]["loss"] == result["final"]["loss"]  # not NaN

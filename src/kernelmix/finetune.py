@@ -17,7 +17,8 @@ model is the host finetuned the same way, not the host as it was. Both are repor
 
 Stability: a *loss spike* is an update whose training loss exceeds the median of the previous
 ``spike_window`` losses by more than max(``spike_nats``, 4σ) — σ a robust (MAD) estimate of the
-batch-to-batch noise in those losses — or is not finite (that update is skipped); after ``max_bad_steps`` non-finite losses in a row the run is marked diverged and
+batch-to-batch noise in those losses — or is not finite, or has a non-finite gradient (such an
+update is skipped); after ``max_bad_steps`` non-finite losses in a row the run is marked diverged and
 stops. :func:`compare_finetune` with several learning rates is the learning-rate sweep of the
 stability claim.
 
@@ -372,13 +373,23 @@ def finetune(
         if spike:
             state["spikes"].append({"step": step, "loss": value})
         optimizer.zero_grad(set_to_none=True)
-        if math.isfinite(value):
-            bad_in_a_row = 0
+        finite = math.isfinite(value)
+        if finite:
             loss.backward()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
-        else:  # skip the update; too many in a row and the run has diverged
+            # A finite loss can still have a non-finite gradient; stepping on it would turn every
+            # parameter into NaN. Such an update is skipped like a non-finite loss.
+            norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else float("inf"))
+            finite = bool(torch.isfinite(norm))
+            if finite:
+                bad_in_a_row = 0
+                optimizer.step()
+            else:
+                if spike:  # already counted for its loss: mark why the update was skipped
+                    state["spikes"][-1]["gradient"] = "non-finite"
+                else:
+                    state["spikes"].append({"step": step, "loss": value, "gradient": "non-finite"})
+                    spike = True
+        if not finite:  # skip the update; too many in a row and the run has diverged
             bad_in_a_row += 1
             state["skipped"] += 1
             if bad_in_a_row >= config.max_bad_steps:
@@ -488,7 +499,10 @@ def compare_finetune(
             if done_file is not None and done_file.is_file():
                 saved = json.loads(done_file.read_text())
                 # spikes are a function of the logged losses: recount with the current rule
-                saved["spikes"] = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
+                by_loss = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
+                by_gradient = [sp for sp in saved["spikes"] if sp.get("gradient")]
+                steps = {sp["step"] for sp in by_loss}
+                saved["spikes"] = sorted(by_loss + [sp for sp in by_gradient if sp["step"] not in steps], key=lambda sp: sp["step"])
                 saved["num_spikes"] = len(saved["spikes"])
                 runs.append(saved)
                 say(f"{name}: reusing the finished run in {run_dir}")
