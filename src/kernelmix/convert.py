@@ -54,6 +54,7 @@ from .layers.random_features import data_aware_transform
 from .ops._common import expand_heads
 from .ops.random_features import (
     _feature_logits,
+    safe_ratio,
     gaussian_random_features,
     orthogonal_random_features,
     random_feature_attention,
@@ -150,7 +151,7 @@ def rf_attention_dense(
         row_shift = torch.where(torch.isfinite(row_shift), row_shift, torch.zeros_like(row_shift))
         decay = torch.exp((kmax[:, :, None, :] - row_shift).masked_fill(~vis, float("-inf")))
         scores = (qf @ kf.transpose(-1, -2)) * decay
-        weights = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        weights = safe_ratio(scores, scores.sum(-1, keepdim=True))
         values = expand_heads(v, heads).to(dtype).transpose(1, 2)
         out = (weights @ values).transpose(1, 2)
     return out.to(v.dtype), weights

@@ -291,3 +291,46 @@ def test_bad_input_raises_value_errors():
                                    shift=torch.zeros(1, 4, dtype=F64), length=3)
     with pytest.raises(ValueError, match="state does not fit"):
         random_feature_attention_step(q[:, :1], k[:, :1], v[:, :1], projection, bad_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_underflowing_denominator_gives_zero_rows_and_finite_gradients(dtype):
+    """Queries whose dominant features miss every key's (huge, opposed q and k, as a finetuned
+    DARKFormer on Gemma produced): the ratio is 0/0 numerically. Output and every gradient must be
+    finite, fast path, decode step and float64 reference alike; ordinary rows are unchanged."""
+    from kernelmix.ops.random_features import (
+        random_feature_attention_naive,
+        random_feature_attention_step,
+        safe_ratio,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    d, m, length = 8, 16, 37
+    projection = orthogonal_random_features(m, d, generator=gen).to(dtype)
+    direction = torch.randn(d, generator=gen, dtype=dtype)
+    direction = direction / direction.norm()
+    k = (-400.0 * direction).expand(1, length, 1, d).clone()
+    q = (400.0 * direction).expand(1, length, 1, d).clone()
+    q[:, :5] = torch.randn(1, 5, 1, d, generator=gen, dtype=dtype) * 0.3  # ordinary rows first
+    k[:, :5] = torch.randn(1, 5, 1, d, generator=gen, dtype=dtype) * 0.3
+    v = torch.randn(1, length, 1, 4, generator=gen, dtype=dtype)
+    for fn in (lambda *a: random_feature_attention(*a, chunk_size=7), random_feature_attention_naive):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = fn(qq, kk, vv, projection)
+        assert torch.isfinite(out).all()
+        out.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (qq, kk, vv))
+    # the first rows see only ordinary keys: they match the reference as usual
+    ref = random_feature_attention_naive(q.double(), k.double(), v.double(), projection.double())
+    fast = random_feature_attention(q, k, v, projection, chunk_size=7)
+    assert rel_rmse(fast[:, :5], ref[:, :5]) < 1e-5
+    # decode step from an empty state on a degenerate token: finite too
+    _, state = random_feature_attention(q[:, :-1], k[:, :-1], v[:, :-1], projection, return_state=True)
+    step, _ = random_feature_attention_step(q[:, -1:], k[:, -1:], v[:, -1:], projection, state)
+    assert torch.isfinite(step).all()
+    # the helper itself: exact division above the floor, 0 (and zero gradient) below it
+    num = torch.tensor([1.0, 1.0], dtype=dtype, requires_grad=True)
+    den = torch.tensor([2.0, 0.0], dtype=dtype, requires_grad=True)
+    r = safe_ratio(num, den)
+    r.sum().backward()
+    assert r.tolist() == [0.5, 0.0] and torch.isfinite(den.grad).all() and den.grad[1] == 0

@@ -12,7 +12,8 @@ by a *running* max s_i = max_{j≤i} max_r logit(k_j)_r: for query i every key j
 the same exp(−s_i), so the ratio is unchanged, and s_i depends only on tokens ≤ i. Keys stored at
 their own s_j are brought to s_i by the factor exp(s_j − s_i) ≤ 1, which never overflows. The state
 (S, z) is kept at scale exp(−shift) and rescaled when the shift grows, in the chunked pass and in
-decode alike. No additive epsilon enters the ratio.
+decode alike. No additive epsilon enters the ratio; a row whose denominator underflows (below √tiny:
+no numerically visible key mass) gets 0 and zero gradients instead of 0/0 (:func:`safe_ratio`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ class RandomFeatureState:
 
 # ---------------------------------------------------------------------------------------------
 # Projections and the feature map
+
+
+
+def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """numerator / denominator, and 0 where the denominator is below √tiny of its dtype.
+
+    Such a row has no numerically visible key mass: with very anisotropic inputs (seen on Gemma 3
+    270M after a few DARKFormer finetuning steps, ‖Mq‖² ≈ 5·10⁴) a query's dominant features can
+    miss every key's, the sum underflows and the ratio is 0/0. Clamping alone is not enough: the
+    division's backward divides by the denominator again, so anything below √tiny overflows there.
+    The selects (not a multiplication by a mask) keep the gradients of those rows exactly 0, not
+    NaN. Rows above the floor are untouched, so ordinary inputs give bit-identical results."""
+    floor = math.sqrt(torch.finfo(denominator.dtype).tiny)
+    ok = denominator > floor
+    safe = torch.where(ok, denominator, torch.ones_like(denominator))
+    return torch.where(ok, numerator / safe, torch.zeros_like(numerator))
 
 
 def _check_feature_dims(num_features: int, head_dim: int, num_heads: int | None) -> None:
@@ -291,7 +308,7 @@ def random_feature_attention(
         carry_ok = torch.ones_like(sc, dtype=torch.bool) if reads_state is None else reads_state.expand_as(sc)
         carry = _exp_where(shift_before[..., None] - sc, carry_ok & torch.isfinite(shift_before)[..., None])
         mixed = scores @ values + carry[..., None] * (q_feat @ before)
-        out = mixed[..., :dv] / mixed[..., dv:].clamp_min(torch.finfo(dtype).tiny)
+        out = safe_ratio(mixed[..., :dv], mixed[..., dv:])
         out = out.reshape(batch, heads, n_chunks * chunk, dv)[:, :, :length].transpose(1, 2).to(v.dtype)
     if return_state:
         final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
@@ -336,7 +353,7 @@ def random_feature_attention_naive(
         mask = mask & (torch.arange(length, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
     kernel = torch.einsum("bihm,bjhm->bhij", phi_q, phi_k) * mask
     values = expand_heads(v, heads).to(kernel.dtype)
-    out = torch.einsum("bhij,bjhd->bihd", kernel, values) / kernel.sum(-1).transpose(1, 2)[..., None]
+    out = safe_ratio(torch.einsum("bhij,bjhd->bihd", kernel, values), kernel.sum(-1).transpose(1, 2)[..., None])
     return out.to(v.dtype)
 
 
@@ -383,5 +400,5 @@ def random_feature_attention_step(
         state_z = rescale[..., None] * state_z + k_feat
         numerator = torch.einsum("bhm,bhmd->bhd", q_feat, state_s)
         denominator = (q_feat * state_z).sum(-1, keepdim=True)
-        out = (numerator / denominator.clamp_min(torch.finfo(dtype).tiny))[:, None].to(v.dtype)
+        out = safe_ratio(numerator, denominator)[:, None].to(v.dtype)
     return out, RandomFeatureState(S=state_s, z=state_z, shift=new_shift, length=length + 1)
