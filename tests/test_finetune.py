@@ -109,12 +109,21 @@ def test_spikes_and_divergence():
     assert not ft.is_spike(noisy, 4.0, window=20, nats=0.5) and ft.is_spike(noisy, 6.0, window=20, nats=0.5)
     history = [2.0] * 10 + [9.0] + [2.0] * 5
     assert [s["step"] for s in ft.find_spikes(history, window=20, nats=0.5)] == [10]
-    # an absurd learning rate: losses blow up; spikes are counted, non-finite updates skipped
+    # end to end: a forward whose logits are 50× too sharp (at step 8) is a spike; the others are not
     x = windows()
     model = converted(mixer="performer")
-    _, result = ft.finetune(model, x, x[:2], config(steps=12, lr=50.0, warmup_steps=0, mode="full"))
-    assert result["num_spikes"] >= 1
-    assert result["num_spikes"] == len(result["spikes"]) and all(s["step"] < 12 for s in result["spikes"])
+    calls = {"train": 0}
+
+    def sharpen(module, inputs, output):
+        if not module.training:
+            return None
+        calls["train"] += 1
+        return output * 50 if calls["train"] == 9 else None
+
+    model.lm_head.register_forward_hook(sharpen)
+    _, result = ft.finetune(model, x, x[:2], config(steps=12, lr=1e-3))
+    assert [s["step"] for s in result["spikes"]] == [8], ([round(v, 3) for v in result["losses"]], result["spikes"])
+    assert result["num_spikes"] == 1 and not result["diverged"]
 
 
 def test_compare_finetune_outputs_and_reuse(tmp_path):
