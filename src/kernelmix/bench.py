@@ -164,6 +164,15 @@ def bench_op(
     inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
     call = _mixer_call(mixer, inputs, chunk_size)
     grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
+    flops = forward_flops(mixer, length, head_dim, num_features, chunk_size) * batch * heads
+    return _measure(mixer, length, call, grad_out, flops, device=device, repeats=repeats, backward=backward,
+                    memory=memory, autocast=autocast)
+
+
+def _measure(name: str, length: int, call: Callable[[], torch.Tensor], grad_out: torch.Tensor, flops: float, *,
+             device: torch.device, repeats: int, backward: bool, memory: bool, autocast: str | None) -> BenchRecord:
+    """Forward and forward+backward medians and the fwd+bwd peak memory of ``call`` (an op on inputs
+    that need gradients; ``grad_out`` is its output's gradient) — one procedure for our mixers and the peers."""
 
     def forward():
         with torch.no_grad(), _autocast(device, autocast):
@@ -174,14 +183,13 @@ def bench_op(
             out = call()
         out.backward(grad_out.to(out.dtype))  # autocast may return its own dtype
 
-    flops = forward_flops(mixer, length, head_dim, num_features, chunk_size) * batch * heads
     forward_ms = _median_ms(forward, repeats, device)
     fb_ms = _median_ms(forward_backward, repeats, device) if backward else None
     peak = None
     if memory and backward:
         peak = _cuda_peak_memory_mb(forward_backward, device) if device.type == "cuda" else peak_memory_mb(forward_backward)
     achieved = 3 * flops / (fb_ms * 1e-3) / 1e9 if fb_ms else None
-    return BenchRecord(mixer, length, forward_ms, fb_ms, peak, flops / 1e9, achieved)
+    return BenchRecord(name, length, forward_ms, fb_ms, peak, flops / 1e9, achieved)
 
 
 DECODE_MIN_REPEATS = 50
@@ -256,24 +264,10 @@ def bench_peer(
     if isinstance(call, str):
         return call
     grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
-
-    def forward():
-        with torch.no_grad(), _autocast(device, autocast):
-            call()
-
-    def forward_backward():
-        with _autocast(device, autocast):
-            out = call()
-        out.backward(grad_out.to(out.dtype))
-
     base = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}[peer]
     flops = forward_flops(base, length, head_dim, num_features, chunk_size) * batch * heads
-    forward_ms = _median_ms(forward, repeats, device)
-    fb_ms = _median_ms(forward_backward, repeats, device)
-    peak = None
-    if memory:
-        peak = _cuda_peak_memory_mb(forward_backward, device) if device.type == "cuda" else peak_memory_mb(forward_backward)
-    return BenchRecord(f"peer:{peer}", length, forward_ms, fb_ms, peak, flops / 1e9, 3 * flops / (fb_ms * 1e-3) / 1e9)
+    return _measure(f"peer:{peer}", length, call, grad_out, flops, device=device, repeats=repeats, backward=True,
+                    memory=memory, autocast=autocast)
 
 
 def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
