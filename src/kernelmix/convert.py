@@ -214,6 +214,10 @@ class RandomFeatureKernel(nn.Module):
         return (f"mixer={self.mixer!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_features={self.num_features}, projection={self.projection_kind!r}")
 
+    def trainable(self) -> list[nn.Parameter]:
+        """The kernel's own finetunable parameters: M for DARKFormer, none for Performer (W is fixed)."""
+        return [] if self.transform is None else [self.transform]
+
     def _draw(self, generator, num_features: int) -> Tensor:
         draw = orthogonal_random_features if self.projection_kind == "orthogonal" else gaussian_random_features
         return draw(num_features, self.head_dim, num_heads=self.num_heads, generator=generator)
@@ -707,31 +711,29 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
     return result
 
 
-def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: bool = True) -> list[nn.Parameter]:
-    """Freeze the host except (for converted layers) q/k/v projections, QK-norm scales and the
-    DARKFormer transforms; returns the trainable parameters (for a finetuning optimizer)."""
+def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: bool = True,
+                  layers: Iterable[int] | None = None) -> list[nn.Parameter]:
+    """Freeze the host except, in ``layers`` (default: the converted ones), the q/k/v projections,
+    the QK-norm scales and the kernels' own parameters (DARKFormer's M, Cubit's λ and s; ``transform``);
+    returns the trainable parameters (for a finetuning optimizer). Unconverted layers may be listed
+    too (a softmax baseline finetuned the same way)."""
     for p in model.parameters():
         p.requires_grad_(False)
+    decoder = _decoder_layers(model)
+    indices = list(kernels(model)) if layers is None else list(layers)
+    names = (["q_proj", "k_proj", "v_proj"] if qkv else []) + (["q_norm", "k_norm"] if norms else [])
     trainable = []
-    for i, layer in enumerate(_decoder_layers(model)):
-        attn = layer.self_attn
-        kernel = getattr(attn, "kernelmix_rf", None)
-        if kernel is None:
-            continue
-        names = (["q_proj", "k_proj", "v_proj"] if qkv else []) + (["q_norm", "k_norm"] if norms else [])
+    for i in indices:
+        attn = decoder[i].self_attn
         for name in names:
             sub = getattr(attn, name, None)
             if sub is not None:
-                for p in sub.parameters():
-                    p.requires_grad_(True)
-                    trainable.append(p)
-        if transform and kernel.transform is not None:
-            kernel.transform.requires_grad_(True)
-            trainable.append(kernel.transform)
-        if kernel.mixer == "cubit":
-            for p in kernel.trainable():
-                p.requires_grad_(True)
-                trainable.append(p)
+                trainable.extend(sub.parameters())
+        kernel = getattr(attn, "kernelmix_rf", None)
+        if transform and kernel is not None:
+            trainable.extend(kernel.trainable())
+    for p in trainable:
+        p.requires_grad_(True)
     return trainable
 
 

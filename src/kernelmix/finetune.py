@@ -164,7 +164,6 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
     indices = _layer_indices(model, layers)
     for p in model.parameters():
         p.requires_grad_(False)
-    decoder = cv._decoder_layers(model)
     names = ("q_proj", "k_proj", "v_proj")
     if config.mode == "lora":
         try:
@@ -176,13 +175,7 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern, bias="none")
         model = get_peft_model(model, lora)
     elif config.mode == "partial":
-        for i in indices:
-            attn = decoder[i].self_attn
-            for name in (*names, "q_norm", "k_norm"):
-                sub = getattr(attn, name, None)
-                if sub is not None:
-                    for p in sub.parameters():
-                        p.requires_grad_(True)
+        cv.set_trainable(model, layers=indices)
     else:  # full
         embedding_ids = {id(p) for p in model.get_input_embeddings().parameters()}
         head = model.get_output_embeddings()
@@ -192,11 +185,8 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
             if config.train_embeddings or id(p) not in embedding_ids:
                 p.requires_grad_(True)
     for kernel in cv.kernels(_base(model)).values():  # the DARKFormer metric M (Cubit's λ, s) train in every mode
-        if kernel.transform is not None:
-            kernel.transform.requires_grad_(True)
-        if kernel.mixer == "cubit":
-            for p in kernel.trainable():
-                p.requires_grad_(True)
+        for p in kernel.trainable():
+            p.requires_grad_(True)
     seen, params = set(), []
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
