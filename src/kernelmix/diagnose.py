@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import convert as cv
+from .finetune import evaluate_windows
 from .layers.random_features import data_aware_transform
 
 VARIANTS = ("performer", "whiten", "distill")
@@ -128,18 +129,6 @@ def _tokens(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> Tensor
     if bos is not None:
         windows = torch.cat([torch.full((count, 1), bos), windows[:, :-1]], dim=1)
     return windows
-
-
-def _lm_metrics(model, ids: Tensor) -> dict:
-    total, correct, n = 0.0, 0, 0
-    with torch.no_grad():
-        for row in ids:
-            logits = model(input_ids=row[None]).logits[0, :-1].float()
-            target = row[1:]
-            total += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-            correct += int((logits.argmax(-1) == target).sum())
-            n += target.numel()
-    return {"loss": total / n, "accuracy": correct / n}
 
 
 def diagnose(
@@ -274,7 +263,7 @@ def diagnose(
 
     # end to end
     t = time.perf_counter()
-    host_metrics = _lm_metrics(model, held)
+    host_metrics = evaluate_windows(model, held)
     e2e = {"host": host_metrics}
     for v in variants:
         e2e[v] = {}
@@ -285,7 +274,7 @@ def diagnose(
                     if transforms[v][i] is not None:
                         kernel.transform.copy_(transforms[v][i][0])
                         kernel.query_fold.copy_(transforms[v][i][1])
-            e2e[v][str(m)] = _lm_metrics(conv, held)
+            e2e[v][str(m)] = evaluate_windows(conv, held)
             say(f"end to end {v} m={m}: {e2e[v][str(m)]}")
             del conv
     timings["end_to_end_s"] = time.perf_counter() - t
