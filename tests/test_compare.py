@@ -15,19 +15,14 @@ import torch
 from kernelmix.cli import main as cli_main
 from kernelmix.compare import CompareConfig, run_compare
 
+from tests.utils import isolated_data_cache
+
 CORPUS = str(Path(__file__).parent / "fixtures" / "train_corpus")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    old = os.environ.get("KERNELMIX_CACHE")
-    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
-    yield
-    if old is None:
-        os.environ.pop("KERNELMIX_CACHE", None)
-    else:
-        os.environ["KERNELMIX_CACHE"] = old
+# token caches in a temporary directory per module (also used by subprocesses)
+data_cache = pytest.fixture(scope="module", autouse=True, name="data_cache")(isolated_data_cache)
 
 
 def small(out: Path, **overrides) -> CompareConfig:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -34,19 +33,14 @@ from kernelmix.evaluate import (
 from kernelmix.model import CausalLM, ModelConfig
 from kernelmix.training import TrainConfig, train
 
+from tests.utils import isolated_data_cache
+
 CORPUS = str(Path(__file__).parent / "fixtures" / "train_corpus")
 TOK = ByteTokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    old = os.environ.get("KERNELMIX_CACHE")
-    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
-    yield
-    if old is None:
-        os.environ.pop("KERNELMIX_CACHE", None)
-    else:
-        os.environ["KERNELMIX_CACHE"] = old
+# token caches in a temporary directory per module (also used by subprocesses)
+data_cache = pytest.fixture(scope="module", autouse=True, name="data_cache")(isolated_data_cache)
 
 
 @pytest.fixture(scope="module")

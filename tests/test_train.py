@@ -36,6 +36,8 @@ from kernelmix.training import (
 )
 from kernelmix.training.config import RESOLVED_FORMAT
 
+from tests.utils import isolated_data_cache
+
 CORPUS = str(Path(__file__).parent / "fixtures" / "train_corpus")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,16 +51,8 @@ REF = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    """Tokenize the fixture corpus once per module, into a temporary cache (also used by subprocesses)."""
-    old = os.environ.get("KERNELMIX_CACHE")
-    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
-    yield
-    if old is None:
-        os.environ.pop("KERNELMIX_CACHE", None)
-    else:
-        os.environ["KERNELMIX_CACHE"] = old
+# token caches in a temporary directory per module (also used by subprocesses)
+data_cache = pytest.fixture(scope="module", autouse=True, name="data_cache")(isolated_data_cache)
 
 
 @pytest.fixture(scope="module")

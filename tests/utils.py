@@ -20,3 +20,18 @@ def rel_rmse(actual: torch.Tensor, expected: torch.Tensor, *, zero_threshold: fl
     err = rms(actual.double() - expected.double())
     scale = rms(expected)
     return err / (scale if scale > zero_threshold else 1.0)
+
+
+def isolated_data_cache(tmp_path_factory):
+    """Fixture body: point KERNELMIX_CACHE (token caches; inherited by subprocesses) at a fresh
+    temporary directory for one module and restore it afterwards. Use as
+    ``data_cache = pytest.fixture(scope="module", autouse=True, name="data_cache")(isolated_data_cache)``."""
+    import os
+
+    old = os.environ.get("KERNELMIX_CACHE")
+    os.environ["KERNELMIX_CACHE"] = str(tmp_path_factory.mktemp("kernelmix-cache"))
+    yield
+    if old is None:
+        os.environ.pop("KERNELMIX_CACHE", None)
+    else:
+        os.environ["KERNELMIX_CACHE"] = old

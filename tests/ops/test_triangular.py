@@ -10,18 +10,11 @@ import torch
 
 from kernelmix import ops
 from kernelmix.ops import _triangular
+from tests.ops.test_documents import _doc_start
 from tests.utils import rel_rmse
 
 F64 = torch.float64
 B, H, HKV, D = 2, 4, 2, 8
-
-
-def _doc_start(lengths: list[int]) -> torch.Tensor:
-    starts, pos = [], 0
-    for n in lengths:
-        starts += [pos] * n
-        pos += n
-    return torch.tensor(starts)
 
 
 def _layouts(T: int) -> torch.Tensor:
