@@ -40,7 +40,6 @@ QK-norm scales) of converted layers and the DARKFormer transforms.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field

@@ -37,6 +37,7 @@ result and skips it on the next call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -501,7 +502,7 @@ def compare_finetune(
             model = build_variant(host, variant, num_features=num_features, layers=layers, init=init,
                                   calibration=calibration, seed=config.seed, distill_steps=distill_steps, log=log)
             setup_s = time.perf_counter() - t
-            run_config = FinetuneConfig(**{**asdict(config), "lr": lr})
+            run_config = dataclasses.replace(config, lr=lr)
             resume = run_dir is not None and (run_dir / "checkpoints").is_dir()
             model, result = finetune(model, train_windows, val_windows, run_config, layers=layers, out_dir=run_dir,
                                      resume=resume, progress=progress, label=name)
