@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._common import check_4d, check_chunk_size, check_doc_start, check_qkv, compute_dtype, expand_heads, visible
+from ._common import check_4d, check_chunk_size, check_doc_start, check_qkv, compute_dtype, expand_heads
 
 
 @dataclass
