@@ -395,22 +395,30 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
     json_path.write_text(json.dumps(asdict(report), indent=2))
     written = [json_path]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    def draw(ax, points, label):  # unmeasured values (None: --no-memory, forward only) are left out
+        points = [(x, y) for x, y in points if y is not None and y > 0]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+
     for mixer in dict.fromkeys(r.mixer for r in report.records):
         rows = [r for r in report.records if r.mixer == mixer]  # peers are drawn too ("peer:…")
-        axes[0].plot([r.length for r in rows], [r.forward_backward_ms for r in rows], marker="o", label=mixer)
-        axes[1].plot([r.length for r in rows], [r.peak_memory_mb for r in rows], marker="o", label=mixer)
-        dec = [d for d in report.decode if d.mixer == mixer]
-        axes[2].plot([d.position for d in dec], [d.step_ms for d in dec], marker="o", label=mixer)
+        draw(axes[0], [(r.length, r.forward_backward_ms) for r in rows], mixer)
+        draw(axes[1], [(r.length, r.peak_memory_mb) for r in rows], mixer)
+        draw(axes[2], [(d.position, d.step_ms) for d in report.decode if d.mixer == mixer], mixer)
     for ax, title, ylabel in zip(
         axes, ("forward+backward time", "peak memory (fwd+bwd)", "decode latency"), ("ms", "MiB", "ms / token")
     ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if ax.lines:  # a log axis needs positive data
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("T" if title != "decode latency" else "position")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-    axes[0].legend()
+    if axes[0].lines:
+        axes[0].legend()
     fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} d={report.head_dim}")
     fig.tight_layout()
     png = out / "bench.png"

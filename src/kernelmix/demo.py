@@ -156,8 +156,8 @@ def _return_freed_memory_to_the_os() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (fixed: disables the dynamic threshold)
-    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: disables the dynamic threshold)
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
     libc.malloc_trim(0)
 
 

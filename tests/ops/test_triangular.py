@@ -1,7 +1,9 @@
-"""The blocked triangular solve shared by Cubit and DeltaFormer: the paths the mixer tests do not
-reach on their own — heads processed in groups (long sequences), several batch elements with
-different document layouts, reference rows shorter than the norm clamp — against the float64
-references, forward and every input gradient, at odd lengths and chunk sizes not dividing T."""
+"""The triangular solve shared by Cubit and DeltaFormer, in both of its implementations (the blocked
+solve and the fused-attention rectangles, see ``_triangular``): the paths the mixer tests do not
+reach on their own — heads processed in groups (long sequences), rectangles cut into pieces,
+several batch elements with different document layouts, reference rows shorter than the norm
+clamp, β near 0 — against the float64 references, forward and every input gradient, at odd lengths
+and chunk sizes not dividing T. The mixer tests themselves run the default ("auto") path."""
 
 from __future__ import annotations
 
@@ -57,6 +59,16 @@ MIXERS = {
 }
 
 
+@pytest.fixture(params=["blocked", "rectangles"])
+def solve_path(request, monkeypatch):
+    """Each test below runs with both implementations; the rectangles are cut into small pieces
+    (24 rows × 16 columns) so that T = 63, 65 exercise that too."""
+    monkeypatch.setattr(_triangular, "SOLVE_PATH", request.param)
+    monkeypatch.setattr(_triangular, "RECT_ROWS", 24)
+    monkeypatch.setattr(_triangular, "RECT_COLS", 16)
+    return request.param
+
+
 def _forward_and_grads(call, t, names, grad_out):
     leaves = {n: x.clone().requires_grad_() for n, x in t.items()}
     out = call(leaves)
@@ -67,7 +79,8 @@ def _forward_and_grads(call, t, names, grad_out):
 @pytest.mark.parametrize("T, chunk", [(1, 16), (63, 16), (65, 16), (65, 7)])
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_head_groups_match_reference(monkeypatch, name, T, chunk, documents):
-    # one head per group (a kernel block of ≤ 1 element forces the smallest groups)
+    # the blocked solve, one head per group (a kernel block of ≤ 1 element forces the smallest groups)
+    monkeypatch.setattr(_triangular, "SOLVE_PATH", "blocked")
     monkeypatch.setattr(_triangular, "TILE_ELEMENTS", 1)
     fast, naive, call, names = MIXERS[name]
     t = _inputs(T, seed=T + chunk)
@@ -83,6 +96,7 @@ def test_head_groups_match_reference(monkeypatch, name, T, chunk, documents):
 
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_group_size_does_not_change_the_result(monkeypatch, name):
+    monkeypatch.setattr(_triangular, "SOLVE_PATH", "blocked")
     fast, _, call, _ = MIXERS[name]
     t = _inputs(65, seed=5)
     t32 = {n: x.float() for n, x in t.items()}
@@ -92,7 +106,7 @@ def test_group_size_does_not_change_the_result(monkeypatch, name):
     assert torch.allclose(whole, grouped, rtol=1e-5, atol=1e-6)
 
 
-def test_cubit_references_below_the_norm_clamp():
+def test_cubit_references_below_the_norm_clamp(solve_path):
     # r ≈ 0 rows: r̂ = s·r/1e-6 and the diagonal logit is no longer the row maximum (all logits are
     # then tiny, so the stabiliser stays safe); the result must still match the reference
     t = _inputs(33, seed=11)
@@ -107,7 +121,7 @@ def test_cubit_references_below_the_norm_clamp():
         assert rel_rmse(got, want) <= 1e-8, n
 
 
-def test_large_logits_do_not_overflow():
+def test_large_logits_do_not_overflow(solve_path):
     # big reference scale / keys: logits of several hundred; the stabilisers keep exp2 finite
     t = _inputs(40, seed=12)
     t["k"] = t["k"] * 30.0
@@ -145,7 +159,7 @@ def _dense_solve(x, y, b, beta, gamma, scale, strict, doc_start, y_scale=None, b
 @pytest.mark.parametrize("documents", [False, True], ids=["one-doc", "docs"])
 @pytest.mark.parametrize("T, chunk", [(1, 16), (63, 16), (65, 16), (65, 7)])
 @pytest.mark.parametrize("form", ["y-scaled", "y-is-x", "separate-y"])
-def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, form, T, chunk, documents, tile):
+def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, solve_path, form, T, chunk, documents, tile):
     # the solve's own options: y = x ⊙ y_scale (Cubit's r̂), y = x (DeltaFormer's K–K form), a
     # separate y; b ⊙ b_scale (Cubit's ρ) — forward and every input gradient against the dense
     # float64 solve, at odd lengths and chunk sizes not dividing T, with and without documents
@@ -185,7 +199,7 @@ def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, form, T, chunk, do
         assert rel_rmse(got, want) <= 1e-9, n
 
 
-def test_y_scale_needs_derived_y():
+def test_y_scale_needs_derived_y(solve_path):
     x = torch.randn(1, 2, 5, 4)
     with pytest.raises(ValueError, match="y_scale"):
         _triangular.kernel_triangular_solve(
@@ -194,7 +208,7 @@ def test_y_scale_needs_derived_y():
 
 
 @pytest.mark.parametrize("T, chunk", [(1, 16), (63, 16), (65, 7)])
-def test_cubit_ridge_and_ref_scale_gradients(T, chunk):
+def test_cubit_ridge_and_ref_scale_gradients(solve_path, T, chunk):
     # λ and s reach the solve as γ and the row scale of y: their gradients against the reference
     t = _inputs(T, seed=T + 100)
     t["ridge"] = torch.tensor([1e-3, 1e-2, 0.1, 0.5], dtype=F64)
@@ -211,3 +225,85 @@ def test_cubit_ridge_and_ref_scale_gradients(T, chunk):
     assert rel_rmse(out, ref) <= 1e-10
     for n, got, want in zip(names, grads, ref_grads):
         assert rel_rmse(got, want) <= 1e-9, n
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["one-doc", "docs"])
+@pytest.mark.parametrize("T, chunk", [(1, 16), (65, 7), (130, 16)])
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_mixers_match_reference_with_rectangle_pieces(solve_path, name, T, chunk, documents):
+    # both mixers end to end, every input gradient, with the rectangles cut into small pieces
+    fast, naive, call, names = MIXERS[name]
+    t = _inputs(T, seed=T + 7 * chunk)
+    doc = {"doc_start": _layouts(T)} if documents else {}
+    grad_out = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(8), dtype=F64)
+    ref, ref_grads = _forward_and_grads(lambda z: call(naive, z, **doc), t, names, grad_out)
+    out, grads = _forward_and_grads(lambda z: call(fast, z, chunk_size=chunk, **doc), t, names, grad_out)
+    assert rel_rmse(out, ref) <= 1e-10
+    for n, got, want in zip(names, grads, ref_grads):
+        assert torch.isfinite(got).all(), n
+        assert rel_rmse(got, want) <= 1e-9, n
+
+
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-9), (torch.float32, 1e-4)])
+def test_beta_near_zero(solve_path, dtype, tol):
+    # β = 0, tiny, and on both sides of BETA_EXACT (below it the rectangles keep the forward's
+    # K U rows; above it they recover them as (b − γU)/β): forward and the gradients of every
+    # input, β's included, against the dense float64 solve
+    T = 70
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(B, H, T, D, generator=g, dtype=F64)
+    b = torch.randn(B, H, T, D, generator=g, dtype=F64)
+    beta = torch.rand(B, H, T, generator=g, dtype=F64)
+    edge = _triangular.BETA_EXACT
+    beta[:, :, 5] = 0.0
+    beta[:, :, 9] = 1e-12
+    beta[:, :, 20] = edge * (1 - 1e-6)
+    beta[:, :, 21] = edge * (1 + 1e-6)
+    beta[:, :, 40:50] = 1e-4
+    gamma = torch.tensor([1.0, 0.5, 1.0, 2.0], dtype=F64)
+    grad_out = torch.randn(B, H, T, D, generator=g, dtype=F64)
+    leaves = [z.clone().requires_grad_() for z in (x, b, beta)]
+    ref = _dense_solve(leaves[0], None, leaves[1], leaves[2], gamma, 0.35, True, None)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out)
+    mine = [z.to(dtype).requires_grad_() for z in (x, b, beta)]
+    out = _triangular.kernel_triangular_solve(mine[0], None, mine[1], beta=mine[2], gamma=gamma.to(dtype), scale=0.35,
+                                              strict=True, chunk_size=16)
+    grads = torch.autograd.grad(out, mine, grad_out.to(dtype))
+    assert rel_rmse(out.double(), ref) <= tol
+    for n, got, want in zip(("x", "b", "beta"), grads, ref_grads):
+        assert torch.isfinite(got).all(), n
+        assert rel_rmse(got.double(), want) <= tol, n
+    # the rows with tiny β, on their own: their β-gradients are not small, and must stay accurate
+    assert rel_rmse(grads[2][:, :, [5, 9, 20, 40]].double(), ref_grads[2][:, :, [5, 9, 20, 40]]) <= tol
+
+
+def test_auto_path_falls_back_where_the_rectangles_do_not_apply(monkeypatch):
+    # the fused kernel needs dk == dv: other head sizes take the blocked solve (and are correct);
+    # forcing the rectangles there says why it cannot
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 40, 8, generator=g, dtype=F64)
+    b = torch.randn(1, 2, 40, 5, generator=g, dtype=F64)
+    kw = dict(beta=None, gamma=torch.full((2,), 0.1, dtype=F64), scale=1.0, strict=False, chunk_size=16)
+    out = _triangular.kernel_triangular_solve(x, None, b, **kw)
+    assert rel_rmse(out, _dense_solve(x, None, b, None, kw["gamma"], 1.0, False, None)) <= 1e-10
+    assert not _triangular._use_rectangles(x, b) and _triangular._use_rectangles(x, x)
+    monkeypatch.setattr(_triangular, "SOLVE_PATH", "rectangles")
+    with pytest.raises(RuntimeError, match="dk == dv"):
+        _triangular.kernel_triangular_solve(x, None, b, **kw)
+
+
+def test_the_two_paths_agree_in_float32_at_length_1000(monkeypatch):
+    # a long fp32 run (several levels of rectangles and pieces): both implementations against the
+    # float64 reference and each other
+    T = 1000
+    t = {n: z[:1] for n, z in _inputs(T, seed=9).items()}
+    t32 = {n: z.float() for n, z in t.items()}
+    ref = _cubit(ops.cubit_attention_naive, t)
+    results = {}
+    for path in ("blocked", "rectangles"):
+        monkeypatch.setattr(_triangular, "SOLVE_PATH", path)
+        monkeypatch.setattr(_triangular, "RECT_ROWS", 256)
+        monkeypatch.setattr(_triangular, "RECT_COLS", 128)
+        results[path] = _cubit(ops.cubit_attention, t32, chunk_size=63)
+        assert rel_rmse(results[path].double(), ref) <= 1e-4, path
+    assert rel_rmse(results["rectangles"], results["blocked"]) <= 1e-4

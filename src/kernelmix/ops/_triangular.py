@@ -1,4 +1,6 @@
-"""Blocked solve of a causal kernel-smoother system, shared by Cubit and DeltaFormer.
+"""Solve of a causal kernel-smoother system, shared by Cubit and DeltaFormer: a blocked solve
+(any device; below) and, on CPU, the same solve with its off-diagonal work in PyTorch's fused
+attention kernel ("rectangles", at the end of this module; faster, chosen automatically).
 
 Both mixers solve a lower-triangular system
 
@@ -290,7 +292,271 @@ def kernel_triangular_solve(
     if y is not None and y_scale is not None:
         raise ValueError("y_scale applies only when y is None (y = x ⊙ y_scale)")
     with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
+        if _use_rectangles(x, b):
+            return _RectangleSolve.apply(
+                x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict), int(chunk_size)
+            )
         return _KernelTriangularSolve.apply(
             x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict), int(chunk_size),
             bool(diagonal_is_row_max),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The same solve with the off-diagonal work done by PyTorch's fused CPU attention kernel.
+#
+# For rows [m, hi) against columns [lo, m) the system's matrix is a full rectangle of the softmax
+# kernel. Its contribution to those rows, Σ_j K_ij u_j, is ordinary (non-causal) attention of
+# queries x over keys y with values u, reweighted by the share of each row's mass the rectangle
+# holds (exp(lse_rect − lse_row)). Forward substitution recurses: solve [lo, m), apply the
+# rectangle to [m, hi), solve [m, hi); the leaves are the C×C diagonal blocks, solved densely. The
+# rectangles tile the causal triangle, so the FLOPs are the blocked solve's, but they run in a few
+# large fused calls: no C×T tile in memory and no Python loop per block and head group.
+#
+# The backward runs the recursion in reverse (backward substitution for db = A^{-T} dU) and uses
+# the fused attention backward of the same rectangles. Given dO = −β db, O = Y = K U (full rows)
+# and the full-row log-normaliser, it computes dS = P ⊙ (dO vᵀ − Δ) with Δ_i = dO_i·O_i = −β_i e_i,
+# which is exactly dL on the rectangle, and returns dx (queries), dy (keys) and Pᵀ dO = −Kᵀ(β db),
+# these rows' share of the earlier rows' right-hand side.
+#
+# Memory: until its diagonal block is solved, a row of U holds the rectangles' normalised
+# contribution (its log-normaliser in lse), so the forward needs no other T-sized buffer. The
+# backward recovers Y from the system itself, β ⊙ Y = b ⊙ b_scale − γU; only rows with β below
+# BETA_EXACT, where that division would lose accuracy, keep the forward's Y. Fused calls cover at
+# most RECT_ROWS × RECT_COLS, which bounds their temporaries however long the sequence (at T=8192,
+# H=8, d=64 the solve's fwd+bwd peak with the default sizes is 78 MiB, 84 with 1024 × 1024 and 72
+# with 512 × 512, which is ~7% slower); y = x ⊙ y_scale exists one piece at a time;
+# dy and dx share one buffer (a row holds dy until its diagonal block is done, dx after). The fused
+# kernel needs one head size for q, k and v (dk == dv) and runs on CPU; elsewhere the blocked
+# solve above runs.
+
+_FLASH_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
+_FLASH_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+# "auto": the fused rectangles on CPU where they apply, else the blocked solve; "blocked" or
+# "rectangles" force one (the tests run both).
+SOLVE_PATH = "auto"
+# Rows with β below this keep Y = K U from the forward: elsewhere the backward recovers it as
+# (b − γU)/β, whose rounding error grows like 1/β (≤ 2·16 ulp of b here).
+BETA_EXACT = 1.0 / 16
+# A fused call covers at most this many rows and columns.
+RECT_ROWS = 1024
+RECT_COLS = 512
+
+
+def _has_fused_cpu_attention() -> bool:
+    return hasattr(torch.ops.aten, _FLASH_FORWARD) and hasattr(torch.ops.aten, _FLASH_BACKWARD)
+
+
+def _use_rectangles(x: Tensor, b: Tensor) -> bool:
+    if SOLVE_PATH == "blocked":
+        return False
+    applicable = x.device.type == "cpu" and x.shape[-1] == b.shape[-1] and _has_fused_cpu_attention()
+    if SOLVE_PATH == "rectangles" and not applicable:
+        raise RuntimeError("the rectangle solve needs CPU tensors, dk == dv and PyTorch's fused CPU attention")
+    return applicable
+
+
+def _segments(length: int, doc_start: Tensor | None, batch: int) -> list[tuple[slice, int, int]]:
+    """(batch slice, first, end) of each independent system: the whole batch and sequence without
+    documents; one per document and batch element with them (the system is block-diagonal)."""
+    if doc_start is None:
+        return [(slice(0, batch), 0, length)] if length else []
+    segments = []
+    positions = torch.arange(length, device=doc_start.device)
+    for bi in range(batch):
+        firsts = torch.nonzero(doc_start[bi] == positions).flatten().tolist()
+        segments += [(slice(bi, bi + 1), first, end) for first, end in zip(firsts, firsts[1:] + [length])]
+    return segments
+
+
+def _split(lo: int, hi: int, leaf: int) -> int | None:
+    """Where [lo, hi) splits (on a leaf boundary, halves as equal as possible); None for a leaf."""
+    blocks = -(-(hi - lo) // leaf)
+    return None if blocks <= 1 else lo + ((blocks + 1) // 2) * leaf
+
+
+def _pieces(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    return [(p, min(p + size, hi)) for p in range(lo, hi, size)]
+
+
+def _keys(x: Tensor, y: Tensor | None, y_scale: Tensor | None, bs: slice, lo: int, hi: int) -> Tensor:
+    """y of rows [lo, hi): ``y`` itself, or x (⊙ y_scale) computed for these rows only."""
+    if y is not None:
+        return y[bs, :, lo:hi]
+    rows = x[bs, :, lo:hi]
+    return rows if y_scale is None else rows * y_scale[bs, :, lo:hi, None]
+
+
+def _diagonal_logits(x_block: Tensor, keys_block: Tensor, hidden: Tensor, scale: float) -> Tensor:
+    size = x_block.shape[-2]
+    logits = (x_block @ keys_block.transpose(-1, -2)).mul_(scale)
+    return logits.masked_fill_(hidden[:size, :size], float("-inf"))
+
+
+def _system(kernel: Tensor, beta: Tensor | None, gamma: Tensor) -> Tensor:
+    system = kernel if beta is None else beta[..., None] * kernel
+    return system + torch.diag_embed(gamma[:, None].expand(-1, kernel.shape[-1]))
+
+
+class _RectangleSolve(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, b, beta, gamma, y_scale, b_scale, doc_start, scale, strict, leaf):
+        # shapes as in _KernelTriangularSolve
+        batch, heads, length, _ = x.shape
+        dv = b.shape[-1]
+        u = b.new_zeros(batch, length, heads, dv).transpose(1, 2)
+        lse = x.new_full((batch, heads, length), float("-inf"))  # natural log, full rows once solved
+        exact_at, exact_rows = [], []  # Y of the rows with β < BETA_EXACT (see _full_rows)
+        hidden = _causal_hidden(min(leaf, max(length, 1)), strict, x.device)
+        flash = getattr(torch.ops.aten, _FLASH_FORWARD)
+
+        def leaf_forward(bs, i0, i1):
+            logits = _diagonal_logits(x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1), hidden, scale)
+            before = lse[bs, :, i0:i1]
+            full = torch.logaddexp(before, torch.logsumexp(logits, dim=-1))
+            full = full.masked_fill(torch.isinf(full), 0.0)  # nothing visible (strict mask): a zero row
+            kernel = torch.exp(logits.sub_(full[..., None]))
+            past = u[bs, :, i0:i1] * torch.exp(before - full)[..., None]  # Σ_{j < i0} K_ij u_j
+            rhs = b[bs, :, i0:i1] if b_scale is None else b[bs, :, i0:i1] * b_scale[bs, :, i0:i1, None]
+            beta_block = None if beta is None else beta[bs, :, i0:i1]
+            rhs = rhs - (past if beta_block is None else beta_block[..., None] * past)
+            u_block = torch.linalg.solve_triangular(_system(kernel, beta_block, gamma), rhs, upper=False)
+            if beta_block is not None:
+                small = beta_block < BETA_EXACT
+                if small.any():
+                    at = small.nonzero()
+                    exact_at.append(at + at.new_tensor([bs.start, 0, i0]))
+                    exact_rows.append((past + kernel @ u_block)[small])
+            u[bs, :, i0:i1] = u_block
+            lse[bs, :, i0:i1] = full
+
+        def solve(bs, lo, hi):
+            mid = _split(lo, hi, leaf)
+            if mid is None:
+                leaf_forward(bs, lo, hi)
+                return
+            solve(bs, lo, mid)
+            for c0, c1 in _pieces(lo, mid, RECT_COLS):
+                keys = _keys(x, y, y_scale, bs, c0, c1)
+                for r0, r1 in _pieces(mid, hi, RECT_ROWS):
+                    out, rect_lse = flash(x[bs, :, r0:r1], keys, u[bs, :, c0:c1], 0.0, False, scale=scale)
+                    acc, acc_lse = u[bs, :, r0:r1], lse[bs, :, r0:r1]  # rows not solved yet
+                    merged = torch.logaddexp(acc_lse, rect_lse)
+                    acc.mul_(torch.exp(acc_lse - merged)[..., None]).add_(out.mul_(torch.exp(rect_lse - merged)[..., None]))
+                    acc_lse.copy_(merged)
+            solve(bs, mid, hi)
+
+        for bs, lo, hi in _segments(length, doc_start, batch):
+            solve(bs, lo, hi)
+        exact_at = torch.cat(exact_at) if exact_at else x.new_zeros(0, 3, dtype=torch.long)
+        exact_rows = torch.cat(exact_rows) if exact_rows else x.new_zeros(0, dv)
+        # b recomputes Y = (b ⊙ b_scale − γU) / β and gives the gradient of b_scale
+        ctx.save_for_backward(x, y, b, beta, gamma, y_scale, b_scale, u, lse, doc_start, exact_at, exact_rows)
+        ctx.scale, ctx.strict, ctx.leaf = scale, strict, leaf
+        return u
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_u):
+        with torch.autocast(grad_u.device.type, enabled=False):
+            return _RectangleSolve._backward(ctx, grad_u)
+
+    @staticmethod
+    def _backward(ctx, grad_u):
+        x, y, b, beta, gamma, y_scale, b_scale, u, lse, doc_start, exact_at, exact_rows = ctx.saved_tensors
+        scale, strict, leaf = ctx.scale, ctx.strict, ctx.leaf
+        batch, heads, length, dk = x.shape
+        dv = u.shape[-1]
+        fused = y is None
+        # the right-hand side of the transposed solve; each diagonal block overwrites its rows with db
+        grad_b = u.new_empty(batch, length, heads, dv).transpose(1, 2)
+        grad_b.copy_(grad_u)
+        del grad_u
+        grad_x = x.new_zeros(batch, length, heads, dk).transpose(1, 2)
+        grad_y = grad_x if fused else x.new_zeros(batch, length, heads, dk).transpose(1, 2)
+        grad_gamma = x.new_zeros(heads)
+        grad_beta = None if beta is None or not ctx.needs_input_grad[3] else x.new_empty(batch, heads, length)
+        grad_y_scale = None if y_scale is None or not ctx.needs_input_grad[5] else x.new_empty(batch, heads, length)
+        hidden = _causal_hidden(min(leaf, max(length, 1)), strict, x.device)
+        flash_backward = getattr(torch.ops.aten, _FLASH_BACKWARD)
+
+        exact_slot = None
+        if len(exact_at):
+            exact_slot = torch.full((batch, heads, length), -1, dtype=torch.long, device=x.device)
+            exact_slot[tuple(exact_at.T)] = torch.arange(len(exact_at), device=x.device)
+
+        def full_rows(bs, r0, r1):
+            """Y = K U on rows [r0, r1), from the system itself: β ⊙ K U = b ⊙ b_scale − γU."""
+            rhs = b[bs, :, r0:r1] if b_scale is None else b[bs, :, r0:r1] * b_scale[bs, :, r0:r1, None]
+            rows = rhs - gamma[:, None, None] * u[bs, :, r0:r1]
+            if beta is None:
+                return rows
+            rows.div_(beta[bs, :, r0:r1, None].clamp_min(BETA_EXACT))
+            if exact_slot is not None:  # rows with small β: the forward's own Y
+                slot = exact_slot[bs, :, r0:r1]
+                kept = slot >= 0
+                if kept.any():
+                    rows[kept] = exact_rows[slot[kept]]
+            return rows
+
+        def leaf_backward(bs, i0, i1):
+            x_block, keys_block = x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1)
+            kernel = torch.exp(_diagonal_logits(x_block, keys_block, hidden, scale).sub_(lse[bs, :, i0:i1, None]))
+            beta_block = None if beta is None else beta[bs, :, i0:i1]
+            system = _system(kernel, beta_block, gamma)
+            db = torch.linalg.solve_triangular(system.transpose(-1, -2), grad_b[bs, :, i0:i1], upper=True)
+            grad_b[bs, :, i0:i1] = db
+            u_block = u[bs, :, i0:i1]
+            grad_gamma.sub_((db * u_block).sum(dim=(0, 2, 3)))
+            e = (db * full_rows(bs, i0, i1)).sum(-1)  # e_i = db_i · (K U)_i
+            if grad_beta is not None:
+                grad_beta[bs, :, i0:i1] = -e
+            # dL_ij = β_i K_ij (e_i − db_i·u_j) on the diagonal block
+            d_logits = kernel.mul_(e[..., None] - db @ u_block.transpose(-1, -2))
+            if beta_block is not None:
+                d_logits.mul_(beta_block[..., None])
+            grad_x_block = scale * (d_logits @ keys_block)
+            grad_y[bs, :, i0:i1] += scale * (d_logits.transpose(-1, -2) @ x_block)
+            if fused:  # dy of these rows is final: the buffer's rows turn into dx
+                rows = grad_x[bs, :, i0:i1]
+                if y_scale is not None:
+                    if grad_y_scale is not None:
+                        grad_y_scale[bs, :, i0:i1] = (rows * x_block).sum(-1)
+                    rows.mul_(y_scale[bs, :, i0:i1, None])
+                rows.add_(grad_x_block)
+            else:
+                grad_x[bs, :, i0:i1] += grad_x_block
+
+        def solve(bs, lo, hi):
+            mid = _split(lo, hi, leaf)
+            if mid is None:
+                leaf_backward(bs, lo, hi)
+                return
+            solve(bs, mid, hi)  # db of rows [mid, hi) is final
+            for c0, c1 in _pieces(lo, mid, RECT_COLS):
+                keys = _keys(x, y, y_scale, bs, c0, c1)
+                for r0, r1 in _pieces(mid, hi, RECT_ROWS):
+                    db = grad_b[bs, :, r0:r1]
+                    grad_out = -db if beta is None else db * -beta[bs, :, r0:r1, None]
+                    dq, dkeys, dvalues = flash_backward(
+                        grad_out, x[bs, :, r0:r1], keys, u[bs, :, c0:c1], full_rows(bs, r0, r1),
+                        lse[bs, :, r0:r1].contiguous(), 0.0, False, scale=scale,
+                    )
+                    grad_x[bs, :, r0:r1] += dq  # these rows' diagonal blocks are done: dx
+                    grad_y[bs, :, c0:c1] += dkeys  # these not yet: dy
+                    grad_b[bs, :, c0:c1] += dvalues  # −Kᵀ(β db) leaves the earlier right-hand side
+            solve(bs, lo, mid)
+
+        for bs, lo, hi in _segments(length, doc_start, batch):
+            solve(bs, lo, hi)
+        grad_b_scale = None
+        if b_scale is not None:  # rhs = b ⊙ b_scale
+            if ctx.needs_input_grad[6]:
+                grad_b_scale = (grad_b * b).sum(-1)
+            grad_b.mul_(b_scale[..., None])
+        grad_gamma = grad_gamma if ctx.needs_input_grad[4] else None
+        return (
+            grad_x, None if fused else grad_y, grad_b, grad_beta, grad_gamma, grad_y_scale, grad_b_scale,
+            None, None, None, None,
         )
