@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from kernelmix.cli import main
 
@@ -29,7 +30,7 @@ def test_demo_rejects_non_positive_sizes(capsys):
 def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
     code = main(["bench", "--mixers", "softmax,cubit,performer", "--lengths", "32,48", "--decode-positions", "16",
                  "--heads", "2", "--head-dim", "8", "--num-features", "8", "--chunk-size", "16", "--repeats", "1",
-                 "--out", str(tmp_path)])
+                 "--no-memory", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {(r["mixer"], r["length"]) for r in report["records"]} == {
@@ -44,13 +45,32 @@ def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
 def test_op_bench_under_autocast_writes_valid_json(tmp_path, capsys):
     code = main(["bench", "--mixers", "softmax,cubit,deltaformer,darkformer", "--lengths", "33",
                  "--decode-positions", "16", "--heads", "2", "--head-dim", "8", "--num-features", "8",
-                 "--chunk-size", "16", "--repeats", "1", "--autocast", "bfloat16", "--out", str(tmp_path)])
+                 "--chunk-size", "16", "--repeats", "1", "--autocast", "bfloat16", "--no-memory", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["autocast"] == "bfloat16" and report["dtype"] == "float32"
     assert {r["mixer"] for r in report["records"]} == {"softmax", "cubit", "deltaformer", "darkformer"}
     assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["records"])
     assert "under bfloat16 autocast" in capsys.readouterr().out
+
+
+def test_op_bench_memory_is_measured_in_a_fresh_process(tmp_path, capsys):
+    # the memory pass (after the timings): one probe process per op, its peak in the JSON and table
+    code = main(["bench", "--mixers", "cubit", "--lengths", "512", "--decode-positions", "16", "--heads", "2",
+                 "--head-dim", "16", "--chunk-size", "64", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0
+    (record,) = json.loads((tmp_path / "bench.json").read_text())["records"]
+    # fwd+bwd of Cubit at T=512 keeps U, the output and four gradients of 64 KiB each alive
+    assert record["peak_memory_mb"] is not None and record["peak_memory_mb"] > 0.25
+    assert "memory cubit T=512" in capsys.readouterr().out
+
+
+def test_memory_probe_failure_is_reported_not_raised():
+    from kernelmix.bench import op_peak_memory_mb
+
+    result = op_peak_memory_mb("peer", "no-such-peer", 16, batch=1, heads=1, head_dim=4, num_features=4,
+                               chunk_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    assert isinstance(result, str) and "memory probe failed" in result and "no-such-peer" in result
 
 
 def test_op_bench_autocast_needs_fp32_inputs(capsys):

@@ -6,6 +6,11 @@ against a matrix-multiply peak measured in the same run; decode latency per toke
 position; and the crossover length against softmax attention (SDPA). Everything is measured in
 one run and written as JSON (+ PNG when matplotlib is installed); nothing is typed in by hand.
 
+Timings run first, in this process, under the default allocator. Peak memory comes after: on CPU
+each op's forward+backward runs once more in a fresh process whose allocator returns freed blocks
+at once (:data:`MEMORY_PROBE_ENV`), so the resident-set growth counts the op's live tensors and
+does not depend on what ran before; on CUDA it is the caching allocator's peak.
+
 FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B·H omitted):
     softmax        2·T²·d                      (q kᵀ and A v over the causal triangle)
     cubit          4·T²·d                      (Gram r r̂ᵀ, the triangular solve, read-out q kᵀ and A U)
@@ -29,6 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -145,6 +153,29 @@ def _inputs(batch, length, heads, head_dim, num_features, device, dtype, require
     }
 
 
+def _op(kind: str, name: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int,
+        chunk_size: int, device: torch.device, dtype: torch.dtype):
+    """``(call, grad_out, forward FLOPs)`` of one of our mixers (``kind="mixer"``) or a peer on fresh
+    inputs that need gradients; ``call`` is a string saying why when a peer cannot run."""
+    inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
+    if kind == "mixer":
+        call, base = _mixer_call(name, inputs, chunk_size), name
+    else:
+        call, base = _peer_call(name, inputs, num_features), PEER_BASES[name]
+    grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
+    return call, grad_out, forward_flops(base, length, head_dim, num_features, chunk_size) * batch * heads
+
+
+def _forward_backward(call: Callable[[], torch.Tensor], grad_out: torch.Tensor, device: torch.device,
+                      autocast: str | None) -> Callable[[], None]:
+    def run():
+        with _autocast(device, autocast):
+            out = call()
+        out.backward(grad_out.to(out.dtype))  # autocast may return its own dtype
+
+    return run
+
+
 def bench_op(
     mixer: str,
     length: int,
@@ -158,38 +189,79 @@ def bench_op(
     dtype: torch.dtype,
     repeats: int,
     backward: bool = True,
-    memory: bool = True,
     autocast: str | None = None,
 ) -> BenchRecord:
-    inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
-    call = _mixer_call(mixer, inputs, chunk_size)
-    grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
-    flops = forward_flops(mixer, length, head_dim, num_features, chunk_size) * batch * heads
+    """Forward and forward+backward times of one mixer (memory: :func:`op_peak_memory_mb`)."""
+    call, grad_out, flops = _op("mixer", mixer, length, batch=batch, heads=heads, head_dim=head_dim,
+                                num_features=num_features, chunk_size=chunk_size, device=device, dtype=dtype)
     return _measure(mixer, length, call, grad_out, flops, device=device, repeats=repeats, backward=backward,
-                    memory=memory, autocast=autocast)
+                    autocast=autocast)
 
 
 def _measure(name: str, length: int, call: Callable[[], torch.Tensor], grad_out: torch.Tensor, flops: float, *,
-             device: torch.device, repeats: int, backward: bool, memory: bool, autocast: str | None) -> BenchRecord:
-    """Forward and forward+backward medians and the fwd+bwd peak memory of ``call`` (an op on inputs
-    that need gradients; ``grad_out`` is its output's gradient) — one procedure for our mixers and the peers."""
+             device: torch.device, repeats: int, backward: bool, autocast: str | None) -> BenchRecord:
+    """Forward and forward+backward medians of ``call`` (an op on inputs that need gradients;
+    ``grad_out`` is its output's gradient) — one procedure for our mixers and the peers."""
 
     def forward():
         with torch.no_grad(), _autocast(device, autocast):
             call()
 
-    def forward_backward():
-        with _autocast(device, autocast):
-            out = call()
-        out.backward(grad_out.to(out.dtype))  # autocast may return its own dtype
-
     forward_ms = _median_ms(forward, repeats, device)
-    fb_ms = _median_ms(forward_backward, repeats, device) if backward else None
-    peak = None
-    if memory and backward:
-        peak = _cuda_peak_memory_mb(forward_backward, device) if device.type == "cuda" else peak_memory_mb(forward_backward)
+    fb_ms = _median_ms(_forward_backward(call, grad_out, device, autocast), repeats, device) if backward else None
     achieved = 3 * flops / (fb_ms * 1e-3) / 1e9 if fb_ms else None
-    return BenchRecord(name, length, forward_ms, fb_ms, peak, flops / 1e9, achieved)
+    return BenchRecord(name, length, forward_ms, fb_ms, None, flops / 1e9, achieved)
+
+
+# glibc settings of the memory probe: every block ≥ 64 KiB is mmapped and unmapped when freed, so
+# the resident high-water mark counts the op's live tensors, not what the allocator kept from
+# earlier work (with its default, dynamic threshold the same op measured 125–140 MiB from run to
+# run in one process). Set in the environment, they hold from the probe's first allocation.
+MEMORY_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def op_peak_memory_mb(kind: str, name: str, length: int, *, batch: int, heads: int, head_dim: int,
+                      num_features: int, chunk_size: int, device: torch.device, dtype: torch.dtype,
+                      autocast: str | None = None, threads: int | None = None) -> float | str:
+    """Peak memory of one forward+backward in MiB, or a string saying why it was not measured.
+
+    CUDA: the allocator's peak, in this process. CPU: the resident-set growth, measured in a fresh
+    Python process (:data:`MEMORY_PROBE_ENV`) — so that neither this process's heap nor the malloc
+    settings the measurement needs touch the timings, which run under the default allocator."""
+    shape = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size)
+    if device.type == "cuda":
+        call, grad_out, _ = _op(kind, name, length, device=device, dtype=dtype, **shape)
+        if isinstance(call, str):
+            return call
+        return _cuda_peak_memory_mb(_forward_backward(call, grad_out, device, autocast), device)
+    spec = dict(kind=kind, name=name, length=length, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                autocast=autocast, threads=threads or torch.get_num_threads(), **shape)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kernelmix.bench", "--memory-probe", json.dumps(spec)],
+            env={**os.environ, **MEMORY_PROBE_ENV}, capture_output=True, text=True, timeout=3600,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"memory probe did not run ({type(error).__name__}: {error})"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last_error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"memory probe failed (exit {done.returncode}): {last_error}"
+    peak = json.loads(lines[-1])["peak_mb"]
+    return peak if peak is not None else "no resident-set counters here (Linux only)"
+
+
+def _memory_probe(spec: dict) -> None:
+    """The child side of :func:`op_peak_memory_mb`: one warm-up, then one measured fwd+bwd."""
+    torch.set_num_threads(spec.pop("threads"))
+    kind, name, length, autocast = spec.pop("kind"), spec.pop("name"), spec.pop("length"), spec.pop("autocast")
+    device, dtype = torch.device(spec.pop("device")), getattr(torch, spec.pop("dtype"))
+    call, grad_out, _ = _op(kind, name, length, device=device, dtype=dtype, **spec)
+    if isinstance(call, str):
+        raise SystemExit(call)
+    run = _forward_backward(call, grad_out, device, autocast)
+    run()  # one-time allocations (thread pools, kernels, lazy imports) are not the op's
+    print(json.dumps({"peak_mb": peak_memory_mb(run)}))
 
 
 DECODE_MIN_REPEATS = 50
@@ -255,19 +327,19 @@ def _peer_call(peer: str, inputs: dict, num_features: int):
     raise ValueError(f"unknown peer {peer!r} (choose from: {', '.join(PEERS)})")
 
 
+PEER_BASES = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}
+
+
 def bench_peer(
     peer: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
-    device: torch.device, dtype: torch.dtype, repeats: int, memory: bool = True, autocast: str | None = None,
+    device: torch.device, dtype: torch.dtype, repeats: int, autocast: str | None = None,
 ) -> BenchRecord | str:
-    inputs = _inputs(batch, length, heads, head_dim, num_features, device, dtype, requires_grad=True)
-    call = _peer_call(peer, inputs, num_features)
+    call, grad_out, flops = _op("peer", peer, length, batch=batch, heads=heads, head_dim=head_dim,
+                                num_features=num_features, chunk_size=chunk_size, device=device, dtype=dtype)
     if isinstance(call, str):
         return call
-    grad_out = torch.randn(batch, length, heads, head_dim, device=device, dtype=dtype)
-    base = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}[peer]
-    flops = forward_flops(base, length, head_dim, num_features, chunk_size) * batch * heads
     return _measure(f"peer:{peer}", length, call, grad_out, flops, device=device, repeats=repeats, backward=True,
-                    memory=memory, autocast=autocast)
+                    autocast=autocast)
 
 
 def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
@@ -320,13 +392,14 @@ def run_bench(
         num_features=num_features, chunk_size=chunk_size, threads=torch.get_num_threads(),
         matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype), autocast=autocast,
     )
-    shared = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
-                  device=torch_device, dtype=torch_dtype, repeats=repeats, autocast=autocast)
+    shape = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
+                 device=torch_device, dtype=torch_dtype)
+    shared = dict(shape, repeats=repeats, autocast=autocast)
     for length in lengths:
         for mixer in mixers:
             if progress:
                 progress(f"{mixer} T={length}")
-            report.records.append(bench_op(mixer, length, memory=memory, **shared))
+            report.records.append(bench_op(mixer, length, **shared))
     for peer in peers:
         for length in lengths:
             if length > peer_max_length:
@@ -334,7 +407,7 @@ def run_bench(
                 continue
             if progress:
                 progress(f"peer {peer} T={length}")
-            record = bench_peer(peer, length, memory=memory, **shared)
+            record = bench_peer(peer, length, **shared)
             if isinstance(record, str):
                 report.notes.append(f"peer {peer} skipped: {record}")
                 break
@@ -344,6 +417,17 @@ def run_bench(
             if progress:
                 progress(f"decode {mixer} @ {position}")
             report.decode.append(bench_decode(mixer, position, **shared))
+    if memory:  # after every timing (see op_peak_memory_mb)
+        for record in report.records:
+            if progress:
+                progress(f"memory {record.mixer} T={record.length}")
+            is_peer = record.mixer.startswith("peer:")
+            kind, name = ("peer", record.mixer.removeprefix("peer:")) if is_peer else ("mixer", record.mixer)
+            peak = op_peak_memory_mb(kind, name, record.length, autocast=autocast, **shape)
+            if isinstance(peak, str):
+                report.notes.append(f"{record.mixer} T={record.length}: {peak}")
+            else:
+                record.peak_memory_mb = peak
     report.crossover = {m: crossover_length(report.records, m) for m in mixers if m != "softmax"}
     return report
 
@@ -430,6 +514,12 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
 
 __all__ = [
     "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS", "bench_decode", "bench_op", "bench_peer",
-    "crossover_length",
+    "crossover_length", "op_peak_memory_mb",
     "format_report", "forward_flops", "matmul_peak_gflops", "run_bench", "write_report",
 ]
+
+
+if __name__ == "__main__":  # the memory probe's child process (op_peak_memory_mb)
+    if len(sys.argv) != 3 or sys.argv[1] != "--memory-probe":
+        raise SystemExit("usage: python -m kernelmix.bench --memory-probe SPEC_JSON (internal; use `kernelmix bench`)")
+    _memory_probe(json.loads(sys.argv[2]))
