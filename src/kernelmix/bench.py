@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .demo import _cuda_peak_memory_mb, _median_ms, peak_memory_mb
+from .demo import MMAP_THRESHOLD_BYTES, _cuda_peak_memory_mb, _median_ms, peak_memory_mb
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -217,7 +217,10 @@ def _measure(name: str, length: int, call: Callable[[], torch.Tensor], grad_out:
 # the resident high-water mark counts the op's live tensors, not what the allocator kept from
 # earlier work (with its default, dynamic threshold the same op measured 125–140 MiB from run to
 # run in one process). Set in the environment, they hold from the probe's first allocation.
-MEMORY_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+MEMORY_PROBE_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+}
 
 
 def op_peak_memory_mb(kind: str, name: str, length: int, *, batch: int, heads: int, head_dim: int,

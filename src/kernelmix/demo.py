@@ -147,8 +147,12 @@ def _read_status_kb(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
+# Blocks at least this large are mmapped (and unmapped when freed) while memory is measured.
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
 def _return_freed_memory_to_the_os() -> None:
-    """Make glibc serve every block ≥ 128 KiB by mmap and give it back on free.
+    """Make glibc serve every block ≥ MMAP_THRESHOLD_BYTES by mmap and give it back on free.
 
     By default glibc raises its mmap threshold after the first large free and then keeps freed
     tensors in its heap, so a later measurement would reuse them and see no growth at all."""
@@ -156,8 +160,8 @@ def _return_freed_memory_to_the_os() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: disables the dynamic threshold)
-    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD (fixed: disables the dynamic threshold)
+    libc.mallopt(-1, MMAP_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
     libc.malloc_trim(0)
 
 

@@ -353,7 +353,10 @@ def _use_rectangles(x: Tensor, b: Tensor) -> bool:
         return False
     applicable = x.device.type == "cpu" and x.shape[-1] == b.shape[-1] and _has_fused_cpu_attention()
     if SOLVE_PATH == "rectangles" and not applicable:
-        raise RuntimeError("the rectangle solve needs CPU tensors, dk == dv and PyTorch's fused CPU attention")
+        raise RuntimeError(
+            "the rectangle solve needs CPU tensors, dk == dv and PyTorch's fused CPU attention; "
+            "set kernelmix.ops._triangular.SOLVE_PATH to 'auto' (falls back by itself) or 'blocked'"
+        )
     return applicable
 
 
