@@ -62,10 +62,12 @@ MIXERS = {
 @pytest.fixture(params=["blocked", "rectangles"])
 def solve_path(request, monkeypatch):
     """Each test below runs with both implementations; the rectangles are cut into small pieces
-    (24 rows × 16 columns) so that T = 63, 65 exercise that too."""
+    (24 rows × 16 columns) so that T = 63, 65 exercise that too, and its leaves are chunk_size rows
+    (no minimum), so that chunk sizes that do not divide T exercise the leaves' edges."""
     monkeypatch.setattr(_triangular, "SOLVE_PATH", request.param)
     monkeypatch.setattr(_triangular, "RECT_ROWS", 24)
     monkeypatch.setattr(_triangular, "RECT_COLS", 16)
+    monkeypatch.setattr(_triangular, "RECT_MIN_LEAF", 1)
     return request.param
 
 
@@ -290,8 +292,9 @@ def test_auto_path_falls_back_where_the_rectangles_do_not_apply(monkeypatch):
 
 
 def test_the_two_paths_agree_in_float32_at_length_1000(monkeypatch):
-    # a long fp32 run (several levels of rectangles and pieces): both implementations against the
-    # float64 reference and each other
+    # a long fp32 run (several levels of rectangles and pieces; the rectangles' leaves at their
+    # default minimum, 128 rows, which does not divide T): both implementations against the float64
+    # reference and each other
     T = 1000
     t = {n: z[:1] for n, z in _inputs(T, seed=9).items()}
     t32 = {n: z.float() for n, z in t.items()}

@@ -294,7 +294,8 @@ def kernel_triangular_solve(
     with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the solve
         if _use_rectangles(x, b):
             return _RectangleSolve.apply(
-                x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict), int(chunk_size)
+                x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict),
+                max(int(chunk_size), RECT_MIN_LEAF),
             )
         return _KernelTriangularSolve.apply(
             x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict), int(chunk_size),
@@ -323,9 +324,10 @@ def kernel_triangular_solve(
 # contribution (its log-normaliser in lse), so the forward needs no other T-sized buffer. The
 # backward recovers Y from the system itself, β ⊙ Y = b ⊙ b_scale − γU; only rows with β below
 # BETA_EXACT, where that division would lose accuracy, keep the forward's Y. Fused calls cover at
-# most RECT_ROWS × RECT_COLS, which bounds their temporaries however long the sequence (at T=8192,
-# H=8, d=64 the solve's fwd+bwd peak with the default sizes is 78 MiB, 84 with 1024 × 1024 and 72
-# with 512 × 512, which is ~7% slower); y = x ⊙ y_scale exists one piece at a time;
+# most RECT_ROWS × RECT_COLS, which bounds their temporaries however long the sequence, and one
+# call's outputs are freed before the next call allocates its own (DeltaFormer's fwd+bwd peak at
+# T=8192, H=8, d=64 was 125 MiB without that, 117 with it; 119 with 1024 × 1024 pieces and 110 with
+# 512 × 512, which is ~7% slower); y = x ⊙ y_scale exists one piece at a time;
 # dy and dx share one buffer (a row holds dy until its diagonal block is done, dx after). The fused
 # kernel needs one head size for q, k and v (dk == dv) and runs on CPU; elsewhere the blocked
 # solve above runs.
@@ -342,6 +344,13 @@ BETA_EXACT = 1.0 / 16
 # A fused call covers at most this many rows and columns.
 RECT_ROWS = 1024
 RECT_COLS = 512
+# Diagonal blocks (leaves) have at least this many rows (chunk_size rows if that is larger): below
+# ~128 rows the fused calls are too small to run at their large-call rate (a 64×64 rectangle at ~1/4
+# of it) and every leaf costs a dozen small ops. Measured on 2 CPU threads, H=8, d=64, the solve's
+# fwd+bwd in SDPA fwd+bwd units with leaves of 64 / 128 / 256 rows: 1.36 / 1.25 / 1.25 at T=4096,
+# 1.63 / 1.40 / 1.37 at T=2048, 1.68 / 1.49 / 1.64 at T=1024 (Cubit); DeltaFormer's fwd+bwd peak at
+# T=8192 grows with the leaf, 117 / 117 / 122 MiB.
+RECT_MIN_LEAF = 128
 
 
 def _has_fused_cpu_attention() -> bool:
@@ -391,15 +400,26 @@ def _keys(x: Tensor, y: Tensor | None, y_scale: Tensor | None, bs: slice, lo: in
     return rows if y_scale is None else rows * y_scale[bs, :, lo:hi, None]
 
 
-def _diagonal_logits(x_block: Tensor, keys_block: Tensor, hidden: Tensor, scale: float) -> Tensor:
-    size = x_block.shape[-2]
-    logits = (x_block @ keys_block.transpose(-1, -2)).mul_(scale)
-    return logits.masked_fill_(hidden[:size, :size], float("-inf"))
+def _diagonal_logits(x_block: Tensor, keys_block: Tensor, scale: float) -> Tensor:
+    """Logits of a diagonal block, hidden entries included (``_visible_exp_`` drops them)."""
+    return (x_block @ keys_block.transpose(-1, -2)).mul_(scale)
 
 
-def _system(kernel: Tensor, beta: Tensor | None, gamma: Tensor) -> Tensor:
-    system = kernel if beta is None else beta[..., None] * kernel
-    return system + torch.diag_embed(gamma[:, None].expand(-1, kernel.shape[-1]))
+def _visible_exp_(shifted: Tensor, offset: int) -> Tensor:
+    """In place: exp of the visible entries (on or below diagonal ``offset``) of logits already
+    shifted by a row maximum or log-normaliser, 0 elsewhere. Hidden entries are zeroed before the
+    exp, so a large hidden logit cannot overflow, and after it. This is ≈3× faster on CPU than
+    filling them with −inf first: masked_fill with a broadcast mask is not vectorised, and the
+    vectorised exp takes a slow path for −inf."""
+    return shifted.tril_(offset).exp_().tril_(offset)
+
+
+def _system_(kernel: Tensor, beta: Tensor | None, gamma: Tensor) -> Tensor:
+    """diag(β) K + γI of a diagonal block, in place of ``kernel`` (which it returns)."""
+    if beta is not None:
+        kernel.mul_(beta[..., None])
+    kernel.diagonal(dim1=-2, dim2=-1).add_(gamma[:, None])
+    return kernel
 
 
 class _RectangleSolve(torch.autograd.Function):
@@ -411,26 +431,31 @@ class _RectangleSolve(torch.autograd.Function):
         u = b.new_zeros(batch, length, heads, dv).transpose(1, 2)
         lse = x.new_full((batch, heads, length), float("-inf"))  # natural log, full rows once solved
         exact_at, exact_rows = [], []  # Y of the rows with β < BETA_EXACT (see _full_rows)
-        hidden = _causal_hidden(min(leaf, max(length, 1)), strict, x.device)
+        offset = -1 if strict else 0  # the diagonal blocks' visible entries: on or below this diagonal
+        size = min(leaf, max(length, 1))
+        hidden_bias = x.new_zeros(size, size).masked_fill_(_causal_hidden(size, strict, x.device), float("-inf"))
         flash = getattr(torch.ops.aten, _FLASH_FORWARD)
 
         def leaf_forward(bs, i0, i1):
-            logits = _diagonal_logits(x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1), hidden, scale)
-            before = lse[bs, :, i0:i1]
-            full = torch.logaddexp(before, torch.logsumexp(logits, dim=-1))
-            full = full.masked_fill(torch.isinf(full), 0.0)  # nothing visible (strict mask): a zero row
-            kernel = torch.exp(logits.sub_(full[..., None]))
+            logits = _diagonal_logits(x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1), scale)
+            block_max = (logits + hidden_bias[: i1 - i0, : i1 - i0]).amax(dim=-1)
+            block_max.masked_fill_(torch.isinf(block_max), 0.0)  # nothing visible (strict mask, first row)
+            exps = _visible_exp_(logits.sub_(block_max[..., None]), offset)
+            before = lse[bs, :, i0:i1]  # the rectangles' share of each row (−inf: none)
+            full = torch.logaddexp(before, block_max + torch.log(exps.sum(-1)))
+            full.masked_fill_(torch.isinf(full), 0.0)  # an empty row stays a zero row
+            kernel = exps.mul_(torch.exp(block_max - full)[..., None])
             past = u[bs, :, i0:i1] * torch.exp(before - full)[..., None]  # Σ_{j < i0} K_ij u_j
             rhs = b[bs, :, i0:i1] if b_scale is None else b[bs, :, i0:i1] * b_scale[bs, :, i0:i1, None]
             beta_block = None if beta is None else beta[bs, :, i0:i1]
             rhs = rhs - (past if beta_block is None else beta_block[..., None] * past)
-            u_block = torch.linalg.solve_triangular(_system(kernel, beta_block, gamma), rhs, upper=False)
-            if beta_block is not None:
-                small = beta_block < BETA_EXACT
-                if small.any():
-                    at = small.nonzero()
-                    exact_at.append(at + at.new_tensor([bs.start, 0, i0]))
-                    exact_rows.append((past + kernel @ u_block)[small])
+            small = None if beta_block is None else beta_block < BETA_EXACT
+            exact_kernel = kernel.clone() if small is not None and small.any() else None  # K, before it becomes the system
+            u_block = torch.linalg.solve_triangular(_system_(kernel, beta_block, gamma), rhs, upper=False)
+            if exact_kernel is not None:  # these rows keep Y = K U
+                at = small.nonzero()
+                exact_at.append(at + at.new_tensor([bs.start, 0, i0]))
+                exact_rows.append((past + exact_kernel @ u_block)[small])
             u[bs, :, i0:i1] = u_block
             lse[bs, :, i0:i1] = full
 
@@ -448,6 +473,7 @@ class _RectangleSolve(torch.autograd.Function):
                     merged = torch.logaddexp(acc_lse, rect_lse)
                     acc.mul_(torch.exp(acc_lse - merged)[..., None]).add_(out.mul_(torch.exp(rect_lse - merged)[..., None]))
                     acc_lse.copy_(merged)
+                    del out, rect_lse  # before the next call allocates its own
             solve(bs, mid, hi)
 
         for bs, lo, hi in _segments(length, doc_start, batch):
@@ -481,13 +507,8 @@ class _RectangleSolve(torch.autograd.Function):
         grad_gamma = x.new_zeros(heads)
         grad_beta = None if beta is None or not ctx.needs_input_grad[3] else x.new_empty(batch, heads, length)
         grad_y_scale = None if y_scale is None or not ctx.needs_input_grad[5] else x.new_empty(batch, heads, length)
-        hidden = _causal_hidden(min(leaf, max(length, 1)), strict, x.device)
+        offset = -1 if strict else 0
         flash_backward = getattr(torch.ops.aten, _FLASH_BACKWARD)
-
-        exact_slot = None
-        if len(exact_at):
-            exact_slot = torch.full((batch, heads, length), -1, dtype=torch.long, device=x.device)
-            exact_slot[tuple(exact_at.T)] = torch.arange(len(exact_at), device=x.device)
 
         def full_rows(bs, r0, r1):
             """Y = K U on rows [r0, r1), from the system itself: β ⊙ K U = b ⊙ b_scale − γU."""
@@ -496,18 +517,20 @@ class _RectangleSolve(torch.autograd.Function):
             if beta is None:
                 return rows
             rows.div_(beta[bs, :, r0:r1, None].clamp_min(BETA_EXACT))
-            if exact_slot is not None:  # rows with small β: the forward's own Y
-                slot = exact_slot[bs, :, r0:r1]
-                kept = slot >= 0
-                if kept.any():
-                    rows[kept] = exact_rows[slot[kept]]
+            if len(exact_at):  # rows with small β: the forward's own Y
+                at_b, at_h, at_t = exact_at.unbind(1)
+                inside = (at_t >= r0) & (at_t < r1) & (at_b >= bs.start) & (at_b < bs.stop)
+                if inside.any():
+                    picked = inside.nonzero().squeeze(1)
+                    rows[at_b[picked] - bs.start, at_h[picked], at_t[picked] - r0] = exact_rows[picked]
             return rows
 
         def leaf_backward(bs, i0, i1):
             x_block, keys_block = x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1)
-            kernel = torch.exp(_diagonal_logits(x_block, keys_block, hidden, scale).sub_(lse[bs, :, i0:i1, None]))
+            logits = _diagonal_logits(x_block, keys_block, scale).sub_(lse[bs, :, i0:i1, None])
+            kernel = _visible_exp_(logits, offset)
             beta_block = None if beta is None else beta[bs, :, i0:i1]
-            system = _system(kernel, beta_block, gamma)
+            system = _system_(kernel.clone(), beta_block, gamma)
             db = torch.linalg.solve_triangular(system.transpose(-1, -2), grad_b[bs, :, i0:i1], upper=True)
             grad_b[bs, :, i0:i1] = db
             u_block = u[bs, :, i0:i1]
@@ -517,10 +540,9 @@ class _RectangleSolve(torch.autograd.Function):
                 grad_beta[bs, :, i0:i1] = -e
             # dL_ij = β_i K_ij (e_i − db_i·u_j) on the diagonal block
             d_logits = kernel.mul_(e[..., None] - db @ u_block.transpose(-1, -2))
-            if beta_block is not None:
-                d_logits.mul_(beta_block[..., None])
-            grad_x_block = scale * (d_logits @ keys_block)
-            grad_y[bs, :, i0:i1] += scale * (d_logits.transpose(-1, -2) @ x_block)
+            d_logits.mul_(scale if beta_block is None else beta_block[..., None] * scale)  # scale: of the logits
+            grad_x_block = d_logits @ keys_block
+            grad_y[bs, :, i0:i1] += d_logits.transpose(-1, -2) @ x_block
             if fused:  # dy of these rows is final: the buffer's rows turn into dx
                 rows = grad_x[bs, :, i0:i1]
                 if y_scale is not None:
@@ -537,18 +559,19 @@ class _RectangleSolve(torch.autograd.Function):
                 leaf_backward(bs, lo, hi)
                 return
             solve(bs, mid, hi)  # db of rows [mid, hi) is final
-            for c0, c1 in _pieces(lo, mid, RECT_COLS):
-                keys = _keys(x, y, y_scale, bs, c0, c1)
-                for r0, r1 in _pieces(mid, hi, RECT_ROWS):
-                    db = grad_b[bs, :, r0:r1]
-                    grad_out = -db if beta is None else db * -beta[bs, :, r0:r1, None]
+            for r0, r1 in _pieces(mid, hi, RECT_ROWS):
+                db = grad_b[bs, :, r0:r1]
+                grad_out = -db if beta is None else db * -beta[bs, :, r0:r1, None]
+                queries, rows, rows_lse = x[bs, :, r0:r1], full_rows(bs, r0, r1), lse[bs, :, r0:r1].contiguous()
+                for c0, c1 in _pieces(lo, mid, RECT_COLS):
                     dq, dkeys, dvalues = flash_backward(
-                        grad_out, x[bs, :, r0:r1], keys, u[bs, :, c0:c1], full_rows(bs, r0, r1),
-                        lse[bs, :, r0:r1].contiguous(), 0.0, False, scale=scale,
+                        grad_out, queries, _keys(x, y, y_scale, bs, c0, c1), u[bs, :, c0:c1], rows, rows_lse,
+                        0.0, False, scale=scale,
                     )
                     grad_x[bs, :, r0:r1] += dq  # these rows' diagonal blocks are done: dx
                     grad_y[bs, :, c0:c1] += dkeys  # these not yet: dy
                     grad_b[bs, :, c0:c1] += dvalues  # −Kᵀ(β db) leaves the earlier right-hand side
+                    del dq, dkeys, dvalues  # before the next call allocates its own
             solve(bs, lo, mid)
 
         for bs, lo, hi in _segments(length, doc_start, batch):
