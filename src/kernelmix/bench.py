@@ -6,7 +6,9 @@ against a matrix-multiply peak measured in the same run; decode latency per toke
 position; and the crossover length against softmax attention (SDPA). Everything is measured in
 one run and written as JSON (+ PNG when matplotlib is installed); nothing is typed in by hand.
 
-Timings run first, in this process, under the default allocator. Peak memory comes after: on CPU
+Timings run first, in this process, under the default allocator, round-robin: at each length
+every op (mixers and peers) runs once per repetition, and the decode steps of every mixer and
+position likewise, so that a slow spell of a shared machine slows all the ops it compares. Peak memory comes after: on CPU
 each op's forward+backward runs once more in a fresh process whose allocator returns freed blocks
 at once (:data:`MEMORY_PROBE_ENV`), so the resident-set growth counts the op's live tensors and
 does not depend on what ran before; on CUDA it is the caching allocator's peak.
@@ -35,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,7 +48,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .demo import MMAP_THRESHOLD_BYTES, _cuda_peak_memory_mb, _median_ms, peak_memory_mb
+from .demo import MMAP_THRESHOLD_BYTES, _cuda_peak_memory_mb, _median_ms, _sync, peak_memory_mb
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -176,6 +180,14 @@ def _forward_backward(call: Callable[[], torch.Tensor], grad_out: torch.Tensor, 
     return run
 
 
+def _no_grad_forward(call: Callable[[], torch.Tensor], device: torch.device, autocast: str | None) -> Callable[[], None]:
+    def run():
+        with torch.no_grad(), _autocast(device, autocast):
+            call()
+
+    return run
+
+
 def bench_op(
     mixer: str,
     length: int,
@@ -203,14 +215,29 @@ def _measure(name: str, length: int, call: Callable[[], torch.Tensor], grad_out:
     """Forward and forward+backward medians of ``call`` (an op on inputs that need gradients;
     ``grad_out`` is its output's gradient) — one procedure for our mixers and the peers."""
 
-    def forward():
-        with torch.no_grad(), _autocast(device, autocast):
-            call()
-
-    forward_ms = _median_ms(forward, repeats, device)
+    forward_ms = _median_ms(_no_grad_forward(call, device, autocast), repeats, device)
     fb_ms = _median_ms(_forward_backward(call, grad_out, device, autocast), repeats, device) if backward else None
     achieved = 3 * flops / (fb_ms * 1e-3) / 1e9 if fb_ms else None
     return BenchRecord(name, length, forward_ms, fb_ms, None, flops / 1e9, achieved)
+
+
+def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device: torch.device) -> list[float]:
+    """Median wall time of each of ``fns`` in ms, measured round-robin: after one warm-up call of
+    each, every repetition runs every function once. On a shared machine whose speed drifts (this
+    project's 2-core runner: ±10–20% within minutes), a slow spell then slows every op it compares
+    alike instead of whichever op happened to be measured during it, so the ratios hold better than
+    those of back-to-back medians."""
+    for fn in fns:
+        fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            spent.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(spent) for spent in times]
 
 
 # glibc settings of the memory probe: every block ≥ 64 KiB is mmapped and unmapped when freed, so
@@ -267,6 +294,8 @@ def _memory_probe(spec: dict) -> None:
     print(json.dumps({"peak_mb": peak_memory_mb(run)}))
 
 
+# A step is ~1 ms: two repeats let one scheduler hiccup decide the median (a 2.3× "growth" of
+# Performer's O(1) step from position 256 to 8192 in one run; 200 repeats: 0.92 vs 0.78 ms).
 DECODE_MIN_REPEATS = 50
 
 
@@ -275,6 +304,16 @@ def bench_decode(
     device: torch.device, dtype: torch.dtype, repeats: int, autocast: str | None = None,
 ) -> DecodeRecord:
     """Latency of one decode step after a prefill of ``position`` tokens (state built by the parallel op)."""
+    step = _decode_step(mixer, position, batch=batch, heads=heads, head_dim=head_dim, num_features=num_features,
+                        chunk_size=chunk_size, device=device, dtype=dtype, autocast=autocast)
+    return DecodeRecord(mixer, position, _median_ms(step, max(repeats, DECODE_MIN_REPEATS), device))
+
+
+def _decode_step(
+    mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
+    device: torch.device, dtype: torch.dtype, autocast: str | None = None,
+) -> Callable[[], object]:
+    """One decode step (a no-argument call) after a prefill of ``position`` tokens."""
     inputs = _inputs(batch, position + 1, heads, head_dim, num_features, device, dtype, requires_grad=False)
     prefix = {key: (val[:, :position] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
     last = {key: (val[:, position:] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
@@ -297,10 +336,12 @@ def bench_decode(
             step = lambda: ops.random_feature_attention_step(  # noqa: E731
                 last["q"], last["k"], last["v"], inputs["projection"], state, transform=transform
             )
-        # A step is ~1 ms: two repeats let one scheduler hiccup decide the median (a 2.3× "growth"
-        # of Performer's O(1) step from position 256 to 8192 in one run; 200 repeats: 0.92 vs 0.78 ms).
-        ms = _median_ms(step, max(repeats, DECODE_MIN_REPEATS), device)
-    return DecodeRecord(mixer, position, ms)
+
+    def run():
+        with torch.no_grad(), _autocast(device, autocast):
+            step()
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,29 +438,46 @@ def run_bench(
     )
     shape = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
                  device=torch_device, dtype=torch_dtype)
-    shared = dict(shape, repeats=repeats, autocast=autocast)
+    # Each length's ops (mixers and peers) are timed round-robin (interleaved_medians_ms), so that
+    # the ratios within a length are measured under the same machine conditions.
+    peer_records, missing_peers = [], set()
     for length in lengths:
+        entries = []  # (record name, call, grad_out, forward FLOPs)
         for mixer in mixers:
-            if progress:
-                progress(f"{mixer} T={length}")
-            report.records.append(bench_op(mixer, length, **shared))
-    for peer in peers:
-        for length in lengths:
+            call, grad_out, flops = _op("mixer", mixer, length, **shape)
+            entries.append((mixer, call, grad_out, flops))
+        for peer in peers:
+            if peer in missing_peers:
+                continue
             if length > peer_max_length:
                 report.notes.append(f"peer {peer} skipped at T={length} (> peer_max_length={peer_max_length})")
                 continue
-            if progress:
-                progress(f"peer {peer} T={length}")
-            record = bench_peer(peer, length, **shared)
-            if isinstance(record, str):
-                report.notes.append(f"peer {peer} skipped: {record}")
-                break
-            report.records.append(record)
-    for position in decode_positions:
-        for mixer in mixers:
-            if progress:
-                progress(f"decode {mixer} @ {position}")
-            report.decode.append(bench_decode(mixer, position, **shared))
+            call, grad_out, flops = _op("peer", peer, length, **shape)
+            if isinstance(call, str):
+                report.notes.append(f"peer {peer} skipped: {call}")
+                missing_peers.add(peer)
+                continue
+            entries.append((f"peer:{peer}", call, grad_out, flops))
+        if progress:
+            progress(f"T={length}: {', '.join(name for name, *_ in entries)}")
+        forwards = [_no_grad_forward(call, torch_device, autocast) for _, call, _, _ in entries]
+        steps = [_forward_backward(call, grad_out, torch_device, autocast) for _, call, grad_out, _ in entries]
+        forward_ms = interleaved_medians_ms(forwards, repeats, torch_device)
+        fb_ms = interleaved_medians_ms(steps, repeats, torch_device)
+        for (name, _, _, flops), fwd, fb in zip(entries, forward_ms, fb_ms):
+            record = BenchRecord(name, length, fwd, fb, None, flops / 1e9, 3 * flops / (fb * 1e-3) / 1e9)
+            (peer_records if name.startswith("peer:") else report.records).append(record)
+        del entries, forwards, steps
+    report.records += peer_records
+    # Decode: every (position, mixer) step round-robin, so that a step's growth with the position
+    # is measured under the same conditions too.
+    decode_keys = [(mixer, position) for position in decode_positions for mixer in mixers]
+    if progress and decode_keys:
+        progress(f"decode at positions {', '.join(map(str, decode_positions))}")
+    decode_steps = [_decode_step(mixer, position, autocast=autocast, **shape) for mixer, position in decode_keys]
+    decode_ms = interleaved_medians_ms(decode_steps, max(repeats, DECODE_MIN_REPEATS), torch_device)
+    report.decode = [DecodeRecord(mixer, position, ms) for (mixer, position), ms in zip(decode_keys, decode_ms)]
+    del decode_steps
     if memory:  # after every timing (see op_peak_memory_mb)
         for record in report.records:
             if progress:
