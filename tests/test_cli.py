@@ -37,6 +37,7 @@ def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
         (m, t) for m in ("softmax", "cubit", "performer") for t in (32, 48)
     }
     assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["records"])
+    assert all(r["without_autocast_ms"] is None for r in report["records"])  # no autocast: nothing to compare
     assert {d["mixer"] for d in report["decode"]} == {"softmax", "cubit", "performer"}
     assert report["matmul_peak_gflops"] > 0
     assert "crossover vs softmax" in capsys.readouterr().out
@@ -51,7 +52,10 @@ def test_op_bench_under_autocast_writes_valid_json(tmp_path, capsys):
     assert report["autocast"] == "bfloat16" and report["dtype"] == "float32"
     assert {r["mixer"] for r in report["records"]} == {"softmax", "cubit", "deltaformer", "darkformer"}
     assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in report["records"])
-    assert "under bfloat16 autocast" in capsys.readouterr().out
+    # each op also timed without autocast in the same run, and the ratio printed
+    assert all(r["without_autocast_ms"] > 0 for r in report["records"])
+    out = capsys.readouterr().out
+    assert "under bfloat16 autocast" in out and "vs no autocast" in out
 
 
 def test_op_bench_memory_is_measured_in_a_fresh_process(tmp_path, capsys):

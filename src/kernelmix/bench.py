@@ -7,7 +7,7 @@ position; and the crossover length against softmax attention (SDPA). Everything 
 one run and written as JSON (+ PNG when matplotlib is installed); nothing is typed in by hand.
 
 Timings run first, in this process, under the default allocator, round-robin: at each length
-every op (mixers and peers) runs once per repetition, and the decode steps of every mixer and
+every op (mixers and peers) runs once per repetition, and each mixer's decode steps at every
 position likewise, so that a slow spell of a shared machine slows all the ops it compares. Peak memory comes after: on CPU
 each op's forward+backward runs once more in a fresh process whose allocator returns freed blocks
 at once (:data:`MEMORY_PROBE_ENV`), so the resident-set growth counts the op's live tensors and
@@ -24,7 +24,8 @@ Backward is counted as 2× forward.
 ``autocast`` (e.g. ``"bfloat16"``): fp32 inputs, every mixer's forward run under
 ``torch.autocast(device, dtype)`` (backward outside it, as in training) — the mixed-precision
 path of a model, as opposed to ``dtype="bfloat16"`` (bf16 inputs). The matmul peak stays the
-inputs' (fp32) one.
+inputs' (fp32) one. Each op's forward+backward is then also timed without autocast in the same
+round-robin (``without_autocast_ms``; the table's "vs no autocast" column).
 
 Peers (``--peers``, optional extra ``peers``): performer-pytorch's causal FAVOR+ (its CPU path),
 flash-linear-attention's reference DeltaFormer (``fla.ops.deltaformer.naive``; it is the Q–K form,
@@ -63,6 +64,9 @@ class BenchRecord:
     forward_gflop: float
     achieved_gflops: float | None  # forward+backward FLOPs / forward+backward time
     note: str = ""
+    # autocast runs: fwd+bwd of the same op without autocast (inputs' dtype), timed in the same
+    # round-robin as forward_backward_ms
+    without_autocast_ms: float | None = None
 
 
 @dataclass
@@ -462,22 +466,28 @@ def run_bench(
             progress(f"T={length}: {', '.join(name for name, *_ in entries)}")
         forwards = [_no_grad_forward(call, torch_device, autocast) for _, call, _, _ in entries]
         steps = [_forward_backward(call, grad_out, torch_device, autocast) for _, call, grad_out, _ in entries]
+        if autocast:  # the same ops without autocast, in the same round-robin: bf16 vs fp32 in one run
+            steps += [_forward_backward(call, grad_out, torch_device, None) for _, call, grad_out, _ in entries]
         forward_ms = interleaved_medians_ms(forwards, repeats, torch_device)
         fb_ms = interleaved_medians_ms(steps, repeats, torch_device)
-        for (name, _, _, flops), fwd, fb in zip(entries, forward_ms, fb_ms):
-            record = BenchRecord(name, length, fwd, fb, None, flops / 1e9, 3 * flops / (fb * 1e-3) / 1e9)
+        plain_ms = fb_ms[len(entries):] or [None] * len(entries)
+        for (name, _, _, flops), fwd, fb, plain in zip(entries, forward_ms, fb_ms, plain_ms):
+            record = BenchRecord(name, length, fwd, fb, None, flops / 1e9, 3 * flops / (fb * 1e-3) / 1e9,
+                                 without_autocast_ms=plain)
             (peer_records if name.startswith("peer:") else report.records).append(record)
         del entries, forwards, steps
     report.records += peer_records
-    # Decode: every (position, mixer) step round-robin, so that a step's growth with the position
-    # is measured under the same conditions too.
-    decode_keys = [(mixer, position) for position in decode_positions for mixer in mixers]
-    if progress and decode_keys:
-        progress(f"decode at positions {', '.join(map(str, decode_positions))}")
-    decode_steps = [_decode_step(mixer, position, autocast=autocast, **shape) for mixer, position in decode_keys]
-    decode_ms = interleaved_medians_ms(decode_steps, max(repeats, DECODE_MIN_REPEATS), torch_device)
-    report.decode = [DecodeRecord(mixer, position, ms) for (mixer, position), ms in zip(decode_keys, decode_ms)]
-    del decode_steps
+    # Decode: one mixer's steps at every position round-robin, so that its growth with the position
+    # is measured under the same conditions. (Not across mixers: a step that follows another
+    # mixer's long-context step finds its state evicted from the caches, and Performer's O(1) step
+    # then seemed to grow 1.5× from position 256 to 8192 after DeltaFormer's 8192-token cache.)
+    for mixer in mixers if decode_positions else ():
+        if progress:
+            progress(f"decode {mixer} at positions {', '.join(map(str, decode_positions))}")
+        steps = [_decode_step(mixer, position, autocast=autocast, **shape) for position in decode_positions]
+        decode_ms = interleaved_medians_ms(steps, max(repeats, DECODE_MIN_REPEATS), torch_device)
+        report.decode += [DecodeRecord(mixer, position, ms) for position, ms in zip(decode_positions, decode_ms)]
+        del steps
     if memory:  # after every timing (see op_peak_memory_mb)
         for record in report.records:
             if progress:
@@ -503,7 +513,8 @@ def format_report(report: BenchReport) -> str:
         f"m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
         f"matmul peak {report.matmul_peak_gflops:.1f} GFLOP/s",
         "",
-        f"{'mixer':<28} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}",
+        f"{'mixer':<28} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}"
+        + (f" {'vs no autocast':>15}" if report.autocast else ""),
     ]
     base = {r.length: r.forward_backward_ms for r in report.records if r.mixer == "softmax"}
     for r in report.records:
@@ -512,7 +523,11 @@ def format_report(report: BenchReport) -> str:
         rate = f"{r.achieved_gflops:.1f}" if r.achieved_gflops else "-"
         share = f"{100 * r.achieved_gflops / report.matmul_peak_gflops:.0f}%" if r.achieved_gflops else "-"
         fb = f"{r.forward_backward_ms:.1f}" if r.forward_backward_ms else "-"
-        lines.append(f"{r.mixer:<28} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}")
+        line = f"{r.mixer:<28} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}"
+        if report.autocast:  # fwd+bwd under autocast / without it, same run
+            vs_plain = f"{r.forward_backward_ms / r.without_autocast_ms:.2f}x" if r.forward_backward_ms and r.without_autocast_ms else "-"
+            line += f" {vs_plain:>15}"
+        lines.append(line)
     if report.decode:
         lines += ["", f"{'decode':<12} {'position':>8} {'ms/token':>9}"]
         lines += [f"{d.mixer:<12} {d.position:>8} {d.step_ms:>9.3f}" for d in report.decode]
