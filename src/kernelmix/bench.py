@@ -10,8 +10,9 @@ Timings run first, in this process, under the default allocator, round-robin: at
 every op (mixers and peers) runs once per repetition, and each mixer's decode steps at every
 position likewise, so that a slow spell of a shared machine slows all the ops it compares. Peak
 memory comes after: on CPU each op's forward+backward runs once more in a fresh process whose
-allocator returns freed blocks at once (:data:`MEMORY_PROBE_ENV`), so the resident-set growth counts the op's live tensors and
-does not depend on what ran before; on CUDA it is the caching allocator's peak.
+allocator returns freed blocks at once (:data:`MEMORY_PROBE_ENV`), so the resident-set growth
+counts the op's live tensors and does not depend on what ran before; on CUDA it is the caching
+allocator's peak.
 
 FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B·H omitted):
     softmax        2·T²·d                      (q kᵀ and A v over the causal triangle)
