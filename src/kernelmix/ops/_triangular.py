@@ -310,9 +310,10 @@ def kernel_triangular_solve(
 # kernel. Its contribution to those rows, Σ_j K_ij u_j, is ordinary (non-causal) attention of
 # queries x over keys y with values u, reweighted by the share of each row's mass the rectangle
 # holds (exp(lse_rect − lse_row)). Forward substitution recurses: solve [lo, m), apply the
-# rectangle to [m, hi), solve [m, hi); the leaves are the C×C diagonal blocks, solved densely. The
-# rectangles tile the causal triangle, so the FLOPs are the blocked solve's, but they run in a few
-# large fused calls: no C×T tile in memory and no Python loop per block and head group.
+# rectangle to [m, hi), solve [m, hi); the leaves are diagonal blocks of max(C, RECT_MIN_LEAF)
+# rows, solved densely. The rectangles tile the causal triangle, so the FLOPs are the blocked
+# solve's, but they run in a few large fused calls: no C×T tile in memory and no Python loop per
+# block and head group.
 #
 # The backward runs the recursion in reverse (backward substitution for db = A^{-T} dU) and uses
 # the fused attention backward of the same rectangles. Given dO = −β db, O = Y = K U (full rows)
