@@ -288,6 +288,8 @@ def kernel_triangular_solve(
     (Cubit: r̂ = r · s/‖r‖; DeltaFormer's K–K form: y = x = k). ``b_scale`` ``[B, H, T]`` scales the
     right-hand side per row (Cubit's ρ) without a full-size ρ ⊙ v. ``diagonal_is_row_max`` promises
     x_i·y_i ≥ x_i·y_j for every visible j (Cubit, by Cauchy–Schwarz), which saves a pass.
+    ``chunk_size`` is the blocked solve's row block; the CPU rectangle solve uses diagonal blocks
+    of max(chunk_size, ``RECT_MIN_LEAF``) rows (smaller ones only add small, slow calls).
     Returns U as a ``[B, H, T, dv]`` view of a ``[B, T, H, dv]`` tensor."""
     if y is not None and y_scale is not None:
         raise ValueError("y_scale applies only when y is None (y = x ⊙ y_scale)")
