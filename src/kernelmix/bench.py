@@ -193,39 +193,6 @@ def _no_grad_forward(call: Callable[[], torch.Tensor], device: torch.device, aut
     return run
 
 
-def bench_op(
-    mixer: str,
-    length: int,
-    *,
-    batch: int,
-    heads: int,
-    head_dim: int,
-    num_features: int,
-    chunk_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    repeats: int,
-    backward: bool = True,
-    autocast: str | None = None,
-) -> BenchRecord:
-    """Forward and forward+backward times of one mixer (memory: :func:`op_peak_memory_mb`)."""
-    call, grad_out, flops = _op("mixer", mixer, length, batch=batch, heads=heads, head_dim=head_dim,
-                                num_features=num_features, chunk_size=chunk_size, device=device, dtype=dtype)
-    return _measure(mixer, length, call, grad_out, flops, device=device, repeats=repeats, backward=backward,
-                    autocast=autocast)
-
-
-def _measure(name: str, length: int, call: Callable[[], torch.Tensor], grad_out: torch.Tensor, flops: float, *,
-             device: torch.device, repeats: int, backward: bool, autocast: str | None) -> BenchRecord:
-    """Forward and forward+backward medians of ``call`` (an op on inputs that need gradients;
-    ``grad_out`` is its output's gradient) — one procedure for our mixers and the peers."""
-
-    forward_ms = _median_ms(_no_grad_forward(call, device, autocast), repeats, device)
-    fb_ms = _median_ms(_forward_backward(call, grad_out, device, autocast), repeats, device) if backward else None
-    achieved = 3 * flops / (fb_ms * 1e-3) / 1e9 if fb_ms else None
-    return BenchRecord(name, length, forward_ms, fb_ms, None, flops / 1e9, achieved)
-
-
 def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device: torch.device) -> list[float]:
     """Median wall time of each of ``fns`` in ms, measured round-robin: after one warm-up call of
     each, every repetition runs every function once. On a shared machine whose speed drifts (this
@@ -304,16 +271,6 @@ def _memory_probe(spec: dict) -> None:
 DECODE_MIN_REPEATS = 50
 
 
-def bench_decode(
-    mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
-    device: torch.device, dtype: torch.dtype, repeats: int, autocast: str | None = None,
-) -> DecodeRecord:
-    """Latency of one decode step after a prefill of ``position`` tokens (state built by the parallel op)."""
-    step = _decode_step(mixer, position, batch=batch, heads=heads, head_dim=head_dim, num_features=num_features,
-                        chunk_size=chunk_size, device=device, dtype=dtype, autocast=autocast)
-    return DecodeRecord(mixer, position, _median_ms(step, max(repeats, DECODE_MIN_REPEATS), device))
-
-
 def _decode_step(
     mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
     device: torch.device, dtype: torch.dtype, autocast: str | None = None,
@@ -377,18 +334,6 @@ def _peer_call(peer: str, inputs: dict, num_features: int):
 
 
 PEER_BASES = {"performer-pytorch": "performer", "fla-deltaformer-naive": "deltaformer", "cubit-dense": "cubit"}
-
-
-def bench_peer(
-    peer: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
-    device: torch.device, dtype: torch.dtype, repeats: int, autocast: str | None = None,
-) -> BenchRecord | str:
-    call, grad_out, flops = _op("peer", peer, length, batch=batch, heads=heads, head_dim=head_dim,
-                                num_features=num_features, chunk_size=chunk_size, device=device, dtype=dtype)
-    if isinstance(call, str):
-        return call
-    return _measure(f"peer:{peer}", length, call, grad_out, flops, device=device, repeats=repeats, backward=True,
-                    autocast=autocast)
 
 
 def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
@@ -590,8 +535,8 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
 
 
 __all__ = [
-    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS", "bench_decode", "bench_op", "bench_peer",
-    "crossover_length", "op_peak_memory_mb",
+    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS",
+    "crossover_length", "interleaved_medians_ms", "op_peak_memory_mb",
     "format_report", "forward_flops", "matmul_peak_gflops", "run_bench", "write_report",
 ]
 

@@ -403,6 +403,12 @@ def _keys(x: Tensor, y: Tensor | None, y_scale: Tensor | None, bs: slice, lo: in
     return rows if y_scale is None else rows * y_scale[bs, :, lo:hi, None]
 
 
+def _rhs(b: Tensor, b_scale: Tensor | None, bs: slice, lo: int, hi: int) -> Tensor:
+    """The right-hand side b ⊙ b_scale of rows [lo, hi), computed for these rows only."""
+    rows = b[bs, :, lo:hi]
+    return rows if b_scale is None else rows * b_scale[bs, :, lo:hi, None]
+
+
 def _diagonal_logits(x_block: Tensor, keys_block: Tensor, scale: float) -> Tensor:
     """Logits of a diagonal block, hidden entries included (``_visible_exp_`` drops them)."""
     return (x_block @ keys_block.transpose(-1, -2)).mul_(scale)
@@ -433,7 +439,7 @@ class _RectangleSolve(torch.autograd.Function):
         dv = b.shape[-1]
         u = b.new_zeros(batch, length, heads, dv).transpose(1, 2)
         lse = x.new_full((batch, heads, length), float("-inf"))  # natural log, full rows once solved
-        exact_at, exact_rows = [], []  # Y of the rows with β < BETA_EXACT (see _full_rows)
+        exact_at, exact_rows = [], []  # Y of the rows with β < BETA_EXACT (see full_rows in _backward)
         offset = -1 if strict else 0  # the diagonal blocks' visible entries: on or below this diagonal
         size = min(leaf, max(length, 1))
         hidden_bias = x.new_zeros(size, size).masked_fill_(_causal_hidden(size, strict, x.device), float("-inf"))
@@ -449,7 +455,7 @@ class _RectangleSolve(torch.autograd.Function):
             full.masked_fill_(torch.isinf(full), 0.0)  # an empty row stays a zero row
             kernel = exps.mul_(torch.exp(block_max - full)[..., None])
             past = u[bs, :, i0:i1] * torch.exp(before - full)[..., None]  # Σ_{j < i0} K_ij u_j
-            rhs = b[bs, :, i0:i1] if b_scale is None else b[bs, :, i0:i1] * b_scale[bs, :, i0:i1, None]
+            rhs = _rhs(b, b_scale, bs, i0, i1)
             beta_block = None if beta is None else beta[bs, :, i0:i1]
             rhs = rhs - (past if beta_block is None else beta_block[..., None] * past)
             small = None if beta_block is None else beta_block < BETA_EXACT
@@ -515,8 +521,7 @@ class _RectangleSolve(torch.autograd.Function):
 
         def full_rows(bs, r0, r1):
             """Y = K U on rows [r0, r1), from the system itself: β ⊙ K U = b ⊙ b_scale − γU."""
-            rhs = b[bs, :, r0:r1] if b_scale is None else b[bs, :, r0:r1] * b_scale[bs, :, r0:r1, None]
-            rows = rhs - gamma[:, None, None] * u[bs, :, r0:r1]
+            rows = _rhs(b, b_scale, bs, r0, r1) - gamma[:, None, None] * u[bs, :, r0:r1]
             if beta is None:
                 return rows
             rows.div_(beta[bs, :, r0:r1, None].clamp_min(BETA_EXACT))
