@@ -1,6 +1,6 @@
 import torch
 
-from kernelmix.bench import interleaved_medians_ms
+from kernelmix.studies.bench import interleaved_medians_ms
 
 
 def test_interleaved_medians_time_the_ops_round_robin():

@@ -70,7 +70,7 @@ def test_op_bench_memory_is_measured_in_a_fresh_process(tmp_path, capsys):
 
 
 def test_memory_probe_failure_is_reported_not_raised():
-    from kernelmix.bench import op_peak_memory_mb
+    from kernelmix.studies.bench import op_peak_memory_mb
 
     result = op_peak_memory_mb("peer", "no-such-peer", 16, batch=1, heads=1, head_dim=4, num_features=4,
                                chunk_size=4, device=torch.device("cpu"), dtype=torch.float32)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernelmix.cli import main as cli_main
-from kernelmix.compare import CompareConfig, run_compare
+from kernelmix.studies.compare import CompareConfig, run_compare
 
 from tests.utils import isolated_data_cache
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kernelmix import convert as cv  # noqa: E402
+from kernelmix import pretrained as cv  # noqa: E402
 from kernelmix import pretrained  # noqa: E402
 
 
@@ -358,7 +358,7 @@ def test_distillation_with_redraws_generalises_to_fresh_features():
     def fresh_error():
         errs = []
         for seed in range(20):
-            kernel.projection = kernel._draw(torch.Generator().manual_seed(10_000 + seed), 8)
+            kernel.projection = kernel.draw_projection(torch.Generator().manual_seed(10_000 + seed), 8)
             out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling)
             errs.append(float((out.float() - teacher).pow(2).mean() / teacher.pow(2).mean()))
         kernel.projection = own

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kernelmix import diagnose as dg  # noqa: E402
+from kernelmix.studies import diagnose as dg  # noqa: E402
 
 from .test_convert import tiny_gemma  # noqa: E402
 

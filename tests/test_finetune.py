@@ -8,8 +8,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kernelmix import convert as cv  # noqa: E402
-from kernelmix import finetune as ft  # noqa: E402
+from kernelmix import data  # noqa: E402
+from kernelmix import pretrained as cv  # noqa: E402
+from kernelmix import pretrained as pt  # noqa: E402
+from kernelmix.studies import finetune as ft  # noqa: E402
+from kernelmix.training import spikes  # noqa: E402
 
 from .test_convert import tiny_gemma, tiny_llama  # noqa: E402
 from .test_diagnose import ByteTokenizer  # noqa: E402
@@ -34,7 +37,7 @@ def windows(count=12, length=32, seed=0):
 def config(**kw):
     base = dict(steps=12, seq_len=32, lr=3e-3, warmup_steps=2, eval_every=6, eval_seqs=2)
     base.update(kw)
-    return ft.FinetuneConfig(**base)
+    return pt.FinetuneConfig(**base)
 
 
 def converted(make=tiny_gemma, mixer="darkformer", m=16):
@@ -46,21 +49,21 @@ def trainable_names(model):
 
 
 def test_modes_train_what_they_say():
-    model, params = ft.prepare_trainable(converted(), config(mode="partial"))
+    model, params = pt.prepare_trainable(converted(), config(mode="partial"))
     names = trainable_names(model)
     assert names and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "kernelmix_rf.transform")) for n in names)
     assert "model.layers.0.self_attn.kernelmix_rf.transform" in names
     assert not any("projection" in n for n in names)  # W is a buffer, never trained
     assert len(params) == len(names)
 
-    model, _ = ft.prepare_trainable(converted(), config(mode="full"))
+    model, _ = pt.prepare_trainable(converted(), config(mode="full"))
     names = trainable_names(model)
     assert "model.embed_tokens.weight" not in names and "model.layers.1.mlp.up_proj.weight" in names
-    model, _ = ft.prepare_trainable(converted(), config(mode="full", train_embeddings=True))
+    model, _ = pt.prepare_trainable(converted(), config(mode="full", train_embeddings=True))
     assert "model.embed_tokens.weight" in trainable_names(model)
 
     pytest.importorskip("peft")
-    model, _ = ft.prepare_trainable(converted(tiny_llama), config(mode="lora", lora_rank=4), layers="all")
+    model, _ = pt.prepare_trainable(converted(tiny_llama), config(mode="lora", lora_rank=4), layers="all")
     names = trainable_names(model)
     assert any("lora_A" in n for n in names) and any(n.endswith("kernelmix_rf.transform") for n in names)
     assert not any("mlp" in n or "o_proj" in n for n in names)
@@ -71,7 +74,7 @@ def test_finetune_lowers_loss_and_keeps_a_working_model(mode, tmp_path):
     if mode == "lora":
         pytest.importorskip("peft")
     x = windows()
-    model, result = ft.finetune(converted(), x, x[:2], config(mode=mode))
+    model, result = pt.finetune(converted(), x, x[:2], config(mode=mode))
     assert result["finished"] and not result["diverged"] and result["steps_done"] == 12
     assert [e["step"] for e in result["evals"]] == [0, 6, 12]
     assert result["final"]["loss"] < result["initial"]["loss"] - 0.1
@@ -86,29 +89,29 @@ def test_finetune_lowers_loss_and_keeps_a_working_model(mode, tmp_path):
 def test_resume_equals_uninterrupted(tmp_path):
     x = windows()
     cfg = config(steps=10, eval_every=4, lr=1e-3)
-    _, full = ft.finetune(converted(), x, x[:2], cfg)
-    _, part = ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)
+    _, full = pt.finetune(converted(), x, x[:2], cfg)
+    _, part = pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)
     assert part["steps_done"] == 6 and not part["finished"]
     with pytest.raises(ValueError, match="already holds finetuning checkpoints"):
-        ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path)
-    _, resumed = ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
+        pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path)
+    _, resumed = pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
     # the checkpoint of step 4 is the newest before the stop: steps 5..10 are rerun identically
     assert resumed["finished"]
     assert resumed["losses"] == pytest.approx(full["losses"], rel=0, abs=1e-6)
     assert resumed["final"]["loss"] == pytest.approx(full["final"]["loss"], abs=1e-6)
     with pytest.raises(ValueError, match="another finetune config"):
-        ft.finetune(converted(), x, x[:2], config(steps=10, eval_every=4, lr=2e-3), out_dir=tmp_path, resume=True)
+        pt.finetune(converted(), x, x[:2], config(steps=10, eval_every=4, lr=2e-3), out_dir=tmp_path, resume=True)
 
 
 def test_spikes_and_divergence():
-    assert not ft.is_spike([2.0] * 10, 2.3, window=20, nats=0.5)
-    assert ft.is_spike([2.0] * 10, 2.6, window=20, nats=0.5)
-    assert not ft.is_spike([2.0] * 3, 9.0, window=20, nats=0.5)  # too little history to judge
-    assert ft.is_spike([], float("nan"), window=20, nats=0.5)
+    assert not spikes.is_spike([2.0] * 10, 2.3, window=20, nats=0.5)
+    assert spikes.is_spike([2.0] * 10, 2.6, window=20, nats=0.5)
+    assert not spikes.is_spike([2.0] * 3, 9.0, window=20, nats=0.5)  # too little history to judge
+    assert spikes.is_spike([], float("nan"), window=20, nats=0.5)
     noisy = [2.0, 3.0] * 10  # batch noise of ±0.5 around 2.5: σ ≈ 0.74, threshold 2.5 + 4σ ≈ 5.5
-    assert not ft.is_spike(noisy, 4.0, window=20, nats=0.5) and ft.is_spike(noisy, 6.0, window=20, nats=0.5)
+    assert not spikes.is_spike(noisy, 4.0, window=20, nats=0.5) and spikes.is_spike(noisy, 6.0, window=20, nats=0.5)
     history = [2.0] * 10 + [9.0] + [2.0] * 5
-    assert [s["step"] for s in ft.find_spikes(history, window=20, nats=0.5)] == [10]
+    assert [s["step"] for s in spikes.find_spikes(history, window=20, nats=0.5)] == [10]
     # end to end: a forward whose logits are 50× too sharp (at step 8) is a spike; the others are not
     x = windows()
     model = converted(mixer="performer")
@@ -121,7 +124,7 @@ def test_spikes_and_divergence():
         return output * 50 if calls["train"] == 9 else None
 
     model.lm_head.register_forward_hook(sharpen)
-    _, result = ft.finetune(model, x, x[:2], config(steps=12, lr=1e-3))
+    _, result = pt.finetune(model, x, x[:2], config(steps=12, lr=1e-3))
     assert [s["step"] for s in result["spikes"]] == [8], ([round(v, 3) for v in result["losses"]], result["spikes"])
     assert result["num_spikes"] == 1 and not result["diverged"]
 
@@ -154,15 +157,15 @@ def test_token_windows_and_split():
 
     tok = ByteTokenizer()
     docs = [Document(f"d{i}", TEXT) for i in range(10)]
-    train, val = ft.split_texts(docs, 0.2)
+    train, val = data.split_texts(docs, 0.2)
     assert train and val and len(train) + len(val) == 10
-    w = ft.token_windows(tok, train, 40)
+    w = data.token_windows(tok, train, 40)
     assert w.shape[1] == 40 and w[0, 0] == 1  # BOS first
-    assert ft.token_windows(tok, train, 40, max_windows=3).shape == (3, 40)
+    assert data.token_windows(tok, train, 40, max_windows=3).shape == (3, 40)
     with pytest.raises(ValueError, match="not enough text"):
-        ft.token_windows(tok, ["ab"], 40)
+        data.token_windows(tok, ["ab"], 40)
     with pytest.raises(ValueError, match="at least 2 documents"):
-        ft.split_texts(docs[:1])
+        data.split_texts(docs[:1])
 
 
 def test_bad_input():
@@ -171,12 +174,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="steps must be a positive int"):
         config(steps=0).validate()
     with pytest.raises(ValueError, match="unknown finetune option"):
-        ft.FinetuneConfig.from_dict({"stepz": 3})
+        pt.FinetuneConfig.from_dict({"stepz": 3})
     x = windows()
     with pytest.raises(ValueError, match="unknown variant"):
         ft.compare_finetune(tiny_gemma(), x, x[:2], config(), variants=("cosine",))
     with pytest.raises(ValueError, match=r"windows must be \[N, T\]"):
-        ft.finetune(converted(), x[0], x[:2], config())
+        pt.finetune(converted(), x[0], x[:2], config())
     with pytest.raises(ValueError, match="out of range"):
         ft.build_variant(tiny_gemma(), "performer", num_features=8, layers=[7], init="identity", calibration=None)
 
@@ -186,7 +189,7 @@ def test_cli_finetune(tmp_path, capsys, monkeypatch):
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.cli.finetune.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):
@@ -215,7 +218,7 @@ def test_cubit_variant_finetunes():
     x = windows()
     model = ft.build_variant(tiny_llama(), "cubit", num_features=16, layers="all", init="identity", calibration=None)
     before = [k.log_ridge.detach().clone() for k in cv.kernels(model).values()]
-    model, result = ft.finetune(model, x, x[:2], config())
+    model, result = pt.finetune(model, x, x[:2], config())
     assert result["final"]["loss"] < result["initial"]["loss"] - 0.1
     after = [k.log_ridge for k in cv.kernels(model).values()]
     assert any(not torch.equal(a, b) for a, b in zip(after, before))  # λ learned
@@ -224,8 +227,8 @@ def test_cubit_variant_finetunes():
 def test_resumed_run_metrics_have_each_step_once(tmp_path):
     x = windows()
     cfg = config(steps=8, eval_every=4)
-    ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)  # steps 5, 6 logged after the step-4 checkpoint
-    ft.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
+    pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)  # steps 5, 6 logged after the step-4 checkpoint
+    pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if r["kind"] == "train"]
     assert steps == list(range(1, 9))
@@ -245,7 +248,7 @@ def test_a_non_finite_gradient_skips_the_update():
         return torch.full_like(grad, float("nan")) if calls["n"] == 3 else grad
 
     kernel.transform.register_hook(poison)
-    model, result = ft.finetune(model, x, x[:2], config(steps=6, eval_every=6))
+    model, result = pt.finetune(model, x, x[:2], config(steps=6, eval_every=6))
     assert calls["n"] == 6
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(sp["step"] == 2 and sp.get("gradient") == "non-finite" for sp in result["spikes"])

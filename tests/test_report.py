@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kernelmix import report as rp  # noqa: E402
+from kernelmix.studies import darkformer_report as rp  # noqa: E402
 
 from .test_convert import tiny_gemma  # noqa: E402
 from .test_diagnose import ByteTokenizer  # noqa: E402

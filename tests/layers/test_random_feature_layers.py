@@ -46,14 +46,14 @@ def test_redraw_is_explicit_and_reproducible(name):
     a = make_layer(name, {"num_features": 16}, None, seed=0)
     b = make_layer(name, {"num_features": 16}, None, seed=1)
     before = a.projection.clone()
-    a.redraw(torch.Generator().manual_seed(42))
-    b.redraw(torch.Generator().manual_seed(42))
+    a.redraw_(torch.Generator().manual_seed(42))
+    b.redraw_(torch.Generator().manual_seed(42))
     assert torch.equal(a.projection, b.projection)
     assert a.projection.dtype == F64
     assert not torch.equal(a.projection, before)
     # the draw does not depend on the layer dtype
     c = make_layer(name, {"num_features": 16}, None, dtype=torch.float32)
-    c.redraw(torch.Generator().manual_seed(42))
+    c.redraw_(torch.Generator().manual_seed(42))
     assert torch.allclose(c.projection.double(), a.projection, atol=1e-6)
 
     # forward (training mode, with backward and with a cache) never touches W

@@ -20,6 +20,8 @@ The pieces, each usable alone:
   ``~/.cache/kernelmix/data``).
 - :mod:`~kernelmix.data.sampling` — :class:`WindowSampler` (stateless, resumable, rank-aware),
   :func:`eval_batches`, :func:`loader_throughput`.
+- :mod:`~kernelmix.data.windows` — ``[N, T]`` windows of text for pretrained (Hugging Face)
+  tokenizers: :func:`token_windows`, :func:`bos_windows`, :func:`split_texts`.
 """
 
 from .corpus import (
@@ -35,6 +37,7 @@ from .corpus import (
 )
 from .dataset import TokenizedDataset, TokenizedSplit, default_cache_dir, open_dataset, prepare_dataset, token_dtype
 from .sampling import IGNORE_INDEX, Batch, WindowSampler, eval_batches, eval_windows, loader_throughput
+from .windows import bos_windows, load_text_windows, split_texts, token_windows
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
 
 __all__ = [
@@ -54,7 +57,9 @@ __all__ = [
     "eval_batches",
     "eval_windows",
     "get_tokenizer",
+    "bos_windows",
     "load_corpus",
+    "load_text_windows",
     "load_tokenizer",
     "loader_throughput",
     "open_dataset",
@@ -62,8 +67,10 @@ __all__ = [
     "prepare_dataset",
     "read_text_file",
     "split_documents",
+    "split_texts",
     "split_key",
     "stdlib_files",
     "token_dtype",
+    "token_windows",
     "train_bpe",
 ]

@@ -51,19 +51,19 @@ class LayerCache:
     head_dim: int
 
 
-def _check_positive_int(name: str, value: Any) -> int:
+def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
-def _check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
     return value
@@ -111,8 +111,8 @@ class MixerLayer(nn.Module):
         chunk_size: int = 64,
     ) -> None:
         super().__init__()
-        hidden_size = _check_positive_int("hidden_size", hidden_size)
-        num_heads = _check_positive_int("num_heads", num_heads)
+        hidden_size = check_positive_int("hidden_size", hidden_size)
+        num_heads = check_positive_int("num_heads", num_heads)
         if head_dim is None:
             if hidden_size % num_heads:
                 raise ValueError(
@@ -120,10 +120,10 @@ class MixerLayer(nn.Module):
                     f"pass head_dim explicitly or choose num_heads dividing hidden_size"
                 )
             head_dim = hidden_size // num_heads
-        head_dim = _check_positive_int("head_dim", head_dim)
+        head_dim = check_positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for grouped-query "
@@ -131,8 +131,8 @@ class MixerLayer(nn.Module):
             )
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
             raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
-        bias = _check_bool("bias", bias)
-        chunk_size = _check_positive_int("chunk_size", chunk_size)
+        bias = check_bool("bias", bias)
+        chunk_size = check_positive_int("chunk_size", chunk_size)
 
         self.hidden_size = hidden_size
         self.num_heads = num_heads

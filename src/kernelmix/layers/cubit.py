@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..ops._common import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
-from .base import MixerLayer, _check_bool, _check_choice
+from .base import MixerLayer, check_bool, check_choice
 from .rope import DEFAULT_THETA
 
 REFERENCES = ("separate", "key")
@@ -68,9 +68,9 @@ class CubitMixer(MixerLayer):
             bias=bias,
             chunk_size=chunk_size,
         )
-        self.reference = _check_choice("reference", reference, REFERENCES)
-        self.reference_rope = _check_bool("reference_rope", reference_rope)
-        self.lrr = _check_bool("lrr", lrr)
+        self.reference = check_choice("reference", reference, REFERENCES)
+        self.reference_rope = check_bool("reference_rope", reference_rope)
+        self.lrr = check_bool("lrr", lrr)
         try:
             lo, hi = (float(x) for x in lrr_range)
         except (TypeError, ValueError):

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
-from .base import MixerLayer, _check_choice
+from .base import MixerLayer, check_choice
 from .rope import DEFAULT_THETA
 
 W_CHOICES = ("k", "q")
@@ -53,7 +53,7 @@ class DeltaFormerMixer(MixerLayer):
             bias=bias,
             chunk_size=chunk_size,
         )
-        self.w = _check_choice("w", w, W_CHOICES)
+        self.w = check_choice("w", w, W_CHOICES)
         self.beta_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
 
     def extra_repr(self) -> str:

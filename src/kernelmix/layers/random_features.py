@@ -28,7 +28,7 @@ from ..ops.random_features import (
     random_feature_attention,
     random_feature_attention_step,
 )
-from .base import MixerLayer, _check_choice, _check_positive_int
+from .base import MixerLayer, check_choice, check_positive_int
 from .rope import DEFAULT_THETA
 
 PROJECTIONS = ("orthogonal", "iid")
@@ -76,8 +76,8 @@ class PerformerMixer(MixerLayer):
             bias=bias,
             chunk_size=chunk_size,
         )
-        self.num_features = _check_positive_int("num_features", num_features)
-        self.projection_kind = _check_choice("projection", projection, PROJECTIONS)
+        self.num_features = check_positive_int("num_features", num_features)
+        self.projection_kind = check_choice("projection", projection, PROJECTIONS)
         self.register_buffer("projection", self._draw(None, torch.get_default_dtype(), None), persistent=True)
 
     def extra_repr(self) -> str:
@@ -90,7 +90,7 @@ class PerformerMixer(MixerLayer):
         )
 
     @torch.no_grad()
-    def redraw(self, generator: torch.Generator | None = None) -> Tensor:
+    def redraw_(self, generator: torch.Generator | None = None) -> Tensor:
         """Draw a new projection in place (keeps the buffer's dtype and device) and return it.
 
         With a seeded CPU ``generator`` every process draws the same W; with None torch's default

@@ -17,7 +17,7 @@ Run output (``out_dir``): ``config.json`` (the resolved train + model config), `
 (one line per log step and per evaluation), ``checkpoints/step_<N>/``, ``tensorboard/``.
 """
 
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights
 from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
 from .loop import TrainResult, lr_at, param_groups, redraw_random_features, train
 
@@ -30,6 +30,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_weights",
     "lr_at",
     "param_groups",
     "parse_value",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 FORMAT = 1
 FILES = ("model.safetensors", "state.pt", "config.json")
@@ -216,6 +217,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, step=step, weights=weights, state=state, config=config)
 
 
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a checkpoint's ``weights`` into ``model`` strictly; a tied LM head stored once (as the
+    embedding) is filled in. A mismatch is a :class:`CheckpointError` naming ``path``."""
+    weights = dict(weights)
+    if model.config.tie_embeddings and "lm_head.weight" not in weights and "embed.weight" in weights:
+        weights["lm_head.weight"] = weights["embed.weight"]  # stored once, see save
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {error}") from None
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",
@@ -223,5 +236,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_weights",
     "save_checkpoint",
 ]

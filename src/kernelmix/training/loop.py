@@ -37,10 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers.random_features import PerformerMixer
 from ..model import CausalLM
 from . import distributed as distrib
-from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from ..output import write_json_atomic
+from .checkpoint import (
+    Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint,
+)
+from .reporter import Reporter, truncate_metrics
 from .config import RESOLVED_FORMAT, TrainConfig
 
 # Settings that may change when a run is resumed: budgets, bookkeeping, and how the global batch
@@ -90,13 +93,18 @@ def param_groups(model: CausalLM, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def lr_at(step: int, config: TrainConfig, total_steps: int) -> float:
+def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
     """The learning rate of update ``step`` (0-based): linear warmup to ``lr`` over
     ``warmup_steps``, then cosine decay reaching ``min_lr`` at the last update."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, total_steps - 1 - config.warmup_steps)
-    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (config.lr - config.min_lr)
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (lr - min_lr)
+
+
+def lr_at(step: int, config: TrainConfig, total_steps: int) -> float:
+    """:func:`warmup_cosine` with a run's settings."""
+    return warmup_cosine(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps, total_steps=total_steps)
 
 
 def derived_seed(*parts: Any) -> int:
@@ -110,8 +118,9 @@ def redraw_random_features(model: nn.Module, seed: int, step: int) -> int:
     Returns the number of layers redrawn."""
     count = 0
     for index, module in enumerate(model.modules()):
-        if isinstance(module, PerformerMixer):
-            module.redraw(torch.Generator().manual_seed(derived_seed(seed, "redraw", step, index)))
+        redraw = getattr(module, "redraw_", None)
+        if callable(redraw):
+            redraw(torch.Generator().manual_seed(derived_seed(seed, "redraw", step, index)))
             count += 1
     return count
 
@@ -224,108 +233,6 @@ def _full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: 
     return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor], path: Path) -> None:
-    weights = dict(weights)
-    if model.config.tie_embeddings and "lm_head.weight" not in weights and "embed.weight" in weights:
-        weights["lm_head.weight"] = weights["embed.weight"]  # stored once, see save
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {error}") from None
-
-
-class _Reporter:
-    """Rank 0's outputs: metrics.jsonl, TensorBoard (when installed), and a rich progress bar or
-    plain lines."""
-
-    def __init__(self, out_dir: Path, total_steps: int, start_step: int, progress: bool | None, active: bool):
-        self.active = active
-        self.metrics_path = out_dir / "metrics.jsonl"
-        self.bar = self.task = self.tb = self.file = None
-        if not active:
-            return
-        self.file = open(self.metrics_path, "a", encoding="utf-8")
-        try:  # optional: torch's SummaryWriter needs the tensorboard package
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-        except Exception:
-            self.tb = None
-        self.quiet = progress is False
-        if progress is None:  # a bar on a terminal, plain lines in a log file
-            progress = sys.stderr.isatty()
-        if progress:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("val {task.fields[val]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-")
-            self.bar.start()
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.active:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key not in ("kind", "step", "tokens", "wall_s") and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-
-    def advance(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step)
-
-    def show(self, text: str, **fields: str) -> None:
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.update(self.task, **fields)
-        elif not self.quiet:
-            print(text, flush=True)
-
-    def note(self, text: str) -> None:
-        """A message that is not a metric (printed above the bar)."""
-        if not self.active or self.quiet:
-            return
-        (self.bar.console.print if self.bar is not None else print)(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.tb is not None:
-            self.tb.close()
-        if self.file is not None:
-            self.file.close()
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past ``step`` (written after the checkpoint we resume from), atomically."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------
 # train()
 
@@ -395,7 +302,7 @@ def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: 
                 f"the tokenized corpus changed since {str(ckpt.path)!r} was written (the files or the tokenizer "
                 "differ); training continues on the new data", stacklevel=2,
             )
-        _load_weights(model, ckpt.weights, ckpt.path)
+        load_weights(model, ckpt.weights, ckpt.path)
         start_step = ckpt.step
         if start_step > total_steps:
             raise CheckpointError(
@@ -459,10 +366,10 @@ def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: 
     # -- 3. Now we may write: the resolved config, and metrics cut back to the checkpoint.
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(out_dir / "config.json", record)
+        write_json_atomic(out_dir / "config.json", record, sort_keys=True)
         if ckpt is not None:
-            _truncate_metrics(out_dir / "metrics.jsonl", start_step)
-    reporter = _Reporter(out_dir, total_steps, start_step, progress, active=env.is_main)
+            truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    reporter = Reporter(out_dir, total_steps, start_step, progress, active=env.is_main)
     if env.is_main and start_step == 0:
         reporter.note(
             f"training {model_config.num_layers}-layer {'/'.join(sorted(set(model_config.layer_mixers())))} model "
@@ -623,4 +530,4 @@ def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: 
     return result
 
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "TrainResult", "lr_at", "param_groups", "redraw_random_features", "train"]
+__all__ = ["MAY_CHANGE_ON_RESUME", "TrainResult", "derived_seed", "lr_at", "param_groups", "redraw_random_features", "train", "warmup_cosine"]

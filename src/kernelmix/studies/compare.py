@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 import torch
 
-from .model import PRESETS
+from ..model import PRESETS
+from ..output import pyplot, write_json_atomic, write_text_atomic
 
 # name → (registry mixer, mixer_options)
 MIXER_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
@@ -141,7 +142,7 @@ class CompareConfig:
     def train_config(self, mixer: str, length: int, seed: int, out_dir: str | Path, world_size: int = 1):
         """The run's TrainConfig; under torchrun each of ``world_size`` processes takes an equal share
         of the step's windows, so the global batch (and the budget) does not depend on the process count."""
-        from .training import TrainConfig
+        from ..training import TrainConfig
 
         windows = self.tokens_per_step // length
         if windows % world_size:
@@ -175,9 +176,9 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
     """Train and evaluate one (mixer, length, seed), or reuse its result. Returns (result, reused).
     Under torchrun (``env``: the joined process group) every process trains its share and
     evaluates; only rank 0 touches the run directory's files outside training."""
-    from .evaluate import evaluate_loss, load_run
-    from .training import distributed as distrib
-    from .training import latest_checkpoint, train
+    from ..evaluate import evaluate_loss, load_run
+    from ..training import distributed as distrib
+    from ..training import latest_checkpoint, train
 
     env = env if env is not None else distrib.DistEnv()
 
@@ -242,9 +243,7 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
         "run_dir": str(run_dir),
     }
     if env.is_main:
-        tmp = result_path.with_name("result.json.tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, result_path)
+        write_json_atomic(result_path, result, indent=1)
     distrib.barrier(env)
     return result, False
 
@@ -291,7 +290,7 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
     Under ``torchrun --nproc_per_node=N -m kernelmix.cli compare ...`` the processes share every
     run (DDP, each a 1/N share of the step's windows: the same global batch and budget) and rank 0
     writes the outputs."""
-    from .training import distributed as distrib
+    from ..training import distributed as distrib
 
     env = distrib.setup(config.device)
     try:
@@ -301,9 +300,9 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
 
 
 def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) -> dict[str, Any]:
-    from .data import prepare_dataset
-    from .evaluate import cap_split
-    from .training import distributed as distrib
+    from ..data import prepare_dataset
+    from ..evaluate import cap_split
+    from ..training import distributed as distrib
 
     if console is None:
         from rich.console import Console
@@ -368,11 +367,9 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     }
     if not env.is_main:
         return results
-    (out / "results.md").write_text(format_markdown(results), encoding="utf-8")
+    write_text_atomic(out / "results.md", format_markdown(results))
     results["plots"] = write_plots(results, out)
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "results.json")
+    write_json_atomic(out / "results.json", results, indent=1)
     note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(results['plots'])} plots "
          f"in {results['wall_s'] / 60:.1f} min")
     return results
@@ -454,10 +451,7 @@ def format_markdown(results: dict[str, Any]) -> str:
 
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:
     """The PNGs (matplotlib, Agg backend); returns their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     settings, summary, runs = results["settings"], results["summary"], results["runs"]
@@ -542,77 +536,3 @@ __all__ = [
     "summarize",
     "write_plots",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: kernelmix compare
-
-
-def add_commands(sub) -> None:
-    """Register ``kernelmix compare``."""
-    defaults = CompareConfig.__dataclass_fields__
-    p = sub.add_parser(
-        "compare", help="train every mixer with the same data, tokens and seeds at several lengths; table + plots",
-        description="Train every mixer (softmax, cubit, cubit-nolrr, deltaformer, performer, darkformer) with the same "
-        "preset, data, tokenizer, token budget and seeds at each training length, evaluate them (val loss at the "
-        "training length, loss by position), and write results.json, results.md and PNG plots. Finished runs in the "
-        "output directory are reused, so an interrupted compare continues where it stopped.",
-    )
-    p.add_argument("--mixers", default=",".join(DEFAULT_MIXERS), help=f"comma-separated (default: all: {', '.join(DEFAULT_MIXERS)})")
-    p.add_argument("--lengths", default="256,512,1024", help="training lengths (default 256,512,1024)")
-    p.add_argument("--seeds", default="0", help="seeds, e.g. 0,1,2 (mean ± spread over them)")
-    p.add_argument("--preset", default=defaults["preset"].default)
-    p.add_argument("--corpus", default=defaults["corpus"].default)
-    p.add_argument("--tokenizer", default=defaults["tokenizer"].default)
-    p.add_argument("--steps", type=int, default=defaults["steps"].default, help="optimizer steps per run")
-    p.add_argument("--tokens-per-step", type=int, default=defaults["tokens_per_step"].default,
-                   help="tokens per step at every length (batch = this / length)")
-    p.add_argument("--lr", type=float, default=defaults["lr"].default, help="peak learning rate (min: lr / 10)")
-    p.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"].default)
-    p.add_argument("--eval-docs", type=int, default=defaults["eval_docs"].default)
-    p.add_argument("--buckets", default=None, help="position-bucket edges, e.g. 0,64,256 (default 0,64,256,1024,…)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="model override for every run, e.g. hidden_size=128 or mixer_options.performer.num_features=64")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", default=defaults["out_dir"].default, help="output directory (default runs/compare)")
-    p.set_defaults(func=_cli_compare, parser=p)
-
-
-def _cli_compare(args) -> int:
-    import sys
-
-    from .training import CheckpointError
-    from .training.config import apply_override
-
-    def ints(text: str, what: str) -> list[int]:
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            args.parser.error(f"{what} must be comma-separated integers, got {text!r}")
-
-    model: dict[str, Any] = {}
-    try:
-        wrapper: dict[str, Any] = {}
-        for assignment in args.set:
-            apply_override(wrapper, "model." + assignment)
-        model = wrapper.get("model", {})
-        config = CompareConfig(
-            mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], lengths=ints(args.lengths, "--lengths"),
-            seeds=ints(args.seeds, "--seeds"), preset=args.preset, model=model, corpus=args.corpus,
-            tokenizer=args.tokenizer, tokens_per_step=args.tokens_per_step, steps=args.steps, lr=args.lr,
-            min_lr=args.lr / 10, warmup_steps=args.warmup_steps, eval_docs=args.eval_docs,
-            buckets=ints(args.buckets, "--buckets") if args.buckets else None, out_dir=args.out, device=args.device,
-        )
-    except ValueError as error:
-        args.parser.error(str(error))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        results = run_compare(config)
-    except (CheckpointError, ValueError) as error:  # an unknown corpus, a damaged run directory, ...
-        print(f"kernelmix compare: error: {error}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 reports
-        print(format_markdown(results))
-    return 0

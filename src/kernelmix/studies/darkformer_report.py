@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..output import write_json_atomic, write_text_atomic
+
 
 @dataclass
 class DarkformerReportSettings:
@@ -73,8 +75,8 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     ``runs/report-darkformer``), never in ``out_dir``."""
     from . import diagnose as dg
     from . import finetune as ft
-    from .convert import parse_layers
-    from .data.corpus import load_corpus
+    from ..data import load_corpus, split_texts, token_windows
+    from ..pretrained import FinetuneConfig, parse_layers
 
     out = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else Path("runs") / "report-darkformer"
@@ -84,7 +86,7 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     t_all = time.perf_counter()
     timings: dict[str, float] = {}
     if model is None:
-        from .pretrained import KNOWN_MODELS, load_pretrained, prepare
+        from ..pretrained import KNOWN_MODELS, load_pretrained, prepare
 
         t = time.perf_counter()
         path = settings.model
@@ -96,7 +98,7 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
         timings["load_s"] = time.perf_counter() - t
     diag_layers = parse_layers(settings.diag_layers) if isinstance(settings.diag_layers, str) else settings.diag_layers
     ft_layers = parse_layers(settings.ft_layers) if isinstance(settings.ft_layers, str) else settings.ft_layers
-    train_texts, val_texts = ft.split_texts(load_corpus(settings.text).documents(), settings.val_fraction, settings.seed)
+    train_texts, val_texts = split_texts(load_corpus(settings.text).documents(), settings.val_fraction, settings.seed)
     say(f"text {settings.text}: {len(train_texts)} training and {len(val_texts)} held-out documents")
 
     # 1. diagnostics (held-out documents only)
@@ -115,18 +117,16 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
                                   distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
                                   e2e_m=settings.diag_e2e_m, seed=settings.seed, progress=progress, log=lambda m: say(f"  {m}"))
         diagnostics["report_key"] = diag_key
-        tmp = diag_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(diagnostics, indent=1))
-        tmp.replace(diag_file)
+        write_json_atomic(diag_file, diagnostics, indent=1)
     dg.write_report(diagnostics, out / "diagnostics")
     timings["diagnostics_s"] = diagnostics["timings"]["total_s"]
 
     # 2. finetuning comparison + learning-rate sweep
-    config = ft.FinetuneConfig(mode=settings.ft_mode, steps=settings.ft_steps, seq_len=settings.ft_seq_len,
+    config = FinetuneConfig(mode=settings.ft_mode, steps=settings.ft_steps, seq_len=settings.ft_seq_len,
                                lr=settings.ft_lrs[0], warmup_steps=max(1, settings.ft_steps // 10),
                                eval_every=settings.ft_eval_every, eval_seqs=settings.ft_eval_seqs, seed=settings.seed)
-    train_w = ft.token_windows(tokenizer, train_texts, config.seq_len)
-    val_w = ft.token_windows(tokenizer, val_texts, config.seq_len, max_windows=config.eval_seqs)
+    train_w = token_windows(tokenizer, train_texts, config.seq_len)
+    val_w = token_windows(tokenizer, val_texts, config.seq_len, max_windows=config.eval_seqs)
     ft_work = work / ("finetune-" + _slug(config, settings))
     say(f"finetuning {list(settings.ft_variants)} × lr {list(settings.ft_lrs)}: {config.steps} steps of "
         f"{config.batch_size}×{config.seq_len} tokens each, m={settings.num_features}")
@@ -143,8 +143,8 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
                "diagnostics": {"summary": diagnostics["summary"], "end_to_end": diagnostics["end_to_end"]},
                "finetune": [{k: r[k] for k in ("variant", "lr", "initial", "final", "num_spikes", "diverged", "train_s")}
                             for r in finetuning["runs"]]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "README.md").write_text(_readme(summary, diagnostics, finetuning))
+    write_json_atomic(out / "summary.json", summary, indent=1)
+    write_text_atomic(out / "README.md", _readme(summary, diagnostics, finetuning))
     say(f"wrote {out}/README.md, summary.json, diagnostics/ and finetune/ ({timings['total_s'] / 60:.1f} min)")
     return summary
 
@@ -216,63 +216,4 @@ def findings(diagnostics: dict, finetuning: dict) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI: kernelmix report darkformer
-
-
-def _cli_report(args) -> int:
-    import sys
-
-    from .diagnose import _int_list
-    from .finetune import _float_list
-
-    try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        overrides: dict[str, Any] = {"model": args.model, "text": args.text, "seed": args.seed}
-        if args.m:
-            overrides["diag_m"] = tuple(_int_list(args.m))
-        if args.steps:
-            overrides["ft_steps"] = args.steps
-        if args.lrs:
-            overrides["ft_lrs"] = tuple(_float_list(args.lrs))
-        if args.num_features:
-            overrides["num_features"] = args.num_features
-        if args.diag_layers:
-            overrides["diag_layers"] = args.diag_layers
-        settings = DarkformerReportSettings.quick(**overrides) if args.quick else DarkformerReportSettings(**overrides)
-        darkformer_report(settings, args.out, args.work, progress=None)
-    except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def add_commands(sub) -> None:
-    """Register ``kernelmix report``."""
-    p = sub.add_parser("report", help="reproduce a study end to end and write it under reports/ (darkformer)")
-    reports = p.add_subparsers(dest="report", required=True)
-    d = reports.add_parser(
-        "darkformer",
-        help="kernel diagnostics + finetuning comparison of Performer vs DARKFormer on a real pretrained model",
-        description="Diagnostics of every layer (anisotropy, error vs m, estimator variance, end-to-end loss) and a "
-                    "small finetuning comparison (softmax / Performer / DARKFormer at equal m and budget, a learning-rate "
-                    "sweep counting loss spikes) on Gemma 3 270M by default: about an hour on 2 CPU cores. Interrupted "
-                    "runs continue where they stopped.",
-    )
-    d.add_argument("--model", default="gemma3-270m", help="a known name (prepared on first use) or a local HF causal-LM directory")
-    d.add_argument("--text", default="shakespeare", help="corpus name, dir, glob or file (split by document)")
-    d.add_argument("--out", default="reports/darkformer")
-    d.add_argument("--work", default=None, help="checkpoints and reusable results (default runs/report-darkformer)")
-    d.add_argument("--quick", action="store_true", help="a smoke-sized run of the whole pipeline")
-    d.add_argument("--m", default="", help="diagnostic feature counts (default 16,64,256,1024)")
-    d.add_argument("--diag-layers", default="", help="layers to diagnose (default all)")
-    d.add_argument("--num-features", type=int, default=0, help="m of the finetuning comparison (default 64)")
-    d.add_argument("--steps", type=int, default=0, help="finetuning steps per run (default 40)")
-    d.add_argument("--lrs", default="", help="learning rates of the sweep (default 1e-3,3e-3)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, default=0)
-    d.set_defaults(func=_cli_report)
-
-
-__all__ = ["DarkformerReportSettings", "darkformer_report"]
+__all__ = ["DarkformerReportSettings", "darkformer_report", "findings"]

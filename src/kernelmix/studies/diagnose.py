@@ -34,9 +34,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from . import convert as cv
-from .finetune import evaluate_windows
-from .layers.random_features import data_aware_transform
+from .. import pretrained as cv
+from ..data import bos_windows
+from ..evaluate import evaluate_windows
+from ..layers.random_features import data_aware_transform
+from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
 
 VARIANTS = ("performer", "whiten", "distill")
 
@@ -76,7 +78,7 @@ def _visible(c: cv.Captured) -> Tensor:
     if c.mask is None:
         rows = torch.arange(length_q)[:, None] + (length_k - length_q)
         return (torch.arange(length_k)[None, :] <= rows).expand(batch, -1, -1)
-    return cv._visible_from_mask(c.mask).expand(batch, -1, -1)
+    return cv.visible_from_mask(c.mask).expand(batch, -1, -1)
 
 
 def per_head_rel_error(approx: Tensor, exact: Tensor, head_dim: int) -> list[float]:
@@ -116,21 +118,6 @@ def _sample_pairs(q: Tensor, k: Tensor, vis: Tensor, count: int, generator: torc
 # ---------------------------------------------------------------------------------------------
 
 
-def _tokens(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> Tensor:
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
-        if len(ids) >= seq_len * count:
-            break
-    if len(ids) < seq_len * count:
-        raise ValueError(f"not enough text: {len(ids)} tokens for {count} windows of {seq_len}; give more text or lower seq_len")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    windows = torch.tensor(ids[: seq_len * count]).view(count, seq_len)
-    if bos is not None:
-        windows = torch.cat([torch.full((count, 1), bos), windows[:, :-1]], dim=1)
-    return windows
-
-
 def diagnose(
     model,
     tokenizer,
@@ -168,7 +155,7 @@ def diagnose(
     say = log or (lambda msg: None)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
-    ids = _tokens(tokenizer, texts, seq_len, calib_seqs + eval_seqs)
+    ids = bos_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs)
     calib, held = ids[:calib_seqs], ids[calib_seqs:]
     probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=distill_m, seed=seed))
     kernels = cv.kernels(probe)
@@ -182,7 +169,7 @@ def diagnose(
     transforms: dict[str, dict[int, tuple[Tensor, Tensor] | None]] = {v: {} for v in variants}
     t = time.perf_counter()
     for i, kernel in kernels.items():
-        q, k = cv._token_samples(cal[i], kernel)
+        q, k = cv.token_samples(cal[i], kernel)
         white = data_aware_transform(q, k, eps)
         for v in variants:
             transforms[v][i] = None if v == "performer" else (white[0].float(), white[1].float())
@@ -200,12 +187,12 @@ def diagnose(
         timings["distill_s"] = time.perf_counter() - t
 
     layer_results = []
-    bar = cv._progress(progress, "attention errors", len(kernels) * len(variants) * len(m_values) * seeds)
+    bar = progress_bar(progress, "attention errors", len(kernels) * len(variants) * len(m_values) * seeds)
     t = time.perf_counter()
     gen = torch.Generator().manual_seed(seed + 1)
     for i, kernel in kernels.items():
         c = ev[i][0]
-        q_feat, k_feat = cv._token_samples(ev[i], kernel)
+        q_feat, k_feat = cv.token_samples(ev[i], kernel)
         entry: dict = {"layer": i, "local": bool(cv.is_local(model.model.layers[i].self_attn)),
                        "q": anisotropy(q_feat), "k": anisotropy(k_feat), "errors": {}, "variance": {}}
         with torch.no_grad():
@@ -227,7 +214,7 @@ def diagnose(
                     out_err, w_err = [], []
                     for s in range(seeds):
                         proj_gen = torch.Generator().manual_seed(1000 * s + m)
-                        kernel.projection = kernel._draw(proj_gen, m)
+                        kernel.projection = kernel.draw_projection(proj_gen, m)
                         approx = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling,
                                                transform=transform if transform is not None else _eye_like(kernel),
                                                fold=fold if fold is not None else _eye_like(kernel))
@@ -331,8 +318,8 @@ def write_report(result: dict, out_dir: str | Path, *, plots: bool = True) -> Pa
     """``diagnostics.json``, ``diagnostics.md`` and (matplotlib permitting) PNG plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "diagnostics.json").write_text(json.dumps(result, indent=1, allow_nan=True))
-    (out / "diagnostics.md").write_text(markdown(result))
+    write_json_atomic(out / "diagnostics.json", result, indent=1)
+    write_text_atomic(out / "diagnostics.md", markdown(result))
     if plots:
         try:
             _plots(result, out)
@@ -386,10 +373,7 @@ def _fmt(x) -> str:
 
 
 def _plots(result: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key in zip(axes, ("output", "weights")):
@@ -418,56 +402,3 @@ def _plots(result: dict, out: Path) -> None:
 
 
 __all__ = ["VARIANTS", "anisotropy", "diagnose", "estimator_variance", "markdown", "per_head_rel_error", "write_report"]
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: kernelmix diagnose
-
-
-def _int_list(text: str) -> list[int]:
-    values = [int(p) for p in text.split(",") if p.strip()]
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
-def _cli_diagnose(args) -> int:
-    import sys
-
-    from .data.corpus import load_corpus
-    from .pretrained import load_pretrained
-
-    try:
-        model, tok = load_pretrained(args.model)
-        if tok is None:
-            raise ValueError(f"{args.model} has no tokenizer files; diagnose needs one")
-        docs = [d.text for d in load_corpus(args.text).documents()]
-        result = diagnose(model, tok, docs, args.out, layers=cv.parse_layers(args.layers), m_values=_int_list(args.m),
-                          variants=tuple(v for v in args.variants.split(",") if v), seq_len=args.seq_len,
-                          calib_seqs=args.calib_seqs, eval_seqs=args.eval_seqs, seeds=args.seeds,
-                          distill_steps=args.distill_steps, e2e_m=_int_list(args.e2e_m), progress=True,
-                          log=lambda msg: print(f"  {msg}", flush=True))
-    except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(markdown(result))
-    print(f"wrote {args.out}/diagnostics.json, diagnostics.md and PNG plots")
-    return 0
-
-
-def add_commands(sub) -> None:
-    """Register ``kernelmix diagnose``."""
-    p = sub.add_parser("diagnose", help="kernel diagnostics of random-feature attention on a pretrained LM (JSON + md + PNG)")
-    p.add_argument("model", help="a prepared name (gemma3-270m, smollm2-135m) or a local HF causal-LM directory")
-    p.add_argument("--out", default="diagnostics", help="output directory")
-    p.add_argument("--text", default="shakespeare", help="real text: corpus name, dir, glob or file (calibration + held-out)")
-    p.add_argument("--layers", default="all", help="all | global | local | comma-separated indices")
-    p.add_argument("--m", default="16,64,256,1024", help="feature counts")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="performer,whiten,distill")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--calib-seqs", type=int, default=2)
-    p.add_argument("--eval-seqs", type=int, default=1)
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--distill-steps", type=int, default=100)
-    p.add_argument("--e2e-m", default="64,256,1024", help="feature counts for the end-to-end loss")
-    p.set_defaults(func=_cli_diagnose)

@@ -186,77 +186,12 @@ def check_model_dir(path: str | os.PathLike) -> dict:
     return config
 
 
-def load_pretrained(
-    name_or_path: str | os.PathLike,
-    *,
-    root: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
-    tokenizer: bool = True,
-):
-    """Load ``(model, tokenizer)`` (tokenizer None when ``tokenizer=False`` or absent) from a prepared
-    name or a local directory, offline. A directory saved by :func:`kernelmix.convert.save_converted`
-    is loaded converted (see :func:`kernelmix.convert.load_converted`)."""
-    require("transformers", "safetensors")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = resolve(name_or_path, root=root)
-    from transformers import AutoTokenizer
-
-    from .convert import load_converted
-
-    model = load_converted(path, dtype=dtype)
-    tok = None
-    if tokenizer and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        tok = AutoTokenizer.from_pretrained(str(path))
-    return model, tok
-
-
 __all__ = [
     "KNOWN_MODELS",
     "SUPPORTED_MODEL_TYPES",
     "cache_dir",
     "check_model_dir",
-    "load_pretrained",
     "prepare",
     "require",
     "resolve",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: kernelmix pretrained {prepare,list}
-
-
-def _cli_prepare(args) -> int:
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    try:
-        path = prepare(args.name, root=args.cache, dtype=dtype, force=args.force,
-                       progress=lambda msg: print(f"  {msg}", flush=True))
-    except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=__import__("sys").stderr)
-        return 2
-    print(f"prepared {args.name} in {path}")
-    return 0
-
-
-def _cli_list(args) -> int:
-    root = cache_dir(args.cache)
-    for name, known in KNOWN_MODELS.items():
-        ready = (root / name / ".kernelmix-prepared").exists()
-        print(f"{name:14s} {'prepared' if ready else 'not prepared':13s} {known.description}; install: {known.install}")
-    print(f"cache: {root}")
-    return 0
-
-
-def add_commands(sub) -> None:
-    """Register ``kernelmix pretrained prepare|list`` on an argparse sub-parser set."""
-    parser = sub.add_parser("pretrained", help="real pretrained LMs offline: prepare GGUF packages as safetensors")
-    psub = parser.add_subparsers(dest="pretrained_command", required=True)
-    prep = psub.add_parser("prepare", help="one-time GGUF → safetensors preparation (model + tokenizer)")
-    prep.add_argument("name", choices=sorted(KNOWN_MODELS))
-    prep.add_argument("--cache", default=None, help="cache root (default $KERNELMIX_CACHE or ~/.cache/kernelmix/pretrained)")
-    prep.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
-    prep.add_argument("--force", action="store_true", help="redo the preparation")
-    prep.set_defaults(func=_cli_prepare)
-    lst = psub.add_parser("list", help="known models and whether they are prepared")
-    lst.add_argument("--cache", default=None)
-    lst.set_defaults(func=_cli_list)

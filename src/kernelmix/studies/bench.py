@@ -49,8 +49,9 @@ from typing import Callable
 
 import torch
 
-from . import ops
-from .demo import MMAP_THRESHOLD_BYTES, _cuda_peak_memory_mb, _median_ms, _sync, peak_memory_mb
+from .. import ops
+from ..output import pyplot, write_json_atomic
+from .demo import MMAP_THRESHOLD_BYTES, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -113,7 +114,7 @@ def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, size: int = 204
     """Achieved GFLOP/s of one large square matrix product: the machine's practical peak."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = _median_ms(lambda: a @ b, repeats, device)
+    ms = median_ms(lambda: a @ b, repeats, device)
     return 2.0 * size**3 / (ms * 1e-3) / 1e9
 
 
@@ -201,13 +202,13 @@ def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device
     those of back-to-back medians."""
     for fn in fns:
         fn()
-    _sync(device)
+    sync_device(device)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, spent in zip(fns, times):
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync_device(device)
             spent.append((time.perf_counter() - start) * 1e3)
     return [statistics.median(spent) for spent in times]
 
@@ -235,12 +236,12 @@ def op_peak_memory_mb(kind: str, name: str, length: int, *, batch: int, heads: i
         call, grad_out, _ = _op(kind, name, length, device=device, dtype=dtype, **shape)
         if isinstance(call, str):
             return call
-        return _cuda_peak_memory_mb(_forward_backward(call, grad_out, device, autocast), device)
+        return cuda_peak_memory_mb(_forward_backward(call, grad_out, device, autocast), device)
     spec = dict(kind=kind, name=name, length=length, device=str(device), dtype=str(dtype).removeprefix("torch."),
                 autocast=autocast, threads=threads or torch.get_num_threads(), **shape)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "kernelmix.bench", "--memory-probe", json.dumps(spec)],
+            [sys.executable, "-m", "kernelmix.studies.bench", "--memory-probe", json.dumps(spec)],
             env={**os.environ, **MEMORY_PROBE_ENV}, capture_output=True, text=True, timeout=3600,
         )
     except (OSError, subprocess.SubprocessError) as error:
@@ -490,15 +491,12 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "bench.json"
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         report.notes.append("matplotlib not installed: no plot written (pip install 'kernelmix[plot]')")
-        json_path.write_text(json.dumps(asdict(report), indent=2))
+        write_json_atomic(json_path, asdict(report))
         return [json_path]
-    json_path.write_text(json.dumps(asdict(report), indent=2))
+    write_json_atomic(json_path, asdict(report))
     written = [json_path]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     def draw(ax, points, label):  # unmeasured values (None: --no-memory, forward only) are left out

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from . import ops
+from .. import ops
 
 
 @dataclass
@@ -64,20 +64,20 @@ def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features
 ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall time of ``fn`` in ms after one warm-up call (CUDA work is waited for)."""
     fn()
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -126,8 +126,8 @@ def run_demo(
             DemoRow(
                 mixer=name,
                 shape=tuple(out.shape),
-                forward_ms=_median_ms(forward, repeats, device),
-                backward_ms=_median_ms(forward_backward, repeats, device),
+                forward_ms=median_ms(forward, repeats, device),
+                backward_ms=median_ms(forward_backward, repeats, device),
                 forward_error=_rel_rmse(out, reference),
                 grad_error=max(grad_errors),
             )
@@ -183,7 +183,7 @@ def peak_memory_mb(fn: Callable[[], object]) -> float | None:
         return None
 
 
-def _cuda_peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
+def cuda_peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -217,7 +217,7 @@ def cubit_memory(
 
         small = [x[:, :256].detach().requires_grad_() for x in (q, k, v, r)]
         fn(*small, rho=rho[:, :256]).sum().backward()  # warm-up: one-time allocations
-        results[label] = _cuda_peak_memory_mb(step, device) if device.type == "cuda" else peak_memory_mb(step)
+        results[label] = cuda_peak_memory_mb(step, device) if device.type == "cuda" else peak_memory_mb(step)
     return results
 
 

@@ -1,0 +1,46 @@
+"""``kernelmix model-info``: a preset's config and parameter count."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..layers import MIXERS
+from ..model import PRESETS
+from .options import mixer_list
+
+
+def _model_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..model import CausalLM, ModelConfig
+
+    overrides = {"mixers": args.mixers} if args.mixers else {"mixer": args.mixer}
+    try:
+        config = ModelConfig.preset(args.preset, **overrides)
+    except ValueError as err:  # e.g. a --mixers list of the wrong length
+        args.parser.error(str(err))
+    with torch.device("meta"):  # shapes only: instant and no memory, even for 1.3b
+        model = CausalLM(config)
+    total = model.num_parameters()
+    embedding = model.embed.weight.numel()
+    mixer = sum(p.numel() for block in model.blocks for p in block.mixer.parameters())
+    mlp = sum(p.numel() for block in model.blocks for p in block.mlp.parameters())
+    names = config.layer_mixers()
+    layout = f"{names[0]} x {len(names)}" if len(set(names)) == 1 else ", ".join(names)
+    print(f"preset {args.preset}: {config.num_layers} layers ({layout})")
+    print(config.to_json())
+    head = 0 if config.tie_embeddings else model.lm_head.weight.numel()
+    tied = "tied with the LM head, counted once" if config.tie_embeddings else f"LM head separate: {head:,}"
+    print(f"embedding: {embedding:,} ({tied})")
+    print(f"mixers: {mixer:,}  MLPs: {mlp:,}  norms: {total - embedding - head - mixer - mlp:,}")
+    print(f"parameters: {total:,} ({total / 1e6:.1f}M)")
+    return 0
+
+
+def add_command(sub) -> None:
+    info = sub.add_parser("model-info", help="print a preset's config and parameter count")
+    info.add_argument("preset", metavar="PRESET", choices=list(PRESETS), help=f"one of: {', '.join(PRESETS)}")
+    which = info.add_mutually_exclusive_group()
+    which.add_argument("--mixer", choices=list(MIXERS), default="softmax", help="the mixer of every layer")
+    which.add_argument("--mixers", type=mixer_list, help="one mixer per layer, comma-separated (a hybrid)")
+    info.set_defaults(func=_model_info, parser=info)

@@ -1,0 +1,195 @@
+"""How a converted Hugging Face model runs its attention: transformers' attention interface.
+
+:func:`kernelmix.pretrained.convert` attaches a kernel module (:mod:`.layer_kernels`) as
+``self_attn.kernelmix_rf`` to each chosen decoder layer and switches the model to the attention
+implementation ``"kernelmix"``, registered here with ``AttentionInterface`` *and*
+``AttentionMaskInterface`` (the mask function is transformers' ``sdpa_mask``; without it the
+sliding-window masks would silently disappear). Transformers still computes everything up to the
+attention: q/k/v projections, QK-norm, RoPE, the KV cache; :func:`kernelmix_attention` replaces
+only softmax(q kᵀ·scaling) v, per layer: layers without a kernel (and every layer inside
+:func:`exact_attention`) run transformers' SDPA unchanged.
+
+Masks. Without a mask (plain causal) the chunked linear-time op runs. A mask that is causal plus
+left padding (HF ``generate`` with a padded batch) is turned into ``doc_start`` and also runs
+chunked (:func:`left_padding_doc_start`). Any other mask — sliding windows (Gemma local layers),
+packed sequences — runs a dense O(T·L·m) path that applies the mask exactly, so a converted local
+layer keeps its window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..ops._common import expand_heads
+from ..ops.random_features import feature_logits, safe_ratio
+from .hosts import SUPPORTED_MODEL_TYPES
+
+ATTENTION_NAME = "kernelmix"
+
+
+
+def visible_from_mask(mask: Tensor) -> Tensor:
+    """An HF attention mask (bool: True = visible, or float additive) → bool ``[B, T, L]`` (heads share it)."""
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    if mask.dim() == 4:
+        mask = mask[:, 0]
+    return mask
+
+
+def rf_attention_dense(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, visible: Tensor, *, transform: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Random-feature attention with an arbitrary mask, densely: ``q`` ``[B, T, H, d]`` (already in
+    feature space: exp(q·k/√d) is the kernel), ``k``/``v`` ``[B, L, H_kv, d]``, ``visible`` bool
+    ``[B, T, L]``. Returns ``(out [B, T, H, d_v], weights [B, H, T, L])``. Stabilised like the
+    chunked op: per-query max over features, per-key max and a per-row shift (the max over the
+    row's visible keys), so nothing overflows and rows stay exact ratios. Rows with no visible key
+    give 0."""
+    with torch.autocast(q.device.type, enabled=False):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        heads = q.shape[2]
+        proj = projection.to(dtype)
+        m = None if transform is None else transform.to(dtype)
+        ql = feature_logits(q.to(dtype), proj, m)  # [B, T, H, m]
+        kl = feature_logits(expand_heads(k, heads).to(dtype), proj, m)  # [B, L, H, m]
+        qf = torch.exp(ql - ql.detach().amax(-1, keepdim=True)).transpose(1, 2)  # [B, H, T, m]
+        kmax = kl.detach().amax(-1).transpose(1, 2)  # [B, H, L]
+        kf = torch.exp(kl.transpose(1, 2) - kmax[..., None])  # [B, H, L, m]
+        vis = visible[:, None]  # [B, 1, T, L]
+        row_shift = kmax[:, :, None, :].masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)  # [B, H, T, 1]
+        row_shift = torch.where(torch.isfinite(row_shift), row_shift, torch.zeros_like(row_shift))
+        decay = torch.exp((kmax[:, :, None, :] - row_shift).masked_fill(~vis, float("-inf")))
+        scores = (qf @ kf.transpose(-1, -2)) * decay
+        weights = safe_ratio(scores, scores.sum(-1, keepdim=True))
+        values = expand_heads(v, heads).to(dtype).transpose(1, 2)
+        out = (weights @ values).transpose(1, 2)
+    return out.to(v.dtype), weights
+
+
+def softmax_attention_dense(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact counterpart of :func:`rf_attention_dense`: weights ∝ exp(q·k/√d) over visible keys."""
+    heads, d = q.shape[2], q.shape[3]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    logits = torch.einsum("bthd,blhd->bhtl", q.to(dtype), expand_heads(k, heads).to(dtype)) / math.sqrt(d)
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
+    return out.to(v.dtype), weights
+
+def left_padding_doc_start(visible: Tensor, query_offset: int) -> Tensor | None:
+    """If ``visible`` ``[B, T, L]`` is exactly causal (queries at absolute positions
+    ``query_offset + i``) plus left padding, return ``doc_start`` ``[B, L]`` for the padded-q
+    chunked op (padding tokens form their own leading document); else None."""
+    batch, length_q, length_k = visible.shape
+    last = visible[:, -1]  # the last query sees every real key
+    if not bool(last.any(-1).all()):
+        return None
+    pad = last.to(torch.int64).argmax(-1)  # first visible key per row
+    cols = torch.arange(length_k, device=visible.device)
+    rows = query_offset + torch.arange(length_q, device=visible.device)
+    expected = (cols[None, None, :] <= rows[None, :, None]) & (cols[None, None, :] >= pad[:, None, None])
+    # Padding query rows may be anything in HF masks; only compare real query rows.
+    real_rows = rows[None, :] >= pad[:, None]
+    if not bool(((expected == visible) | ~real_rows[:, :, None]).all()):
+        return None
+    return torch.where(cols[None, :] >= pad[:, None], pad[:, None], torch.zeros_like(pad)[:, None]).expand(batch, length_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registered attention function, exact mode and recorders
+
+_STATE = threading.local()
+
+
+def _exact_depth() -> int:
+    return getattr(_STATE, "exact", 0)
+
+
+def _recorders() -> list:
+    if not hasattr(_STATE, "recorders"):
+        _STATE.recorders = []
+    return _STATE.recorders
+
+
+@contextlib.contextmanager
+def exact_attention():
+    """Inside this context every converted layer runs the host's exact (SDPA) attention: the
+    converted model computes exactly the original model (same weights)."""
+    _STATE.exact = _exact_depth() + 1
+    try:
+        yield
+    finally:
+        _STATE.exact = _exact_depth() - 1
+
+
+@contextlib.contextmanager
+def record_attention(fn: Callable):
+    """Call ``fn(module, query, key, value, attention_mask, scaling)`` on every attention call
+    (HF layouts) of models running the ``kernelmix`` implementation."""
+    _recorders().append(fn)
+    try:
+        yield
+    finally:
+        _recorders().remove(fn)
+
+
+def kernelmix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The ``kernelmix`` attention function: random-feature attention on layers with a kernel,
+    transformers' SDPA on the others (and everywhere inside :func:`exact_attention`)."""
+    for fn in list(_recorders()):
+        fn(module, query, key, value, attention_mask, scaling)
+    rf = getattr(module, "kernelmix_rf", None)
+    if rf is None or _exact_depth() > 0:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit soft-capping is not supported by random-feature attention")
+    return rf.attend(query, key, value, attention_mask, scaling), None
+
+
+def register() -> None:
+    """Register the ``kernelmix`` attention function and its mask function (SDPA's) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, kernelmix_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def decoder_layers(model) -> Sequence[nn.Module]:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture model_type={model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            "the Llama and Gemma families)"
+        )
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(f"{type(model).__name__} is not a decoder-only causal LM with model.layers[*].self_attn")
+    return layers
+
+
+def is_local(attn: nn.Module) -> bool:
+    """A sliding-window (local) attention layer?"""
+    return getattr(attn, "sliding_window", None) is not None
+
+
+
+def kernels(model) -> dict[int, nn.Module]:
+    """Layer index → its attached kernel (:class:`~.layer_kernels.RandomFeatureKernel` or
+    :class:`~.layer_kernels.CubitKernel`), converted layers only."""
+    return {i: layer.self_attn.kernelmix_rf for i, layer in enumerate(decoder_layers(model))
+            if getattr(layer.self_attn, "kernelmix_rf", None) is not None}

@@ -1,0 +1,238 @@
+"""Convert a pretrained Hugging Face causal LM (Llama / Gemma families) to random-feature attention.
+
+:func:`convert` attaches a kernel (:mod:`.layer_kernels`) to each chosen layer and switches the
+model to the ``kernelmix`` attention implementation (:mod:`.attention`). The host's parameters are
+untouched; the conversion settings are stored in ``config.kernelmix_conversion`` so that
+:func:`kernelmix.pretrained.load_converted` can re-apply them.
+
+DARKFormer initialisations (:func:`initialise`): ``identity`` (exactly Performer), ``whiten``
+(the function-preserving data-aware transform from calibration statistics) and ``distill``
+(train M, optionally F, so each layer's attention output matches exact softmax attention on the
+same q/k/v; host weights untouched); see :mod:`.calibration`. ``cubit`` is experimental
+(:class:`~.layer_kernels.CubitKernel`): the keys serve as Cubit's reference, λ and s are
+learned, global (unwindowed) layers only.
+
+For finetuning later: :func:`set_trainable` freezes the host except q/k/v projections (and the
+QK-norm scales) of converted layers and the kernels' own parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
+from .calibration import capture, distill, whiten
+from .layer_kernels import CubitKernel, RandomFeatureKernel
+
+MIXERS = ("performer", "darkformer", "cubit")  # cubit: experimental (see CubitKernel)
+LAYER_CHOICES = ("all", "global", "local")
+INITS = ("identity", "whiten", "distill", "whiten+distill")
+PROJECTIONS = ("orthogonal", "iid")
+CONFIG_KEY = "kernelmix_conversion"
+CONVERSION_VERSION = 1
+
+
+@dataclass
+class ConversionConfig:
+    """What to convert and how.
+
+    * ``mixer``: ``performer`` or ``darkformer``.
+    * ``layers``: ``all``, ``global`` (non-windowed layers; local ones keep exact softmax within
+      their window), ``local`` (sliding-window layers only) or a list of layer indices.
+    * ``num_features``: m per head. ``projection``: ``orthogonal`` or ``iid``. ``seed``: the draw of W
+      (one generator, layers in order).
+    * ``chunk_size``: chunk of the linear-time op.
+    * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
+    """
+
+    mixer: str = "darkformer"
+    layers: Any = "all"
+    num_features: int = 256
+    projection: str = "orthogonal"
+    seed: int = 0
+    chunk_size: int = 64
+    ridge: float = 4.0
+    # filled in by convert(): the resolved layer indices and the initialisation used
+    layer_indices: list = field(default_factory=list)
+    init: str = "identity"
+    version: int = CONVERSION_VERSION
+
+    def validate(self) -> None:
+        if self.mixer not in MIXERS:
+            raise ValueError(f"unknown mixer {self.mixer!r} for conversion (choose from: {', '.join(MIXERS)})")
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not (self.ridge > 0 and math.isfinite(self.ridge)):
+            raise ValueError(f"ridge must be a positive number, got {self.ridge!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"unknown projection {self.projection!r} (choose from: {', '.join(PROJECTIONS)})")
+        if isinstance(self.num_features, bool) or not isinstance(self.num_features, int) or self.num_features <= 0:
+            raise ValueError(f"num_features must be a positive int, got {self.num_features!r}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if isinstance(self.layers, str):
+            if self.layers not in LAYER_CHOICES:
+                raise ValueError(f"unknown layer selection {self.layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
+        elif not isinstance(self.layers, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layers):
+            raise ValueError(f"layers must be one of {LAYER_CHOICES} or a list of ints, got {self.layers!r}")
+        if self.init not in INITS:
+            raise ValueError(f"unknown init {self.init!r} (choose from: {', '.join(INITS)})")
+
+def resolve_layers(model, layers: Any) -> list[int]:
+    """``all`` / ``global`` / ``local`` / indices → sorted list of layer indices (ValueError when empty or out of range)."""
+    decoder = decoder_layers(model)
+    n = len(decoder)
+    if isinstance(layers, str):
+        if layers not in LAYER_CHOICES:
+            raise ValueError(f"unknown layer selection {layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
+        picked = [i for i, layer in enumerate(decoder)
+                  if layers == "all" or (layers == "local") == is_local(layer.self_attn)]
+        if not picked:
+            raise ValueError(f"the model has no {layers} attention layers to convert")
+        return picked
+    indices = list(layers)
+    if not indices:
+        raise ValueError("empty layer list: choose at least one layer to convert")
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"layer indices must be ints, got {i!r}")
+        if not -n <= i < n:
+            raise ValueError(f"layer index {i} out of range: the model has {n} layers (0..{n - 1})")
+    return sorted({i % n for i in indices})
+
+
+def convert(model, config: ConversionConfig | None = None, *, calibration: Tensor | None = None,
+            init: str = "identity", attention_mask: Tensor | None = None, progress: bool = False,
+            **init_options) -> nn.Module:
+    """Convert ``model`` in place (and return it): the chosen layers get a
+    :class:`RandomFeatureKernel` and the model runs the ``kernelmix`` attention implementation.
+
+    The host's parameters are untouched. ``init`` (DARKFormer): ``identity``, ``whiten``,
+    ``distill`` or ``whiten+distill``, the last three from ``calibration`` token ids ``[B, T]``
+    (``attention_mask`` optional); ``init_options`` go to :func:`initialise`."""
+    config = ConversionConfig() if config is None else config
+    config.init = init
+    config.validate()
+    if hasattr(model.config, CONFIG_KEY) and any(hasattr(l.self_attn, "kernelmix_rf") for l in decoder_layers(model)):
+        raise ValueError("the model is already converted; load the original to convert it again")
+    indices = resolve_layers(model, config.layers)
+    config.layer_indices = indices
+    attach_kernels(model, config)
+    if init != "identity":
+        initialise(model, init, calibration, attention_mask=attention_mask, progress=progress, **init_options)
+    return model
+
+
+def attach_kernels(model, config: ConversionConfig) -> None:
+    register()
+    decoder = decoder_layers(model)
+    generator = torch.Generator().manual_seed(config.seed)
+    cfg = model.config
+    param = next(model.parameters())
+    for i in config.layer_indices:
+        attn = decoder[i].self_attn
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if config.mixer == "cubit":
+            kernel = CubitKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, ridge=config.ridge,
+                                 chunk_size=config.chunk_size)
+        else:
+            kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
+                                         num_features=config.num_features, projection=config.projection,
+                                         chunk_size=config.chunk_size, generator=generator)
+        attn.kernelmix_rf = kernel.to(device=param.device)  # float32 whatever the host dtype
+    model.config._attn_implementation = ATTENTION_NAME
+    for sub in model.modules():  # sub-configs (some models keep their own) follow
+        sub_cfg = getattr(sub, "config", None)
+        if sub_cfg is not None and sub_cfg is not cfg and hasattr(sub_cfg, "_attn_implementation"):
+            sub_cfg._attn_implementation = ATTENTION_NAME
+    setattr(model.config, CONFIG_KEY, {k: v for k, v in asdict(config).items()})
+
+
+def conversion_config(model) -> ConversionConfig | None:
+    raw = getattr(model.config, CONFIG_KEY, None)
+    return None if raw is None else ConversionConfig(**raw)
+
+
+def set_num_features(model, num_features: int, seed: int = 0) -> None:
+    """Redraw every converted layer's W with ``num_features`` rows (M and F are kept)."""
+    generator = torch.Generator().manual_seed(seed)
+    for kernel in kernels(model).values():
+        if kernel.mixer == "cubit":
+            raise ValueError("a cubit conversion has no random features to redraw")
+        kernel.redraw(generator, num_features)
+    raw = getattr(model.config, CONFIG_KEY)
+    raw.update(num_features=int(num_features), seed=int(seed))
+
+
+def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: Tensor | None = None,
+               eps: float = 1e-3, steps: int = 200, lr: float = 5e-3, train_fold: bool = False,
+               batch_size: int = 1, progress: bool = False, log: Callable | None = None) -> dict:
+    """(Re-)initialise the DARKFormer layers of a converted model: ``identity``, ``whiten``,
+    ``distill`` or ``whiten+distill`` from ``calibration`` token ids ``[B, T]``. Returns
+    ``{"distill": {layer: losses}}`` when distilling."""
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
+    ks = kernels(model)
+    if not ks:
+        raise ValueError("the model is not converted (no kernelmix_rf layers); call convert() first")
+    result: dict = {}
+    with torch.no_grad():
+        for k in ks.values():
+            if k.mixer == "darkformer":
+                eye = torch.eye(k.head_dim, device=k.transform.device).expand_as(k.transform)
+                k.transform.copy_(eye)
+                k.query_fold.copy_(eye)
+    if init != "identity":
+        if calibration is None:
+            raise ValueError(f"init={init!r} needs calibration token ids [B, T]")
+        if any(k.mixer != "darkformer" for k in ks.values()):
+            raise ValueError(f"init={init!r} applies to darkformer conversions; performer has no transform")
+        captured = capture(model, calibration, attention_mask, batch_size=batch_size)
+        if init.startswith("whiten"):
+            whiten(model, captured, eps)
+        if init.endswith("distill"):
+            result["distill"] = distill(model, captured, steps=steps, lr=lr, train_fold=train_fold, progress=progress, log=log)
+    raw = getattr(model.config, CONFIG_KEY)
+    raw["init"] = init
+    return result
+
+
+def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: bool = True,
+                  layers: Iterable[int] | None = None) -> list[nn.Parameter]:
+    """Freeze the host except, in ``layers`` (default: the converted ones), the q/k/v projections,
+    the QK-norm scales and the kernels' own parameters (DARKFormer's M, Cubit's λ and s; ``transform``);
+    returns the trainable parameters (for a finetuning optimizer). Unconverted layers may be listed
+    too (a softmax baseline finetuned the same way)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    decoder = decoder_layers(model)
+    indices = list(kernels(model)) if layers is None else list(layers)
+    names = (["q_proj", "k_proj", "v_proj"] if qkv else []) + (["q_norm", "k_norm"] if norms else [])
+    trainable = []
+    for i in indices:
+        attn = decoder[i].self_attn
+        for name in names:
+            sub = getattr(attn, name, None)
+            if sub is not None:
+                trainable.extend(sub.parameters())
+        kernel = getattr(attn, "kernelmix_rf", None)
+        if transform and kernel is not None:
+            trainable.extend(kernel.trainable())
+    for p in trainable:
+        p.requires_grad_(True)
+    return trainable
+
+
+
+def parse_layers(text: str):
+    """``all`` / ``global`` / ``local`` / ``0,5,11`` → the ``layers`` of :class:`ConversionConfig`."""
+    if text in LAYER_CHOICES:
+        return text
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"layers takes {', '.join(LAYER_CHOICES)} or comma-separated indices, got {text!r}") from None

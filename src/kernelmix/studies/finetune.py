@@ -1,0 +1,195 @@
+"""The finetuning study: exact softmax, Performer and DARKFormer (and the experimental Cubit
+conversion) finetuned with the same data, steps, m and seed, at one or several learning rates.
+
+The softmax variant (the host, unconverted) is finetuned with the same mode, layers and budget:
+finetuning on the text also adapts any model to its domain, so the honest ceiling for a converted
+model is the host finetuned the same way, not the host as it was. Both are reported. Several
+learning rates make the learning-rate sweep of the stability claim (spikes per run).
+
+Interruption: :func:`compare_finetune` keeps each finished run's result in ``out_dir`` and skips it
+on the next call; an interrupted run continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+
+from ..output import pyplot, write_json_atomic, write_text_atomic
+from ..pretrained.convert import INITS, ConversionConfig, convert
+from ..pretrained.finetune import FinetuneConfig, finetune
+from ..training.spikes import find_spikes
+
+VARIANTS = ("softmax", "performer", "darkformer", "cubit")  # cubit: the experimental conversion
+DEFAULT_VARIANTS = ("softmax", "performer", "darkformer")
+
+
+
+def build_variant(host, variant: str, *, num_features: int, layers: Any, init: str, calibration: Tensor | None,
+                  seed: int = 0, distill_steps: int = 100, log: Callable | None = None):
+    """A fresh copy of ``host`` as ``variant``: ``softmax`` (unchanged), ``performer`` or
+    ``darkformer`` (converted with ``init``; the same W draw for both at equal m and seed), or the
+    experimental ``cubit`` conversion (global layers only)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (choose from: {', '.join(VARIANTS)})")
+    model = copy.deepcopy(host)
+    if variant == "softmax":
+        return model
+    config = ConversionConfig(mixer=variant, layers=layers, num_features=num_features, seed=seed)
+    use_init = init if variant == "darkformer" else "identity"
+    return convert(model, config, calibration=calibration if use_init != "identity" else None, init=use_init,
+                      steps=distill_steps, log=log)
+
+
+def compare_finetune(
+    host,
+    train_windows: Tensor,
+    val_windows: Tensor,
+    config: FinetuneConfig,
+    *,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    lrs: Sequence[float] | None = None,
+    num_features: int = 64,
+    layers: Any = "all",
+    init: str = "whiten",
+    calib_windows: int = 2,
+    distill_steps: int = 100,
+    out_dir: str | Path | None = None,
+    progress: bool | None = False,
+    log: Callable | None = None,
+) -> dict:
+    """Finetune every variant at every learning rate with the same data, steps, m and seed.
+    Returns (and writes to ``out_dir``: ``finetune.json``, ``finetune.md``, PNG plots) the results.
+    Finished runs found in ``out_dir`` are reused."""
+    say = log or (lambda msg: None)
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r} (choose from: {', '.join(VARIANTS)})")
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
+    lrs = list(lrs) if lrs else [config.lr]
+    out = Path(out_dir) if out_dir is not None else None
+    calibration = train_windows[:calib_windows]
+    runs = []
+    t_all = time.perf_counter()
+    for variant in variants:
+        for lr in lrs:
+            name = f"{variant}-lr{lr:g}"
+            run_dir = out / "runs" / name if out is not None else None
+            done_file = run_dir / "result.json" if run_dir is not None else None
+            if done_file is not None and done_file.is_file():
+                saved = json.loads(done_file.read_text())
+                # spikes are a function of the logged losses: recount with the current rule
+                by_loss = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
+                by_gradient = [sp for sp in saved["spikes"] if sp.get("gradient")]
+                steps = {sp["step"] for sp in by_loss}
+                saved["spikes"] = sorted(by_loss + [sp for sp in by_gradient if sp["step"] not in steps], key=lambda sp: sp["step"])
+                saved["num_spikes"] = len(saved["spikes"])
+                runs.append(saved)
+                say(f"{name}: reusing the finished run in {run_dir}")
+                continue
+            t = time.perf_counter()
+            model = build_variant(host, variant, num_features=num_features, layers=layers, init=init,
+                                  calibration=calibration, seed=config.seed, distill_steps=distill_steps, log=log)
+            setup_s = time.perf_counter() - t
+            run_config = dataclasses.replace(config, lr=lr)
+            resume = run_dir is not None and (run_dir / "checkpoints").is_dir()
+            model, result = finetune(model, train_windows, val_windows, run_config, layers=layers, out_dir=run_dir,
+                                     resume=resume, progress=progress, label=name)
+            result.update({"variant": variant, "lr": lr, "num_features": num_features if variant in ("performer", "darkformer") else None,
+                           "init": None if variant == "softmax" else (init if variant == "darkformer" else "identity"),
+                           "setup_s": setup_s})
+            say(f"{name}: val loss {result['initial']['loss']:.3f} → {result['final']['loss']:.3f}, "
+                f"acc {result['final']['accuracy']:.3f}, {result['num_spikes']} spikes, {result['train_s']:.0f} s")
+            if done_file is not None:
+                write_json_atomic(done_file, result, indent=1)
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the run is done; its result is kept
+            runs.append(result)
+            del model
+    report = {
+        "format": "kernelmix-finetune-1",
+        "settings": {"finetune": asdict(config), "variants": list(variants), "lrs": lrs, "num_features": num_features,
+                     "layers": layers, "init": init, "calib_windows": calib_windows,
+                     "train_windows": int(train_windows.shape[0]), "val_windows": int(val_windows.shape[0]),
+                     "val_tokens": int(val_windows.shape[0] * (val_windows.shape[1] - 1))},
+        "runs": runs,
+        "wall_s": time.perf_counter() - t_all,
+    }
+    if out is not None:
+        write_report(report, out)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    f = s["finetune"]
+    lines = [
+        f"Finetuning ({f['mode']}, {f['steps']} steps × {f['batch_size']} × {f['seq_len']} tokens, warmup {f['warmup_steps']}, "
+        f"cosine to {f['min_lr_ratio']}·lr, seed {f['seed']}); m = {s['num_features']}, layers {s['layers']}, "
+        f"DARKFormer init {s['init']}; validation {s['val_windows']} held-out windows ({s['val_tokens']} predicted tokens). "
+        f"Spike: loss > median of the previous {f['spike_window']} + max({f['spike_nats']} nats, 4σ), σ = 1.4826·MAD of those "
+        f"losses (batch noise), or not finite.",
+        "",
+        "| variant | lr | val loss before | val loss after | val acc after | spikes | diverged | trainable params | train s | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['variant']} | {r['lr']:g} | {r['initial']['loss']:.3f} | {r['final']['loss']:.3f} | {r['final']['accuracy']:.3f} | "
+            f"{r['num_spikes']} | {'yes' if r['diverged'] else 'no'} | {r['trainable_parameters']:,} | {r['train_s']:.0f} | {r['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: str | Path, *, plots: bool = True) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "finetune.json", report, indent=1)
+    write_text_atomic(out / "finetune.md", markdown(report))
+    if plots:
+        try:
+            _plots(report, out)
+        except ImportError:
+            pass
+    return out
+
+
+def _smooth(values: Sequence[float], width: int = 10) -> list[float]:
+    finite = [v if math.isfinite(v) else float("nan") for v in values]
+    out = []
+    for i in range(len(finite)):
+        window = [v for v in finite[max(0, i - width + 1): i + 1] if v == v]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
+def _plots(report: dict, out: Path) -> None:
+    plt = pyplot()
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in report["runs"]:
+        label = f"{r['variant']} lr {r['lr']:g}"
+        ax_train.plot(range(1, len(r["losses"]) + 1), _smooth(r["losses"]), label=label)
+        ax_val.plot([e["step"] for e in r["evals"]], [e["loss"] for e in r["evals"]], marker="o", label=label)
+    ax_train.set(xlabel="step", ylabel="train loss (10-step mean)", title="training loss")
+    ax_val.set(xlabel="step", ylabel="validation loss (nats/token)", title="held-out loss")
+    ax_val.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "finetune_curves.png", dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["DEFAULT_VARIANTS", "VARIANTS", "build_variant", "compare_finetune", "markdown", "write_report"]
