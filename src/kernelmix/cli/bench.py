@@ -43,7 +43,7 @@ def add_command(sub) -> None:
     opbench.add_argument("--device", default="cpu")
     opbench.add_argument("--repeats", type=positive_int, default=3)
     opbench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    opbench.add_argument("--out", default="benchmarks", help="directory for bench.json / bench.png")
+    opbench.add_argument("--out", default="runs/bench", help="directory for bench.json / bench.png (the committed runs: results/bench*)")
     opbench.add_argument(
         "--peers", default="", help="comma-separated peers measured in the same run: performer-pytorch, "
         "fla-deltaformer-naive, cubit-dense (skipped with a note when not installed)",

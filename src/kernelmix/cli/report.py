@@ -47,7 +47,7 @@ def add_command(sub) -> None:
     )
     d.add_argument("--model", default="gemma3-270m", help="a known name (prepared on first use) or a local HF causal-LM directory")
     d.add_argument("--text", default="shakespeare", help="corpus name, dir, glob or file (split by document)")
-    d.add_argument("--out", default="reports/darkformer")
+    d.add_argument("--out", default="runs/darkformer-report", help="output directory (the committed report: results/darkformer)")
     d.add_argument("--work", default=None, help="checkpoints and reusable results (default runs/report-darkformer)")
     d.add_argument("--quick", action="store_true", help="a smoke-sized run of the whole pipeline")
     d.add_argument("--m", default="", help="diagnostic feature counts (default 16,64,256,1024)")

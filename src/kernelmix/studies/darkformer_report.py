@@ -66,7 +66,7 @@ def _machine() -> dict:
             "cpu_count": os.cpu_count(), "platform": platform.platform()}
 
 
-def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = "reports/darkformer",
+def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = "runs/darkformer-report",
                       work_dir: str | Path | None = None, *, model=None, tokenizer=None, progress: bool | None = None,
                       log=print) -> dict:
     """Run the study and write ``out_dir``: ``README.md`` (the summary), ``diagnostics/`` and
