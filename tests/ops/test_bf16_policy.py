@@ -1,4 +1,4 @@
-"""The CPU bf16 policy (ops/softmax.py): on a CPU without native bf16 matrix products the
+"""The CPU bf16 policy (ops/_common.py, policy 2): on a CPU without native bf16 matrix products the
 attention read-out runs in fp32 and returns bf16. Forced on and off here, so both paths are
 tested on any machine: dtypes, accuracy against the float64 references within bf16 bounds,
 gradients, autocast, and that it never applies off the CPU."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernelmix import ops
-from kernelmix.ops import softmax as softmax_module
+from kernelmix.ops import _common
 from tests.utils import rel_rmse, rms
 
 B, T, H, HKV, D = 2, 65, 4, 2, 16
@@ -40,7 +40,7 @@ MIXERS = {
 
 @pytest.fixture(params=[False, True], ids=["policy-on", "native-bf16"])
 def native(request, monkeypatch):
-    monkeypatch.setattr(softmax_module, "cpu_has_native_bf16", lambda: request.param)
+    monkeypatch.setattr(_common, "cpu_has_native_bf16", lambda: request.param)
     return request.param
 
 
@@ -54,18 +54,18 @@ def _grads(fn, x: dict, names: list[str], grad_out: torch.Tensor, autocast: bool
 
 def test_predicate(native, monkeypatch):
     x = torch.zeros(2, dtype=torch.bfloat16)
-    assert softmax_module.bf16_attention_in_fp32(x) is (not native)
-    assert not softmax_module.bf16_attention_in_fp32(x.float())
+    assert _common.bf16_attention_in_fp32(x) is (not native)
+    assert not _common.bf16_attention_in_fp32(x.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert softmax_module.bf16_attention_in_fp32(x.float()) is (not native)
+        assert _common.bf16_attention_in_fp32(x.float()) is (not native)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert not softmax_module.bf16_attention_in_fp32(x.float())
+        assert not _common.bf16_attention_in_fp32(x.float())
     # never off the CPU (CUDA and other accelerators have their own bf16 kernels)
-    assert not softmax_module.bf16_attention_in_fp32(torch.zeros(2, dtype=torch.bfloat16, device="meta"))
+    assert not _common.bf16_attention_in_fp32(torch.zeros(2, dtype=torch.bfloat16, device="meta"))
 
 
 def test_policy_computes_in_fp32(monkeypatch):
-    monkeypatch.setattr(softmax_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(_common, "cpu_has_native_bf16", lambda: False)
     x = {n: _inputs(0)[n].bfloat16() for n in ("q", "k", "v")}
     out = ops.softmax_attention(x["q"], x["k"], x["v"])
     assert out.dtype == torch.bfloat16

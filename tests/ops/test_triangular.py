@@ -1,9 +1,10 @@
 """The triangular solve shared by Cubit and DeltaFormer, in both of its implementations (the blocked
-solve and the fused-attention rectangles, see ``_triangular``): the paths the mixer tests do not
-reach on their own — heads processed in groups (long sequences), rectangles cut into pieces,
-several batch elements with different document layouts, reference rows shorter than the norm
-clamp, β near 0 — against the float64 references, forward and every input gradient, at odd lengths
-and chunk sizes not dividing T. The mixer tests themselves run the default ("auto") path."""
+solve and the fused-attention rectangles, see ``_triangular``; the ``solver`` argument picks one):
+the paths the mixer tests do not reach on their own — heads processed in groups (long sequences),
+rectangles cut into pieces, several batch elements with different document layouts, reference
+rows shorter than the norm clamp, β near 0 — against the float64 references, forward and every
+input gradient, at odd lengths and chunk sizes not dividing T. The mixer tests themselves run the
+default ("auto") path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernelmix import ops
-from kernelmix.ops import _triangular
+from kernelmix.ops import _solve_blocked, _solve_rectangles, _triangular
 from tests.ops.test_documents import _doc_start
 from tests.utils import rel_rmse
 
@@ -63,11 +64,11 @@ MIXERS = {
 def solve_path(request, monkeypatch):
     """Each test below runs with both implementations; the rectangles are cut into small pieces
     (24 rows × 16 columns) so that T = 63, 65 exercise that too, and its leaves are chunk_size rows
-    (no minimum), so that chunk sizes that do not divide T exercise the leaves' edges."""
-    monkeypatch.setattr(_triangular, "SOLVE_PATH", request.param)
-    monkeypatch.setattr(_triangular, "RECT_ROWS", 24)
-    monkeypatch.setattr(_triangular, "RECT_COLS", 16)
-    monkeypatch.setattr(_triangular, "RECT_MIN_LEAF", 1)
+    (no minimum), so that chunk sizes that do not divide T exercise the leaves' edges. The tests
+    pass the returned name as ``solver``."""
+    monkeypatch.setattr(_solve_rectangles, "RECT_ROWS", 24)
+    monkeypatch.setattr(_solve_rectangles, "RECT_COLS", 16)
+    monkeypatch.setattr(_solve_rectangles, "RECT_MIN_LEAF", 1)
     return request.param
 
 
@@ -82,20 +83,20 @@ def _forward_and_grads(call, t, names, grad_out):
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_head_groups_match_reference(monkeypatch, name, T, chunk, documents):
     # the blocked solve, one head per group (a kernel block of ≤ 1 element forces the smallest groups)
-    monkeypatch.setattr(_triangular, "SOLVE_PATH", "blocked")
-    monkeypatch.setattr(_triangular, "TILE_ELEMENTS", 1)
-    _check_mixer_against_reference(name, T, chunk, documents, seed=T + chunk, grad_seed=3, grad_tol=1e-10)
+    monkeypatch.setattr(_solve_blocked, "TILE_ELEMENTS", 1)
+    _check_mixer_against_reference(name, T, chunk, documents, seed=T + chunk, grad_seed=3, grad_tol=1e-10,
+                                   solver="blocked")
 
 
-def _check_mixer_against_reference(name, T, chunk, documents, *, seed, grad_seed, grad_tol):
-    """The fast mixer against its float64 reference: output to 1e-10, every input gradient finite
-    and within ``grad_tol``."""
+def _check_mixer_against_reference(name, T, chunk, documents, *, seed, grad_seed, grad_tol, solver):
+    """The fast mixer (with ``solver``) against its float64 reference: output to 1e-10, every input
+    gradient finite and within ``grad_tol``."""
     fast, naive, call, names = MIXERS[name]
     t = _inputs(T, seed=seed)
     doc = {"doc_start": _layouts(T)} if documents else {}
     grad_out = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(grad_seed), dtype=F64)
     ref, ref_grads = _forward_and_grads(lambda z: call(naive, z, **doc), t, names, grad_out)
-    out, grads = _forward_and_grads(lambda z: call(fast, z, chunk_size=chunk, **doc), t, names, grad_out)
+    out, grads = _forward_and_grads(lambda z: call(fast, z, chunk_size=chunk, solver=solver, **doc), t, names, grad_out)
     assert rel_rmse(out, ref) <= 1e-10
     for n, got, want in zip(names, grads, ref_grads):
         assert torch.isfinite(got).all(), n
@@ -104,13 +105,12 @@ def _check_mixer_against_reference(name, T, chunk, documents, *, seed, grad_seed
 
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_group_size_does_not_change_the_result(monkeypatch, name):
-    monkeypatch.setattr(_triangular, "SOLVE_PATH", "blocked")
     fast, _, call, _ = MIXERS[name]
     t = _inputs(65, seed=5)
     t32 = {n: x.float() for n, x in t.items()}
-    whole = call(fast, t32, chunk_size=16)
-    monkeypatch.setattr(_triangular, "TILE_ELEMENTS", 1)
-    grouped = call(fast, t32, chunk_size=16)
+    whole = call(fast, t32, chunk_size=16, solver="blocked")
+    monkeypatch.setattr(_solve_blocked, "TILE_ELEMENTS", 1)
+    grouped = call(fast, t32, chunk_size=16, solver="blocked")
     assert torch.allclose(whole, grouped, rtol=1e-5, atol=1e-6)
 
 
@@ -123,7 +123,8 @@ def test_cubit_references_below_the_norm_clamp(solve_path):
     grad_out = torch.randn(B, 33, H, D, generator=torch.Generator().manual_seed(4), dtype=F64)
     names = ["q", "k", "v", "r", "rho"]
     ref, ref_grads = _forward_and_grads(lambda z: _cubit(ops.cubit_attention_naive, z), t, names, grad_out)
-    out, grads = _forward_and_grads(lambda z: _cubit(ops.cubit_attention, z, chunk_size=8), t, names, grad_out)
+    out, grads = _forward_and_grads(lambda z: _cubit(ops.cubit_attention, z, chunk_size=8, solver=solve_path), t, names,
+                                    grad_out)
     assert rel_rmse(out, ref) <= 1e-10
     for n, got, want in zip(names, grads, ref_grads):
         assert rel_rmse(got, want) <= 1e-8, n
@@ -137,11 +138,11 @@ def test_large_logits_do_not_overflow(solve_path):
     grad_out = torch.randn(B, 40, H, D, generator=torch.Generator().manual_seed(5), dtype=F64)
     t32 = {n: x.float() for n, x in t.items()}
     ref, _ = _forward_and_grads(lambda z: _deltaformer(ops.deltaformer_attention_naive, z), t, names, grad_out)
-    out, grads = _forward_and_grads(lambda z: _deltaformer(ops.deltaformer_attention, z, chunk_size=16), t32, names,
-                                    grad_out.float())
+    fast = lambda z: _deltaformer(ops.deltaformer_attention, z, chunk_size=16, solver=solve_path)  # noqa: E731
+    out, grads = _forward_and_grads(fast, t32, names, grad_out.float())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     assert rel_rmse(out, ref) <= 1e-3
-    c = ops.cubit_attention(t32["q"], t32["k"], t32["v"], t32["r"], ref_scale=200.0, chunk_size=16)
+    c = ops.cubit_attention(t32["q"], t32["k"], t32["v"], t32["r"], ref_scale=200.0, chunk_size=16, solver=solve_path)
     c_ref = ops.cubit_attention_naive(t["q"], t["k"], t["v"], t["r"], ref_scale=200.0)
     assert torch.isfinite(c).all() and rel_rmse(c, c_ref) <= 1e-3
 
@@ -172,7 +173,7 @@ def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, solve_path, form, 
     # separate y; b ⊙ b_scale (Cubit's ρ) — forward and every input gradient against the dense
     # float64 solve, at odd lengths and chunk sizes not dividing T, with and without documents
     if tile is not None:
-        monkeypatch.setattr(_triangular, "TILE_ELEMENTS", tile)
+        monkeypatch.setattr(_solve_blocked, "TILE_ELEMENTS", tile)
     g = torch.Generator().manual_seed(T * 31 + chunk)
     strict = form == "y-is-x"  # DeltaFormer's mask with its own form, Cubit's with the others
     t = {
@@ -198,7 +199,7 @@ def test_solve_with_derived_y_and_row_scaled_rhs(monkeypatch, solve_path, form, 
     a = args(leaves2)
     out = _triangular.kernel_triangular_solve(
         a["x"], a["y"], a["b"], beta=a["beta"], gamma=a["gamma"], y_scale=a["y_scale"], b_scale=a["b_scale"],
-        chunk_size=chunk, diagonal_is_row_max=False, **kw,
+        chunk_size=chunk, diagonal_is_row_max=False, solver=solve_path, **kw,
     )
     grads = torch.autograd.grad(out, list(leaves2.values()), grad_out)
     assert rel_rmse(out, ref) <= 1e-10
@@ -211,7 +212,8 @@ def test_y_scale_needs_derived_y(solve_path):
     x = torch.randn(1, 2, 5, 4)
     with pytest.raises(ValueError, match="y_scale"):
         _triangular.kernel_triangular_solve(
-            x, x, x, beta=None, gamma=torch.ones(2), scale=1.0, strict=False, chunk_size=4, y_scale=torch.ones(1, 2, 5)
+            x, x, x, beta=None, gamma=torch.ones(2), scale=1.0, strict=False, chunk_size=4, y_scale=torch.ones(1, 2, 5),
+            solver=solve_path,
         )
 
 
@@ -229,7 +231,7 @@ def test_cubit_ridge_and_ref_scale_gradients(solve_path, T, chunk):
                               doc_start=_layouts(T), **kw)
 
     ref, ref_grads = _forward_and_grads(call(ops.cubit_attention_naive), t, names, grad_out)
-    out, grads = _forward_and_grads(call(ops.cubit_attention, chunk_size=chunk), t, names, grad_out)
+    out, grads = _forward_and_grads(call(ops.cubit_attention, chunk_size=chunk, solver=solve_path), t, names, grad_out)
     assert rel_rmse(out, ref) <= 1e-10
     for n, got, want in zip(names, grads, ref_grads):
         assert rel_rmse(got, want) <= 1e-9, n
@@ -240,7 +242,8 @@ def test_cubit_ridge_and_ref_scale_gradients(solve_path, T, chunk):
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_mixers_match_reference_with_rectangle_pieces(solve_path, name, T, chunk, documents):
     # both mixers end to end, every input gradient, with the rectangles cut into small pieces
-    _check_mixer_against_reference(name, T, chunk, documents, seed=T + 7 * chunk, grad_seed=8, grad_tol=1e-9)
+    _check_mixer_against_reference(name, T, chunk, documents, seed=T + 7 * chunk, grad_seed=8, grad_tol=1e-9,
+                                   solver=solve_path)
 
 
 @pytest.mark.parametrize("dtype, tol", [(F64, 1e-9), (torch.float32, 1e-4)])
@@ -253,7 +256,7 @@ def test_beta_near_zero(solve_path, dtype, tol):
     x = torch.randn(B, H, T, D, generator=g, dtype=F64)
     b = torch.randn(B, H, T, D, generator=g, dtype=F64)
     beta = torch.rand(B, H, T, generator=g, dtype=F64)
-    edge = _triangular.BETA_EXACT
+    edge = _solve_rectangles.BETA_EXACT
     beta[:, :, 5] = 0.0
     beta[:, :, 9] = 1e-12
     beta[:, :, 20] = edge * (1 - 1e-6)
@@ -266,7 +269,7 @@ def test_beta_near_zero(solve_path, dtype, tol):
     ref_grads = torch.autograd.grad(ref, leaves, grad_out)
     mine = [z.to(dtype).requires_grad_() for z in (x, b, beta)]
     out = _triangular.kernel_triangular_solve(mine[0], None, mine[1], beta=mine[2], gamma=gamma.to(dtype), scale=0.35,
-                                              strict=True, chunk_size=16)
+                                              strict=True, chunk_size=16, solver=solve_path)
     grads = torch.autograd.grad(out, mine, grad_out.to(dtype))
     assert rel_rmse(out.double(), ref) <= tol
     for n, got, want in zip(("x", "b", "beta"), grads, ref_grads):
@@ -276,7 +279,7 @@ def test_beta_near_zero(solve_path, dtype, tol):
     assert rel_rmse(grads[2][:, :, [5, 9, 20, 40]].double(), ref_grads[2][:, :, [5, 9, 20, 40]]) <= tol
 
 
-def test_auto_path_falls_back_where_the_rectangles_do_not_apply(monkeypatch):
+def test_auto_path_falls_back_where_the_rectangles_do_not_apply():
     # the fused kernel needs dk == dv: other head sizes take the blocked solve (and are correct);
     # forcing the rectangles there says why it cannot
     g = torch.Generator().manual_seed(3)
@@ -285,10 +288,21 @@ def test_auto_path_falls_back_where_the_rectangles_do_not_apply(monkeypatch):
     kw = dict(beta=None, gamma=torch.full((2,), 0.1, dtype=F64), scale=1.0, strict=False, chunk_size=16)
     out = _triangular.kernel_triangular_solve(x, None, b, **kw)
     assert rel_rmse(out, _dense_solve(x, None, b, None, kw["gamma"], 1.0, False, None)) <= 1e-10
-    assert not _triangular._use_rectangles(x, b) and _triangular._use_rectangles(x, x)
-    monkeypatch.setattr(_triangular, "SOLVE_PATH", "rectangles")
-    with pytest.raises(RuntimeError, match="dk == dv"):
-        _triangular.kernel_triangular_solve(x, None, b, **kw)
+    assert torch.equal(out, _triangular.kernel_triangular_solve(x, None, b, solver="blocked", **kw))
+    assert not _solve_rectangles.rectangles_applicable(x, b) and _solve_rectangles.rectangles_applicable(x, x)
+    # where they apply, "auto" is the rectangle solve
+    auto = _triangular.kernel_triangular_solve(x, None, x, **kw)
+    assert torch.equal(auto, _triangular.kernel_triangular_solve(x, None, x, solver="rectangles", **kw))
+    with pytest.raises(RuntimeError, match=r"dk == dv.*solver='auto'"):
+        _triangular.kernel_triangular_solve(x, None, b, solver="rectangles", **kw)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_unknown_solver_names_the_choices(name):
+    fast, _, call, _ = MIXERS[name]
+    t = _inputs(5, seed=1)
+    with pytest.raises(ValueError, match=r"unknown solver 'rectangle' \(choose from: auto, blocked, rectangles\)"):
+        call(fast, t, chunk_size=4, solver="rectangle")
 
 
 def test_the_two_paths_agree_in_float32_at_length_1000(monkeypatch):
@@ -300,10 +314,9 @@ def test_the_two_paths_agree_in_float32_at_length_1000(monkeypatch):
     t32 = {n: z.float() for n, z in t.items()}
     ref = _cubit(ops.cubit_attention_naive, t)
     results = {}
+    monkeypatch.setattr(_solve_rectangles, "RECT_ROWS", 256)
+    monkeypatch.setattr(_solve_rectangles, "RECT_COLS", 128)
     for path in ("blocked", "rectangles"):
-        monkeypatch.setattr(_triangular, "SOLVE_PATH", path)
-        monkeypatch.setattr(_triangular, "RECT_ROWS", 256)
-        monkeypatch.setattr(_triangular, "RECT_COLS", 128)
-        results[path] = _cubit(ops.cubit_attention, t32, chunk_size=63)
+        results[path] = _cubit(ops.cubit_attention, t32, chunk_size=63, solver=path)
         assert rel_rmse(results[path].double(), ref) <= 1e-4, path
     assert rel_rmse(results["rectangles"], results["blocked"]) <= 1e-4

@@ -1,4 +1,4 @@
-"""Input validation and small numerics helpers shared by the ops.
+"""Input validation, the precision policy and small numerics helpers shared by the ops.
 
 Every op takes ``[B, T, H, d]`` tensors. Keys and values may have fewer heads than the
 queries (grouped-query attention) as long as the query head count is a multiple; they are
@@ -7,13 +7,73 @@ expanded to the query heads inside the op.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Precision policy (bf16 inputs, bf16 autocast)
+#
+# 1. Solves (Cubit, DeltaFormer), random-feature logits and recurrent states run in
+#    ``compute_dtype`` — float32, or float64 when an input is float64 — with autocast switched
+#    off around them (``autocast_off``): bf16 rounding there compounds along the sequence, and
+#    exp of a bf16 logit loses the ratio's accuracy. The ops return their output in the input
+#    (value) dtype.
+# 2. The softmax read-out (SDPA: the softmax mixer, and Cubit's / DeltaFormer's read-out of U)
+#    follows the input dtype, except on a CPU whose matrix units have no bf16 support (no
+#    AVX512-BF16 / AMX / AVX512 core, e.g. AVX2 machines): there oneDNN and the SDPA kernels
+#    emulate bf16 products and run them 5–7× slower than fp32, so the read-out is computed in
+#    fp32 — inputs cast up, autocast off — and the result cast back to bf16, the dtype the bf16
+#    path (or bf16 autocast) would have returned. The result is at least as accurate as the bf16
+#    computation (it rounds once, at the end). Never applied on CUDA or other accelerators, nor on
+#    CPUs with native bf16 support: there bf16 is the fast path (``bf16_attention_in_fp32``).
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The dtype solves, feature logits and states run in: float64 if any input is, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def autocast_off(x: Tensor):
+    """A context in which autocast does not reach the computation on ``x``'s device (policy 1)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matrix products natively (oneDNN's own check: AVX512 core /
+    AVX512-BF16 / AMX on x86, the bf16 extension on Arm)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: decide from the vector unit
+        return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+def bf16_attention_in_fp32(x: Tensor) -> bool:
+    """True where the attention products of ``x`` (bf16, or fp32 under bf16 autocast) should run in
+    fp32: a CPU tensor on a CPU without native bf16 support (policy 2)."""
+    if x.device.type != "cpu" or cpu_has_native_bf16():
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def readout_values(q: Tensor, u: Tensor) -> Tensor:
+    """Solved values U (fp32+) for the read-out: in q's dtype, or kept as they are where the
+    read-out runs in fp32 under the CPU bf16 policy (no needless bf16 rounding of U)."""
+    return u if bf16_attention_in_fp32(q) else u.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation and shared numerics
+
+
+def softmax_scale(q: Tensor, scale: float | None) -> float:
+    """The softmax logits' scale: ``scale``, or 1/√d for queries of head dim d when it is None."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def check_4d(name: str, x: Tensor) -> None:
@@ -119,6 +179,12 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
             "doc_start[b, i] must lie in [0, i] (the first token of token i's document, in absolute indices "
             f"starting at {offset}); got values outside that range"
         )
+
+
+def causal_hidden(size: int, strict: bool, device) -> Tensor:
+    """``[size, size]`` booleans, True where column j is not visible from row i: j > i, or j ≥ i
+    when ``strict`` (a diagonal block of the causal mask, inverted)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(0 if strict else 1)
 
 
 def visible(rows: Tensor, cols: Tensor, doc_start: Tensor | None, *, strict: bool = False) -> Tensor:

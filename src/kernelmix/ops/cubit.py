@@ -5,14 +5,14 @@
     U    = (G + λ_h I)^{-1} (ρ ⊙ V)                    (forward substitution)
     O    = causal softmax(q kᵀ · scale) U              (ordinary attention with v := U)
 
-``cubit_attention`` solves blockwise with a custom backward (O(T·C) memory, see ``_triangular``);
+``cubit_attention`` solves blockwise with a custom backward (O(T·C) memory, see ``_triangular``;
+``solver`` picks its implementation);
 ``cubit_attention_naive`` is the dense ``solve_triangular`` reference; ``cubit_attention_step``
 decodes one token from a (k, u, r̂) cache.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +27,11 @@ from ._common import (
     compute_dtype,
     expand_heads,
     per_head,
+    readout_values,
+    softmax_scale,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import _readout_values, softmax_attention, softmax_attention_naive
+from .softmax import softmax_attention, softmax_attention_naive
 
 REFERENCE_NORM_EPS = 1e-6
 
@@ -79,17 +81,22 @@ def cubit_solve(
     ref_scale: float | Tensor = 1.0,
     chunk_size: int = 64,
     doc_start: Tensor | None = None,
+    solver: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """The kernel-ridge step alone: returns ``(U, r̂)``, both ``[B, T, H, *]`` in the compute dtype.
 
     ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
+    ``solver`` as in :func:`cubit_attention`.
     """
     return _cubit_solve(
-        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start, want_r_hat=True
+        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start,
+        solver=solver, want_r_hat=True,
     )
 
 
-def _cubit_solve(r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, want_r_hat) -> tuple[Tensor, Tensor | None]:
+def _cubit_solve(
+    r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, solver, want_r_hat
+) -> tuple[Tensor, Tensor | None]:
     check_4d("r", r)
     check_4d("v", v)
     if r.shape[:2] != v.shape[:2] or r.shape[2] % v.shape[2]:
@@ -121,6 +128,7 @@ def _cubit_solve(r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, want_r_h
         diagonal_is_row_max=True,  # r_i·r̂_j ≤ s‖r_i‖ = r_i·r̂_i (Cauchy–Schwarz)
         y_scale=factor.transpose(1, 2),
         b_scale=None if rho is None else rho.to(dtype).transpose(1, 2),
+        solver=solver,
     ).transpose(1, 2)
     return u, (r * factor[..., None] if want_r_hat else None)
 
@@ -138,21 +146,25 @@ def cubit_attention(
     chunk_size: int = 64,
     doc_start: Tensor | None = None,
     return_state: bool = False,
+    solver: str = "auto",
 ):
-    """Cubit attention, blocked fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
+    """Cubit attention, fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
     ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi)) or None for ρ ≡ 1.
     ``ridge`` (λ) and ``ref_scale`` (s) are floats or ``[H]`` tensors and receive gradients.
     ``scale`` is the read-out attention's scale (default 1/√d). ``doc_start`` ``[B, T]`` (optional)
     keeps packed documents / left padding apart in both the solve and the read-out.
+    ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
+    on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
+    d_r == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
     Output: ``[B, T, H, d_v]`` in v's dtype.
     """
     _check_cubit_inputs(q, k, v, r, rho)
     u, r_hat = _cubit_solve(
         r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start,
-        want_r_hat=return_state,
+        solver=solver, want_r_hat=return_state,
     )
     heads = q.shape[2]
-    out = softmax_attention(q, expand_heads(k, heads), _readout_values(q, u), scale=scale, doc_start=doc_start).to(
+    out = softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start).to(
         v.dtype
     )
     if return_state:
@@ -238,9 +250,8 @@ def cubit_attention_step(
     u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
     u = u_t if state is None else torch.cat([state.u, u_t], dim=1)
     k_all = k if state is None else torch.cat([state.k, k], dim=1)
-    head_dim = q.shape[-1]
     weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
-    weights = weights * (1.0 / math.sqrt(head_dim) if scale is None else scale)
+    weights = weights * softmax_scale(q, scale)
     if hidden is not None:
         weights = weights.masked_fill(hidden, float("-inf"))
     weights = weights.softmax(dim=-1)

@@ -4,8 +4,8 @@
     o   = causal softmax(q kᵀ · scale) U
 
 i.e. (I + diag(β) P) U = V with P the strictly-causal softmax of w kᵀ. ``w`` defaults to ``k``
-(the K–K form). The fast path is the blocked solve of ``_triangular`` (O(T·C) memory, custom
-backward); ``deltaformer_attention_naive`` is the per-token loop of the definition.
+(the K–K form). The fast path is the solve of ``_triangular`` (O(T·C) memory, custom backward;
+``solver`` picks its implementation); ``deltaformer_attention_naive`` is the per-token loop of the definition.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from ._common import (
     compute_dtype,
     expand_heads,
     masked_softmax,
+    readout_values,
+    softmax_scale,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import _readout_values, _scale, softmax_attention, softmax_attention_naive
+from .softmax import softmax_attention, softmax_attention_naive
 
 
 @dataclass
@@ -66,11 +68,15 @@ def deltaformer_attention(
     chunk_size: int = 64,
     doc_start: Tensor | None = None,
     return_state: bool = False,
+    solver: str = "auto",
 ):
-    """DeltaFormer, blocked fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
+    """DeltaFormer, fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
     ``beta``: ``[B, T, H]`` in (0, 1) (None = ones); ``w`` (default ``k``): the solve's query side.
     ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out. ``doc_start``
-    ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document)."""
+    ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document).
+    ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
+    on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
+    d == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding."""
     _check_inputs(q, k, v, beta, w)
     check_chunk_size(chunk_size)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
@@ -83,12 +89,13 @@ def deltaformer_attention(
         expand_heads(v, heads).to(dtype).transpose(1, 2),
         beta=None if beta is None else beta.to(dtype).transpose(1, 2),
         gamma=torch.ones(heads, dtype=dtype, device=q.device),
-        scale=_scale(q, scale),
+        scale=softmax_scale(q, scale),
         strict=True,
         chunk_size=chunk_size,
         doc_start=doc_start,
+        solver=solver,
     ).transpose(1, 2)
-    out = softmax_attention(q, expand_heads(k, heads), _readout_values(q, u), scale=scale, doc_start=doc_start).to(
+    out = softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start).to(
         v.dtype
     )
     if return_state:
@@ -112,7 +119,7 @@ def deltaformer_attention_naive(
     check_doc_start(doc_start, q.shape[0], length)
     w = k if w is None else w
     dtype = compute_dtype(q, k, v, w)
-    sc = _scale(q, scale)
+    sc = softmax_scale(q, scale)
     kk = expand_heads(k, heads).to(dtype)
     ww = expand_heads(w, heads).to(dtype)
     vv = expand_heads(v, heads).to(dtype)
@@ -158,7 +165,7 @@ def deltaformer_attention_step(
     # cached tokens of earlier documents (or left padding) are invisible
     hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
     dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
-    sc = _scale(q, scale)
+    sc = softmax_scale(q, scale)
     u_t = expand_heads(v, heads).to(dtype)[:, 0]
     if state is not None:
         w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]

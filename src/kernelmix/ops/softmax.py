@@ -6,15 +6,21 @@ Decode: a KV cache (:class:`SoftmaxState`).
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_doc_start, check_qkv, expand_heads, visible
+from ._common import (
+    autocast_off,
+    bf16_attention_in_fp32,
+    check_doc_start,
+    check_qkv,
+    expand_heads,
+    softmax_scale,
+    visible,
+)
 
 
 @dataclass
@@ -29,55 +35,13 @@ class SoftmaxState:
         return self.k.shape[1]
 
 
-def _scale(q: Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# bf16 on CPUs without native bf16 matrix products.
-#
-# Policy: on a CPU whose matrix units have no bf16 support (no AVX512-BF16 / AMX / AVX512 core,
-# e.g. AVX2 machines), oneDNN and the SDPA kernels emulate bf16 products and run them 5–7× slower
-# than fp32. There the attention read-out (SDPA: the softmax mixer, and Cubit's / DeltaFormer's
-# read-out of U) is computed in fp32 — inputs cast up, autocast off — and the result cast back to
-# bf16, the dtype the bf16 path (or bf16 autocast) would have returned. The result is at least as
-# accurate as the bf16 computation (it rounds once, at the end). Never applied on CUDA or other
-# accelerators, nor on CPUs with native bf16 support: there bf16 is the fast path.
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matrix products natively (oneDNN's own check: AVX512 core /
-    AVX512-BF16 / AMX on x86, the bf16 extension on Arm)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: decide from the vector unit
-        return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
-
-
-def bf16_attention_in_fp32(x: Tensor) -> bool:
-    """True where the attention products of ``x`` (bf16, or fp32 under bf16 autocast) should run in
-    fp32: a CPU tensor on a CPU without native bf16 support (see the policy above)."""
-    if x.device.type != "cpu" or cpu_has_native_bf16():
-        return False
-    if x.dtype == torch.bfloat16:
-        return True
-    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-
-
-def _readout_values(q: Tensor, u: Tensor) -> Tensor:
-    """Solved values U (fp32+) for the read-out: in q's dtype, or kept as they are where the
-    read-out runs in fp32 under the CPU bf16 policy (no needless bf16 rounding of U)."""
-    return u if bf16_attention_in_fp32(q) else u.to(q.dtype)
-
-
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
-    """``F.scaled_dot_product_attention`` on ``[B, H, T, d]`` tensors, under the CPU bf16 policy:
-    fp32 products and a bf16 result where ``bf16_attention_in_fp32`` says so (mixed input dtypes
-    are then allowed: Cubit / DeltaFormer pass their fp32 U)."""
+    """``F.scaled_dot_product_attention`` on ``[B, H, T, d]`` tensors, under the CPU bf16 policy
+    (``_common``, policy 2): fp32 products and a bf16 result where ``bf16_attention_in_fp32`` says
+    so (mixed input dtypes are then allowed: Cubit / DeltaFormer pass their fp32 U)."""
     if not bf16_attention_in_fp32(q):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with torch.autocast("cpu", enabled=False):
+    with autocast_off(q):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
     return out.to(torch.bfloat16)
 
@@ -112,7 +76,7 @@ def softmax_attention(
         q.transpose(1, 2),
         expand_heads(k, h).transpose(1, 2),
         expand_heads(v, h).transpose(1, 2),
-        scale=_scale(q, scale),
+        scale=softmax_scale(q, scale),
         **mask_kwargs,
     ).transpose(1, 2)
     if return_state:
@@ -128,7 +92,7 @@ def softmax_attention_naive(
     h, t = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], t)
     k, v = expand_heads(k, h), expand_heads(v, h)
-    scores = torch.einsum("bihd,bjhd->bhij", q, k) * _scale(q, scale)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * softmax_scale(q, scale)
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if doc_start is not None:
         mask = mask & (torch.arange(t, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
@@ -165,9 +129,14 @@ def softmax_attention_step(
         expand_heads(k, h).transpose(1, 2),
         expand_heads(v, h).transpose(1, 2),
         attn_mask=mask,
-        scale=_scale(q, scale),
+        scale=softmax_scale(q, scale),
     ).transpose(1, 2)
     return out, SoftmaxState(k=k, v=v)
 
 
-__all__ = ["SoftmaxState", "bf16_attention_in_fp32", "cpu_has_native_bf16", "softmax_attention", "softmax_attention_naive", "softmax_attention_step"]
+__all__ = [
+    "SoftmaxState",
+    "softmax_attention",
+    "softmax_attention_naive",
+    "softmax_attention_step",
+]
