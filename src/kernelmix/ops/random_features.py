@@ -24,7 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._common import check_4d, check_chunk_size, check_doc_start, check_qkv, compute_dtype, expand_heads
+from ._common import (
+    autocast_off,
+    check_4d,
+    check_chunk_size,
+    check_doc_start,
+    check_qkv,
+    compute_dtype,
+    expand_heads,
+)
 
 
 @dataclass
@@ -40,7 +48,6 @@ class RandomFeatureState:
 
 # ---------------------------------------------------------------------------------------------
 # Projections and the feature map
-
 
 
 def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -116,9 +123,10 @@ def orthogonal_random_features(
     return w.to(dtype=dtype, device=device)
 
 
-def _feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None, *, norm_term: bool = True) -> Tensor:
-    """log(√m · φ(x)) = W (M x̃) − ½‖M x̃‖² for ``x`` ``[B, T, H, d]`` → ``[B, T, H, m]``.
-    ``norm_term=False`` leaves out −½‖M x̃‖², a per-token constant (for queries it cancels in the ratio)."""
+def feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None, *, norm_term: bool = True) -> Tensor:
+    """log(√m · φ(x)) = W (M x̃) − ½‖M x̃‖² for ``x`` ``[B, T, H, d]`` → ``[B, T, H, m]``, in x's dtype
+    (the callers pass x, W and M in the compute dtype). ``norm_term=False`` leaves out −½‖M x̃‖², a
+    per-token constant (for queries it cancels in the ratio)."""
     x = x * x.shape[-1] ** -0.25
     if transform is not None:
         x = torch.einsum("hed,bthd->bthe", transform, x)
@@ -153,7 +161,7 @@ def positive_random_features(x: Tensor, projection: Tensor, *, transform: Tensor
     check_4d("x", x)
     _check_projection(projection, transform, x.shape[2], x.shape[3])
     dtype = compute_dtype(x, projection)
-    logits = _feature_logits(x.to(dtype), projection.to(dtype), None if transform is None else transform.to(dtype))
+    logits = feature_logits(x.to(dtype), projection.to(dtype), None if transform is None else transform.to(dtype))
     return torch.exp(logits) / math.sqrt(projection.shape[-2])
 
 
@@ -170,8 +178,8 @@ def _prepare(q, k, v, projection, transform):
     m = None if transform is None else transform.to(dtype)
     # −½‖q̃‖² is a per-query constant: it cancels between numerator and denominator, so the
     # queries skip it (and its backward); the per-query max subtracted later stabilises them.
-    q_logits = _feature_logits(q.to(dtype), proj, m, norm_term=False)
-    k_logits = _feature_logits(expand_heads(k, heads).to(dtype), proj, m)
+    q_logits = feature_logits(q.to(dtype), proj, m, norm_term=False)
+    k_logits = feature_logits(expand_heads(k, heads).to(dtype), proj, m)
     return q_logits, k_logits, expand_heads(v, heads).to(dtype), dtype
 
 
@@ -226,94 +234,128 @@ def random_feature_attention(
     is a loop over N. Values carry an extra ones column, so one product gives numerator and
     denominator (S and z travel together as ``[m, d_v + 1]``)."""
     check_chunk_size(chunk_size)
-    with torch.autocast(q.device.type, enabled=False):  # feature logits and states stay ≥ fp32
-        q_logits, k_logits, values, dtype = _prepare(q, k, v, projection, transform)
+    with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
+        q_logits, k_logits, values, _ = _prepare(q, k, v, projection, transform)
         batch, length, heads, m = k_logits.shape
         dv = values.shape[-1]
-        if initial_state is None:
-            state = values.new_zeros(batch, heads, m, dv + 1)
-            shift = values.new_full((batch, heads), float("-inf"))
-            start = 0
-        else:
-            _check_state(initial_state, batch, heads, m, dv)
-            state = torch.cat([initial_state.S.to(dtype), initial_state.z.to(dtype)[..., None]], dim=-1)
-            shift, start = initial_state.shift.to(dtype), initial_state.length
+        state, shift, start = _starting_state(initial_state, values, m)
         check_doc_start(doc_start, batch, length, offset=start)
+        running = _running_key_shift(k_logits, doc_start, start, shift)  # [B, H, T]
         chunk = min(chunk_size, max(length, 1))
         n_chunks = -(-length // chunk)
         pad = n_chunks * chunk - length
-        positions = start + torch.arange(n_chunks * chunk, device=q.device)
-        if doc_start is not None and pad:  # padding tokens continue the last document
-            doc_start = torch.cat([doc_start, doc_start[:, -1:].expand(-1, pad)], dim=1)
-        # Tokens whose document began before this call continue the carried state.
-        continues = None if doc_start is None else doc_start[:, :length] < start
-        # Running max of key logits (causal, per document); detached: the output is invariant to it.
-        running = _running_shift(k_logits.detach().amax(dim=-1).transpose(1, 2), None if doc_start is None else doc_start[:, :length])
-        if continues is None:
-            running = torch.maximum(running, shift[..., None])
-        else:
-            running = torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
-
-        def chunked(x: Tensor, fill: float = 0.0) -> Tensor:  # [B, T, H, *] → [B, H, N, C, *]
-            x = x.transpose(1, 2)
-            if pad:
-                x = torch.nn.functional.pad(x, (0, 0, 0, pad), value=fill)
-            return x.reshape(batch, heads, n_chunks, chunk, x.shape[-1])
-
-        q_feat = chunked(_normalised_queries(q_logits))
-        k_feat = chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]))  # ≤ 1; padding: 0
+        pos = (start + torch.arange(n_chunks * chunk, device=q.device)).view(n_chunks, chunk)  # absolute
+        # padding tokens continue the last document and repeat the last shift (their features are 0)
+        rows_doc = None if doc_start is None else _repeat_last(doc_start, pad).view(batch, n_chunks, chunk)
+        sc = _repeat_last(running, pad).view(batch, heads, n_chunks, chunk)
+        q_feat = _chunked(_normalised_queries(q_logits), n_chunks, chunk)
+        k_feat = _chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]), n_chunks, chunk)  # ≤ 1; padding: 0
         ones = values.new_ones(()).expand(*values.shape[:-1], 1)
-        values = chunked(torch.cat([values, ones], dim=-1))  # [V, 1]: numerator and denominator at once
-        if pad:  # padding keys repeat the last shift (their features are 0 anyway)
-            running = torch.cat([running, running[..., -1:].expand(-1, -1, pad)], dim=-1)
-        sc = running.view(batch, heads, n_chunks, chunk)
-        chunk_start = positions[::chunk]  # [N]
-        pos = positions.view(n_chunks, chunk)
-        rows_doc = None if doc_start is None else doc_start.view(batch, n_chunks, chunk)
-        # Intra-chunk: (φ(Q_c) φ(K_c)ᵀ ⊙ exp(s_j − s_i)) over visible j ≤ i; exactly 0 elsewhere.
-        causal = pos[:, None, :] <= pos[:, :, None]  # [N, C, C]
-        if rows_doc is None:
-            seen = causal[None, None]
-        else:
-            seen = (causal[None] & (pos[None, :, None, :] >= rows_doc[..., None]))[:, None]  # [B, 1, N, C, C]
-        decay = _exp_where(sc[..., None, :] - sc[..., :, None], seen)
-        scores = (q_feat @ k_feat.transpose(-1, -2)) * decay
-        # Each chunk's own keys (those of its last token's document), at scale exp(−s_last).
-        last_shift = sc[..., -1]  # [B, H, N]
-        if rows_doc is None:
-            in_last_doc = None
-            keeps_state = None
-            reads_state = None
-        else:
-            in_last_doc = (pos[None] >= rows_doc[..., -1:])[:, None]  # [B, 1, N, C]
-            keeps_state = (rows_doc[..., -1] < chunk_start)[:, None]  # [B, 1, N]
-            reads_state = (rows_doc < chunk_start[:, None])[:, None]  # [B, 1, N, C]
-        own = torch.exp(sc - last_shift[..., None])
-        if in_last_doc is not None:
-            own = own.masked_fill(~in_last_doc, 0.0)
-        own_state = (own[..., None] * k_feat).transpose(-1, -2) @ values  # [B, H, N, m, d_v + 1]
-        # Carry the state from chunk to chunk: before[n] is the state at the start of chunk n.
-        # (unbind, not indexing: the backward of an index zero-fills a full-size tensor per chunk)
-        before = []
-        for n, own_n in enumerate(own_state.unbind(dim=2)):
-            before.append(state)
-            rescale = torch.exp(shift - last_shift[..., n])
-            if keeps_state is not None:
-                rescale = rescale.masked_fill(~keeps_state[..., n], 0.0)
-            state = rescale[..., None, None] * state + own_n
-            shift = last_shift[..., n]
-        before = torch.stack(before, dim=2)  # [B, H, N, m, d_v + 1]
-        # Rows read the carried state at scale exp(−s_i): factor exp(shift_before − s_i) ≤ 1.
+        values = _chunked(torch.cat([values, ones], dim=-1), n_chunks, chunk)  # [V, 1]: numerator and denominator
+        scores = _intra_chunk_scores(q_feat, k_feat, sc, pos, rows_doc)
+        own_state = _chunk_states(k_feat, values, sc, pos, rows_doc)
+        last_shift = sc[..., -1]  # [B, H, N]: each chunk's own state is at scale exp(−s_last)
+        before, state, shift = _carry_states(own_state, state, shift, last_shift, pos, rows_doc)
         shift_before = torch.cat([_initial_shift(initial_state, batch, heads, values), last_shift[..., :-1]], dim=-1)
-        carry_ok = torch.ones_like(sc, dtype=torch.bool) if reads_state is None else reads_state.expand_as(sc)
-        carry = _exp_where(shift_before[..., None] - sc, carry_ok & torch.isfinite(shift_before)[..., None])
-        mixed = scores @ values + carry[..., None] * (q_feat @ before)
-        out = safe_ratio(mixed[..., :dv], mixed[..., dv:])
+        out = _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc)
         out = out.reshape(batch, heads, n_chunks * chunk, dv)[:, :, :length].transpose(1, 2).to(v.dtype)
     if return_state:
         final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
         return out, final
     return out
+
+
+def _starting_state(initial_state: RandomFeatureState | None, values: Tensor, m: int) -> tuple[Tensor, Tensor, int]:
+    """(S and z as one ``[B, H, m, d_v + 1]`` tensor, the shift ``[B, H]``, the tokens already seen)
+    to start from: empty, or ``initial_state`` in the compute dtype (that of ``values`` ``[B, T, H, d_v]``)."""
+    batch, _, heads, dv = values.shape
+    if initial_state is None:
+        return values.new_zeros(batch, heads, m, dv + 1), values.new_full((batch, heads), float("-inf")), 0
+    _check_state(initial_state, batch, heads, m, dv)
+    dtype = values.dtype
+    state = torch.cat([initial_state.S.to(dtype), initial_state.z.to(dtype)[..., None]], dim=-1)
+    return state, initial_state.shift.to(dtype), initial_state.length
+
+
+def _running_key_shift(k_logits: Tensor, doc_start: Tensor | None, start: int, shift: Tensor) -> Tensor:
+    """The key side's running shift s_i ``[B, H, T]``: the running max of the key logits (causal, per
+    document), and at least the carried ``shift`` for tokens whose document began before this call
+    (they continue the carried state). Detached: the output is invariant to it."""
+    running = _running_shift(k_logits.detach().amax(dim=-1).transpose(1, 2), doc_start)
+    if doc_start is None:
+        return torch.maximum(running, shift[..., None])
+    continues = doc_start < start
+    return torch.where(continues[:, None, :], torch.maximum(running, shift[..., None]), running)
+
+
+def _repeat_last(x: Tensor, pad: int) -> Tensor:
+    """``x`` with its last entry along the last (token) dim repeated ``pad`` more times."""
+    if not pad:
+        return x
+    return torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1)
+
+
+def _chunked(x: Tensor, n_chunks: int, chunk: int) -> Tensor:
+    """``[B, T, H, *]`` → ``[B, H, N, C, *]``, the tokens after T zero padding."""
+    x = x.transpose(1, 2)
+    pad = n_chunks * chunk - x.shape[2]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad), value=0.0)
+    return x.reshape(x.shape[0], x.shape[1], n_chunks, chunk, x.shape[-1])
+
+
+def _intra_chunk_scores(q_feat: Tensor, k_feat: Tensor, sc: Tensor, pos: Tensor, rows_doc: Tensor | None) -> Tensor:
+    """φ(Q_c) φ(K_c)ᵀ ⊙ exp(s_j − s_i) over visible j ≤ i within each chunk, exactly 0 elsewhere:
+    ``[B, H, N, C, C]``. ``pos`` ``[N, C]`` absolute positions, ``rows_doc`` ``[B, N, C]`` their
+    document starts (None: one document)."""
+    causal = pos[:, None, :] <= pos[:, :, None]  # [N, C, C]
+    if rows_doc is None:
+        seen = causal[None, None]
+    else:
+        seen = (causal[None] & (pos[None, :, None, :] >= rows_doc[..., None]))[:, None]  # [B, 1, N, C, C]
+    decay = _exp_where(sc[..., None, :] - sc[..., :, None], seen)
+    return (q_feat @ k_feat.transpose(-1, -2)) * decay
+
+
+def _chunk_states(k_feat: Tensor, values: Tensor, sc: Tensor, pos: Tensor, rows_doc: Tensor | None) -> Tensor:
+    """Each chunk's own contribution to the state, ``[B, H, N, m, d_v + 1]``: its keys (those of its
+    last token's document) at the scale exp(−s) of its last token."""
+    own = torch.exp(sc - sc[..., -1:])
+    if rows_doc is not None:
+        in_last_doc = (pos[None] >= rows_doc[..., -1:])[:, None]  # [B, 1, N, C]
+        own = own.masked_fill(~in_last_doc, 0.0)
+    return (own[..., None] * k_feat).transpose(-1, -2) @ values
+
+
+def _carry_states(own_state, state, shift, last_shift, pos, rows_doc) -> tuple[Tensor, Tensor, Tensor]:
+    """Carry the state from chunk to chunk: returns (the state at the start of every chunk
+    ``[B, H, N, m, d_v + 1]``, the final state, its shift). A chunk whose last token starts a new
+    document drops the carried state (its rescale factor is 0)."""
+    keeps_state = None if rows_doc is None else (rows_doc[..., -1] < pos[:, 0])[:, None]  # [B, 1, N]
+    # (unbind, not indexing: the backward of an index zero-fills a full-size tensor per chunk)
+    before = []
+    for n, own_n in enumerate(own_state.unbind(dim=2)):
+        before.append(state)
+        rescale = torch.exp(shift - last_shift[..., n])
+        if keeps_state is not None:
+            rescale = rescale.masked_fill(~keeps_state[..., n], 0.0)
+        state = rescale[..., None, None] * state + own_n
+        shift = last_shift[..., n]
+    return torch.stack(before, dim=2), state, shift
+
+
+def _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc) -> Tensor:
+    """o = (intra-chunk part + the carried state read at scale exp(−s_i)) as numerator / denominator,
+    ``[B, H, N, C, d_v]``. The carried state (at exp(−shift_before)) reaches row i with the factor
+    exp(shift_before − s_i) ≤ 1, and only rows whose document began before their chunk read it."""
+    dv = values.shape[-1] - 1
+    if rows_doc is None:
+        carry_ok = torch.ones_like(sc, dtype=torch.bool)
+    else:
+        carry_ok = (rows_doc < pos[:, 0, None])[:, None].expand_as(sc)  # [B, H, N, C]
+    carry = _exp_where(shift_before[..., None] - sc, carry_ok & torch.isfinite(shift_before)[..., None])
+    mixed = scores @ values + carry[..., None] * (q_feat @ before)
+    return safe_ratio(mixed[..., :dv], mixed[..., dv:])
 
 
 def _initial_shift(state: RandomFeatureState | None, batch: int, heads: int, like: Tensor) -> Tensor:
@@ -374,7 +416,7 @@ def random_feature_attention_step(
         raise ValueError(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use random_feature_attention for prefill"
         )
-    with torch.autocast(q.device.type, enabled=False):
+    with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
         q_logits, k_logits, values, dtype = _prepare(q, k, v, projection, transform)
         q_feat = _normalised_queries(q_logits[:, 0])  # [B, H, m]
         k_logits, values = k_logits[:, 0], values[:, 0]  # [B, H, m], [B, H, d_v]
