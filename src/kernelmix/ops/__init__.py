@@ -1,10 +1,13 @@
 """Pure functional token mixers on ``[B, T, H, d]`` tensors (causal).
 
 Every op has a fast path, a ``*_naive`` reference (dense or a per-token loop, float64-friendly)
-and a ``*_step`` for one decode token with an explicit state.
+and a ``*_step`` for one decode token with an explicit state. Softmax and random-feature attention
+also have a ``*_masked`` dense form for an arbitrary ``[B, T, L]`` mask; ``data_aware_transform``
+is DARKFormer's function-preserving initialisation of the random-feature transform.
 """
 
 from .cubit import CubitState, cubit_attention, cubit_attention_naive, cubit_attention_step, cubit_solve
+from .data_aware import data_aware_transform, regularised_second_moments
 from .deltaformer import (
     DeltaFormerState,
     deltaformer_attention,
@@ -17,10 +20,17 @@ from .random_features import (
     orthogonal_random_features,
     positive_random_features,
     random_feature_attention,
+    random_feature_attention_masked,
     random_feature_attention_naive,
     random_feature_attention_step,
 )
-from .softmax import SoftmaxState, softmax_attention, softmax_attention_naive, softmax_attention_step
+from .softmax import (
+    SoftmaxState,
+    softmax_attention,
+    softmax_attention_masked,
+    softmax_attention_naive,
+    softmax_attention_step,
+)
 
 __all__ = [
     "CubitState",
@@ -31,6 +41,7 @@ __all__ = [
     "cubit_attention_naive",
     "cubit_attention_step",
     "cubit_solve",
+    "data_aware_transform",
     "deltaformer_attention",
     "deltaformer_attention_naive",
     "deltaformer_attention_step",
@@ -38,9 +49,12 @@ __all__ = [
     "orthogonal_random_features",
     "positive_random_features",
     "random_feature_attention",
+    "random_feature_attention_masked",
     "random_feature_attention_naive",
     "random_feature_attention_step",
+    "regularised_second_moments",
     "softmax_attention",
+    "softmax_attention_masked",
     "softmax_attention_naive",
     "softmax_attention_step",
 ]

@@ -88,8 +88,9 @@ def check_4d(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} must be a floating tensor (float64, float32 or bfloat16), got {x.dtype}")
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False) -> None:
-    """Check q, k, v agree on batch, length and head grouping; raise ValueError naming the fix."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False, same_length: bool = True) -> None:
+    """Check q, k, v agree on batch, length and head grouping; raise ValueError naming the fix.
+    ``same_length=False`` (masked attention over a cache): only k and v need the same length."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_4d(name, x)
     bq, tq, hq, dq = q.shape
@@ -97,8 +98,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False
     bv, tv, hv, _ = v.shape
     if not (bq == bk == bv):
         raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}; all of q, k, v need the same B")
-    if not (tq == tk == tv):
+    if same_length and not (tq == tk == tv):
         raise ValueError(f"sequence lengths differ: q {tq}, k {tk}, v {tv}; all of q, k, v need the same T")
+    if tk != tv:
+        raise ValueError(f"sequence lengths differ: k {tk}, v {tv}; k and v need the same length")
     if dq != dk:
         raise ValueError(f"head dims differ: q has d={dq}, k has d={dk}; q and k need the same head dim")
     if hk != hv and not v_heads_follow_q:
@@ -109,6 +112,17 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False
                 f"q has {hq} heads but {name} has {h}; the query head count must be a multiple of the "
                 f"key/value head count (grouped-query attention)"
             )
+
+
+def check_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
+    """Check an attention mask for queries ``[B, T, ...]`` and keys ``[B, L, ...]``: bool
+    ``[B, T, L]`` (or ``[1, T, L]``, shared by the batch), True where query t reads key l."""
+    expected = (q.shape[0], q.shape[1], k.shape[1])
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 3:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor [B, T, L] = {expected} (True: visible), got {got}")
+    if mask.shape[0] not in (1, expected[0]) or tuple(mask.shape[1:]) != expected[1:]:
+        raise ValueError(f"mask must have shape [B, T, L] = {expected} (or [1, T, L]), got {tuple(mask.shape)}")
 
 
 def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:

@@ -29,6 +29,7 @@ from ._common import (
     check_4d,
     check_chunk_size,
     check_doc_start,
+    check_mask,
     check_qkv,
     compute_dtype,
     expand_heads,
@@ -397,6 +398,41 @@ def random_feature_attention_naive(
     values = expand_heads(v, heads).to(kernel.dtype)
     out = safe_ratio(torch.einsum("bhij,bjhd->bihd", kernel, values), kernel.sum(-1).transpose(1, 2)[..., None])
     return out.to(v.dtype)
+
+
+def random_feature_attention_masked(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, mask: Tensor, *, transform: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Random-feature attention under an arbitrary mask, densely (sliding windows, irregular masks,
+    queries over a cache): ``q`` ``[B, T, H, d]``, ``k``, ``v`` ``[B, L, H_kv, d]``, ``mask`` bool
+    ``[B, T, L]`` (True where query t reads key l; a batch of 1 broadcasts). Returns
+    ``(out [B, T, H, d_v], weights [B, H, T, L])``: ``out`` in v's dtype, the weights in float32
+    (float64 for float64 queries). Stabilised like the chunked op: per-query max over features,
+    per-key max and a per-row shift (the max over the row's visible keys), so nothing overflows
+    and rows stay exact ratios. Rows with no visible key give 0.
+    :func:`~kernelmix.ops.softmax.softmax_attention_masked` is its exact counterpart."""
+    check_qkv(q, k, v, same_length=False)
+    check_mask(mask, q, k)
+    heads = q.shape[2]
+    _check_projection(projection, transform, heads, q.shape[3])
+    with autocast_off(q):  # feature logits stay ≥ fp32 (the precision policy, _common)
+        dtype = compute_dtype(q)
+        proj = projection.to(dtype)
+        m = None if transform is None else transform.to(dtype)
+        q_logits = feature_logits(q.to(dtype), proj, m)  # [B, T, H, m]
+        k_logits = feature_logits(expand_heads(k, heads).to(dtype), proj, m)  # [B, L, H, m]
+        q_feat = _normalised_queries(q_logits).transpose(1, 2)  # [B, H, T, m]
+        key_max = k_logits.detach().amax(-1).transpose(1, 2)  # [B, H, L]
+        k_feat = torch.exp(k_logits.transpose(1, 2) - key_max[..., None])  # [B, H, L, m]
+        seen = mask[:, None]  # [B, 1, T, L]
+        row_shift = key_max[:, :, None, :].masked_fill(~seen, float("-inf")).amax(-1, keepdim=True)  # [B, H, T, 1]
+        row_shift = torch.where(torch.isfinite(row_shift), row_shift, torch.zeros_like(row_shift))
+        decay = _exp_where(key_max[:, :, None, :] - row_shift, seen)
+        scores = (q_feat @ k_feat.transpose(-1, -2)) * decay
+        weights = safe_ratio(scores, scores.sum(-1, keepdim=True))
+        values = expand_heads(v, heads).to(dtype).transpose(1, 2)
+        out = (weights @ values).transpose(1, 2)
+    return out.to(v.dtype), weights
 
 
 def random_feature_attention_step(

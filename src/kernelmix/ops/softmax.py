@@ -6,6 +6,7 @@ Decode: a KV cache (:class:`SoftmaxState`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,10 @@ from ._common import (
     bf16_attention_in_fp32,
     check_doc_start,
     check_qkv,
+    check_mask,
+    compute_dtype,
     expand_heads,
+    masked_softmax,
     softmax_scale,
     visible,
 )
@@ -100,6 +104,25 @@ def softmax_attention_naive(
     return torch.einsum("bhij,bjhd->bihd", weights, v)
 
 
+def softmax_attention_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax attention under an arbitrary mask, densely: the exact counterpart of
+    :func:`~kernelmix.ops.random_features.random_feature_attention_masked` (weights ∝ exp(q·k/√d)
+    over the visible keys, the kernel the random features estimate; hence no ``scale``).
+
+    ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, L, H_kv, d]``; ``mask`` bool ``[B, T, L]`` (True where query
+    t reads key l; a batch of 1 broadcasts). Returns ``(out [B, T, H, d_v], weights [B, H, T, L])``,
+    both computed in float32 (float64 for float64 queries); ``out`` is cast to v's dtype. A row
+    with no visible key gives 0."""
+    check_qkv(q, k, v, same_length=False)
+    check_mask(mask, q, k)
+    heads, d = q.shape[2], q.shape[3]
+    dtype = compute_dtype(q)
+    logits = torch.einsum("bthd,blhd->bhtl", q.to(dtype), expand_heads(k, heads).to(dtype)) / math.sqrt(d)
+    weights = masked_softmax(logits, ~mask[:, None])
+    out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
+    return out.to(v.dtype), weights
+
+
 def softmax_attention_step(
     q: Tensor,
     k: Tensor,
@@ -137,6 +160,7 @@ def softmax_attention_step(
 __all__ = [
     "SoftmaxState",
     "softmax_attention",
+    "softmax_attention_masked",
     "softmax_attention_naive",
     "softmax_attention_step",
 ]
