@@ -25,8 +25,6 @@ from .attention import (
     left_padding_doc_start,
     record_attention,
     register,
-    rf_attention_dense,
-    softmax_attention_dense,
     visible_from_mask,
 )
 from .calibration import Captured, capture, distill, exact_output, token_samples, whiten
@@ -58,6 +56,6 @@ __all__ = [
     "decoder_layers", "distill", "exact_attention", "exact_output", "finetune", "finished_model", "initialise", "is_local",
     "kernelmix_attention", "kernels", "left_padding_doc_start", "load_converted", "load_pretrained", "pad_queries_left",
     "parse_layers", "prepare", "prepare_trainable", "record_attention", "register", "require", "resolve", "resolve_layers",
-    "rf_attention_dense", "save_converted", "set_num_features", "set_trainable", "softmax_attention_dense", "token_samples",
+    "save_converted", "set_num_features", "set_trainable", "token_samples",
     "visible_from_mask", "whiten",
 ]

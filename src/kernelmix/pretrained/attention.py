@@ -19,15 +19,12 @@ layer keeps its window.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ..ops._common import expand_heads
-from ..ops.random_features import feature_logits, safe_ratio
 from .hosts import SUPPORTED_MODEL_TYPES
 
 ATTENTION_NAME = "kernelmix"
@@ -42,46 +39,6 @@ def visible_from_mask(mask: Tensor) -> Tensor:
         mask = mask[:, 0]
     return mask
 
-
-def rf_attention_dense(
-    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, visible: Tensor, *, transform: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Random-feature attention with an arbitrary mask, densely: ``q`` ``[B, T, H, d]`` (already in
-    feature space: exp(q·k/√d) is the kernel), ``k``/``v`` ``[B, L, H_kv, d]``, ``visible`` bool
-    ``[B, T, L]``. Returns ``(out [B, T, H, d_v], weights [B, H, T, L])``. Stabilised like the
-    chunked op: per-query max over features, per-key max and a per-row shift (the max over the
-    row's visible keys), so nothing overflows and rows stay exact ratios. Rows with no visible key
-    give 0."""
-    with torch.autocast(q.device.type, enabled=False):
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        heads = q.shape[2]
-        proj = projection.to(dtype)
-        m = None if transform is None else transform.to(dtype)
-        ql = feature_logits(q.to(dtype), proj, m)  # [B, T, H, m]
-        kl = feature_logits(expand_heads(k, heads).to(dtype), proj, m)  # [B, L, H, m]
-        qf = torch.exp(ql - ql.detach().amax(-1, keepdim=True)).transpose(1, 2)  # [B, H, T, m]
-        kmax = kl.detach().amax(-1).transpose(1, 2)  # [B, H, L]
-        kf = torch.exp(kl.transpose(1, 2) - kmax[..., None])  # [B, H, L, m]
-        vis = visible[:, None]  # [B, 1, T, L]
-        row_shift = kmax[:, :, None, :].masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)  # [B, H, T, 1]
-        row_shift = torch.where(torch.isfinite(row_shift), row_shift, torch.zeros_like(row_shift))
-        decay = torch.exp((kmax[:, :, None, :] - row_shift).masked_fill(~vis, float("-inf")))
-        scores = (qf @ kf.transpose(-1, -2)) * decay
-        weights = safe_ratio(scores, scores.sum(-1, keepdim=True))
-        values = expand_heads(v, heads).to(dtype).transpose(1, 2)
-        out = (weights @ values).transpose(1, 2)
-    return out.to(v.dtype), weights
-
-
-def softmax_attention_dense(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact counterpart of :func:`rf_attention_dense`: weights ∝ exp(q·k/√d) over visible keys."""
-    heads, d = q.shape[2], q.shape[3]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    logits = torch.einsum("bthd,blhd->bhtl", q.to(dtype), expand_heads(k, heads).to(dtype)) / math.sqrt(d)
-    logits = logits.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
-    return out.to(v.dtype), weights
 
 def left_padding_doc_start(visible: Tensor, query_offset: int) -> Tensor | None:
     """If ``visible`` ``[B, T, L]`` is exactly causal (queries at absolute positions

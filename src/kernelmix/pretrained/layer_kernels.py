@@ -19,10 +19,15 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..layers.random_features import data_aware_transform
+from ..ops.data_aware import data_aware_transform
 from ..ops._common import expand_heads
-from ..ops.random_features import gaussian_random_features, orthogonal_random_features, random_feature_attention
-from .attention import left_padding_doc_start, rf_attention_dense, visible_from_mask
+from ..ops.random_features import (
+    gaussian_random_features,
+    orthogonal_random_features,
+    random_feature_attention,
+    random_feature_attention_masked,
+)
+from .attention import left_padding_doc_start, visible_from_mask
 
 
 def pad_queries_left(q: Tensor, length: int) -> Tensor:
@@ -106,7 +111,7 @@ class RandomFeatureKernel(nn.Module):
         if doc_start is not None:
             q_full = pad_queries_left(q, length_k) if length_k > length_q else q
             return self._chunked(q_full, k, v, transform, doc_start)[:, length_k - length_q:]
-        out, _ = rf_attention_dense(q, k, v, self.projection, visible, transform=transform)
+        out, _ = random_feature_attention_masked(q, k, v, self.projection, visible, transform=transform)
         return out
 
     def _chunked(self, q, k, v, transform, doc_start) -> Tensor:

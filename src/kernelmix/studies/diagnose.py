@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import pretrained as cv
 from ..data import bos_windows
 from ..evaluate import evaluate_windows
-from ..layers.random_features import data_aware_transform
+from ..ops import data_aware_transform, random_feature_attention_masked, softmax_attention_masked
 from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
 
 VARIANTS = ("performer", "whiten", "distill")
@@ -203,7 +203,7 @@ def diagnose(
             q_base = kernel.feature_queries(c.query.float(), c.scaling, fold=torch.eye(kernel.head_dim).expand(kernel.num_heads, -1, -1))
             k_in = c.key.transpose(1, 2).float()
             v_in = c.value.transpose(1, 2).float()
-            _, w_exact = cv.softmax_attention_dense(q_base[:, rows], k_in, v_in, vis[:, rows])
+            _, w_exact = softmax_attention_masked(q_base[:, rows], k_in, v_in, vis[:, rows])
             for v in variants:
                 mf = transforms[v][i]
                 transform = None if mf is None else mf[0]
@@ -219,7 +219,7 @@ def diagnose(
                                                transform=transform if transform is not None else _eye_like(kernel),
                                                fold=fold if fold is not None else _eye_like(kernel))
                         out_err.append(per_head_rel_error(approx.float(), exact, 2))
-                        _, w_rf = cv.rf_attention_dense(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
+                        _, w_rf = random_feature_attention_masked(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
                         w_err.append(per_head_rel_error(w_rf, w_exact, 1))
                         bar.advance()
                     per_m[str(m)] = {"output": _mean_lists(out_err), "weights": _mean_lists(w_err)}
