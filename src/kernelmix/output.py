@@ -28,36 +28,62 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None 
     return write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
 
 
-class _NoBar:
-    def advance(self, n: int = 1) -> None:
-        pass
+class ProgressBar:
+    """A rich progress bar on stderr: ``advance(n)``, ``update(completed=..., **fields)``,
+    ``print(text)`` (above the bar), ``close()``. ``unit="bytes"`` shows sizes and a transfer rate;
+    ``fields`` are named values shown after the count (e.g. a loss), updated with :meth:`update`."""
 
-    def close(self) -> None:
-        pass
-
-
-class _RichBar:
-    def __init__(self, label: str, total: int, transient: bool):
+    def __init__(self, label: str, total: int, *, completed: int = 0, unit: str = "items",
+                 fields: dict[str, str] | None = None, transient: bool = True):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
+        fields = dict(fields or {})
+        counts = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+        shown = [TextColumn(f"{name} {{task.fields[{name}]}}") for name in fields]
+        self.console = Console(stderr=True)
         self._progress = Progress(
-            TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=transient,
+            TextColumn(f"[bold]{label}"), BarColumn(), *counts, *shown, TimeElapsedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=self.console, transient=transient,
         )
         self._progress.start()
-        self._task = self._progress.add_task(label, total=total)
+        self._task = self._progress.add_task(label, total=total, completed=completed, **fields)
 
     def advance(self, n: int = 1) -> None:
         self._progress.advance(self._task, n)
+
+    def update(self, completed: int | None = None, **fields: str) -> None:
+        self._progress.update(self._task, completed=completed, **fields)
+
+    def print(self, text: str) -> None:
+        self.console.print(text)
 
     def close(self) -> None:
         self._progress.stop()
 
 
-def progress_bar(enabled: bool, label: str, total: int, *, transient: bool = True):
-    """A bar with ``advance(n)`` and ``close()`` on stderr, or an object that does nothing."""
-    return _RichBar(label, total, transient) if enabled else _NoBar()
+class _NoBar:
+    """What :func:`progress_bar` returns when the bar is off: every call does nothing."""
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def update(self, completed: int | None = None, **fields: str) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(enabled: bool, label: str, total: int, **options):
+    """A :class:`ProgressBar` (options as there), or an object whose methods do nothing."""
+    return ProgressBar(label, total, **options) if enabled else _NoBar()
 
 
 def pyplot():
@@ -72,4 +98,4 @@ def pyplot():
     return plt
 
 
-__all__ = ["progress_bar", "pyplot", "write_json_atomic", "write_text_atomic"]
+__all__ = ["ProgressBar", "progress_bar", "pyplot", "write_json_atomic", "write_text_atomic"]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..output import progress_bar
 from .corpus import Corpus, Document, load_corpus, split_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
 
@@ -313,31 +314,19 @@ def _write_tokens(docs: list[Document], doc_bytes: list[int], tokenizer, dtype, 
 
 
 class _progress_bar:
-    """A rich progress bar over bytes, shown when asked or when on a terminal for large corpora;
+    """A progress bar over bytes, shown when asked or when on a terminal for large corpora;
     used as ``with _progress_bar(show, total) as advance: advance(n)``."""
 
     def __init__(self, show: bool | None, total: int) -> None:
         if show is None:
             show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
-        self.show, self.total, self.progress = show, total, None
+        self.bar = progress_bar(show, "tokenizing", total, unit="bytes")
 
     def __enter__(self):
-        if not self.show:
-            return lambda n: None
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-        self.progress = Progress(
-            TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=True,
-        )
-        self.progress.start()
-        task = self.progress.add_task("tokenizing", total=self.total)
-        return lambda n: self.progress.advance(task, n)
+        return self.bar.advance
 
     def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+        self.bar.close()
 
 
 __all__ = [
