@@ -45,11 +45,12 @@ scorer, offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): it never cont
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import TokenizedSplit, eval_batches, load_corpus
+from .data import Batch, TokenizedSplit, eval_batches, load_corpus
 from .model import CausalLM, ModelConfig
 
 TASKS = ("continuation", "cloze")
@@ -109,7 +110,7 @@ class LoadedRun:
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory of ``path``: ``path`` itself if it is one (holds
     ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``."""
-    from .training import latest_checkpoint
+    from .training.checkpoint import latest_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -131,7 +132,7 @@ def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedR
     safetensors and JSON only, no code executed). The tokenizer is the one saved with the run's
     tokenized corpus, re-created from the corpus if that cache is gone."""
     from .data import load_tokenizer
-    from .training import load_checkpoint, load_weights
+    from .training.checkpoint import load_checkpoint, load_weights
 
     ckpt = load_checkpoint(find_checkpoint(path))
     record = ckpt.config
@@ -291,70 +292,144 @@ def evaluate_loss(
                 f"context length {T} exceeds the model's max_seq_len {limit}: positions beyond it are refused, not "
                 f"extrapolated; evaluate at ≤ {limit} (beyond the training length is allowed up to max_seq_len)"
             )
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     reports = []
-    try:
-        for T in seq_lens:
-            ranges = parse_buckets(buckets, T) if buckets is not None else default_buckets(T)
-            edges = torch.tensor([start for start, _ in ranges] + [T])
-            sums = torch.zeros(len(ranges), dtype=torch.float64)
-            counts = torch.zeros(len(ranges), dtype=torch.float64)
-            windows = 0
-            for index, batch in enumerate(eval_batches(split, T, batch_size, max_batches)):
-                nll, mask = token_nll(model, batch.to(device))
-                positions = torch.arange(1, batch.input_ids.shape[1])  # index of each predicted token in its window
-                bucket = torch.bucketize(positions, edges, right=True) - 1  # [T-1]
-                nll, mask = nll.cpu().double(), mask.cpu()
-                sums.index_add_(0, bucket, (nll * mask).sum(0))
-                counts.index_add_(0, bucket, mask.sum(0).double())
-                windows += batch.input_ids.shape[0]
-                if progress is not None:
-                    progress(T, index + 1)
-            total, count = float(sums.sum()), int(counts.sum())
-            if count == 0:
-                raise ValueError(f"split {split.name!r} has no token to predict at context length {T}")
-            bpb = total / math.log(2) / split.num_bytes if split.num_bytes and max_batches is None else None
-            reports.append(LossReport(
-                seq_len=T, loss=total / count, tokens=count, windows=windows,
-                buckets=[BucketLoss(a, b, float(s / c) if c else float("nan"), int(c))
-                         for (a, b), s, c in zip(ranges, sums.tolist(), counts.tolist())],
-                bits_per_byte=bpb,
-                beyond_training_length=bool(train_seq_len and T > train_seq_len),
-            ))
-    finally:
-        model.train(was_training)
+    for T in seq_lens:
+        ranges = parse_buckets(buckets, T) if buckets is not None else default_buckets(T)
+        sums = sum_token_losses(
+            model, eval_batches(split, T, batch_size, max_batches), edges=[start for start, _ in ranges] + [T],
+            progress=None if progress is None else (lambda done, T=T: progress(T, done)),
+        )
+        if sums.tokens == 0:
+            raise ValueError(f"split {split.name!r} has no token to predict at context length {T}")
+        bpb = sums.loss / math.log(2) / split.num_bytes if split.num_bytes and max_batches is None else None
+        reports.append(LossReport(
+            seq_len=T, loss=sums.mean, tokens=sums.tokens, windows=sums.windows,
+            buckets=[BucketLoss(a, b, float(s / c) if c else float("nan"), int(c))
+                     for (a, b), s, c in zip(ranges, sums.bucket_loss, sums.bucket_tokens)],
+            bits_per_byte=bpb,
+            beyond_training_length=bool(train_seq_len and T > train_seq_len),
+        ))
     return reports
 
 
+def evaluate_windows(model, windows: torch.Tensor, batch_size: int = 1) -> dict:
+    """Next-token loss (nats/token) and accuracy of ``model`` (anything that takes ``input_ids``
+    and returns ``logits``: our CausalLM or a Hugging Face one) over ``windows`` ``[N, T]``, every
+    token after a window's first predicted (:func:`sum_token_losses`)."""
+    sums = sum_token_losses(model, (Batch(x, x) for x in windows.split(batch_size)))
+    return {"loss": sums.mean, "accuracy": sums.correct / sums.tokens, "tokens": sums.tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one loss evaluator
+
+
+@dataclass
+class TokenLosses:
+    """Sums over the predicted tokens of some batches (:func:`sum_token_losses`): ``loss`` nats
+    over ``tokens`` tokens, ``correct`` of them the model's most likely token, in ``windows``
+    rows; ``bucket_loss``/``bucket_tokens`` the same sums per position bucket (one bucket, all
+    positions, unless ``edges`` were given)."""
+
+    loss: float
+    tokens: int
+    correct: int
+    windows: int
+    bucket_loss: list[float]
+    bucket_tokens: list[int]
+
+    @property
+    def mean(self) -> float:
+        """Mean loss per predicted token (nan when there is none)."""
+        return self.loss / self.tokens if self.tokens else float("nan")
+
+
 @torch.no_grad()
-def evaluate_windows(model, windows: Tensor, batch_size: int = 1) -> dict:
-    """Next-token loss (nats/token) and accuracy of ``model`` over ``windows`` ``[N, T]``."""
+def sum_token_losses(
+    model,
+    batches: Iterable[Batch],
+    *,
+    edges: Sequence[int] | None = None,
+    autocast: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+    all_reduce: Callable[[torch.Tensor], Any] | None = None,
+    same_forwards: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> TokenLosses:
+    """The one loss evaluator (behind :func:`evaluate_loss`, :func:`evaluate_windows` and the
+    training loop's validation loss): summed next-token cross-entropy, in float64, of ``model``
+    over ``batches`` (:class:`kernelmix.data.Batch`; a label -100 is not predicted; attention mask
+    and position ids are passed when a batch has them), in eval mode without gradients (the
+    model's mode is restored after).
+
+    ``edges``: position buckets ``[edges[i], edges[i+1])`` of the predicted token's index in its
+    window (= the tokens of context it sees). ``autocast``: a context for the forwards (e.g. bf16).
+    Many processes: process ``rank`` of ``world_size`` evaluates batches ``rank, rank +
+    world_size, ...`` and ``all_reduce`` (a sum over processes, in place) gives every process the
+    totals; ``same_forwards``: every process runs the same number of forwards (FSDP gathers
+    weights collectively), one past the end repeating the last batch without counting it.
+    ``progress(batches_done)`` is called after each batch."""
+    device = next(model.parameters()).device
+    bounds = None if edges is None else torch.as_tensor(list(edges), device=device)
+    buckets = 1 if bounds is None else len(bounds) - 1
+    sums = torch.zeros(2 * buckets + 2, dtype=torch.float64, device=device)  # losses, counts, correct, windows
     was_training = model.training
     model.eval()
-    total, correct, count = 0.0, 0, 0
-    for start in range(0, windows.shape[0], batch_size):
-        x = windows[start:start + batch_size]
-        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
-        target = x[:, 1:]
-        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
-        correct += int((logits.argmax(-1) == target).sum())
-        count += target.numel()
-    model.train(was_training)
-    return {"loss": total / count, "accuracy": correct / count, "tokens": count}
+    try:
+        for done, (batch, counted) in enumerate(_my_batches(batches, rank, world_size, same_forwards), start=1):
+            batch = batch.to(device)
+            with autocast if autocast is not None else contextlib.nullcontext():
+                nll, mask, hits = _token_scores(model, batch)
+            if counted:
+                positions = torch.arange(1, batch.input_ids.shape[1], device=device)  # of each predicted token
+                bucket = torch.zeros_like(positions) if bounds is None else torch.bucketize(positions, bounds, right=True) - 1
+                sums[:buckets].index_add_(0, bucket, (nll.double() * mask).sum(0))
+                sums[buckets:-2].index_add_(0, bucket, mask.sum(0).double())
+                sums[-2] += hits.sum()  # on the device: no sync per batch
+                sums[-1] += batch.input_ids.shape[0]
+            if progress is not None:
+                progress(done)
+    finally:
+        model.train(was_training)
+    if all_reduce is not None:
+        all_reduce(sums)
+    return TokenLosses(loss=float(sums[:buckets].sum()), tokens=int(sums[buckets:-2].sum()), correct=int(sums[-2]),
+                       windows=int(sums[-1]), bucket_loss=sums[:buckets].tolist(),
+                       bucket_tokens=[int(c) for c in sums[buckets:-2].tolist()])
+
+
+def _my_batches(batches: Iterable[Batch], rank: int, world_size: int, same_forwards: bool):
+    """``(batch, counted)``: the share of process ``rank`` (see :func:`sum_token_losses`)."""
+    if world_size == 1:
+        yield from ((batch, True) for batch in batches)
+        return
+    batches = list(batches)
+    for r in range(math.ceil(len(batches) / world_size)):
+        index = r * world_size + rank
+        if index >= len(batches) and not same_forwards:
+            return
+        yield batches[min(index, len(batches) - 1)], index < len(batches)
+
+
+def _token_scores(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token negative log-likelihood ``[B, T-1]`` of ``batch.labels[:, 1:]`` (in at least
+    float32, 0 where not predicted), the mask of tokens that count (label ≠ -100) and of those the
+    model's most likely token hits."""
+    inputs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    logits = model(input_ids=batch.input_ids, **{k: v for k, v in inputs.items() if v is not None}, use_cache=False).logits
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    labels = batch.labels[:, 1:]
+    mask = labels != -100
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
+    return nll * mask, mask, (logits.argmax(-1) == labels) & mask
 
 
 def token_nll(model: CausalLM, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token negative log-likelihood ``[B, T-1]`` of ``batch.labels[:, 1:]`` (in at least
     float32) and the mask of tokens that count (label ≠ -100)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False).logits
-    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
-    labels = batch.labels[:, 1:]
-    mask = labels != -100
-    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
-    return nll * mask, mask
+    nll, mask, _ = _token_scores(model, batch)
+    return nll, mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,7 +765,9 @@ __all__ = [
     "score_tasks",
     "score_with_lm_eval",
     "split_from_texts",
+    "sum_token_losses",
     "text_split",
+    "TokenLosses",
     "token_nll",
     "write_lm_eval_tasks",
 ]

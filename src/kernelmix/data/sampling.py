@@ -238,7 +238,13 @@ def eval_windows(split: TokenizedSplit, seq_len: int) -> Iterator[tuple[int, int
     """(start, length) of the evaluation windows, in document order. Inside each document of L ≥ 2
     tokens, windows start every ``seq_len - 1`` tokens and overlap by one token, which is context
     only (label -100): each token but the document's first is predicted exactly once, with
-    ``seq_len - 1`` tokens of context at most."""
+    ``seq_len - 1`` tokens of context at most.
+
+    This is the rule for our own tokenized corpora, which have no BOS: a window never crosses a
+    document, and a document's first token plays the part BOS plays in
+    :func:`kernelmix.data.windows.text_windows` (the windows of pretrained models: BOS first,
+    documents joined with BOS). Both predict ``seq_len - 1`` tokens per full window, each from
+    the tokens before it in the window."""
     _check_positive("seq_len", seq_len, 2)
     stride = seq_len - 1
     offsets = split.offsets

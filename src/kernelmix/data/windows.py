@@ -1,6 +1,7 @@
 """Token windows of real text for pretrained (Hugging Face) tokenizers: finetuning, calibration
-and diagnostics of converted models. (Our own models read tokenized corpora through
-:mod:`.sampling`.)"""
+and diagnostics of converted models, all through :func:`text_windows` (one rule: every window
+starts with BOS, documents are separated by BOS). Our own models read tokenized corpora, which
+have no BOS, through :mod:`.sampling`."""
 
 from __future__ import annotations
 
@@ -23,46 +24,63 @@ def split_texts(documents, val_fraction: float = 0.1, seed: int = 0) -> tuple[li
     return [documents[i].text for i in train], [documents[i].text for i in val]
 
 
-def token_windows(tokenizer, texts: Sequence[str], seq_len: int, max_windows: int | None = None) -> Tensor:
-    """``[N, seq_len]`` windows cut from the texts joined with BOS (when the tokenizer has one)
-    before each document; the tail that does not fill a window is dropped."""
+def text_windows(
+    tokenizer, texts: Sequence[str], seq_len: int, max_windows: int | None = None, *, min_windows: int = 1,
+) -> Tensor:
+    """``[N, seq_len]`` token windows of ``texts`` for a pretrained model: the one windowing rule
+    of finetuning, calibration and diagnostics.
+
+    The rule: the documents are joined into one stream with BOS between them, the stream is cut
+    into consecutive pieces of ``seq_len - 1`` tokens, and each window is BOS followed by one
+    piece. So every window starts with BOS — what a pretrained model saw at position 0 in
+    training — and a document boundary inside a window is marked by BOS, as in a model's packed
+    pretraining data (a piece that starts just after a document leaves two BOS in a row). With a
+    tokenizer that has no BOS the documents are joined without separators and windows of
+    ``seq_len`` tokens are cut from the stream.
+
+    ``max_windows``: at most that many (the first ones; the text after them is not tokenized);
+    the tail that does not fill a window is dropped. Raises ValueError ("not enough text") when
+    fewer than ``min_windows`` windows fit. (Our own tokenized corpora, which have no BOS, are
+    windowed by :mod:`kernelmix.data.sampling`.)"""
     bos = getattr(tokenizer, "bos_token_id", None)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len must be an int ≥ 2, got {seq_len!r}")
+    piece = seq_len if bos is None else seq_len - 1
+    limit = None if max_windows is None else piece * max_windows
     ids: list[int] = []
-    limit = None if max_windows is None else seq_len * max_windows
     for text in texts:
-        if bos is not None:
+        if ids and bos is not None:
             ids.append(bos)
         ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
         if limit is not None and len(ids) >= limit:
             break
-    count = len(ids) // seq_len if limit is None else min(len(ids) // seq_len, max_windows)
-    if count == 0:
-        raise ValueError(f"not enough text: {len(ids)} tokens, fewer than one window of {seq_len}; give more text or lower seq_len")
-    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
+    count = len(ids) // piece if max_windows is None else min(len(ids) // piece, max_windows)
+    if count < max(min_windows, 1):
+        raise ValueError(
+            f"not enough text: {len(ids)} tokens make {count} window(s) of {seq_len}, {max(min_windows, 1)} needed; "
+            "give more text or lower seq_len"
+        )
+    windows = torch.tensor(ids[: count * piece], dtype=torch.long).view(count, piece)
+    if bos is not None:
+        windows = torch.cat([torch.full((count, 1), bos, dtype=torch.long), windows], dim=1)
+    return windows
+
+
+def token_windows(tokenizer, texts: Sequence[str], seq_len: int, max_windows: int | None = None) -> Tensor:
+    """:func:`text_windows` (the name used before there was one windowing rule)."""
+    return text_windows(tokenizer, texts, seq_len, max_windows)
 
 
 def bos_windows(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> Tensor:
-    """``[count, seq_len]`` windows of the texts joined without separators, each starting with BOS
-    (when the tokenizer has one) followed by the next ``seq_len - 1`` tokens: what a pretrained
-    model expects at position 0. Raises ValueError when the text is too short."""
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
-        if len(ids) >= seq_len * count:
-            break
-    if len(ids) < seq_len * count:
-        raise ValueError(f"not enough text: {len(ids)} tokens for {count} windows of {seq_len}; give more text or lower seq_len")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    windows = torch.tensor(ids[: seq_len * count]).view(count, seq_len)
-    if bos is not None:
-        windows = torch.cat([torch.full((count, 1), bos), windows[:, :-1]], dim=1)
-    return windows
+    """Exactly ``count`` windows of :func:`text_windows` (the name used before there was one
+    windowing rule)."""
+    return text_windows(tokenizer, texts, seq_len, count, min_windows=count)
 
 
 def load_text_windows(tokenizer, text: str, seq_len: int, *, val_fraction: float, eval_seqs: int, seed: int = 0):
     """``(train_windows, val_windows)`` from a corpus name / directory / glob / file, split by document."""
     train_texts, val_texts = split_texts(load_corpus(text).documents(), val_fraction, seed)
-    return token_windows(tokenizer, train_texts, seq_len), token_windows(tokenizer, val_texts, seq_len, max_windows=eval_seqs)
+    return text_windows(tokenizer, train_texts, seq_len), text_windows(tokenizer, val_texts, seq_len, eval_seqs)
 
 
-__all__ = ["bos_windows", "load_text_windows", "split_texts", "token_windows"]
+__all__ = ["bos_windows", "load_text_windows", "split_texts", "text_windows", "token_windows"]

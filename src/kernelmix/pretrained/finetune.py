@@ -17,11 +17,15 @@ model is the host finetuned the same way, not the host as it was. Both are repor
 Stability: a *loss spike* is an update whose training loss exceeds the median of the previous
 ``spike_window`` losses by more than max(``spike_nats``, 4σ) — σ a robust (MAD) estimate of the
 batch-to-batch noise in those losses — or is not finite, or has a non-finite gradient (such an
-update is skipped); after ``max_bad_steps`` non-finite losses in a row the run is marked diverged and
-stops. The rule is :func:`kernelmix.training.spikes.is_spike`.
+update is skipped); after ``max_bad_steps`` skipped updates in a row the run is marked diverged and
+stops. The rule is :func:`kernelmix.training.spikes.is_spike`, the bookkeeping
+:class:`kernelmix.training.spikes.SpikeGuard`; the loop is the trainer of ``kernelmix train``
+(:class:`kernelmix.training.trainer.Trainer`) with finetuning's batches, parameter groups and
+checkpoint contents (:class:`FinetuneTrainer`).
 
-Data: ``[N, T]`` token windows (:func:`kernelmix.data.text_windows`). Training windows are drawn with a generator seeded by (seed, step), so a resumed run
-sees exactly the batches it would have seen. Validation is fixed: the first ``eval_seqs`` windows of
+Data: ``[N, T]`` token windows (:func:`kernelmix.data.windows.text_windows`). Training windows are
+drawn with a generator seeded by (seed, step), so a resumed run sees exactly the batches it would
+have seen. Validation is fixed: the first ``eval_seqs`` windows of
 the validation documents.
 
 Interruption: :func:`finetune` with ``out_dir`` writes an atomic checkpoint (trainable weights,
@@ -45,8 +49,10 @@ from torch import Tensor
 
 from ..evaluate import evaluate_windows
 from ..training import checkpoint as ckpt
-from ..training.loop import Reporter, derived_seed, truncate_metrics, warmup_cosine
-from ..training.spikes import is_spike
+from ..training.loop import derived_seed, warmup_cosine
+from ..training.reporter import Reporter, truncate_metrics
+from ..training.spikes import SpikeGuard
+from ..training.trainer import Schedule, StepOutcome, Trainer
 from .attention import decoder_layers, kernels
 from .convert import resolve_layers, set_trainable
 
@@ -188,6 +194,16 @@ def _batch_indices(config: FinetuneConfig, step: int, count: int) -> Tensor:
     return torch.randint(0, count, (config.batch_size,), generator=gen)
 
 
+def finetune_param_groups(model, params: list, weight_decay: float) -> list[dict]:
+    """AdamW groups of the trainable ``params``: weight decay on weight matrices only; not on M,
+    whose natural centre is the identity."""
+    metric_ids = {id(k.transform) for k in kernels(_base(model)).values() if k.transform is not None}
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in metric_ids]
+    decay_ids = {id(p) for p in decay}
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]
+
+
 def finetune(
     model,
     train_windows: Tensor,
@@ -211,138 +227,150 @@ def finetune(
         raise ValueError(f"windows must be [N, T] token ids, got {tuple(train_windows.shape)} and {tuple(val_windows.shape)}")
     torch.manual_seed(config.seed)
     model, params = prepare_trainable(model, config, layers)
-    # weight decay on weight matrices only; not on M, whose natural centre is the identity
-    metric_ids = {id(k.transform) for k in kernels(_base(model)).values() if k.transform is not None}
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in metric_ids]
-    decay_ids = {id(p) for p in decay}
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(finetune_param_groups(model, params, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     out = Path(out_dir) if out_dir is not None else None
-    state = {"step": 0, "losses": [], "evals": [], "spikes": [], "skipped": 0, "train_s": 0.0}
-    trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        latest = ckpt.latest_checkpoint(out) if resume else None
-        if latest is not None:
-            saved = ckpt.load_checkpoint(latest)
-            if saved.config.get("finetune") != asdict(config):
-                raise ValueError(f"{latest} was written with another finetune config; use another --out or drop --resume")
-            own = dict(model.named_parameters())
-            missing = [n for n in trainable_names if n not in saved.weights]
-            if missing:
-                raise ValueError(f"{latest} lacks trainable tensors (e.g. {missing[0]}); it is from another model or mode")
-            with torch.no_grad():
-                for n in trainable_names:
-                    own[n].copy_(saved.weights[n])
-            optimizer.load_state_dict(saved.state["optimizer"])
-            state = saved.state["progress"]
-            truncate_metrics(out / "metrics.jsonl", state["step"])  # lines written after that checkpoint
-        elif not resume and ckpt.latest_checkpoint(out) is not None:
-            raise ValueError(f"{out} already holds finetuning checkpoints; pass resume=True (--resume) or use another directory")
-        else:  # a fresh start (a run killed before its first checkpoint leaves metrics behind)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-    reporter = Reporter(out, config.steps, state["step"], progress, active=out is not None) if out is not None else None
-
-    def save(step: int) -> None:
-        if out is None:
-            return
-        weights = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-        ckpt.save_checkpoint(out, step, weights, {"step": step, "optimizer": optimizer.state_dict(), "progress": state},
-                             {"finetune": asdict(config), "label": label})
-
-    def run_eval(step: int) -> None:
-        metrics = evaluate_windows(model, val_windows)
-        state["evals"].append({"step": step, **metrics})
-        if reporter is not None:
-            reporter.write({"kind": "eval", "step": step, **metrics})
-            reporter.show(f"{label} step {step}: val loss {metrics['loss']:.4f}", val=f"{metrics['loss']:.3f}")
-
-    if state["step"] == 0 and not state["evals"]:
-        run_eval(0)
+    state = open_finetune_run(out, resume, model, optimizer, config)
+    reporter = Reporter(out, config.steps, state["step"], progress, active=True) if out is not None else None
+    trainer = FinetuneTrainer(model, optimizer, params, train_windows, val_windows, config, state,
+                              out=out, stop_at=stop_at, label=label, reporter=reporter)
     model.train()
-    bad_in_a_row = 0
-    diverged = False
-    t_start = time.perf_counter() - state["train_s"]
-    end = config.steps if stop_at is None else min(config.steps, stop_at)
-    while state["step"] < end:
-        step = state["step"]
-        lr = warmup_cosine(step, lr=config.lr, min_lr=config.lr * config.min_lr_ratio,
-                          warmup_steps=config.warmup_steps, total_steps=config.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x = train_windows[_batch_indices(config, step, train_windows.shape[0])]
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        value = float(loss.detach())
-        spike = is_spike(state["losses"], value, window=config.spike_window, nats=config.spike_nats)
-        if spike:
-            state["spikes"].append({"step": step, "loss": value})
-        optimizer.zero_grad(set_to_none=True)
-        finite = math.isfinite(value)
-        if finite:
-            loss.backward()
-            # A finite loss can still have a non-finite gradient; stepping on it would turn every
-            # parameter into NaN. Such an update is skipped like a non-finite loss.
-            norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else float("inf"))
-            finite = bool(torch.isfinite(norm))
-            if finite:
-                bad_in_a_row = 0
-                optimizer.step()
-            else:
-                if spike:  # already counted for its loss: mark why the update was skipped
-                    state["spikes"][-1]["gradient"] = "non-finite"
-                else:
-                    state["spikes"].append({"step": step, "loss": value, "gradient": "non-finite"})
-                    spike = True
-        if not finite:  # skip the update; too many in a row and the run has diverged
-            bad_in_a_row += 1
-            state["skipped"] += 1
-            if bad_in_a_row >= config.max_bad_steps:
-                diverged = True
-        state["losses"].append(value)
-        state["step"] = step + 1
-        state["train_s"] = time.perf_counter() - t_start
+    try:
+        trainer.run()
+    finally:
         if reporter is not None:
-            tokens = state["step"] * config.batch_size * config.seq_len
-            reporter.write({"kind": "train", "step": state["step"], "loss": value, "lr": lr, "spike": spike,
-                            "tokens": tokens, "wall_s": state["train_s"]})
-            reporter.show(f"{label} step {state['step']}: loss {value:.4f}", loss=f"{value:.3f}",
-                          tps=f"{tokens / max(state['train_s'], 1e-9):.0f}")
-            reporter.advance(state["step"])
-        if diverged:
-            break
-        if state["step"] % config.eval_every == 0 or state["step"] == config.steps:
-            run_eval(state["step"])
-            model.train()
-        every = config.checkpoint_every or config.eval_every
-        if state["step"] % every == 0 or state["step"] == config.steps:
-            save(state["step"])
-    if reporter is not None:
-        reporter.close()
+            reporter.close()
     model.eval()
-    done = state["step"] >= config.steps or diverged
-    if diverged and (not state["evals"] or state["evals"][-1]["step"] != state["step"]):
-        state["evals"].append({"step": state["step"], **evaluate_windows(model, val_windows)})
-    tokens = state["step"] * config.batch_size * config.seq_len
-    result = {
-        "label": label,
-        "config": asdict(config),
-        "steps_done": state["step"],
-        "finished": done,
-        "diverged": diverged,
-        "losses": state["losses"],
-        "evals": state["evals"],
-        "spikes": state["spikes"],
-        "num_spikes": len(state["spikes"]),
-        "skipped_updates": state["skipped"],
-        "trainable_parameters": sum(p.numel() for p in params),
-        "train_s": state["train_s"],
-        "tokens": tokens,
-        "tokens_per_s": tokens / max(state["train_s"], 1e-9),
-        "final": state["evals"][-1] if state["evals"] else None,
-        "initial": state["evals"][0] if state["evals"] else None,
-    }
+    result = trainer.result()  # before LoRA is merged: a diverged run is evaluated as it stopped
     return finished_model(model), result
 
 
-__all__ = ["FinetuneConfig", "MODES", "finetune", "finished_model", "prepare_trainable"]
+def open_finetune_run(out: Path | None, resume: bool, model, optimizer, config: FinetuneConfig) -> dict:
+    """The progress to start from: a fresh one, or (``resume``) that of the newest checkpoint in
+    ``out``, whose trainable weights and optimizer state are loaded into ``model``/``optimizer``
+    after checking that it is from this config and model. Refuses to start afresh over
+    checkpoints; a fresh start drops the metrics a run killed before its first checkpoint left."""
+    fresh = {"step": 0, "losses": [], "evals": [], "spikes": [], "skipped": 0, "train_s": 0.0}
+    if out is None:
+        return fresh
+    out.mkdir(parents=True, exist_ok=True)
+    latest = ckpt.latest_checkpoint(out)
+    if latest is not None and not resume:
+        raise ValueError(f"{out} already holds finetuning checkpoints; pass resume=True (--resume) or use another directory")
+    if latest is None:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        return fresh
+    saved = ckpt.load_checkpoint(latest)
+    if saved.config.get("finetune") != asdict(config):
+        raise ValueError(f"{latest} was written with another finetune config; use another --out or drop --resume")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in trainable if n not in saved.weights]
+    if missing:
+        raise ValueError(f"{latest} lacks trainable tensors (e.g. {missing[0]}); it is from another model or mode")
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in trainable:
+            own[n].copy_(saved.weights[n])
+    optimizer.load_state_dict(saved.state["optimizer"])
+    truncate_metrics(out / "metrics.jsonl", saved.state["progress"]["step"])  # lines written after that checkpoint
+    return saved.state["progress"]
+
+
+class FinetuneTrainer(Trainer):
+    """:func:`finetune` on the pieces of :class:`kernelmix.training.trainer.Trainer`: each step one
+    batch of random training windows drawn by (seed, step); a plain forward (one process, no
+    autocast); an update whose loss or gradient is not finite is skipped and spikes are booked
+    (:class:`~kernelmix.training.spikes.SpikeGuard`), ``max_bad_steps`` skipped in a row stop the
+    run as diverged; an evaluation is :func:`kernelmix.evaluate.evaluate_windows` of the
+    validation windows; a checkpoint holds the trainable weights, the optimizer and ``state``
+    (the progress: step, losses, evaluations, spikes, skipped updates, seconds)."""
+
+    skip_non_finite = True
+
+    def __init__(self, model, optimizer, params, train_windows: Tensor, val_windows: Tensor, config: FinetuneConfig,
+                 state: dict, *, out: Path | None, stop_at: int | None, label: str, reporter: Reporter | None):
+        self.model, self.optimizer, self.params, self.grad_clip = model, optimizer, params, config.grad_clip
+        self.train_windows, self.val_windows, self.config, self.state = train_windows, val_windows, config, state
+        self.out, self.label, self.reporter = out, label, reporter
+        self.guard = SpikeGuard(window=config.spike_window, nats=config.spike_nats, max_bad_steps=config.max_bad_steps,
+                                losses=state["losses"], spikes=state["spikes"], skipped=state["skipped"])
+        start = state["step"]
+        self.schedule = Schedule(
+            total_steps=config.steps, start_step=start, resumed=start > 0 or bool(state["evals"]),
+            eval_every=config.eval_every, checkpoint_every=config.checkpoint_every or config.eval_every,
+            stop_at=None if stop_at is None else max(start, min(stop_at, config.steps)), save_at_stop=False,
+        )
+        self.t_start: float | None = None  # train_s counts from the first step (not the first evaluation)
+
+    def lr(self, step: int) -> float:
+        config = self.config
+        return warmup_cosine(step, lr=config.lr, min_lr=config.lr * config.min_lr_ratio,
+                             warmup_steps=config.warmup_steps, total_steps=config.steps)
+
+    def micro_batches(self, step: int) -> list[Tensor]:
+        return [self.train_windows[_batch_indices(self.config, step, self.train_windows.shape[0])]]
+
+    def loss(self, batch: Tensor) -> Tensor:
+        return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+    def evaluate(self, step: int) -> None:
+        metrics = evaluate_windows(self.model, self.val_windows)
+        self.state["evals"].append({"step": step, **metrics})
+        if self.reporter is not None:
+            self.reporter.write({"kind": "eval", "step": step, **metrics})
+            self.reporter.show(f"{self.label} step {step}: val loss {metrics['loss']:.4f}", val=f"{metrics['loss']:.3f}")
+
+    def save(self, step: int) -> None:
+        if self.out is None:
+            return
+        weights = {n: p.detach().contiguous() for n, p in self.model.named_parameters() if p.requires_grad}
+        ckpt.save_checkpoint(self.out, step, weights, {"step": step, "optimizer": self.optimizer.state_dict(), "progress": self.state},
+                             {"finetune": asdict(self.config), "label": self.label})
+
+    def before_step(self, step: int) -> None:
+        if self.t_start is None:
+            self.t_start = time.perf_counter() - self.state["train_s"]
+
+    def after_step(self, step: int, outcome: StepOutcome) -> bool:
+        """Book the update (spike, skipped), log it; stop when the run has diverged."""
+        state, value = self.state, float(outcome.loss)
+        grad_finite = None if outcome.grad_norm is None else outcome.updated
+        spike = self.guard.record(step - 1, value, grad_finite=grad_finite, updated=outcome.updated)
+        state["skipped"], state["step"] = self.guard.skipped, step
+        state["train_s"] = time.perf_counter() - self.t_start
+        if self.reporter is not None:
+            tokens = step * self.config.batch_size * self.config.seq_len
+            self.reporter.write({"kind": "train", "step": step, "loss": value, "lr": self.lr(step - 1), "spike": spike,
+                                 "tokens": tokens, "wall_s": state["train_s"]})
+            self.reporter.show(f"{self.label} step {step}: loss {value:.4f}", loss=f"{value:.3f}",
+                               tps=f"{tokens / max(state['train_s'], 1e-9):.0f}")
+            self.reporter.advance(step)
+        return self.guard.diverged
+
+    def result(self) -> dict:
+        """The result dict of :func:`finetune` (a diverged run is evaluated where it stopped)."""
+        state, config, diverged = self.state, self.config, self.guard.diverged
+        if diverged and (not state["evals"] or state["evals"][-1]["step"] != state["step"]):
+            state["evals"].append({"step": state["step"], **evaluate_windows(self.model, self.val_windows)})
+        tokens = state["step"] * config.batch_size * config.seq_len
+        return {
+            "label": self.label,
+            "config": asdict(config),
+            "steps_done": state["step"],
+            "finished": state["step"] >= config.steps or diverged,
+            "diverged": diverged,
+            "losses": state["losses"],
+            "evals": state["evals"],
+            "spikes": state["spikes"],
+            "num_spikes": len(state["spikes"]),
+            "skipped_updates": state["skipped"],
+            "trainable_parameters": sum(p.numel() for p in self.params),
+            "train_s": state["train_s"],
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(state["train_s"], 1e-9),
+            "final": state["evals"][-1] if state["evals"] else None,
+            "initial": state["evals"][0] if state["evals"] else None,
+        }
+
+
+__all__ = ["FinetuneConfig", "FinetuneTrainer", "MODES", "finetune", "finetune_param_groups", "finished_model",
+           "open_finetune_run", "prepare_trainable"]

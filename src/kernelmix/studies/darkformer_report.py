@@ -75,7 +75,7 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     ``runs/report-darkformer``), never in ``out_dir``."""
     from . import diagnose as dg
     from . import finetune as ft
-    from ..data import load_corpus, split_texts, token_windows
+    from ..data import load_corpus, split_texts, windows
     from ..pretrained import FinetuneConfig, parse_layers
 
     out = Path(out_dir)
@@ -125,8 +125,8 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     config = FinetuneConfig(mode=settings.ft_mode, steps=settings.ft_steps, seq_len=settings.ft_seq_len,
                                lr=settings.ft_lrs[0], warmup_steps=max(1, settings.ft_steps // 10),
                                eval_every=settings.ft_eval_every, eval_seqs=settings.ft_eval_seqs, seed=settings.seed)
-    train_w = token_windows(tokenizer, train_texts, config.seq_len)
-    val_w = token_windows(tokenizer, val_texts, config.seq_len, max_windows=config.eval_seqs)
+    train_w = windows.text_windows(tokenizer, train_texts, config.seq_len)
+    val_w = windows.text_windows(tokenizer, val_texts, config.seq_len, config.eval_seqs)
     ft_work = work / ("finetune-" + _slug(config, settings))
     say(f"finetuning {list(settings.ft_variants)} × lr {list(settings.ft_lrs)}: {config.steps} steps of "
         f"{config.batch_size}×{config.seq_len} tokens each, m={settings.num_features}")

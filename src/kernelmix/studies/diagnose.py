@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .. import pretrained as cv
-from ..data import bos_windows
+from ..data.windows import text_windows
 from ..evaluate import evaluate_windows
 from ..ops import data_aware_transform, random_feature_attention_masked, softmax_attention_masked
 from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
@@ -155,7 +155,7 @@ def diagnose(
     say = log or (lambda msg: None)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
-    ids = bos_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs)
+    ids = text_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs, min_windows=calib_seqs + eval_seqs)
     calib, held = ids[:calib_seqs], ids[calib_seqs:]
     probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=distill_m, seed=seed))
     kernels = cv.kernels(probe)

@@ -3,9 +3,12 @@
 One process or many (``torchrun --nproc_per_node=N``, detected from RANK/WORLD_SIZE/LOCAL_RANK;
 DDP, or FSDP2 with ``fsdp=true``; gloo on CPU, nccl on CUDA). The order of things:
 
-1. refuse to overwrite a run, or load and check the checkpoint to resume — before anything is written;
-2. tokenize the corpus (cached) and build the model, AdamW and the samplers;
-3. loop: evaluate → checkpoint → (stop?) → redraw random features → one optimizer step → log.
+1. refuse to overwrite a run, or load and check the checkpoint to resume — before anything is written
+   (:func:`open_run`);
+2. tokenize the corpus (cached) and build the model, AdamW and the samplers (:func:`load_dataset`,
+   :func:`build_model`, :func:`parallelize`, :func:`build_optimizer`, :func:`build_samplers`);
+3. loop (:class:`PretrainTrainer`, run by :meth:`.trainer.Trainer.run`): log → evaluate →
+   checkpoint → (stop?) → redraw random features → one optimizer step.
 
 Data: the batch of step s is a pure function of (seed, s) and the *global* batch
 ``batch_size × grad_accum × world_size``: process r's micro-step a reads the sampler shard
@@ -25,9 +28,7 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import random
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -37,14 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..evaluate import sum_token_losses
 from ..model import CausalLM
-from . import distributed as distrib
 from ..output import write_json_atomic
+from . import distributed as distrib
 from .checkpoint import (
     Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint,
 )
-from .reporter import Reporter, truncate_metrics
 from .config import RESOLVED_FORMAT, TrainConfig
+from .reporter import Reporter, truncate_metrics
+from .trainer import Due, Schedule, StepOutcome, Trainer
 
 # Settings that may change when a run is resumed: budgets, bookkeeping, and how the global batch
 # is split over processes and micro-steps (the data depend only on the global batch).
@@ -255,63 +258,81 @@ def train(
         raise ValueError(f"stop_at must be a step >= 1 (or None to train to the end), got {stop_at!r}")
     env = distrib.setup(config.device)
     try:
-        return _train(config, env, resume=resume, stop_at=stop_at, progress=progress)
+        return run_training(config, env, resume=resume, stop_at=stop_at, progress=progress)
     finally:
         distrib.teardown(env)
 
 
-def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: int | None, progress: bool | None):
-    from ..data import WindowSampler, eval_batches, prepare_dataset
+def run_training(
+    config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: int | None, progress: bool | None,
+) -> TrainResult:
+    """:func:`train` in a process group that is already set up."""
+    ckpt = open_run(Path(config.out_dir), resume)
+    dataset = load_dataset(config, env)
+    return PretrainTrainer(config, env, dataset, ckpt, stop_at=stop_at).train(progress)
 
-    out_dir = Path(config.out_dir)
-    device = env.device
 
-    # -- 1. Nothing is written before we know we may: a fresh run must not clobber an old one,
-    #       a resumed one must have a sound checkpoint.
-    ckpt: Checkpoint | None = None
+# ---------------------------------------------------------------------------------------------
+# Setup, in the order it happens
+
+
+def open_run(out_dir: Path, resume: bool) -> Checkpoint | None:
+    """Nothing is written before we know we may: a fresh run must not clobber an old one, a
+    resumed one must have a sound checkpoint (returned, loaded and verified)."""
     if resume:
         path = latest_checkpoint(out_dir)
         if path is None:
             raise CheckpointError(f"nothing to resume: {str(out_dir)!r} holds no checkpoint; run without --resume to start")
-        ckpt = load_checkpoint(path)
-    elif list_checkpoints(out_dir) or (out_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists():
+        return load_checkpoint(path)
+    if list_checkpoints(out_dir) or (out_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists():
         raise ValueError(
             f"{str(out_dir)!r} already holds a training run; pass --resume to continue it, or choose another --out "
             "(or delete that directory)"
         )
+    return None
 
-    # -- 2. Data, model, optimizer. Rank 0 tokenizes first; the others then open its cache.
+
+def load_dataset(config: TrainConfig, env: distrib.DistEnv):
+    """The tokenized corpus. Rank 0 tokenizes first (into the cache); the others then open it."""
+    from ..data import prepare_dataset
+
     if not env.is_main:
         distrib.barrier(env)
     dataset = prepare_dataset(config.corpus, config.tokenizer, val_fraction=config.val_fraction)
     if env.is_main:
         distrib.barrier(env)
-    model_config = config.model_config(dataset.vocab_size)
-    global_batch = config.batch_size * config.grad_accum * env.world_size
-    tokens_per_step = global_batch * config.seq_len
-    total_steps = math.ceil(config.tokens / tokens_per_step) if config.tokens else config.steps
+    return dataset
 
-    seed_everything(config.seed)  # the same initial weights on every process
+
+def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, total_steps: int):
+    """``(model, record, start_step)``: the model with the same initial weights on every process
+    (or the checkpoint's, once it is known to fit), the run's record (``config.json``) and the
+    step the run starts from."""
+    model_config = config.model_config(dataset.vocab_size)
+    seed_everything(config.seed)
     model = CausalLM(model_config)
     record = resolved_config(config, model_config, env, total_steps, dataset, model.num_parameters())
-    start_step = 0
-    if ckpt is not None:
-        check_resumable(ckpt.config, record, ckpt.path)
-        if ckpt.config["run"]["data"]["key"] != record["run"]["data"]["key"] and env.is_main:
-            warnings.warn(
-                f"the tokenized corpus changed since {str(ckpt.path)!r} was written (the files or the tokenizer "
-                "differ); training continues on the new data", stacklevel=2,
-            )
-        load_weights(model, ckpt.weights, ckpt.path)
-        start_step = ckpt.step
-        if start_step > total_steps:
-            raise CheckpointError(
-                f"checkpoint {str(ckpt.path)!r} is at step {start_step}, beyond this run's {total_steps} steps; "
-                f"raise steps (e.g. --set steps={start_step + config.steps}) to train further"
-            )
-    model.to(device)
-    raw_model = model
-    if env.enabled and config.fsdp:
+    if ckpt is None:
+        return model, record, 0
+    check_resumable(ckpt.config, record, ckpt.path)
+    if ckpt.config["run"]["data"]["key"] != record["run"]["data"]["key"] and env.is_main:
+        warnings.warn(
+            f"the tokenized corpus changed since {str(ckpt.path)!r} was written (the files or the tokenizer "
+            "differ); training continues on the new data", stacklevel=3,
+        )
+    load_weights(model, ckpt.weights, ckpt.path)
+    if ckpt.step > total_steps:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.path)!r} is at step {ckpt.step}, beyond this run's {total_steps} steps; "
+            f"raise steps (e.g. --set steps={ckpt.step + config.steps}) to train further"
+        )
+    return model, record, ckpt.step
+
+
+def parallelize(model: CausalLM, env: distrib.DistEnv, fsdp: bool) -> nn.Module:
+    """What the training forwards go through: ``model`` itself in one process; FSDP2 shards each
+    block, then the root, in place (``model`` is still a CausalLM); else a DDP wrapper."""
+    if env.enabled and fsdp:
         try:
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6
@@ -321,213 +342,249 @@ def _train(config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: 
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         for block in model.blocks:
             fully_shard(block)
-        fully_shard(model)  # in place: model is still a CausalLM, its parameters now sharded
-    elif env.enabled:
+        fully_shard(model)
+        return model
+    if env.enabled:
         # broadcast_buffers=False: buffers (random-feature projections) are identical on every rank
         # by construction (same seed, same seeded redraws), so no need to broadcast them each step.
-        model = nn.parallel.DistributedDataParallel(
+        device = env.device
+        return nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
         )
+    return model
+
+
+def build_optimizer(model: CausalLM, config: TrainConfig, device: torch.device, ckpt: Checkpoint | None):
+    """AdamW over :func:`param_groups`, with the checkpoint's state (full, keyed by parameter
+    name: it loads into DDP or FSDP shards alike)."""
     use_fused = device.type == "cuda" and not config.fsdp
     optimizer = torch.optim.AdamW(
-        param_groups(raw_model, config.weight_decay), lr=config.lr, betas=config.betas, fused=use_fused or None
+        param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, fused=use_fused or None
     )
     if ckpt is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         try:
-            set_optimizer_state_dict(
-                raw_model, optimizer, ckpt.state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
+            set_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"], options=StateDictOptions(full_state_dict=True))
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"the optimizer state in {str(ckpt.path)!r} does not fit this model: {error}") from None
-        rngs = ckpt.state["rng"]
-        if env.rank < len(rngs):
-            set_rng_state(rngs[env.rank])
-        else:  # more processes than before: a fresh but deterministic stream for the new ones
-            torch.manual_seed(derived_seed(config.seed, "rank", env.rank, start_step))
-    else:
-        # dropout masks should differ between processes (they see different data anyway)
+    return optimizer
+
+
+def seed_process(config: TrainConfig, env: distrib.DistEnv, ckpt: Checkpoint | None, start_step: int) -> None:
+    """This process's RNG (dropout): restored from the checkpoint; or, for a fresh run, seeded per
+    rank (dropout masks should differ between processes, which see different data anyway)."""
+    if ckpt is None:
         torch.manual_seed(derived_seed(config.seed, "rank", env.rank))
+    elif env.rank < len(ckpt.state["rng"]):
+        set_rng_state(ckpt.state["rng"][env.rank])
+    else:  # more processes than before: a fresh but deterministic stream for the new ones
+        torch.manual_seed(derived_seed(config.seed, "rank", env.rank, start_step))
+
+
+def build_samplers(dataset, config: TrainConfig, env: distrib.DistEnv) -> list:
+    """One sampler per micro-step: process r's micro-step a reads shard ``r·grad_accum + a`` of
+    ``world_size·grad_accum`` (see the module docstring)."""
+    from ..data import WindowSampler
 
     shards = env.world_size * config.grad_accum
-    samplers = [
+    return [
         WindowSampler(
             dataset.train, config.seq_len, config.batch_size, cross_documents=config.cross_documents,
             seed=config.seed, rank=env.rank * config.grad_accum + micro, world_size=shards,
         )
         for micro in range(config.grad_accum)
     ]
-    val_batches = []
-    if dataset.val.num_tokens - len(dataset.val) > 0:
-        val_batches = list(eval_batches(dataset.val, config.seq_len, config.batch_size, config.eval_batches or None))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)
 
-    # -- 3. Now we may write: the resolved config, and metrics cut back to the checkpoint.
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out_dir / "config.json", record, sort_keys=True)
-        if ckpt is not None:
-            truncate_metrics(out_dir / "metrics.jsonl", start_step)
-    reporter = Reporter(out_dir, total_steps, start_step, progress, active=env.is_main)
-    if env.is_main and start_step == 0:
-        reporter.note(
-            f"training {model_config.num_layers}-layer {'/'.join(sorted(set(model_config.layer_mixers())))} model "
-            f"({record['run']['parameters']:,} parameters) on {config.corpus} with {config.tokenizer} tokens: "
-            f"{total_steps} steps × {global_batch} sequences × {config.seq_len} tokens, {env.world_size} process(es)"
+
+def validation_batches(dataset, config: TrainConfig) -> list:
+    """The fixed validation batches (every process holds all; each evaluates its share)."""
+    from ..data import eval_batches
+
+    if dataset.val.num_tokens - len(dataset.val) <= 0:
+        return []
+    return list(eval_batches(dataset.val, config.seq_len, config.batch_size, config.eval_batches or None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class PretrainTrainer(Trainer):
+    """``kernelmix train`` on the pieces of :class:`~kernelmix.training.trainer.Trainer`: batches
+    from the samplers, bf16 autocast, DDP/FSDP gradient sync after the last micro-batch, random
+    features redrawn every ``redraw_every`` steps, the validation loss summed over processes, and
+    metrics logged every ``log_every`` steps (one device sync and one all-reduce per log, not per
+    step)."""
+
+    def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *, stop_at: int | None):
+        self.config, self.env, self.ckpt, self.out_dir = config, env, ckpt, Path(config.out_dir)
+        self.global_batch = config.batch_size * config.grad_accum * env.world_size
+        self.tokens_per_step = self.global_batch * config.seq_len
+        total_steps = math.ceil(config.tokens / self.tokens_per_step) if config.tokens else config.steps
+        self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps)
+        self.raw_model.to(env.device)
+        self.model = parallelize(self.raw_model, env, config.fsdp)
+        self.optimizer = build_optimizer(self.raw_model, config, env.device, ckpt)
+        seed_process(config, env, ckpt, start_step)
+        self.params, self.grad_clip = list(self.raw_model.parameters()), config.grad_clip
+        self.samplers = build_samplers(dataset, config, env)
+        self.val_batches = validation_batches(dataset, config)
+        self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.bf16)
+        self.schedule = Schedule(
+            total_steps=total_steps, start_step=start_step, resumed=ckpt is not None, eval_every=config.eval_every,
+            checkpoint_every=config.checkpoint_every, stop_at=stop_at, can_evaluate=bool(self.val_batches),
         )
-    elif env.is_main:
-        reporter.note(f"resuming {str(out_dir)!r} from step {start_step} of {total_steps}")
+        self.result = TrainResult(
+            start_step=start_step, final_step=start_step, total_steps=total_steps, out_dir=self.out_dir,
+            metrics_path=self.out_dir / "metrics.jsonl", config_path=self.out_dir / "config.json",
+        )
+        self.wall_before = float(ckpt.state.get("wall_s", 0.0)) if ckpt is not None else 0.0  # earlier sessions
+        self.pending: list[torch.Tensor] = []  # [loss, grad norm] of the steps not yet logged
+        self.train_time = 0.0  # seconds of optimizer steps (tokens/s excludes evaluation and checkpoints)
 
-    wall_before = float(ckpt.state.get("wall_s", 0.0)) if ckpt is not None else 0.0  # of earlier sessions
-    started = time.perf_counter()
+    def train(self, progress: bool | None) -> TrainResult:
+        """Write the run's record, then run the loop; returns the :class:`TrainResult`."""
+        self.reporter = self.open_outputs(progress)
+        self.started = self.window_start = time.perf_counter()
+        self.model.train()
+        try:
+            step = self.run()
+        finally:
+            self.reporter.close()
+        result, start_step = self.result, self.schedule.start_step
+        result.final_step = step
+        result.tokens_seen = step * self.tokens_per_step
+        result.tokens_per_s = (step - start_step) * self.tokens_per_step / self.train_time if self.train_time > 0 else 0.0
+        result.wall_s = time.perf_counter() - self.started
+        return result
 
-    def evaluate() -> float:
-        """Mean validation loss per predicted token, over every process's share of the batches."""
-        model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        # every process runs the same number of forwards: FSDP gathers weights collectively
-        rounds = math.ceil(len(val_batches) / env.world_size)
-        with torch.no_grad(), autocast:
-            for r in range(rounds):
-                index = r * env.world_size + env.rank
-                if index >= len(val_batches) and not config.fsdp:
-                    break
-                batch = val_batches[min(index, len(val_batches) - 1)].to(device)
-                loss = raw_model(**batch.model_inputs(), use_cache=False).loss
-                if index < len(val_batches):
-                    count = batch.num_predicted
-                    totals += torch.stack([loss.double() * count, torch.tensor(float(count), dtype=torch.float64, device=device)])
-        distrib.all_reduce_sum(env, totals)
-        model.train()
-        return float(totals[0] / totals[1])
-
-    def save(step: int) -> Path | None:
-        weights, optim_state = _full_state_dicts(raw_model, optimizer, config.fsdp)
-        rngs = distrib.all_gather_object(env, rng_state())
-        path = None
+    def open_outputs(self, progress: bool | None) -> Reporter:
+        """Now we may write: the resolved config, metrics cut back to the checkpoint, the reporter."""
+        env, start_step, total_steps = self.env, self.schedule.start_step, self.schedule.total_steps
         if env.is_main:
-            if model_config.tie_embeddings:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out_dir / "config.json", self.record, sort_keys=True)
+            if self.ckpt is not None:
+                truncate_metrics(self.out_dir / "metrics.jsonl", start_step)
+        reporter = Reporter(self.out_dir, total_steps, start_step, progress, active=env.is_main)
+        if env.is_main and start_step == 0:
+            config, model_config = self.config, self.raw_model.config
+            reporter.note(
+                f"training {model_config.num_layers}-layer {'/'.join(sorted(set(model_config.layer_mixers())))} model "
+                f"({self.record['run']['parameters']:,} parameters) on {config.corpus} with {config.tokenizer} tokens: "
+                f"{total_steps} steps × {self.global_batch} sequences × {config.seq_len} tokens, {env.world_size} process(es)"
+            )
+        elif env.is_main:
+            reporter.note(f"resuming {str(self.out_dir)!r} from step {start_step} of {total_steps}")
+        return reporter
+
+    def wall(self) -> float:
+        """Seconds of training over every session of this run."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    # -- the pieces Trainer.run drives --------------------------------------------------------
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.config, self.schedule.total_steps)
+
+    def micro_batches(self, step: int) -> list:
+        return [sampler.batch(step).to(self.env.device, non_blocking=True) for sampler in self.samplers]
+
+    def loss(self, batch) -> torch.Tensor:
+        with self.autocast:
+            return self.model(**batch.model_inputs(), use_cache=False).loss
+
+    def sync(self, last: bool):
+        """Gradients are averaged over processes only after the last micro-batch."""
+        if self.env.enabled and self.config.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        elif self.env.enabled and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def evaluate(self, step: int) -> None:
+        """Mean validation loss per predicted token, over every process's share of the batches."""
+        env = self.env
+        sums = sum_token_losses(
+            self.raw_model, self.val_batches, autocast=self.autocast, rank=env.rank, world_size=env.world_size,
+            all_reduce=lambda totals: distrib.all_reduce_sum(env, totals), same_forwards=self.config.fsdp,
+        )
+        self.result.val_losses[step] = sums.mean
+        self.reporter.write({"kind": "eval", "step": step, "tokens": step * self.tokens_per_step,
+                             "val_loss": sums.mean, "wall_s": round(self.wall(), 3)})
+        self.reporter.show(f"step {step:>6}/{self.schedule.total_steps} | val loss {sums.mean:.4f}", val=f"{sums.mean:.4f}")
+
+    def save(self, step: int) -> None:
+        """A checkpoint: full weights and optimizer state (every process takes part under FSDP),
+        every process's RNG states, the schedule and data position; written by rank 0."""
+        config, env, total_steps = self.config, self.env, self.schedule.total_steps
+        weights, optim_state = _full_state_dicts(self.raw_model, self.optimizer, config.fsdp)
+        rngs = distrib.all_gather_object(env, rng_state())
+        if env.is_main:
+            if self.raw_model.config.tie_embeddings:
                 weights.pop("lm_head.weight", None)  # the embedding, stored once
             state = {
                 "step": step,
-                "tokens_seen": step * tokens_per_step,
+                "tokens_seen": step * self.tokens_per_step,
                 "optimizer": optim_state,
                 "scheduler": {"name": "warmup_cosine", "step": step, "total_steps": total_steps,
                               "lr": lr_at(min(step, total_steps - 1), config, total_steps)},
-                "data": {"step": step, "seed": config.seed, "global_batch": global_batch},
+                "data": {"step": step, "seed": config.seed, "global_batch": self.global_batch},
                 "rng": rngs,
-                "wall_s": wall_before + time.perf_counter() - started,
+                "wall_s": self.wall(),
             }
-            path = save_checkpoint(out_dir, step, weights, state, record, keep=config.keep_checkpoints)
+            self.result.checkpoint = save_checkpoint(self.out_dir, step, weights, state, self.record, keep=config.keep_checkpoints)
+        else:
+            self.result.checkpoint = None
         distrib.barrier(env)
-        return path
 
-    # -- 4. The loop.
-    result = TrainResult(
-        start_step=start_step, final_step=start_step, total_steps=total_steps, out_dir=out_dir,
-        metrics_path=out_dir / "metrics.jsonl", config_path=out_dir / "config.json",
-    )
-    train_time = 0.0  # seconds of optimizer steps (tokens/s excludes evaluation and checkpoints)
-    pending: list[torch.Tensor] = []  # [loss, grad norm] of the steps not yet logged
-    window_start = time.perf_counter()
+    def before_boundary(self, step: int, due: Due) -> None:
+        # log before evaluating or saving, so metrics.jsonl is complete up to every checkpoint
+        if self.pending and (step % self.config.log_every == 0 or due.evaluate or due.save or due.stop):
+            self.log_pending(step)
 
-    def log_pending(step: int) -> None:
+    def before_step(self, step: int) -> None:
+        if not self.pending:  # a new throughput window: evaluation and checkpointing stay outside
+            self.window_start = time.perf_counter()
+        # redraw random features at the start of every redraw_every-th step (before its data)
+        if self.config.redraw_every and step > 0 and step % self.config.redraw_every == 0:
+            redraw_random_features(self.raw_model, self.config.seed, step)
+
+    def after_step(self, step: int, outcome: StepOutcome) -> bool:
+        self.pending.append(torch.stack([outcome.loss, outcome.grad_norm.to(outcome.loss.dtype)]))
+        self.reporter.advance(step)
+        return False
+
+    def log_pending(self, step: int) -> None:
         """Log the steps since the last log: one device sync and one all-reduce, not one per step."""
-        nonlocal pending, train_time
-        values = distrib.all_reduce_sum(env, torch.stack(pending).float()) / env.world_size
-        rows = values.tolist()  # waits for the device
-        elapsed = time.perf_counter() - window_start
-        train_time += elapsed
-        tokens_per_s = len(rows) * tokens_per_step / max(elapsed, 1e-9)
-        wall = round(wall_before + time.perf_counter() - started, 3)
+        env, total_steps = self.env, self.schedule.total_steps
+        rows = (distrib.all_reduce_sum(env, torch.stack(self.pending).float()) / env.world_size).tolist()
+        elapsed = time.perf_counter() - self.window_start
+        self.train_time += elapsed
+        tokens_per_s = len(rows) * self.tokens_per_step / max(elapsed, 1e-9)
+        wall = round(self.wall(), 3)
         for s, (loss_value, norm_value) in enumerate(rows, start=step - len(rows) + 1):
-            result.losses[s] = loss_value
+            self.result.losses[s] = loss_value
             if not math.isfinite(loss_value):
                 raise FloatingPointError(
                     f"the training loss became {loss_value} at step {s}; lower lr, keep grad_clip > 0 or disable "
-                    f"bf16, and resume from the last checkpoint in {str(out_dir)!r} (or start over)"
+                    f"bf16, and resume from the last checkpoint in {str(self.out_dir)!r} (or start over)"
                 )
-            reporter.write({
-                "kind": "train", "step": s, "tokens": s * tokens_per_step, "loss": loss_value,
-                "lr": lr_at(s - 1, config, total_steps), "grad_norm": norm_value,
-                "tokens_per_s": round(tokens_per_s, 1), "wall_s": wall,
+            self.reporter.write({
+                "kind": "train", "step": s, "tokens": s * self.tokens_per_step, "loss": loss_value,
+                "lr": self.lr(s - 1), "grad_norm": norm_value, "tokens_per_s": round(tokens_per_s, 1), "wall_s": wall,
             })
         eta = (total_steps - step) * elapsed / len(rows)
-        reporter.show(
-            f"step {step:>6}/{total_steps} | loss {rows[-1][0]:.4f} | lr {lr_at(step - 1, config, total_steps):.2e} | "
+        self.reporter.show(
+            f"step {step:>6}/{total_steps} | loss {rows[-1][0]:.4f} | lr {self.lr(step - 1):.2e} | "
             f"{tokens_per_s:,.0f} tok/s | ETA {eta / 60:.1f} min",
             loss=f"{rows[-1][0]:.4f}", tps=f"{tokens_per_s:,.0f}",
         )
-        pending = []
-
-    step = start_step
-    model.train()
-    try:
-        while True:
-            last = step == total_steps
-            stopping = last or step == stop_at
-            # evaluate at the start, every eval_every steps and at the end (not again at the step
-            # we resume from: it was evaluated before that checkpoint was written)
-            eval_due = bool(val_batches) and (last or step == 0 or (config.eval_every > 0 and step % config.eval_every == 0))
-            eval_due = eval_due and not (ckpt is not None and step == start_step)
-            save_due = step > start_step and (stopping or (config.checkpoint_every > 0 and step % config.checkpoint_every == 0))
-            # log before evaluating or saving, so metrics.jsonl is complete up to every checkpoint
-            if pending and (step % config.log_every == 0 or eval_due or save_due or stopping):
-                log_pending(step)
-            if eval_due:
-                val_loss = evaluate()
-                result.val_losses[step] = val_loss
-                reporter.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
-                                "wall_s": round(wall_before + time.perf_counter() - started, 3)})
-                reporter.show(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}", val=f"{val_loss:.4f}")
-            if save_due:
-                result.checkpoint = save(step)
-            if stopping:
-                break
-
-            if not pending:  # a new throughput window: evaluation and checkpointing stay outside
-                window_start = time.perf_counter()
-            # redraw random features at the start of every redraw_every-th step (before its data)
-            if config.redraw_every and step > 0 and step % config.redraw_every == 0:
-                redraw_random_features(raw_model, config.seed, step)
-
-            # -- one optimizer step over grad_accum micro-batches -----------------------------
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, config, total_steps)
-            step_loss = torch.zeros((), device=device)
-            for micro, sampler in enumerate(samplers):
-                batch = sampler.batch(step).to(device, non_blocking=True)
-                sync = micro == config.grad_accum - 1
-                # gradients are averaged over processes only after the last micro-batch
-                if config.fsdp and env.enabled:
-                    model.set_requires_gradient_sync(sync)
-                    no_sync = contextlib.nullcontext()
-                else:
-                    no_sync = model.no_sync() if env.enabled and not sync else contextlib.nullcontext()
-                with no_sync:
-                    with autocast:
-                        loss = model(**batch.model_inputs(), use_cache=False).loss / config.grad_accum
-                    loss.backward()
-                step_loss += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                raw_model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf")
-            )
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-                grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            pending.append(torch.stack([step_loss, grad_norm.to(step_loss.dtype)]))
-            step += 1
-            reporter.advance(step)
-    finally:
-        reporter.close()
-
-    result.final_step = step
-    result.tokens_seen = step * tokens_per_step
-    result.tokens_per_s = (step - start_step) * tokens_per_step / train_time if train_time > 0 else 0.0
-    result.wall_s = time.perf_counter() - started
-    return result
+        self.pending = []
 
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "TrainResult", "derived_seed", "lr_at", "param_groups", "redraw_random_features", "train", "warmup_cosine"]
+__all__ = [
+    "MAY_CHANGE_ON_RESUME", "PretrainTrainer", "TrainResult", "derived_seed", "lr_at", "param_groups",
+    "redraw_random_features", "run_training", "train", "warmup_cosine",
+]

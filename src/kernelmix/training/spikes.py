@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, field
 from typing import Sequence
 
 
@@ -27,4 +28,43 @@ def find_spikes(losses: Sequence[float], *, window: int, nats: float) -> list[di
             if is_spike(losses[:step], value, window=window, nats=nats)]
 
 
-__all__ = ["find_spikes", "is_spike"]
+@dataclass
+class SpikeGuard:
+    """The bookkeeping of a loop that skips bad updates (``optimizer_step(skip_non_finite=True)``):
+    every step's loss in ``losses``; a spike (:func:`is_spike` against the losses before it, or a
+    non-finite gradient, marked ``"gradient": "non-finite"``) in ``spikes``; ``skipped`` updates;
+    ``diverged`` once ``max_bad_steps`` updates in a row were skipped."""
+
+    window: int
+    nats: float
+    max_bad_steps: int
+    losses: list[float] = field(default_factory=list)
+    spikes: list[dict] = field(default_factory=list)
+    skipped: int = 0
+    bad_in_a_row: int = 0
+    diverged: bool = False
+
+    def record(self, step: int, loss: float, *, grad_finite: bool | None, updated: bool) -> bool:
+        """Book the update from ``step`` (0-based): its ``loss``, whether its gradient was finite
+        (None: no gradient, the loss was not finite) and whether the optimizer stepped. Returns
+        whether it was a spike."""
+        spike = is_spike(self.losses, loss, window=self.window, nats=self.nats)
+        if spike:
+            self.spikes.append({"step": step, "loss": loss})
+        if grad_finite is False:  # a finite loss with a non-finite gradient: the update was skipped
+            if spike:
+                self.spikes[-1]["gradient"] = "non-finite"
+            else:
+                self.spikes.append({"step": step, "loss": loss, "gradient": "non-finite"})
+                spike = True
+        if updated:
+            self.bad_in_a_row = 0
+        else:
+            self.bad_in_a_row += 1
+            self.skipped += 1
+            self.diverged = self.diverged or self.bad_in_a_row >= self.max_bad_steps
+        self.losses.append(loss)
+        return spike
+
+
+__all__ = ["SpikeGuard", "find_spikes", "is_spike"]
