@@ -370,3 +370,28 @@ def test_distillation_with_redraws_generalises_to_fresh_features():
     assert torch.equal(kernel.projection, own)  # the layer's own W is back
     with torch.no_grad():
         assert fresh_error() < 0.6 * start  # measured: 0.40× with redraws, 0.78× with one fixed W
+
+
+def test_a_converted_layer_uses_the_layers_random_feature_map():
+    """The kernels of a conversion are the RandomFeatureMap of the Performer/DARKFormer layers:
+    same draw for the same generator, same redraw, same whitening; only the host's scaling, masks
+    and cache are their own."""
+    from kernelmix.layers import PerformerMixer, RandomFeatureMap
+
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="darkformer", num_features=16, seed=0))
+    kernel = cv.kernels(model)[0]
+    assert isinstance(kernel, RandomFeatureMap) and kernel.data_aware
+    layer = PerformerMixer(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_features=16)
+    assert torch.equal(kernel.redraw_(torch.Generator().manual_seed(3)), layer.redraw_(torch.Generator().manual_seed(3)))
+    x = ids()
+    before = logits(model, x)
+    kernel.reset_parameters()  # M = F = I: identity initialisation, W kept
+    torch.testing.assert_close(logits(model, x), before)  # identity conversion: it was at M = F = I already
+    captured = cv.capture(model, x)
+    q, k = cv.token_samples(captured[0], kernel)
+    assert kernel.whiten_(q, k) is kernel
+    assert not torch.allclose(kernel.query_fold, torch.eye(16).expand(4, 16, 16))
+    performer = cv.kernels(cv.convert(tiny_llama(), cv.ConversionConfig(mixer="performer", num_features=16)))[0]
+    assert performer.transform is None and performer.query_fold is None
+    with pytest.raises(ValueError, match="data-aware"):
+        performer.whiten_(q, k)

@@ -295,3 +295,33 @@ def test_loss_equals_independent_cross_entropy(dtype):
     unshifted = F.cross_entropy(out.logits.double().flatten(0, 1), labels.flatten(), ignore_index=-100)
     assert abs(unshifted.item() - expected.item()) > 1e-3
     assert math.isfinite(out.loss.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# f. initialisation
+
+
+@pytest.mark.parametrize("overrides", OVERRIDES, ids=CASE_IDS)
+def test_reset_parameters_is_the_init_and_each_layer_owns_its_part(overrides):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.preset("tiny", **overrides))
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    torch.manual_seed(7)
+    model.reset_parameters()
+    again = model.state_dict()
+    drawn = ("_proj.weight", "embed.", "lm_head.")  # N(0, std²) draws: other values from another seed
+    for key, value in fresh.items():
+        if "rho_proj" in key or not any(part in key for part in drawn):
+            # norms, ρ gate, ridge, reference scale, M, F at their initial values; W kept
+            assert torch.equal(again[key], value), key
+    std = model.config.initializer_range
+    assert abs(float(model.embed.weight.detach().std()) - std) < 0.1 * std
+    assert model.lm_head.weight is model.embed.weight
+    out_std = std / math.sqrt(2 * model.config.num_layers)
+    assert abs(float(model.blocks[0].mixer.o_proj.weight.detach().std()) - out_std) < 0.2 * out_std
+    for block in model.blocks:
+        if block.mixer.mixer_name == "cubit" and block.mixer.lrr:
+            assert not block.mixer.rho_proj.weight.any()  # ρ = 1 at init: Cubit starts as Cubit-NoLRR

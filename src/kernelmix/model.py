@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import MIXERS, LayerCache, build_mixer, mixer_options
+from .layers import MIXERS, SHARED_OPTIONS, LayerCache, build_mixer, mixer_options
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -98,12 +98,12 @@ class ModelConfig:
         for name, options in self.mixer_options.items():
             if name not in MIXERS:
                 raise ValueError(f"mixer_options names unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
-            accepted = set(mixer_options(name)) - set(_SHARED_LAYER_ARGS)
+            accepted = set(mixer_options(name)) - set(LAYER_ARGS_FROM_CONFIG)
             unknown = sorted(set(options) - accepted)
             if unknown:
                 raise ValueError(
                     f"mixer_options[{name!r}] has unknown option(s) {unknown}; accepted: {', '.join(sorted(accepted))} "
-                    f"(the shared ones — {', '.join(_SHARED_LAYER_ARGS)} — come from the model config)"
+                    f"(the shared ones — {', '.join(LAYER_ARGS_FROM_CONFIG)} — come from the model config)"
                 )
 
     def layer_mixers(self) -> list[str]:
@@ -138,8 +138,12 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# Arguments every mixer layer takes that come from the model config, not from mixer_options.
-_SHARED_LAYER_ARGS = ("hidden_size", "num_heads", "head_dim", "num_kv_heads", "rope_theta", "chunk_size")
+# The shared layer arguments that are also config fields (hidden_size, num_heads, head_dim,
+# num_kv_heads, rope_theta, chunk_size) come from the config, for every layer; the others
+# (bias) may be set per mixer in mixer_options.
+LAYER_ARGS_FROM_CONFIG: tuple[str, ...] = tuple(
+    name for name in SHARED_OPTIONS if name in {f.name for f in dataclasses.fields(ModelConfig)}
+)
 
 # GPT-3-style widths and depths (Brown et al. 2020, table 2.1) with a GPT-2 vocabulary; the
 # SwiGLU hidden size of 8/3·d keeps the 12·d² parameters per block of the original MLP.
@@ -163,6 +167,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         # normalise in float32 at least: bf16 mean-of-squares loses too much
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -178,6 +185,12 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        """gate and up ~ N(0, std²), down (a residual output) ~ N(0, out_std²)."""
+        nn.init.normal_(self.gate_proj.weight, std=std)
+        nn.init.normal_(self.up_proj.weight, std=std)
+        nn.init.normal_(self.down_proj.weight, std=out_std)
+
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -190,17 +203,21 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(
             mixer_name,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            num_kv_heads=config.num_kv_heads,
-            rope_theta=config.rope_theta,
-            chunk_size=config.chunk_size,
+            **{name: getattr(config, name) for name in LAYER_ARGS_FROM_CONFIG},
             **config.mixer_options.get(mixer_name, {}),
         )
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.dropout = nn.Dropout(config.dropout)
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        """Norms at 1; the mixer's and the MLP's projections ~ N(0, std²), the residual output
+        projections (``o_proj``, ``down_proj``) ~ N(0, out_std²); the mixer initialises its own
+        parameters (Cubit's ρ gate and ridge, DARKFormer's M, ...) and keeps its random projection."""
+        self.mixer_norm.reset_parameters()
+        self.mixer.reset_parameters(std, out_std)
+        self.mlp_norm.reset_parameters()
+        self.mlp.reset_parameters(std, out_std)
 
     def forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None):
         mixed, cache = self.mixer(self.mixer_norm(x), cache, position_ids=position_ids, doc_start=doc_start)
@@ -252,27 +269,25 @@ class CausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(config, name) for name in config.layer_mixers())
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._init_weights()
+        self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def _init_weights(self) -> None:
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: embedding, LM head and projections ~ N(0, initializer_range²),
+        biases 0, norms 1. Every block passes the std on to its mixer, which initialises its own
+        parameters. The random-feature projections are kept (``redraw_`` changes them)."""
         std = self.config.initializer_range
         # GPT-2: residual output projections scaled by 1/√(2·layers) so the residual stream's
         # variance does not grow with depth.
         residual_std = std / math.sqrt(2 * self.config.num_layers)
         nn.init.normal_(self.embed.weight, std=std)
-        nn.init.normal_(self.lm_head.weight, std=std)
+        if self.lm_head.weight is not self.embed.weight:  # a tied head is the embedding
+            nn.init.normal_(self.lm_head.weight, std=std)
         for block in self.blocks:
-            for name, module in block.named_modules():
-                # Mixer-specific parameters (Cubit's ρ gate, DARKFormer's M, the ridge, ...) keep the
-                # initialisation their layer chose; only the plain projections are re-drawn here.
-                if not isinstance(module, nn.Linear) or name.endswith("rho_proj"):
-                    continue
-                is_residual_out = name.endswith("o_proj") or name.endswith("down_proj")
-                nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            block.reset_parameters(std, residual_std)
+        self.norm.reset_parameters()
 
     def num_parameters(self) -> int:
         """Trainable parameters, a tied embedding counted once."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernelmix.layers import DarkFormerMixer, PerformerMixer, data_aware_transform, regularised_second_moments
+from kernelmix.layers import DarkFormerMixer, PerformerMixer, RandomFeatureMap
+from kernelmix.ops import data_aware_transform, regularised_second_moments
 
 from .common import BASE, F64, HEAD_DIM, HEADS, KV_HEADS, inputs, make_layer, rel_err
 
@@ -173,3 +174,65 @@ def test_whitened_darkformer_estimates_the_pretrained_kernel():
         exact = softmax(x)[0]
         assert rel_err(dark(x)[0], exact) <= 0.05
         assert rel_err(performer(x)[0], exact) <= 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# The one random-feature map (shared with a converted model's kernels)
+
+
+def test_the_layers_are_random_feature_maps():
+    for name in RF:
+        assert isinstance(make_layer(name, {"num_features": 8}, None), RandomFeatureMap)
+    performer = make_layer("performer", {"num_features": 8}, None)
+    assert performer.transform is None and performer.query_fold is None
+    assert set(performer.state_dict()) == {"projection"} | {f"{p}_proj.weight" for p in "qkvo"}
+    with pytest.raises(ValueError, match="data-aware"):
+        performer.whiten_(*_samples(20, HEADS, KV_HEADS, HEAD_DIM))
+
+
+def test_a_standalone_map_draws_like_a_layer_and_redraws_another_m():
+    torch.manual_seed(0)
+    layer = PerformerMixer(**BASE, num_features=12)
+    g = torch.Generator().manual_seed(7)
+    feature_map = RandomFeatureMap(num_heads=HEADS, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, num_features=12, generator=g)
+    assert torch.equal(feature_map.projection, layer.redraw_(torch.Generator().manual_seed(7)))
+    kept = feature_map.projection
+    assert feature_map.redraw_(torch.Generator().manual_seed(8)) is kept  # same m: in place
+    wider = feature_map.redraw_(torch.Generator().manual_seed(8), num_features=20)
+    assert wider.shape == (HEADS, 20, HEAD_DIM) and feature_map.num_features == 20
+    assert feature_map.state_dict()["projection"].shape == (HEADS, 20, HEAD_DIM)
+    with pytest.raises(ValueError, match="num_features"):
+        feature_map.redraw_(None, num_features=0)
+    with pytest.raises(ValueError, match="projection"):
+        RandomFeatureMap(num_heads=HEADS, head_dim=HEAD_DIM, projection="gaussian")
+
+
+def test_map_attention_is_the_op_with_its_tensors():
+    layer = make_layer("darkformer", {"num_features": 16}, "whiten")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, HEADS, HEAD_DIM, generator=g, dtype=F64)
+    k = torch.randn(2, 9, KV_HEADS, HEAD_DIM, generator=g, dtype=F64)
+    v = torch.randn(2, 9, KV_HEADS, HEAD_DIM, generator=g, dtype=F64)
+    folded = layer.fold_queries(q)
+    assert rel_err(folded, torch.einsum("hij,bthj->bthi", layer.query_fold, q)) <= 1e-15
+    with torch.no_grad():
+        causal = layer.attend_causal(folded, k, v)
+        mask = torch.ones(9, 9, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+        dense, weights = layer.attend_masked(folded, k, v, mask)
+        assert rel_err(dense, causal) <= 1e-10 and weights.shape == (2, HEADS, 9, 9)
+        out, state = layer.attend_causal(folded[:, :5], k[:, :5], v[:, :5], return_state=True)
+        step, _ = layer.attend_causal(folded[:, 5:6], k[:, 5:6], v[:, 5:6], state=state, return_state=True)
+        assert rel_err(step, causal[:, 5:6]) <= 1e-10
+        eye = torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1)
+        assert not torch.allclose(layer.attend_causal(folded, k, v, transform=eye), causal)
+
+
+def test_reset_parameters_returns_to_the_identity_and_keeps_w():
+    layer = make_layer("darkformer", {"num_features": 16}, "whiten")
+    projection = layer.projection.clone()
+    eye = torch.eye(HEAD_DIM, dtype=F64).expand(HEADS, -1, -1)
+    layer.reset_parameters(0.02, 0.01)
+    assert torch.equal(layer.transform, eye) and torch.equal(layer.query_fold, eye)
+    assert torch.equal(layer.projection, projection)
+    assert abs(float(layer.o_proj.weight.detach().std()) - 0.01) < 0.003
+    assert abs(float(layer.q_proj.weight.detach().std()) - 0.02) < 0.006

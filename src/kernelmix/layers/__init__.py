@@ -7,18 +7,22 @@ One registry name per mixer::
     out, cache = layer(x)                  # x: [B, T, 256]
     out_t, cache = layer(x_next, cache)    # continue token by token (or several tokens at once)
 
-Every constructor takes explicit keyword-only arguments; :func:`build_mixer` turns an unknown
-mixer name or option into a ``ValueError`` that lists the accepted ones.
+Every constructor takes explicit keyword-only arguments: the shared ones (:data:`SHARED_OPTIONS`,
+defined once by :class:`MixerLayer`) and the mixer's own; :func:`build_mixer` turns an unknown
+mixer name or option into a ``ValueError`` that lists the accepted ones. Every layer initialises
+its own parameters (``reset_parameters``); the random-feature layers share one
+:class:`RandomFeatureMap` with a converted model's kernels (``redraw_``, ``whiten_``).
 """
 
 from __future__ import annotations
 
 import inspect
 
-from .base import LayerCache, MixerLayer
+from .base import SHARED_OPTIONS, LayerCache, MixerLayer
 from .cubit import CubitMixer
 from .deltaformer import DeltaFormerMixer
-from .random_features import DarkFormerMixer, PerformerMixer, data_aware_transform, regularised_second_moments
+from .feature_map import PROJECTIONS, RandomFeatureMap
+from .random_features import DarkFormerMixer, PerformerMixer
 from .rope import apply_rope, rope_cos_sin
 from .softmax import SoftmaxMixer
 
@@ -32,7 +36,7 @@ MIXERS: dict[str, type[MixerLayer]] = {
 
 
 def mixer_options(name: str) -> tuple[str, ...]:
-    """The keyword arguments the mixer ``name`` accepts, in constructor order."""
+    """The keyword arguments the mixer ``name`` accepts, in constructor order (the shared ones first)."""
     cls = _mixer_class(name)
     params = inspect.signature(cls.__init__).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
@@ -62,17 +66,18 @@ def build_mixer(name: str, **kwargs) -> MixerLayer:
 
 __all__ = [
     "MIXERS",
+    "PROJECTIONS",
+    "SHARED_OPTIONS",
     "CubitMixer",
     "DarkFormerMixer",
     "DeltaFormerMixer",
     "LayerCache",
     "MixerLayer",
     "PerformerMixer",
+    "RandomFeatureMap",
     "SoftmaxMixer",
     "apply_rope",
     "build_mixer",
-    "data_aware_transform",
     "mixer_options",
-    "regularised_second_moments",
     "rope_cos_sin",
 ]

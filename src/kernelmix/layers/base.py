@@ -6,7 +6,15 @@ A layer maps ``hidden_states`` ``[B, T, hidden_size]`` to an output of the same 
     out, cache = layer(x[:, :6])            # prefill: the parallel op, which also builds the cache
     out2, cache = layer(x[:, 6:7], cache)   # decode: continue from the cache
 
-Subclasses (one per mixer, see :mod:`kernelmix.layers`) add their own parameters and implement
+Subclasses (one per mixer, see :mod:`kernelmix.layers`) take the shared keyword arguments of
+:class:`MixerLayer` (the head geometry, defined once there) and spell only their own::
+
+    class DeltaFormerMixer(MixerLayer):
+        def __init__(self, *, w: str = "k", **shared: Any) -> None:
+            super().__init__(**shared)      # a misspelt option is a TypeError here
+
+(their ``__init__`` signature then lists both, see :meth:`MixerLayer.__init_subclass__`), own the
+initialisation of their parameters (:meth:`MixerLayer.reset_parameters`), and implement
 
 * ``_extras(hidden_states, q=..., k=..., k_raw=..., positions=...)`` → dict of per-token tensors
   ``[B, T, ...]`` the op needs besides q, k, v (Cubit's r and ρ, DeltaFormer's β and w);
@@ -20,6 +28,7 @@ random-feature mixers override ``_mix`` to continue a whole chunk from their rec
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +60,9 @@ class LayerCache:
     head_dim: int
 
 
+# The argument checks of the layers (errors name the argument, the value and what is accepted).
+
+
 def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -67,6 +79,19 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
     return value
+
+
+def init_linear(linear: nn.Linear | None, std: float | None) -> None:
+    """Weights ~ N(0, std²) and zero bias, or with ``std`` None PyTorch's default ``nn.Linear`` init
+    (nothing for None)."""
+    if linear is None:
+        return
+    if std is None:
+        linear.reset_parameters()
+        return
+    nn.init.normal_(linear.weight, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
 
 
 def _state_batch_size(state: Any) -> int | None:
@@ -110,7 +135,9 @@ class MixerLayer(nn.Module):
         bias: bool = False,
         chunk_size: int = 64,
     ) -> None:
-        super().__init__()
+        # nn.Module's init directly, not super(): the random-feature layers are also a
+        # RandomFeatureMap, whose own __init__ they replace by init_feature_map.
+        nn.Module.__init__(self)
         hidden_size = check_positive_int("hidden_size", hidden_size)
         num_heads = check_positive_int("num_heads", num_heads)
         if head_dim is None:
@@ -146,6 +173,37 @@ class MixerLayer(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass ``__init__(self, *, own options..., **shared)`` that forwards ``shared`` to
+        :class:`MixerLayer` gets the signature it really accepts: the shared keyword arguments,
+        then its own (for ``inspect.signature``, ``help`` and :func:`kernelmix.layers.mixer_options`).
+        Nothing is accepted that the signature does not list: an unknown name reaches
+        ``MixerLayer.__init__``, a TypeError."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        own = inspect.signature(init).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own):
+            return
+        shared = inspect.signature(MixerLayer.__init__).parameters.values()
+        params = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        params[1:1] = [p for p in shared if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        init.__signature__ = inspect.Signature(params, return_annotation=inspect.signature(init).return_annotation)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
+        """Initialise every parameter of the layer. The model calls this with its std; a new layer
+        is initialised as by ``reset_parameters()`` (PyTorch's default init of the projections).
+
+        ``q_proj``, ``k_proj``, ``v_proj`` ~ N(0, std²) and ``o_proj`` ~ N(0, out_std²)
+        (``out_std`` defaults to ``std``; the model passes GPT-2's residual scaling), biases 0; with
+        ``std`` None, PyTorch's default ``nn.Linear`` init. Subclasses extend this with their own
+        parameters, projections first in the order they were created (the RNG draws follow it)."""
+        for name in ("q_proj", "k_proj", "v_proj"):
+            init_linear(getattr(self, name), std)
+        init_linear(self.o_proj, std if out_std is None else out_std)
 
     # ----------------------------------------------------------------------------------------
     # helpers for subclasses
@@ -292,4 +350,9 @@ class MixerLayer(nn.Module):
         raise NotImplementedError
 
 
-__all__ = ["LayerCache", "MixerLayer"]
+#: The keyword arguments every mixer takes (``MixerLayer.__init__``'s), in order.
+SHARED_OPTIONS: tuple[str, ...] = tuple(
+    p.name for p in inspect.signature(MixerLayer.__init__).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+__all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_positive_int", "init_linear"]

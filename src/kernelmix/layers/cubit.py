@@ -10,8 +10,7 @@ from torch import Tensor, nn
 
 from ..ops._common import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
-from .base import MixerLayer, check_bool, check_choice
-from .rope import DEFAULT_THETA
+from .base import MixerLayer, check_bool, check_choice, init_linear
 
 REFERENCES = ("separate", "key")
 
@@ -46,28 +45,14 @@ class CubitMixer(MixerLayer):
     def __init__(
         self,
         *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        rope_theta: float = DEFAULT_THETA,
-        bias: bool = False,
-        chunk_size: int = 64,
         reference: str = "separate",
         reference_rope: bool = True,
         lrr: bool = True,
         lrr_range: tuple[float, float] = (0.5, 2.0),
         ridge: float = 1e-6,
+        **shared: Any,
     ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_kv_heads=num_kv_heads,
-            rope_theta=rope_theta,
-            bias=bias,
-            chunk_size=chunk_size,
-        )
+        super().__init__(**shared)
         self.reference = check_choice("reference", reference, REFERENCES)
         self.reference_rope = check_bool("reference_rope", reference_rope)
         self.lrr = check_bool("lrr", lrr)
@@ -81,20 +66,38 @@ class CubitMixer(MixerLayer):
         if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (math.isfinite(ridge) and ridge > 0):
             raise ValueError(f"ridge must be a positive finite number, got {ridge!r}")
 
+        self.initial_ridge = float(ridge)  # reset_parameters returns λ to it
+
         if self.reference == "separate":
-            self.r_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=self.bias)
+            self.r_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=self.bias)
         else:
             self.register_module("r_proj", None)
         if self.lrr:
-            self.rho_proj = nn.Linear(hidden_size, self.num_heads, bias=True)
-            nn.init.zeros_(self.rho_proj.weight)
-            # ρ = 1 at init: sigmoid(b) = (1 − lo) / (hi − lo)
-            frac = (1.0 - lo) / (hi - lo)
-            nn.init.constant_(self.rho_proj.bias, math.log(frac / (1 - frac)) if 0 < frac < 1 else 0.0)
+            self.rho_proj = nn.Linear(self.hidden_size, self.num_heads, bias=True)
         else:
             self.register_module("rho_proj", None)
-        self.log_ref_scale = nn.Parameter(torch.zeros(self.num_heads))
-        self.log_ridge = nn.Parameter(torch.full((self.num_heads,), math.log(ridge)))
+        self.log_ref_scale = nn.Parameter(torch.empty(self.num_heads))
+        self.log_ridge = nn.Parameter(torch.empty(self.num_heads))
+        self._reset_own_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
+        """The projections as :meth:`MixerLayer.reset_parameters`, ``r_proj`` like q/k/v, then the ρ
+        gate and the per-head scales at their initial values (ρ = 1, s = 1, λ = ``ridge``)."""
+        super().reset_parameters(std, out_std)
+        init_linear(self.r_proj, std)
+        self._reset_own_parameters()
+
+    @torch.no_grad()
+    def _reset_own_parameters(self) -> None:
+        if self.rho_proj is not None:
+            # ρ = 1 at init: zero weights and sigmoid(b) = (1 − lo) / (hi − lo)
+            lo, hi = self.lrr_range
+            frac = (1.0 - lo) / (hi - lo)
+            nn.init.zeros_(self.rho_proj.weight)
+            nn.init.constant_(self.rho_proj.bias, math.log(frac / (1 - frac)) if 0 < frac < 1 else 0.0)
+        self.log_ref_scale.zero_()
+        self.log_ridge.fill_(math.log(self.initial_ridge))
 
     def extra_repr(self) -> str:
         return (

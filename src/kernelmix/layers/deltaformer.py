@@ -8,8 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
-from .base import MixerLayer, check_choice
-from .rope import DEFAULT_THETA
+from .base import MixerLayer, check_choice, init_linear
 
 W_CHOICES = ("k", "q")
 
@@ -32,32 +31,18 @@ class DeltaFormerMixer(MixerLayer):
 
     mixer_name = "deltaformer"
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        rope_theta: float = DEFAULT_THETA,
-        bias: bool = False,
-        chunk_size: int = 64,
-        w: str = "k",
-    ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_kv_heads=num_kv_heads,
-            rope_theta=rope_theta,
-            bias=bias,
-            chunk_size=chunk_size,
-        )
+    def __init__(self, *, w: str = "k", **shared: Any) -> None:
+        super().__init__(**shared)
         self.w = check_choice("w", w, W_CHOICES)
-        self.beta_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
+        self.beta_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, w={self.w!r}"
+
+    def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
+        """The projections as :meth:`MixerLayer.reset_parameters`, then ``beta_proj`` like q/k/v."""
+        super().reset_parameters(std, out_std)
+        init_linear(self.beta_proj, std)
 
     def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
         return {"beta": torch.sigmoid(self.beta_proj(hidden_states)), "w": q if self.w == "q" else None}

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from ..ops.softmax import SoftmaxState, softmax_attention, softmax_attention_step
 from .base import MixerLayer
-from .rope import DEFAULT_THETA
 
 
 class SoftmaxMixer(MixerLayer):
@@ -22,27 +21,6 @@ class SoftmaxMixer(MixerLayer):
     """
 
     mixer_name = "softmax"
-
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        rope_theta: float = DEFAULT_THETA,
-        bias: bool = False,
-        chunk_size: int = 64,
-    ) -> None:
-        super().__init__(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_kv_heads=num_kv_heads,
-            rope_theta=rope_theta,
-            bias=bias,
-            chunk_size=chunk_size,
-        )
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, SoftmaxState]:
         return softmax_attention(q, k, v, doc_start=extras["doc_start"], return_state=True)

@@ -2,7 +2,8 @@
 
 :class:`RandomFeatureKernel` (Performer / DARKFormer) matches the host's scaling exactly: the op
 computes exp(q'·k/√d), so it is fed q' = q·(scaling·√d), giving exp(scaling·q·k). Grouped
-key/value heads are expanded inside the op. Its parameters live on the attention module, so
+key/value heads are expanded inside the op. It is a :class:`~kernelmix.layers.RandomFeatureMap`,
+the one the Performer/DARKFormer layers use; its tensors live on the attention module, so
 ``save_pretrained`` saves them: ``projection`` W ``[H, m, d]`` (buffer) and, for DARKFormer,
 ``transform`` M ``[H, d, d]`` (parameter) and ``query_fold`` F ``[H, d, d]`` (buffer).
 
@@ -19,14 +20,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.data_aware import data_aware_transform
+from ..layers import RandomFeatureMap
+from ..layers.base import check_choice
 from ..ops._common import expand_heads
-from ..ops.random_features import (
-    gaussian_random_features,
-    orthogonal_random_features,
-    random_feature_attention,
-    random_feature_attention_masked,
-)
 from .attention import left_padding_doc_start, visible_from_mask
 
 
@@ -38,24 +34,20 @@ def pad_queries_left(q: Tensor, length: int) -> Tensor:
 
 
 
-class RandomFeatureKernel(nn.Module):
-    """Random-feature attention parameters of one converted layer (attached as
-    ``self_attn.kernelmix_rf``): buffer ``projection`` W ``[H, m, d]``; for DARKFormer parameter
-    ``transform`` M ``[H, d, d]`` and buffer ``query_fold`` F ``[H, d, d]`` (both identity at first)."""
+class RandomFeatureKernel(RandomFeatureMap):
+    """Random-feature attention of one converted layer (attached as ``self_attn.kernelmix_rf``):
+    a :class:`~kernelmix.layers.RandomFeatureMap` — buffer ``projection`` W ``[H, m, d]``; for
+    DARKFormer parameter ``transform`` M ``[H, d, d]`` and buffer ``query_fold`` F ``[H, d, d]``
+    (both identity at first); ``redraw_``, ``whiten_`` — with what the host needs around it: its
+    scaling (:meth:`feature_queries`), its masks and its KV cache (:meth:`attend`)."""
 
     def __init__(self, *, mixer: str, num_heads: int, num_kv_heads: int, head_dim: int, num_features: int,
                  projection: str = "orthogonal", chunk_size: int = 64, generator: torch.Generator | None = None):
-        super().__init__()
-        self.mixer, self.num_heads, self.num_kv_heads, self.head_dim = mixer, num_heads, num_kv_heads, head_dim
-        self.num_features, self.projection_kind, self.chunk_size = num_features, projection, chunk_size
-        self.register_buffer("projection", self.draw_projection(generator, num_features), persistent=True)
-        if mixer == "darkformer":
-            eye = torch.eye(head_dim).expand(num_heads, -1, -1).clone()
-            self.transform = nn.Parameter(eye.clone())
-            self.register_buffer("query_fold", eye, persistent=True)
-        else:
-            self.transform = None
-            self.query_fold = None
+        check_choice("mixer", mixer, ("performer", "darkformer"))
+        super().__init__(num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads, num_features=num_features,
+                         projection=projection, data_aware=mixer == "darkformer", chunk_size=chunk_size,
+                         generator=generator)
+        self.mixer = mixer
 
     def extra_repr(self) -> str:
         return (f"mixer={self.mixer!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -65,37 +57,25 @@ class RandomFeatureKernel(nn.Module):
         """The kernel's own finetunable parameters: M for DARKFormer, none for Performer (W is fixed)."""
         return [] if self.transform is None else [self.transform]
 
-    def draw_projection(self, generator, num_features: int) -> Tensor:
-        draw = orthogonal_random_features if self.projection_kind == "orthogonal" else gaussian_random_features
-        return draw(num_features, self.head_dim, num_heads=self.num_heads, generator=generator)
-
-    @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None, num_features: int | None = None) -> Tensor:
-        """Draw a new W (optionally with another m) in place of the old one; caches become stale."""
-        m = self.num_features if num_features is None else int(num_features)
-        new = self.draw_projection(generator, m).to(device=self.projection.device)
-        self.num_features = m
-        self.projection = new  # replaces the registered buffer (its shape may change)
-        return self.projection
+        """The old name of :meth:`~kernelmix.layers.RandomFeatureMap.redraw_` (``convert.set_num_features``
+        still calls it)."""
+        return self.redraw_(generator, num_features)
 
     def feature_queries(self, query: Tensor, scaling: float | None, fold: Tensor | None = None) -> Tensor:
         """HF query ``[B, H, T, d]`` → the op's queries ``[B, T, H, d]``: q·(scaling·√d), then F q for
         DARKFormer (``fold`` overrides the buffer, e.g. while training it)."""
         scaling = self.head_dim**-0.5 if scaling is None else scaling
         q = query.transpose(1, 2) * (scaling * math.sqrt(self.head_dim))
-        fold = self.query_fold if fold is None else fold
-        if fold is not None:
-            dtype = torch.promote_types(q.dtype, torch.float32)
-            q = torch.einsum("hij,bthj->bthi", fold.to(dtype), q.to(dtype))
-        return q
+        return self.fold_queries(q, fold)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float | None,
                *, transform: Tensor | None = None, fold: Tensor | None = None) -> Tensor:
         """Random-feature attention on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
-        ``[B, H_kv, L, d]``, HF mask or None) → ``[B, T, H, d_v]`` (HF's attention output layout)."""
+        ``[B, H_kv, L, d]``, HF mask or None) → ``[B, T, H, d_v]`` (HF's attention output layout).
+        ``transform`` and ``fold`` override M and F (e.g. while training copies of them)."""
         q = self.feature_queries(query, scaling, fold)
         k, v = key.transpose(1, 2), value.transpose(1, 2)
-        transform = self.transform if transform is None else transform
         length_q, length_k = q.shape[1], k.shape[1]
         if attention_mask is None:
             if length_q == length_k:
@@ -111,22 +91,11 @@ class RandomFeatureKernel(nn.Module):
         if doc_start is not None:
             q_full = pad_queries_left(q, length_k) if length_k > length_q else q
             return self._chunked(q_full, k, v, transform, doc_start)[:, length_k - length_q:]
-        out, _ = random_feature_attention_masked(q, k, v, self.projection, visible, transform=transform)
+        out, _ = self.attend_masked(q, k, v, visible, transform=transform)
         return out
 
     def _chunked(self, q, k, v, transform, doc_start) -> Tensor:
-        out = random_feature_attention(q, k, v, self.projection, transform=transform, chunk_size=self.chunk_size, doc_start=doc_start)
-        return out.to(v.dtype)
-
-    @torch.no_grad()
-    def whiten_(self, q_samples: Tensor, k_samples: Tensor, eps: float = 1e-3) -> None:
-        """SPEC §5 data-aware initialisation from feature-space query samples ``[N, H, d]`` (q·scaling·√d,
-        before the fold) and key samples ``[N, H_kv, d]``: M = S^{1/2}, F = S⁻¹; the kernel is unchanged."""
-        if self.mixer != "darkformer":
-            raise ValueError("whitening needs a darkformer layer (Performer has no transform)")
-        m, fold = data_aware_transform(q_samples, k_samples, eps)
-        self.transform.copy_(m.to(self.transform))
-        self.query_fold.copy_(fold.to(self.query_fold))
+        return self.attend_causal(q, k, v, doc_start=doc_start, transform=transform).to(v.dtype)
 
 
 class CubitKernel(nn.Module):
