@@ -52,6 +52,18 @@ def test_config_holds_every_model_config_field_with_the_same_defaults():
     assert KernelMixConfig.model_type == "kernelmix"
 
 
+def test_config_fields_come_from_model_config():
+    # derived, not re-listed: same names, types and defaults, fresh mutable defaults per instance
+    import typing
+
+    ours = {f.name: f for f in dataclasses.fields(KernelMixConfig)}
+    for f in dataclasses.fields(ModelConfig):
+        assert ours[f.name].type == typing.get_type_hints(ModelConfig)[f.name], f.name
+    a, b = KernelMixConfig(), KernelMixConfig()
+    a.mixer_options["cubit"] = {"lrr": False}
+    assert b.mixer_options == {} and ModelConfig().mixer_options == {}
+
+
 def test_config_converts_both_ways_and_through_json(tmp_path):
     cfg = ModelConfig.preset("tiny", mixers=["softmax", "performer"], mixer_options={"performer": {"num_features": 24}})
     hf_config = KernelMixConfig.from_model_config(cfg, eos_token_id=3)

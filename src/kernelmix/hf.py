@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import field
+import typing
 from typing import Any
 
 import torch
@@ -63,7 +63,25 @@ from .model import CausalLM, ModelCache, ModelConfig
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
-class KernelMixConfig(PreTrainedConfig):
+def _model_config_fields() -> type:
+    """A dataclass with every :class:`ModelConfig` field (name, type, default) and nothing else.
+
+    transformers ≥ 5 turns each ``PreTrainedConfig`` subclass into a keyword-only dataclass whose
+    fields are its annotated attributes and those of its dataclass bases; inheriting from this one
+    gives :class:`KernelMixConfig` the model's fields without spelling them again, so a new
+    ``ModelConfig`` field needs no edit here."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.default_factory is not dataclasses.MISSING:
+            default = dataclasses.field(default_factory=f.default_factory)
+        else:
+            default = dataclasses.field(default=f.default)
+        fields.append((f.name, hints[f.name], default))
+    return dataclasses.make_dataclass("ModelConfigFields", fields, kw_only=True, repr=False, eq=False)
+
+
+class KernelMixConfig(PreTrainedConfig, _model_config_fields()):
     """A :class:`~kernelmix.model.ModelConfig` as a transformers config (same fields, same
     defaults, validated by ModelConfig itself; ``None`` defaults are resolved on construction).
     Extra keyword arguments are HF's (``eos_token_id``, ``pad_token_id``, ...)."""
@@ -76,25 +94,6 @@ class KernelMixConfig(PreTrainedConfig):
         "max_position_embeddings": "max_seq_len",
         "tie_word_embeddings": "tie_embeddings",
     }
-
-    # every ModelConfig field (tests/test_hf.py checks the names and defaults stay in sync)
-    vocab_size: int = 256
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 1024
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    initializer_range: float = 0.02
-    mixer: str = "softmax"
-    mixers: list[str] | None = None
-    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    chunk_size: int = 64
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
