@@ -539,3 +539,36 @@ def test_batch_to_and_json_meta(tmp_path):
     assert meta["tokenizer"]["spec"] == "byte" and meta["splits"]["train"]["doc_names"] == data.train.doc_names
     batch = WindowSampler(data.train, 32, 2).batch(0).to("cpu")
     assert batch.input_ids.device.type == "cpu" and "position_ids" in batch.model_inputs()
+
+
+class _PieceTokenizer:
+    """A Hugging Face-like tokenizer: one id per character (ord - 94), ``bos_token_id`` as given."""
+
+    def __init__(self, bos):
+        self.bos_token_id = bos
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Out", (), {"input_ids": [ord(c) - 94 for c in text]})()
+
+
+def test_text_windows_start_with_bos_and_separate_documents_with_bos():
+    """The one windowing rule for pretrained models: documents joined with BOS between them, cut
+    into pieces of seq_len - 1 tokens, each window BOS + a piece; no BOS: plain seq_len pieces."""
+    from kernelmix.data.windows import bos_windows, text_windows, token_windows
+
+    tok = _PieceTokenizer(bos=1)
+    a, b = [ord(c) - 94 for c in "abcd"], [ord(c) - 94 for c in "efg"]
+    stream = a + [1] + b  # 8 tokens: two pieces of 3, the tail of 2 dropped
+    windows = text_windows(tok, ["abcd", "efg"], 4)
+    assert windows.dtype == torch.long
+    assert windows.tolist() == [[1, *stream[0:3]], [1, *stream[3:6]]]
+    assert text_windows(tok, ["abcd", "efg"], 4, 1).tolist() == windows[:1].tolist()  # at most max_windows
+    # the names used before there was one rule are the same function
+    assert torch.equal(token_windows(tok, ["abcd", "efg"], 4), windows)
+    assert torch.equal(bos_windows(tok, ["abcd", "efg"], 4, 2), windows)
+    with pytest.raises(ValueError, match="not enough text"):
+        bos_windows(tok, ["abcd", "efg"], 4, 3)  # exactly count windows, or an error
+    with pytest.raises(ValueError, match="not enough text"):
+        text_windows(tok, ["ab"], 4)
+    plain = text_windows(_PieceTokenizer(bos=None), ["abcd", "efg"], 3)
+    assert plain.tolist() == [a[:3], [a[3], *b[:2]]]  # no BOS: documents back to back, seq_len pieces

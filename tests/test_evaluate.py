@@ -93,6 +93,44 @@ def test_loss_matches_an_independent_computation():
     assert report.bits_per_byte is None  # an in-memory split has no byte count
 
 
+
+def test_one_evaluator_behind_windows_and_process_shares():
+    """evaluate_windows (any model taking input_ids) and evaluate_loss are sum_token_losses: the
+    same loss and accuracy as a float64 computation from the logits; process shares (each process
+    its batches, FSDP's equal forwards) add up to the single-process totals."""
+    from kernelmix.data import Batch, eval_batches
+    from kernelmix.evaluate import evaluate_windows, sum_token_losses
+
+    model = small_model()
+    windows = torch.randint(0, 256, (5, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(windows, use_cache=False).logits[:, :-1].double()
+    target = windows[:, 1:]
+    expected = F.cross_entropy(logits.reshape(-1, 256), target.reshape(-1), reduction="sum").item() / target.numel()
+    result = evaluate_windows(model, windows, batch_size=2)
+    assert result["tokens"] == 5 * 11 and result["loss"] == pytest.approx(expected, rel=1e-6)
+    assert result["accuracy"] == (logits.argmax(-1) == target).double().mean().item()
+    whole = sum_token_losses(model, [Batch(x, x) for x in windows.split(2)])
+    assert (whole.mean, whole.windows) == (result["loss"], 5)
+
+    split = split_from_texts(["the quick brown fox jumps over the lazy dog " * 3, "pack my box with jugs. " * 4], TOK)
+    batches = list(eval_batches(split, 16, 2))[:7]
+    assert len(batches) % 2 == 1  # an odd count: the second process has one batch fewer
+    single = sum_token_losses(model, batches)
+    forwards = []
+    handle = model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        for same in (False, True):
+            forwards.clear()
+            shares = [sum_token_losses(model, batches, rank=r, world_size=2, same_forwards=same) for r in (0, 1)]
+            assert sum(s.tokens for s in shares) == single.tokens
+            assert sum(s.loss for s in shares) == pytest.approx(single.loss, rel=1e-12)
+            assert len(forwards) == len(batches) + same  # with same_forwards the last batch runs twice, counted once
+    finally:
+        handle.remove()
+    (report,) = evaluate_loss(model, split, 16, batch_size=2, max_batches=7)
+    assert (report.loss, report.tokens) == (single.mean, single.tokens)
+
 def test_every_length_predicts_the_same_tokens_and_refuses_beyond_max_seq_len():
     model = small_model()
     split = split_from_texts(["x = 1\n" * 60, "def f(a):\n    return a\n" * 10], TOK)

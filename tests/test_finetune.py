@@ -254,3 +254,21 @@ def test_a_non_finite_gradient_skips_the_update():
     assert any(sp["step"] == 2 and sp.get("gradient") == "non-finite" for sp in result["spikes"])
     assert result["skipped_updates"] == 1 and not result["diverged"]
     assert result["final"]["loss"] == result["final"]["loss"]  # not NaN
+
+
+def test_non_finite_losses_in_a_row_stop_the_run_as_diverged():
+    guard = spikes.SpikeGuard(window=20, nats=0.5, max_bad_steps=2)
+    assert not guard.record(0, 2.0, grad_finite=True, updated=True)
+    assert guard.record(1, 2.0, grad_finite=False, updated=False)  # a finite loss, a non-finite gradient
+    assert guard.spikes == [{"step": 1, "loss": 2.0, "gradient": "non-finite"}] and not guard.diverged
+    assert guard.record(2, float("nan"), grad_finite=None, updated=False)
+    assert guard.diverged and guard.skipped == 2 and len(guard.losses) == 3
+
+    x = windows()
+    model = converted()
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan") if module.training else None)
+    model, result = pt.finetune(model, x, x[:2], config(steps=12, max_bad_steps=3))
+    assert result["diverged"] and result["finished"] and result["steps_done"] == 3
+    assert result["skipped_updates"] == 3 and result["num_spikes"] == 3
+    assert [e["step"] for e in result["evals"]] == [0, 3]  # evaluated where it stopped
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # no update was taken

@@ -389,6 +389,24 @@ def test_bad_settings_are_clear_errors(overrides, message):
         build_config(None, overrides)
 
 
+def test_settings_are_strict_about_types_but_take_file_data(tmp_path):
+    for overrides, message in [
+        (['steps="3"'], "steps must be an integer, got '3'"),  # a quoted number is a string
+        (["steps=2.5"], "steps must be an integer, got 2.5"),
+        (["bf16=1"], "bf16 must be true or false, got 1"),
+        (["steps=0"], "steps must be a positive integer, got 0"),
+        (["val_fraction=1"], r"val_fraction must be a number in \[0, 1\), got 1"),
+        (["betas=[0.9,1.5]"], r"betas must be two numbers in \[0, 1\), e.g. betas=\[0.9,0.95\], got \[0.9, 1.5\]"),
+        (["lr=1e-4", "min_lr=1e-3"], "min_lr must be at most lr"),
+        (["device=tpu"], r"unknown device 'tpu' \(choose from: auto, cpu, cuda\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build_config(None, overrides)
+    config = build_config(None, ["steps=2e3", "lr=1", "betas=[0, 0.5]"])  # whole floats, ints for floats, lists
+    assert (config.steps, config.lr, config.betas) == (2000, 1.0, (0.0, 0.5))
+    assert type(config.steps) is int and type(config.lr) is float
+
+
 def test_config_files_and_overrides(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text(
@@ -473,3 +491,41 @@ def test_redraw_is_a_function_of_seed_and_step():
     assert not torch.equal(wa[0], wa[1])  # layers differ
     redraw_random_features(a, 7, 101)
     assert not torch.equal(wa[0], a.blocks[0].mixer.projection)  # steps differ
+
+
+def test_schedule_of_evaluations_checkpoints_and_the_stop():
+    from kernelmix.training.trainer import Schedule
+
+    fresh = Schedule(total_steps=10, eval_every=4, checkpoint_every=3, stop_at=5)
+    assert [s for s in range(11) if fresh.eval_due(s)] == [0, 4, 8, 10]
+    assert [s for s in range(11) if fresh.save_due(s)] == [3, 5, 6, 9, 10]  # and where stop_at ends the run
+    assert [s for s in range(11) if fresh.stopping(s)] == [5, 10]
+    resumed = Schedule(total_steps=10, start_step=4, resumed=True, eval_every=4, stop_at=5, save_at_stop=False)
+    assert [s for s in range(4, 11) if resumed.eval_due(s)] == [8, 10]  # step 4 was evaluated before its checkpoint
+    assert [s for s in range(4, 11) if resumed.save_due(s)] == [10]
+    assert not Schedule(total_steps=10, can_evaluate=False).eval_due(0)
+
+
+def test_a_skipped_update_leaves_parameters_and_optimizer_as_they_were():
+    from kernelmix.training.trainer import optimizer_step
+
+    layer = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    x = torch.ones(2, 3)
+    for bad in (float("nan"), float("inf")):
+        loss_of = lambda batch: (layer(batch) * bad).mean()  # noqa: E731
+        outcome = optimizer_step(optimizer, [x], loss_of, params=list(layer.parameters()), grad_clip=1.0,
+                                 skip_non_finite=True)
+        assert not outcome.updated and outcome.grad_norm is None
+    # a finite loss with a non-finite gradient: skipped too
+    handle = layer.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    outcome = optimizer_step(optimizer, [x], lambda batch: layer(batch).mean(), params=list(layer.parameters()),
+                             grad_clip=1.0, skip_non_finite=True)
+    handle.remove()
+    assert not outcome.updated and torch.isfinite(outcome.loss) and not torch.isfinite(outcome.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters())) and not optimizer.state
+    assert all(p.grad is None for p in layer.parameters())
+    outcome = optimizer_step(optimizer, [x, x], lambda batch: layer(batch).pow(2).mean(), params=list(layer.parameters()),
+                             grad_clip=0.0)
+    assert outcome.updated and not torch.equal(before[0], layer.weight)  # two micro-batches, one update
