@@ -23,6 +23,11 @@ so a model that ignores distant context shows the same loss in every bucket and 
 a falling loss. Bucket losses at a given T are means over different tokens (early vs late in a
 window), so compare them across models, not across buckets of one model in isolation.
 
+**One loss evaluator.** :func:`sum_token_losses` sums the next-token loss (float64), the correct
+top-1 predictions and the tokens of any batches, by position bucket, over processes when asked;
+:func:`evaluate_loss`, :func:`evaluate_windows` (any model that takes ``input_ids``, Hugging Face
+ones included, on ``[N, T]`` windows) and the training loop's validation loss are thin wrappers.
+
 **Zero-shot tasks** are built from the held-out documents of a split, deterministically from a
 seed (:func:`build_tasks`):
 

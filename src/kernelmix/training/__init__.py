@@ -10,8 +10,13 @@
   ``key=value`` overrides; unknown keys are errors that list the valid ones).
 - :mod:`~kernelmix.training.loop` — :func:`train`: AdamW, warmup + cosine, clipping, accumulation,
   bf16 autocast, evaluation, metrics (JSONL, TensorBoard if installed), DDP/FSDP under torchrun.
+- :mod:`~kernelmix.training.trainer` — the pieces of every loop here (one optimizer step over
+  micro-batches, the schedule of evaluations and checkpoints, :class:`Trainer` and its hooks);
+  ``kernelmix train`` and :func:`kernelmix.pretrained.finetune` both run on them.
 - :mod:`~kernelmix.training.checkpoint` — atomic, verified checkpoints (safetensors + weights-only
   torch state + JSON config) for exact resumption.
+- :mod:`~kernelmix.training.reporter` (metrics.jsonl, TensorBoard, progress) and
+  :mod:`~kernelmix.training.spikes` (loss spikes, skipped updates).
 
 Run output (``out_dir``): ``config.json`` (the resolved train + model config), ``metrics.jsonl``
 (one line per log step and per evaluation), ``checkpoints/step_<N>/``, ``tensorboard/``.
@@ -19,23 +24,30 @@ Run output (``out_dir``): ``config.json`` (the resolved train + model config), `
 
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights
 from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
-from .loop import TrainResult, lr_at, param_groups, redraw_random_features, train
+from .loop import TrainResult, derived_seed, lr_at, param_groups, redraw_random_features, train, warmup_cosine
+from .trainer import Schedule, StepOutcome, Trainer, optimizer_step
 
 __all__ = [
     "CheckpointError",
+    "Schedule",
+    "StepOutcome",
     "TrainConfig",
     "TrainResult",
+    "Trainer",
     "apply_override",
     "build_config",
+    "derived_seed",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_weights",
     "lr_at",
+    "optimizer_step",
     "param_groups",
     "parse_value",
     "read_config_file",
     "redraw_random_features",
     "run_config",
     "train",
+    "warmup_cosine",
 ]
