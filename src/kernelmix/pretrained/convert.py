@@ -18,13 +18,14 @@ QK-norm scales) of converted layers and the kernels' own parameters.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
+from ..config import Arg, Choice, Field, PositiveFloat, PositiveInt, check
+from ..layers import PROJECTIONS
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
 from .layer_kernels import CubitKernel, RandomFeatureKernel
@@ -32,7 +33,11 @@ from .layer_kernels import CubitKernel, RandomFeatureKernel
 MIXERS = ("performer", "darkformer", "cubit")  # cubit: experimental (see CubitKernel)
 LAYER_CHOICES = ("all", "global", "local")
 INITS = ("identity", "whiten", "distill", "whiten+distill")
-PROJECTIONS = ("orthogonal", "iid")
+# which layers: a name from LAYER_CHOICES or a list of layer indices (a field type of the configs that take layers)
+LayerSelection = Annotated[
+    Annotated[str, Choice(LAYER_CHOICES, "layer selection", "or a list of indices")] | list[int],
+    Field(description="all | global | local | comma-separated indices"),
+]
 CONFIG_KEY = "kernelmix_conversion"
 CONVERSION_VERSION = 1
 
@@ -50,36 +55,21 @@ class ConversionConfig:
     * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
     """
 
-    mixer: str = "darkformer"
-    layers: Any = "all"
-    num_features: int = 256
-    projection: str = "orthogonal"
+    mixer: Annotated[str, Choice(MIXERS, "mixer")] = "darkformer"
+    layers: LayerSelection = "all"
+    num_features: Annotated[PositiveInt, Field(description="random features m per head")] = 256
+    projection: Annotated[str, Choice(PROJECTIONS, "projection")] = "orthogonal"
     seed: int = 0
-    chunk_size: int = 64
-    ridge: float = 4.0
-    # filled in by convert(): the resolved layer indices and the initialisation used
-    layer_indices: list = field(default_factory=list)
-    init: str = "identity"
-    version: int = CONVERSION_VERSION
+    chunk_size: PositiveInt = 64
+    ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
+    # the initialisation (convert() records the one it used) and, filled in by convert(), the resolved layer indices
+    init: Annotated[str, Choice(INITS, "init")] = "identity"
+    layer_indices: Annotated[list[int], Arg(cli=False)] = field(default_factory=list)
+    version: Annotated[int, Arg(cli=False)] = CONVERSION_VERSION
 
     def validate(self) -> None:
-        if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r} for conversion (choose from: {', '.join(MIXERS)})")
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not (self.ridge > 0 and math.isfinite(self.ridge)):
-            raise ValueError(f"ridge must be a positive number, got {self.ridge!r}")
-        if self.projection not in PROJECTIONS:
-            raise ValueError(f"unknown projection {self.projection!r} (choose from: {', '.join(PROJECTIONS)})")
-        if isinstance(self.num_features, bool) or not isinstance(self.num_features, int) or self.num_features <= 0:
-            raise ValueError(f"num_features must be a positive int, got {self.num_features!r}")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if isinstance(self.layers, str):
-            if self.layers not in LAYER_CHOICES:
-                raise ValueError(f"unknown layer selection {self.layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
-        elif not isinstance(self.layers, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layers):
-            raise ValueError(f"layers must be one of {LAYER_CHOICES} or a list of ints, got {self.layers!r}")
-        if self.init not in INITS:
-            raise ValueError(f"unknown init {self.init!r} (choose from: {', '.join(INITS)})")
+        check(self)
+
 
 def resolve_layers(model, layers: Any) -> list[int]:
     """``all`` / ``global`` / ``local`` / indices → sorted list of layer indices (ValueError when empty or out of range)."""
@@ -163,7 +153,7 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
     for kernel in kernels(model).values():
         if kernel.mixer == "cubit":
             raise ValueError("a cubit conversion has no random features to redraw")
-        kernel.redraw(generator, num_features)
+        kernel.redraw_(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)
     raw.update(num_features=int(num_features), seed=int(seed))
 
@@ -180,12 +170,9 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
     if not ks:
         raise ValueError("the model is not converted (no kernelmix_rf layers); call convert() first")
     result: dict = {}
-    with torch.no_grad():
-        for k in ks.values():
-            if k.mixer == "darkformer":
-                eye = torch.eye(k.head_dim, device=k.transform.device).expand_as(k.transform)
-                k.transform.copy_(eye)
-                k.query_fold.copy_(eye)
+    for k in ks.values():
+        if k.mixer == "darkformer":
+            k.reset_parameters()  # M = F = I, W kept
     if init != "identity":
         if calibration is None:
             raise ValueError(f"init={init!r} needs calibration token ids [B, T]")

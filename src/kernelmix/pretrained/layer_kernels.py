@@ -57,11 +57,6 @@ class RandomFeatureKernel(RandomFeatureMap):
         """The kernel's own finetunable parameters: M for DARKFormer, none for Performer (W is fixed)."""
         return [] if self.transform is None else [self.transform]
 
-    def redraw(self, generator: torch.Generator | None = None, num_features: int | None = None) -> Tensor:
-        """The old name of :meth:`~kernelmix.layers.RandomFeatureMap.redraw_` (``convert.set_num_features``
-        still calls it)."""
-        return self.redraw_(generator, num_features)
-
     def feature_queries(self, query: Tensor, scaling: float | None, fold: Tensor | None = None) -> Tensor:
         """HF query ``[B, H, T, d]`` → the op's queries ``[B, T, H, d]``: q·(scaling·√d), then F q for
         DARKFormer (``fold`` overrides the buffer, e.g. while training it)."""
