@@ -154,16 +154,17 @@ def test_compare_finetune_outputs_and_reuse(tmp_path):
 
 def test_token_windows_and_split():
     from kernelmix.data.corpus import Document
+    from kernelmix.data.windows import text_windows
 
     tok = ByteTokenizer()
     docs = [Document(f"d{i}", TEXT) for i in range(10)]
     train, val = data.split_texts(docs, 0.2)
     assert train and val and len(train) + len(val) == 10
-    w = data.token_windows(tok, train, 40)
+    w = text_windows(tok, train, 40)
     assert w.shape[1] == 40 and w[0, 0] == 1  # BOS first
-    assert data.token_windows(tok, train, 40, max_windows=3).shape == (3, 40)
+    assert text_windows(tok, train, 40, max_windows=3).shape == (3, 40)
     with pytest.raises(ValueError, match="not enough text"):
-        data.token_windows(tok, ["ab"], 40)
+        text_windows(tok, ["ab"], 40)
     with pytest.raises(ValueError, match="at least 2 documents"):
         data.split_texts(docs[:1])
 
