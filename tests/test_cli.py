@@ -86,3 +86,24 @@ def test_op_bench_rejects_bad_lengths(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--lengths", "0,5"])
     assert "positive integers" in capsys.readouterr().err
+
+
+def test_option_values_are_checked_by_the_config(capsys):
+    # text that is no number is refused by the parser; a number out of bounds by the config dataclass
+    with pytest.raises(SystemExit):
+        main(["demo", "--length", "abc"])
+    assert "argument --length: must be an integer, got 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--heads", "0"])
+    assert "--heads must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--peers", "no-such-peer"])
+    assert "unknown peer(s) 'no-such-peer' (choose from: performer-pytorch" in capsys.readouterr().err
+
+
+def test_train_help_lists_the_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--set KEY=VALUE" in out and "betas = [0.9,0.95]: AdamW's betas" in out
+    assert "seq_len = 256: tokens per training window" in out

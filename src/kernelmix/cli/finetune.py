@@ -4,52 +4,85 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import torch
 
 from .. import pretrained as cv
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_text_windows
-from ..pretrained import MODES, FinetuneConfig, finetune, load_pretrained
-from ..studies.finetune import DEFAULT_VARIANTS, INITS, compare_finetune, markdown
-from .options import float_list
+from ..pretrained import INITS, FinetuneConfig, finetune, load_pretrained
+from ..pretrained.convert import LayerSelection
+from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
+from .options import add_options, from_args
+
+
+@dataclass
+class FinetuneOptions:
+    """The study around the finetuning recipe (:class:`~kernelmix.pretrained.FinetuneConfig`):
+    which model, variants, learning rates and text."""
+
+    model: Annotated[str, Arg(positional=True), Field(
+        description="a prepared name (gemma3-270m, smollm2-135m), a local HF causal-LM directory, or a converted one")]
+    out: Annotated[str, Field(description="output directory")]
+    variants: Annotated[list[str], Choice(VARIANTS, "variant"), Field(
+        min_length=1, description="softmax,performer,darkformer (and cubit, experimental)")] = (
+        field(default_factory=lambda: list(DEFAULT_VARIANTS)))
+    num_features: Annotated[PositiveInt, Field(description="m for performer and darkformer (equal m)")] = 64
+    layers: LayerSelection = "all"
+    init: Annotated[str, Choice(INITS, "init"), Field(description="DARKFormer initialisation")] = "whiten"
+    text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
+    val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    lrs: Annotated[list[PositiveFloat], Arg(flag="--lr"), Field(
+        min_length=1, title="learning rates", description="learning rate, or several (comma-separated) for a sweep")] = (
+        field(default_factory=lambda: [1e-4]))
+    calib_seqs: Annotated[PositiveInt, Field(description="training windows used to whiten/distill")] = 2
+    distill_steps: NonNegativeInt = 100
+    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+    resume: Annotated[bool, Field(description="converted MODEL only: continue from OUT/run's last checkpoint")] = False
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts: FinetuneOptions) -> int:
+    """An already converted model: finetune it as it is and save it."""
+    if len(opts.lrs) != 1:
+        raise ValueError("an already converted model is finetuned at one learning rate; give one --lr")
+    out = Path(opts.out)
+    model, result = finetune(host, train_w, val_w, config, out_dir=out / "run", resume=opts.resume,
+                             progress=True, label="converted")
+    cv.save_converted(model, out / "model", tok)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(f"val loss {result['initial']['loss']:.4f} → {result['final']['loss']:.4f} "
+          f"(acc {result['final']['accuracy']:.3f}), {result['num_spikes']} spikes; saved the model to {out / 'model'}")
+    return 0
+
 
 def _cli_finetune(args) -> int:
     try:
-        config = FinetuneConfig(mode=args.mode, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-                                lr=float_list(args.lr)[0], warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-                                eval_seqs=args.eval_seqs, train_embeddings=args.train_embeddings, lora_rank=args.lora_rank,
-                                seed=args.seed, spike_nats=args.spike_nats)
-        config.validate()
-        lrs = float_list(args.lr)
-        variants = [v for v in args.variants.split(",") if v]
-        layers = cv.parse_layers(args.layers)
-        torch.set_num_threads(args.threads) if args.threads else None
-        host, tok = load_pretrained(args.model)
+        opts = from_args(FinetuneOptions, args)
+        config = from_args(FinetuneConfig, args, lr=opts.lrs[0])
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        host, tok = load_pretrained(opts.model)
         if tok is None:
-            raise ValueError(f"{args.model} has no tokenizer files; finetune needs one")
-        train_w, val_w = load_text_windows(tok, args.text, config.seq_len, val_fraction=args.val_fraction,
-                                           eval_seqs=config.eval_seqs, seed=args.seed)
-        say = (lambda msg: print(f"  {msg}", flush=True))
-        if cv.kernels(host):  # an already converted model: finetune it as it is and save it
-            if len(lrs) != 1:
-                raise ValueError("an already converted model is finetuned at one learning rate; give one --lr")
-            out = Path(args.out)
-            model, result = finetune(host, train_w, val_w, config, out_dir=out / "run", resume=args.resume,
-                                     progress=True, label="converted")
-            cv.save_converted(model, out / "model", tok)
-            (out / "result.json").write_text(json.dumps(result, indent=1))
-            print(f"val loss {result['initial']['loss']:.4f} → {result['final']['loss']:.4f} "
-                  f"(acc {result['final']['accuracy']:.3f}), {result['num_spikes']} spikes; saved the model to {out / 'model'}")
-            return 0
-        report = compare_finetune(host, train_w, val_w, config, variants=variants, lrs=lrs, num_features=args.num_features,
-                                  layers=layers, init=args.init, calib_windows=args.calib_seqs, distill_steps=args.distill_steps,
-                                  out_dir=args.out, progress=True, log=say)
+            raise ValueError(f"{opts.model} has no tokenizer files; finetune needs one")
+        train_w, val_w = load_text_windows(tok, opts.text, config.seq_len, val_fraction=opts.val_fraction,
+                                           eval_seqs=config.eval_seqs, seed=config.seed)
+        if cv.kernels(host):
+            return _finetune_converted(host, tok, train_w, val_w, config, opts)
+        report = compare_finetune(host, train_w, val_w, config, variants=opts.variants, lrs=opts.lrs,
+                                  num_features=opts.num_features, layers=opts.layers, init=opts.init,
+                                  calib_windows=opts.calib_seqs, distill_steps=opts.distill_steps, out_dir=opts.out,
+                                  progress=True, log=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(markdown(report))
-    print(f"wrote {args.out}/finetune.json, finetune.md and finetune_curves.png ({report['wall_s']:.0f} s)")
+    print(f"wrote {opts.out}/finetune.json, finetune.md and finetune_curves.png ({report['wall_s']:.0f} s)")
     return 0
 
 
@@ -63,28 +96,5 @@ def add_command(sub) -> None:
                     "already converted (kernelmix convert) is finetuned as it is and saved to OUT/model. Finished runs "
                     "in OUT are reused; an interrupted run continues from its last checkpoint.",
     )
-    p.add_argument("model", help="a prepared name (gemma3-270m, smollm2-135m), a local HF causal-LM directory, or a converted one")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="softmax,performer,darkformer (and cubit, experimental)")
-    p.add_argument("--mode", choices=MODES, default="partial")
-    p.add_argument("--num-features", type=int, default=64, help="m for performer and darkformer (equal m)")
-    p.add_argument("--layers", default="all", help="all | global | local | comma-separated indices")
-    p.add_argument("--init", choices=INITS, default="whiten", help="DARKFormer initialisation")
-    p.add_argument("--text", default="shakespeare", help="corpus name, dir, glob or file (split by document)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--lr", default="1e-4", help="learning rate, or several (comma-separated) for a sweep")
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--eval-seqs", type=int, default=4)
-    p.add_argument("--calib-seqs", type=int, default=2, help="training windows used to whiten/distill")
-    p.add_argument("--distill-steps", type=int, default=100)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--train-embeddings", action="store_true", help="mode=full: train the embedding / LM head too")
-    p.add_argument("--spike-nats", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
-    p.add_argument("--resume", action="store_true", help="converted MODEL only: continue from OUT/run's last checkpoint")
-    p.set_defaults(func=_cli_finetune)
+    add_options(p, FinetuneOptions, FinetuneConfig, exclude=("lr",))
+    p.set_defaults(func=_cli_finetune, parser=p)

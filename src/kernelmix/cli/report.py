@@ -3,30 +3,38 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
+from ..config import Field, PositiveInt, check
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
-from .options import float_list, int_list
+from .options import add_options, from_args
+
+
+@dataclass
+class ReportOptions:
+    """Where the report goes and how big it is (what it studies: DarkformerReportSettings)."""
+
+    out: Annotated[str, Field(description="output directory (the committed report: results/darkformer)")] = (
+        "runs/darkformer-report")
+    work: Annotated[str | None, Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
+    quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False
+    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+
+    def __post_init__(self) -> None:
+        check(self)
+
 
 def _cli_report(args) -> int:
     try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        overrides: dict[str, Any] = {"model": args.model, "text": args.text, "seed": args.seed}
-        if args.m:
-            overrides["diag_m"] = tuple(int_list(args.m))
-        if args.steps:
-            overrides["ft_steps"] = args.steps
-        if args.lrs:
-            overrides["ft_lrs"] = tuple(float_list(args.lrs))
-        if args.num_features:
-            overrides["num_features"] = args.num_features
-        if args.diag_layers:
-            overrides["diag_layers"] = args.diag_layers
-        settings = DarkformerReportSettings.quick(**overrides) if args.quick else DarkformerReportSettings(**overrides)
-        darkformer_report(settings, args.out, args.work, progress=None)
+        opts = from_args(ReportOptions, args)
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        quick = DarkformerReportSettings.quick if opts.quick else None
+        settings = from_args(DarkformerReportSettings, args, factory=quick)
+        darkformer_report(settings, opts.out, opts.work, progress=None)
     except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -43,18 +51,7 @@ def add_command(sub) -> None:
         description="Diagnostics of every layer (anisotropy, error vs m, estimator variance, end-to-end loss) and a "
                     "small finetuning comparison (softmax / Performer / DARKFormer at equal m and budget, a learning-rate "
                     "sweep counting loss spikes) on Gemma 3 270M by default: about an hour on 2 CPU cores. Interrupted "
-                    "runs continue where they stopped.",
+                    "runs continue where they stopped. The defaults shown are the full run's; --quick shrinks them.",
     )
-    d.add_argument("--model", default="gemma3-270m", help="a known name (prepared on first use) or a local HF causal-LM directory")
-    d.add_argument("--text", default="shakespeare", help="corpus name, dir, glob or file (split by document)")
-    d.add_argument("--out", default="runs/darkformer-report", help="output directory (the committed report: results/darkformer)")
-    d.add_argument("--work", default=None, help="checkpoints and reusable results (default runs/report-darkformer)")
-    d.add_argument("--quick", action="store_true", help="a smoke-sized run of the whole pipeline")
-    d.add_argument("--m", default="", help="diagnostic feature counts (default 16,64,256,1024)")
-    d.add_argument("--diag-layers", default="", help="layers to diagnose (default all)")
-    d.add_argument("--num-features", type=int, default=0, help="m of the finetuning comparison (default 64)")
-    d.add_argument("--steps", type=int, default=0, help="finetuning steps per run (default 40)")
-    d.add_argument("--lrs", default="", help="learning rates of the sweep (default 1e-3,3e-3)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, default=0)
-    d.set_defaults(func=_cli_report)
+    add_options(d, ReportOptions, DarkformerReportSettings)
+    d.set_defaults(func=_cli_report, parser=d)

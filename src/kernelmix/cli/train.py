@@ -3,19 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from ..config import Arg, Field, check, expectation, specs
+from ..training.config import TrainConfig
+from .options import add_options, from_args
+
+
+@dataclass
+class TrainOptions:
+    """Where the settings come from; the settings themselves are :class:`~kernelmix.training.TrainConfig`'s."""
+
+    config: Annotated[str | None, Field(description="a .toml, .yaml or .json file of settings (or a run's config.json)")] = None
+    overrides: Annotated[list[str], Arg(flag="--set", repeat=True, metavar="KEY=VALUE"), Field(
+        description="override one setting (repeatable)")] = field(default_factory=list)
+    resume: Annotated[bool, Field(description="continue the run in --out from its newest checkpoint")] = False
+    out: Annotated[str | None, Field(description="the run directory (sets out_dir)")] = None
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def settings_help(cls: type = TrainConfig) -> str:
+    """The settings of ``cls`` for ``--help``: name, default, what it must be, what it does."""
+    lines = []
+    for s in specs(cls):
+        default = s.default if isinstance(s.default, str) else json.dumps(s.default, separators=(",", ":"))
+        text = f"{s.name} = {default}: {s.description or expectation(s.annotation)}"
+        lines.append(textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="      "))
+    return "settings (--set KEY=VALUE, or keys of the --config file):\n" + "\n".join(lines)
 
 
 def _train(args: argparse.Namespace) -> int:
     from ..training import CheckpointError, run_config, train
 
+    opts = from_args(TrainOptions, args)
     try:
-        config = run_config(args.config, args.set, out_dir=args.out, resume=args.resume)
+        config = run_config(opts.config, opts.overrides, out_dir=opts.out, resume=opts.resume)
     except ValueError as err:  # unknown key, bad value, unknown preset/mixer/option
         args.parser.error(str(err))
     try:
-        result = train(config, resume=args.resume)
+        result = train(config, resume=opts.resume)
     except (CheckpointError, ValueError) as err:  # an existing run, a bad checkpoint, a corpus problem
         print(f"kernelmix train: error: {err}", file=sys.stderr)
         return 2
@@ -34,12 +67,11 @@ def _train(args: argparse.Namespace) -> int:
 def add_command(sub) -> None:
     trainer = sub.add_parser(
         "train", help="train a model on text (a preset + overrides); checkpoints, metrics, exact --resume",
-        description="Train a CausalLM: settings from --config (TOML/YAML/JSON) and --set key=value "
-        "(e.g. --set model.mixer=cubit --set lr=3e-4 --set model.mixer_options.cubit.lrr=false). "
-        "Many processes: torchrun --nproc_per_node=N -m kernelmix.cli train ...",
+        description=textwrap.fill(
+            "Train a CausalLM: settings from --config (TOML/YAML/JSON) and --set key=value "
+            "(e.g. --set model.mixer=cubit --set lr=3e-4 --set model.mixer_options.cubit.lrr=false). "
+            "Many processes: torchrun --nproc_per_node=N -m kernelmix.cli train ...", 100),
+        epilog=settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    trainer.add_argument("--config", help="a .toml, .yaml or .json file of settings (or a run's config.json)")
-    trainer.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting (repeatable)")
-    trainer.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
-    trainer.add_argument("--out", help="the run directory (sets out_dir)")
+    add_options(trainer, TrainOptions)
     trainer.set_defaults(func=_train, parser=trainer)

@@ -42,11 +42,12 @@ import re
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor
 
+from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..evaluate import evaluate_windows
 from ..training import checkpoint as ckpt
 from ..training.loop import derived_seed, warmup_cosine
@@ -63,43 +64,28 @@ MODES = ("partial", "lora", "full")
 class FinetuneConfig:
     """The training budget and recipe (shared by every variant of a comparison)."""
 
-    mode: str = "partial"
-    steps: int = 100
-    seq_len: int = 256
-    batch_size: int = 1
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    eval_every: int = 25
-    eval_seqs: int = 4
-    checkpoint_every: int = 0  # 0: at every evaluation
-    train_embeddings: bool = False
-    lora_rank: int = 8
+    mode: Annotated[str, Choice(MODES, "finetuning mode")] = "partial"
+    steps: Annotated[PositiveInt, Field(description="optimizer steps")] = 100
+    seq_len: PositiveInt = 256
+    batch_size: PositiveInt = 1
+    lr: PositiveFloat = 1e-4
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1, description="the cosine decay ends at lr × this")] = 0.1
+    warmup_steps: NonNegativeInt = 10
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: Annotated[NonNegativeFloat, Field(description="max gradient norm; 0 disables clipping")] = 1.0
+    eval_every: PositiveInt = 25
+    eval_seqs: PositiveInt = 4
+    checkpoint_every: Annotated[NonNegativeInt, Field(description="0: at every evaluation")] = 0
+    train_embeddings: Annotated[bool, Field(description="mode=full: train the embedding / LM head too")] = False
+    lora_rank: PositiveInt = 8
     lora_alpha: int = 16
     seed: int = 0
-    spike_nats: float = 0.5
-    spike_window: int = 20
-    max_bad_steps: int = 5
+    spike_nats: Annotated[PositiveFloat, Field(description="a loss this far above the recent median is a spike")] = 0.5
+    spike_window: Annotated[PositiveInt, Field(description="losses in the spike detector's median")] = 20
+    max_bad_steps: Annotated[PositiveInt, Field(description="skipped updates in a row that end a run as diverged")] = 5
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown finetuning mode {self.mode!r} (choose from: {', '.join(MODES)})")
-        for name in ("steps", "seq_len", "batch_size", "eval_every", "eval_seqs", "lora_rank", "spike_window", "max_bad_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.grad_clip < 0 or self.weight_decay < 0 or self.spike_nats <= 0:
-            raise ValueError("grad_clip and weight_decay must be ≥ 0 and spike_nats > 0")
+        check(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "FinetuneConfig":

@@ -45,10 +45,11 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
 
+from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..model import PRESETS
 from ..output import pyplot, write_json_atomic, write_text_atomic
 
@@ -71,54 +72,42 @@ class CompareConfig:
     2 CPU cores (measured; see the README): the ``tiny`` preset (2 layers, width 64) on byte-level
     ``pystdlib``, 6 mixers × 3 lengths × 1 seed, 40 steps × 4,096 tokens per run."""
 
-    mixers: list[str] = field(default_factory=lambda: list(DEFAULT_MIXERS))
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
-    seeds: list[int] = field(default_factory=lambda: [0])
-    preset: str = "tiny"
-    model: dict[str, Any] = field(default_factory=dict)  # extra ModelConfig overrides for every run
+    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Field(min_length=1, description="comma-separated")] = (
+        field(default_factory=lambda: list(DEFAULT_MIXERS)))
+    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1, description="training lengths")] = (
+        field(default_factory=lambda: [256, 512, 1024]))
+    seeds: Annotated[list[NonNegativeInt], Field(min_length=1, description="seeds, e.g. 0,1,2 (mean ± spread over them)")] = (
+        field(default_factory=lambda: [0]))
+    preset: Annotated[str, Choice(PRESETS, "preset")] = "tiny"
+    model: Annotated[dict[str, Any], Arg(cli=False), Field(examples=["model.hidden_size=128"])] = (
+        field(default_factory=dict))  # extra ModelConfig overrides for every run
     corpus: str = "pystdlib"
     tokenizer: str = "byte"
-    tokens_per_step: int = 4096  # the same at every length: batch = tokens_per_step / length
-    steps: int = 40
-    lr: float = 5e-3
-    min_lr: float = 5e-4
-    warmup_steps: int = 5
-    eval_docs: int = 8  # validation documents evaluated (their first max(lengths) tokens each)
-    eval_batch_size: int = 4
-    buckets: list[int] | None = None  # position-bucket edges; None: 0, 64, 256, 1024, ...
-    out_dir: str = "runs/compare"
-    device: str = "cpu"
+    tokens_per_step: Annotated[PositiveInt, Field(description="tokens per step at every length (batch = this / length)")] = 4096
+    steps: Annotated[PositiveInt, Field(description="optimizer steps per run")] = 40
+    lr: Annotated[PositiveFloat, Field(description="peak learning rate")] = 5e-3
+    min_lr: Annotated[NonNegativeFloat | None, Field(description="the cosine decay's end (default: lr / 10)")] = None
+    warmup_steps: NonNegativeInt = 5
+    eval_docs: Annotated[PositiveInt, Field(
+        description="validation documents evaluated (their first max(lengths) tokens each)")] = 8
+    eval_batch_size: PositiveInt = 4
+    buckets: Annotated[list[NonNegativeInt], Field(description="position-bucket edges, e.g. 0,64,256 (default 0,64,256,1024,…)")] | None = None
+    out_dir: Annotated[str, Arg(flag="--out"), Field(description="output directory")] = "runs/compare"
+    device: Annotated[str, Choice(("auto", "cpu", "cuda"), "device")] = "cpu"
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.mixers if m not in MIXER_VARIANTS]
-        if unknown or not self.mixers:
-            raise ValueError(
-                f"unknown mixer(s) {', '.join(map(repr, unknown)) or '(none given)'} "
-                f"(choose from: {', '.join(MIXER_VARIANTS)})"
-            )
+        check(self)
         if len(set(self.mixers)) != len(self.mixers):
             raise ValueError(f"mixers lists a name twice: {self.mixers}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r} (choose from: {', '.join(PRESETS)})")
-        for name in ("tokens_per_step", "steps", "eval_docs", "eval_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not self.lengths or not self.seeds:
-            raise ValueError("give at least one length and one seed")
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
         for length in self.lengths:
-            if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-                raise ValueError(f"lengths must be ints ≥ 2, got {length!r}")
             if self.tokens_per_step % length:
                 raise ValueError(
                     f"tokens_per_step {self.tokens_per_step} is not a multiple of length {length}: every length must get "
                     f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
                 )
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"seeds must be ints ≥ 0, got {self.seeds}")
         self.lengths = sorted(set(self.lengths))
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r} (choose from: auto, cpu, cuda)")
         for mixer in self.mixers:  # a bad model override fails now, not after the first runs
             self.train_config(mixer, self.lengths[-1], self.seeds[0], "unused")
 

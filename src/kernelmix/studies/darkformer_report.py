@@ -20,37 +20,47 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
+from .finetune import VARIANTS as FT_VARIANTS
+from ..pretrained.convert import LayerSelection
+from ..pretrained import INITS, MODES
 from ..output import write_json_atomic, write_text_atomic
 
 
 @dataclass
 class DarkformerReportSettings:
-    model: str = "gemma3-270m"
-    text: str = "shakespeare"
-    val_fraction: float = 0.1
+    model: Annotated[str, Field(description="a known name (prepared on first use) or a local HF causal-LM directory")] = (
+        "gemma3-270m")
+    text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
+    val_fraction: Annotated[float, Field(gt=0, lt=1, description="share of documents held out")] = 0.1
     seed: int = 0
     # diagnostics
-    diag_layers: Any = "all"
-    diag_m: tuple = (16, 64, 256, 1024)
-    diag_seq_len: int = 512
-    diag_seeds: int = 1
-    diag_distill_steps: int = 60
-    diag_e2e_m: tuple = (64, 256)
+    diag_layers: Annotated[LayerSelection, Field(description="layers to diagnose: all | global | local | indices")] = "all"
+    diag_m: Annotated[tuple[PositiveInt, ...], Arg(flag="--m"), Field(min_length=1, description="diagnostic feature counts")] = (
+        16, 64, 256, 1024)
+    diag_seq_len: PositiveInt = 512
+    diag_seeds: PositiveInt = 1
+    diag_distill_steps: NonNegativeInt = 60
+    diag_e2e_m: tuple[PositiveInt, ...] = (64, 256)
     # finetuning comparison
-    num_features: int = 64
-    ft_layers: Any = "all"
-    ft_mode: str = "partial"
-    ft_steps: int = 40
-    ft_seq_len: int = 256
-    ft_lrs: tuple = (1e-3, 3e-3)
-    ft_eval_every: int = 20
-    ft_eval_seqs: int = 4
-    ft_variants: tuple = ("softmax", "performer", "darkformer")
-    init: str = "whiten"
+    num_features: Annotated[PositiveInt, Field(description="m of the finetuning comparison")] = 64
+    ft_layers: Annotated[LayerSelection, Field(description="layers to finetune: all | global | local | indices")] = "all"
+    ft_mode: Annotated[str, Choice(MODES, "finetuning mode")] = "partial"
+    ft_steps: Annotated[PositiveInt, Arg(flag="--steps"), Field(description="finetuning steps per run")] = 40
+    ft_seq_len: PositiveInt = 256
+    ft_lrs: Annotated[tuple[PositiveFloat, ...], Arg(flag="--lrs"), Field(
+        min_length=1, title="learning rates", description="learning rates of the sweep")] = (1e-3, 3e-3)
+    ft_eval_every: PositiveInt = 20
+    ft_eval_seqs: PositiveInt = 4
+    ft_variants: Annotated[tuple[str, ...], Choice(FT_VARIANTS, "variant")] = ("softmax", "performer", "darkformer")
+    init: Annotated[str, Choice(INITS, "init"), Field(description="DARKFormer initialisation")] = "whiten"
+
+    def __post_init__(self) -> None:
+        check(self)
 
     @classmethod
     def quick(cls, **overrides) -> "DarkformerReportSettings":

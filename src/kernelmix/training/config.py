@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
+from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..model import PRESETS, ModelConfig
 
 RESOLVED_FORMAT = "kernelmix.train/1"
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 @dataclass
@@ -44,68 +45,63 @@ class TrainConfig:
     """
 
     # -- model: a preset and overrides of its ModelConfig fields ------------------------------
-    preset: str = "small"
-    model: dict[str, Any] = field(default_factory=dict)  # e.g. {"mixer": "cubit", "mixer_options": {...}}
+    preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
+    model: Annotated[dict[str, Any], Field(
+        examples=["model.mixer=cubit"], description='ModelConfig overrides, e.g. {"mixer": "cubit", "mixer_options": {...}}',
+    )] = field(default_factory=dict)
 
     # -- data ---------------------------------------------------------------------------------
-    corpus: str = "pystdlib"  # a built-in corpus name, a file, a directory or a glob
-    tokenizer: str = "byte"  # "byte", "bpe:N" (trained on the training split) or a saved tokenizer's path
-    seq_len: int = 256
-    cross_documents: bool = True  # windows may span document boundaries (positions restart per document)
-    val_fraction: float = 0.05  # share of documents held out for validation (split by document name)
+    corpus: Annotated[str, Field(description="a built-in corpus name, a file, a directory or a glob")] = "pystdlib"
+    tokenizer: Annotated[str, Field(
+        description='"byte", "bpe:N" (trained on the training split) or a saved tokenizer\'s path')] = "byte"
+    seq_len: Annotated[PositiveInt, Field(description="tokens per training window")] = 256
+    cross_documents: Annotated[bool, Field(
+        description="windows may span document boundaries (positions restart per document)")] = True
+    val_fraction: Annotated[float, Field(
+        ge=0, lt=1, description="share of documents held out for validation (split by document name)")] = 0.05
 
     # -- budget and batch ---------------------------------------------------------------------
-    batch_size: int = 16  # sequences per process per micro-step
-    grad_accum: int = 1  # micro-steps per optimizer step
-    steps: int = 1000  # optimizer steps
-    tokens: int = 0  # a token budget; when > 0 it sets steps = ceil(tokens / tokens per step)
+    batch_size: Annotated[PositiveInt, Field(description="sequences per process per micro-step")] = 16
+    grad_accum: Annotated[PositiveInt, Field(description="micro-steps per optimizer step")] = 1
+    steps: Annotated[PositiveInt, Field(description="optimizer steps")] = 1000
+    tokens: Annotated[NonNegativeInt, Field(
+        description="a token budget; when > 0 it sets steps = ceil(tokens / tokens per step)")] = 0
 
     # -- optimizer and schedule ---------------------------------------------------------------
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 1e-4  # the cosine decay ends here at the last step
-    warmup_steps: int = 100
-    weight_decay: float = 0.1  # on the weights of linear layers only (see loop.param_groups)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    lr: Annotated[PositiveFloat, Field(description="peak learning rate, reached after warmup_steps")] = 1e-3
+    min_lr: Annotated[NonNegativeFloat, Field(description="the cosine decay ends here at the last step")] = 1e-4
+    warmup_steps: NonNegativeInt = 100
+    weight_decay: Annotated[NonNegativeFloat, Field(
+        description="on the weights of linear layers only (see loop.param_groups)")] = 0.1
+    betas: Annotated[tuple[Beta, Beta], Field(examples=["betas=[0.9,0.95]"], description="AdamW's betas")] = (0.9, 0.95)
+    grad_clip: Annotated[NonNegativeFloat, Field(description="max global gradient norm; 0 disables clipping")] = 1.0
 
     # -- numerics, hardware, reproducibility ---------------------------------------------------
-    bf16: bool = False  # bfloat16 autocast (CPU and CUDA); weights and optimizer stay float32
-    device: str = "auto"  # "auto" (cuda:LOCAL_RANK when available, else cpu), "cpu" or "cuda"
-    fsdp: bool = False  # shard parameters, gradients and optimizer state over processes (FSDP2) instead of DDP
-    seed: int = 0
-    redraw_every: int = 0  # redraw random-feature projections every N steps (0: never)
+    bf16: Annotated[bool, Field(
+        description="bfloat16 autocast (CPU and CUDA); weights and optimizer stay float32")] = False
+    device: Annotated[str, Choice(("auto", "cpu", "cuda"), "device"), Field(
+        description="auto (cuda:LOCAL_RANK when available, else cpu), cpu or cuda")] = "auto"
+    fsdp: Annotated[bool, Field(
+        description="shard parameters, gradients and optimizer state over processes (FSDP2) instead of DDP")] = False
+    seed: NonNegativeInt = 0
+    redraw_every: Annotated[NonNegativeInt, Field(
+        description="redraw random-feature projections every N steps (0: never)")] = 0
 
     # -- evaluation, logging, checkpoints -----------------------------------------------------
-    eval_every: int = 200  # evaluate every N steps (and at the first and last step); 0: only at the end
-    eval_batches: int = 20  # validation batches per evaluation (of batch_size sequences); 0: the whole split
-    log_every: int = 10
-    checkpoint_every: int = 500  # 0: only at the end
-    keep_checkpoints: int = 2  # the newest N checkpoints are kept; older ones are deleted
-    out_dir: str = "runs/train"
+    eval_every: Annotated[NonNegativeInt, Field(
+        description="evaluate every N steps (and at the first and last step); 0: only at the end")] = 200
+    eval_batches: Annotated[NonNegativeInt, Field(
+        description="validation batches per evaluation (of batch_size sequences); 0: the whole split")] = 20
+    log_every: PositiveInt = 10
+    checkpoint_every: Annotated[NonNegativeInt, Field(description="0: only at the end")] = 500
+    keep_checkpoints: Annotated[PositiveInt, Field(
+        description="the newest N checkpoints are kept; older ones are deleted")] = 2
+    out_dir: Annotated[str, Field(description="the run directory")] = "runs/train"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _check_type(f.name, f.type, getattr(self, f.name)))
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r} (choose from: {', '.join(PRESETS)})")
-        for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("tokens", "warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "redraw_every", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.lr == 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r} (choose from: auto, cpu, cuda)")
+        check(self)
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr must be at most lr, got lr={self.lr}, min_lr={self.min_lr}")
         # Build the model config now so a typo in model.* fails before any data is read.
         self.model_config()
 
@@ -154,46 +150,6 @@ class TrainConfig:
                 f"(model settings go under model., e.g. model.mixer=cubit)"
             )
         return cls(**data)
-
-
-# ---------------------------------------------------------------------------------------------
-# Type checks: values from files and the command line arrive as JSON-ish data
-
-
-def _check_type(name: str, annotation: str, value: Any) -> Any:
-    def fail(expected: str) -> ValueError:
-        return ValueError(f"{name} must be {expected}, got {value!r}")
-
-    if annotation == "str":
-        if not isinstance(value, str):
-            raise fail("a string")
-    elif annotation == "bool":
-        if not isinstance(value, bool):
-            raise fail("true or false")
-    elif annotation == "int":
-        # 1e6 is a natural way to write a token budget: accept integral floats
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise fail("an integer")
-    elif annotation == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise fail("a number")
-        value = float(value)
-    elif annotation == "tuple[float, float]":
-        if (
-            not isinstance(value, (list, tuple))
-            or len(value) != 2
-            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value)
-        ):
-            raise fail(f"two numbers, e.g. {name}=[0.9,0.95]")
-        value = (float(value[0]), float(value[1]))
-    elif annotation == "dict[str, Any]":
-        if not isinstance(value, dict):
-            raise fail("a mapping of settings (e.g. model.mixer=cubit)")
-    else:  # pragma: no cover - every field's annotation is handled above
-        raise TypeError(f"no type check for {name}: {annotation}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
