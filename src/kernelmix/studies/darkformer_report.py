@@ -25,10 +25,10 @@ from typing import Annotated, Any
 import torch
 
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
-from .finetune import VARIANTS as FT_VARIANTS
-from ..pretrained.convert import LayerSelection
-from ..pretrained import INITS, MODES
 from ..output import write_json_atomic, write_text_atomic
+from ..pretrained import INITS, MODES
+from ..pretrained.convert import LayerSelection
+from .finetune import VARIANTS as FT_VARIANTS
 
 
 @dataclass
