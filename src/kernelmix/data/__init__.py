@@ -21,7 +21,7 @@ The pieces, each usable alone:
 - :mod:`~kernelmix.data.sampling` — :class:`WindowSampler` (stateless, resumable, rank-aware),
   :func:`eval_batches`, :func:`loader_throughput`.
 - :mod:`~kernelmix.data.windows` — ``[N, T]`` windows of text for pretrained (Hugging Face)
-  tokenizers: :func:`token_windows`, :func:`bos_windows`, :func:`split_texts`.
+  tokenizers: :func:`text_windows` (the one windowing rule), :func:`split_texts`.
 """
 
 from .corpus import (
@@ -37,7 +37,7 @@ from .corpus import (
 )
 from .dataset import TokenizedDataset, TokenizedSplit, default_cache_dir, open_dataset, prepare_dataset, token_dtype
 from .sampling import IGNORE_INDEX, Batch, WindowSampler, eval_batches, eval_windows, loader_throughput
-from .windows import bos_windows, load_text_windows, split_texts, token_windows
+from .windows import load_text_windows, split_texts, text_windows
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "eval_batches",
     "eval_windows",
     "get_tokenizer",
-    "bos_windows",
     "load_corpus",
     "load_text_windows",
     "load_tokenizer",
@@ -71,6 +70,6 @@ __all__ = [
     "split_key",
     "stdlib_files",
     "token_dtype",
-    "token_windows",
+    "text_windows",
     "train_bpe",
 ]

@@ -66,21 +66,10 @@ def text_windows(
     return windows
 
 
-def token_windows(tokenizer, texts: Sequence[str], seq_len: int, max_windows: int | None = None) -> Tensor:
-    """:func:`text_windows` (the name used before there was one windowing rule)."""
-    return text_windows(tokenizer, texts, seq_len, max_windows)
-
-
-def bos_windows(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> Tensor:
-    """Exactly ``count`` windows of :func:`text_windows` (the name used before there was one
-    windowing rule)."""
-    return text_windows(tokenizer, texts, seq_len, count, min_windows=count)
-
-
 def load_text_windows(tokenizer, text: str, seq_len: int, *, val_fraction: float, eval_seqs: int, seed: int = 0):
     """``(train_windows, val_windows)`` from a corpus name / directory / glob / file, split by document."""
     train_texts, val_texts = split_texts(load_corpus(text).documents(), val_fraction, seed)
     return text_windows(tokenizer, train_texts, seq_len), text_windows(tokenizer, val_texts, seq_len, eval_seqs)
 
 
-__all__ = ["bos_windows", "load_text_windows", "split_texts", "text_windows", "token_windows"]
+__all__ = ["load_text_windows", "split_texts", "text_windows"]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..output import write_text_atomic
+from ..output import ProgressBar, write_text_atomic
 
 
 class Reporter:
@@ -19,7 +19,7 @@ class Reporter:
     def __init__(self, out_dir: Path, total_steps: int, start_step: int, progress: bool | None, active: bool):
         self.active = active
         self.metrics_path = out_dir / "metrics.jsonl"
-        self.bar = self.task = self.tb = self.file = None
+        self.bar = self.tb = self.file = None
         if not active:
             return
         self.file = open(self.metrics_path, "a", encoding="utf-8")
@@ -33,17 +33,8 @@ class Reporter:
         if progress is None:  # a bar on a terminal, plain lines in a log file
             progress = sys.stderr.isatty()
         if progress:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("val {task.fields[val]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-")
-            self.bar.start()
+            self.bar = ProgressBar("train", total_steps, completed=start_step, transient=False,
+                                   fields={"loss": "-", "tok/s": "-", "val": "-"})
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -57,13 +48,15 @@ class Reporter:
 
     def advance(self, step: int) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step)
+            self.bar.update(completed=step)
 
     def show(self, text: str, **fields: str) -> None:
         if not self.active:
             return
         if self.bar is not None:
-            self.bar.update(self.task, **fields)
+            if "tps" in fields:  # shown as "tok/s"
+                fields["tok/s"] = fields.pop("tps")
+            self.bar.update(**fields)
         elif not self.quiet:
             print(text, flush=True)
 
@@ -71,11 +64,11 @@ class Reporter:
         """A message that is not a metric (printed above the bar)."""
         if not self.active or self.quiet:
             return
-        (self.bar.console.print if self.bar is not None else print)(text)
+        (self.bar.print if self.bar is not None else print)(text)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.stop()
+            self.bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.file is not None:
