@@ -165,105 +165,27 @@ def diagnose(
     timings["capture_s"] = time.perf_counter() - t
     say(f"captured q/k/v of layers {list(kernels)} in {timings['capture_s']:.1f} s")
 
-    # transforms per variant and layer: (M, F) or None (identity)
-    transforms: dict[str, dict[int, tuple[Tensor, Tensor] | None]] = {v: {} for v in variants}
-    t = time.perf_counter()
-    for i, kernel in kernels.items():
-        q, k = cv.token_samples(cal[i], kernel)
-        white = data_aware_transform(q, k, eps)
-        for v in variants:
-            transforms[v][i] = None if v == "performer" else (white[0].float(), white[1].float())
-    timings["whiten_s"] = time.perf_counter() - t
-    distill_history = {}
-    if "distill" in variants:
-        t = time.perf_counter()
-        for i, kernel in kernels.items():
-            with torch.no_grad():
-                kernel.transform.copy_(transforms["distill"][i][0])
-                kernel.query_fold.copy_(transforms["distill"][i][1])
-        distill_history = cv.distill(probe, cal, steps=distill_steps, lr=distill_lr, progress=progress, log=log)
-        for i, kernel in kernels.items():
-            transforms["distill"][i] = (kernel.transform.detach().clone(), kernel.query_fold.detach().clone())
-        timings["distill_s"] = time.perf_counter() - t
+    transforms, distill_history = _variant_transforms(
+        probe, cal, variants, eps=eps, distill_steps=distill_steps, distill_lr=distill_lr, progress=progress, log=log,
+        timings=timings,
+    )
 
     layer_results = []
     bar = progress_bar(progress, "attention errors", len(kernels) * len(variants) * len(m_values) * seeds)
     t = time.perf_counter()
     gen = torch.Generator().manual_seed(seed + 1)
+    sampling = dict(m_values=m_values, seeds=seeds, weight_rows=weight_rows, variance_pairs=variance_pairs,
+                    variance_draws=variance_draws, variance_m=variance_m)
     for i, kernel in kernels.items():
-        c = ev[i][0]
-        q_feat, k_feat = cv.token_samples(ev[i], kernel)
-        entry: dict = {"layer": i, "local": bool(cv.is_local(model.model.layers[i].self_attn)),
-                       "q": anisotropy(q_feat), "k": anisotropy(k_feat), "errors": {}, "variance": {}}
-        with torch.no_grad():
-            exact = cv.exact_output(c).float()
-            vis = _visible(c)
-            length_q = c.query.shape[2]
-            rows = torch.linspace(0, length_q - 1, min(weight_rows, length_q)).round().long().unique()
-            q_base = kernel.feature_queries(c.query.float(), c.scaling, fold=torch.eye(kernel.head_dim).expand(kernel.num_heads, -1, -1))
-            k_in = c.key.transpose(1, 2).float()
-            v_in = c.value.transpose(1, 2).float()
-            _, w_exact = softmax_attention_masked(q_base[:, rows], k_in, v_in, vis[:, rows])
-            for v in variants:
-                mf = transforms[v][i]
-                transform = None if mf is None else mf[0]
-                fold = None if mf is None else mf[1]
-                q_rows = q_base[:, rows] if fold is None else torch.einsum("hij,bthj->bthi", fold, q_base[:, rows])
-                per_m = {}
-                for m in m_values:
-                    out_err, w_err = [], []
-                    for s in range(seeds):
-                        proj_gen = torch.Generator().manual_seed(1000 * s + m)
-                        kernel.projection = kernel.draw_projection(proj_gen, m)
-                        approx = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling,
-                                               transform=transform if transform is not None else _eye_like(kernel),
-                                               fold=fold if fold is not None else _eye_like(kernel))
-                        out_err.append(per_head_rel_error(approx.float(), exact, 2))
-                        _, w_rf = random_feature_attention_masked(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
-                        w_err.append(per_head_rel_error(w_rf, w_exact, 1))
-                        bar.advance()
-                    per_m[str(m)] = {"output": _mean_lists(out_err), "weights": _mean_lists(w_err)}
-                entry["errors"][v] = per_m
-                # estimator variance on sampled causal pairs (per head, pooled)
-                ri, ci = _sample_pairs(q_base, k_in, vis, variance_pairs, gen)
-                ratios, rel_std = [], []
-                for h in range(kernel.num_heads):
-                    kh = h // (kernel.num_heads // kernel.num_kv_heads)
-                    x = q_base[0, ri, h]
-                    if fold is not None:
-                        x = x @ fold[h].T
-                    y = k_in[0, ci, kh]
-                    res = estimator_variance(x, y, None if transform is None else transform[h], num_features=variance_m,
-                                             draws=variance_draws, generator=gen)
-                    ok = res["closed"] > 0
-                    ratios.extend((res["empirical"][ok] / res["closed"][ok]).tolist())
-                    rel_std.extend((res["closed"][ok].sqrt() / res["kernel"][ok]).tolist())
-                entry["variance"][v] = {
-                    "m": variance_m,
-                    "median_empirical_over_closed": _median(ratios),
-                    "median_closed_rel_std": _median(rel_std),
-                }
+        entry = _layer_diagnostics(kernel, ev[i], {v: transforms[v][i] for v in variants}, gen, bar, **sampling)
+        entry = {"layer": i, "local": bool(cv.is_local(model.model.layers[i].self_attn)), **entry}
         layer_results.append(entry)
         say(f"layer {i}: errors done ({time.perf_counter() - t:.1f} s)")
     bar.close()
     timings["attention_errors_s"] = time.perf_counter() - t
 
-    # end to end
     t = time.perf_counter()
-    host_metrics = evaluate_windows(model, held)
-    e2e = {"host": host_metrics}
-    for v in variants:
-        e2e[v] = {}
-        for m in e2e_m:
-            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed))
-            with torch.no_grad():
-                for i, kernel in cv.kernels(conv).items():
-                    if transforms[v][i] is not None:
-                        kernel.transform.copy_(transforms[v][i][0])
-                        kernel.query_fold.copy_(transforms[v][i][1])
-            e2e[v][str(m)] = evaluate_windows(conv, held)
-            say(f"end to end {v} m={m}: {e2e[v][str(m)]}")
-            del conv
+    e2e = _end_to_end(model, held, transforms, variants, e2e_m, layers=layers, seed=seed, say=say)
     timings["end_to_end_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_all
 
@@ -288,6 +210,111 @@ def diagnose(
 
 def _eye_like(kernel) -> Tensor:
     return torch.eye(kernel.head_dim).expand(kernel.num_heads, -1, -1)
+
+Transforms = dict[str, dict[int, "tuple[Tensor, Tensor] | None"]]
+
+
+def _variant_transforms(probe, cal, variants, *, eps, distill_steps, distill_lr, progress, log, timings) -> tuple[Transforms, dict]:
+    """(M, F) per variant and layer — None for ``performer`` (the identity) — and the distillation
+    losses: ``whiten`` from the calibration statistics, ``distill`` trained from the whitened start."""
+    kernels = cv.kernels(probe)
+    transforms: Transforms = {v: {} for v in variants}
+    t = time.perf_counter()
+    for i, kernel in kernels.items():
+        q, k = cv.token_samples(cal[i], kernel)
+        white = data_aware_transform(q, k, eps)
+        for v in variants:
+            transforms[v][i] = None if v == "performer" else (white[0].float(), white[1].float())
+    timings["whiten_s"] = time.perf_counter() - t
+    distill_history: dict = {}
+    if "distill" in variants:
+        t = time.perf_counter()
+        for i, kernel in kernels.items():
+            with torch.no_grad():
+                kernel.transform.copy_(transforms["distill"][i][0])
+                kernel.query_fold.copy_(transforms["distill"][i][1])
+        distill_history = cv.distill(probe, cal, steps=distill_steps, lr=distill_lr, progress=progress, log=log)
+        for i, kernel in kernels.items():
+            transforms["distill"][i] = (kernel.transform.detach().clone(), kernel.query_fold.detach().clone())
+        timings["distill_s"] = time.perf_counter() - t
+    return transforms, distill_history
+
+
+@torch.no_grad()
+def _layer_diagnostics(kernel, items, transforms, gen, bar, *, m_values, seeds, weight_rows, variance_pairs,
+                       variance_draws, variance_m) -> dict:
+    """One layer: anisotropy of q and k, output and weight errors per variant and m, and the
+    estimator's variance against the closed form on sampled causal pairs."""
+    c = items[0]
+    q_feat, k_feat = cv.token_samples(items, kernel)
+    entry: dict = {"q": anisotropy(q_feat), "k": anisotropy(k_feat), "errors": {}, "variance": {}}
+    exact = cv.exact_output(c).float()
+    vis = _visible(c)
+    length_q = c.query.shape[2]
+    rows = torch.linspace(0, length_q - 1, min(weight_rows, length_q)).round().long().unique()
+    q_base = kernel.feature_queries(c.query.float(), c.scaling, fold=_eye_like(kernel))
+    k_in = c.key.transpose(1, 2).float()
+    v_in = c.value.transpose(1, 2).float()
+    _, w_exact = softmax_attention_masked(q_base[:, rows], k_in, v_in, vis[:, rows])
+    for v, mf in transforms.items():
+        transform, fold = (None, None) if mf is None else mf
+        q_rows = q_base[:, rows] if fold is None else torch.einsum("hij,bthj->bthi", fold, q_base[:, rows])
+        per_m = {}
+        for m in m_values:
+            out_err, w_err = [], []
+            for s in range(seeds):
+                kernel.projection = kernel.draw_projection(torch.Generator().manual_seed(1000 * s + m), m)
+                approx = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling,
+                                       transform=transform if transform is not None else _eye_like(kernel),
+                                       fold=fold if fold is not None else _eye_like(kernel))
+                out_err.append(per_head_rel_error(approx.float(), exact, 2))
+                _, w_rf = random_feature_attention_masked(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
+                w_err.append(per_head_rel_error(w_rf, w_exact, 1))
+                bar.advance()
+            per_m[str(m)] = {"output": _mean_lists(out_err), "weights": _mean_lists(w_err)}
+        entry["errors"][v] = per_m
+        entry["variance"][v] = _variance_on_pairs(kernel, q_base, k_in, vis, transform, fold, gen, pairs=variance_pairs,
+                                                  draws=variance_draws, num_features=variance_m)
+    return entry
+
+
+def _variance_on_pairs(kernel, q_base, k_in, vis, transform, fold, gen, *, pairs, draws, num_features) -> dict:
+    """Median over sampled causal (q, k) pairs, pooled over heads, of the empirical variance of
+    φ(q)·φ(k) over the closed form, and of the closed form's relative standard deviation."""
+    ri, ci = _sample_pairs(q_base, k_in, vis, pairs, gen)
+    ratios, rel_std = [], []
+    for h in range(kernel.num_heads):
+        kh = h // (kernel.num_heads // kernel.num_kv_heads)
+        x = q_base[0, ri, h]
+        if fold is not None:
+            x = x @ fold[h].T
+        y = k_in[0, ci, kh]
+        res = estimator_variance(x, y, None if transform is None else transform[h], num_features=num_features,
+                                 draws=draws, generator=gen)
+        ok = res["closed"] > 0
+        ratios.extend((res["empirical"][ok] / res["closed"][ok]).tolist())
+        rel_std.extend((res["closed"][ok].sqrt() / res["kernel"][ok]).tolist())
+    return {"m": num_features, "median_empirical_over_closed": _median(ratios), "median_closed_rel_std": _median(rel_std)}
+
+
+def _end_to_end(model, held, transforms, variants, e2e_m, *, layers, seed, say) -> dict:
+    """Next-token loss and accuracy of the host and of the model converted (all chosen layers) per
+    variant and m, on the held-out windows."""
+    e2e = {"host": evaluate_windows(model, held)}
+    for v in variants:
+        e2e[v] = {}
+        for m in e2e_m:
+            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed))
+            with torch.no_grad():
+                for i, kernel in cv.kernels(conv).items():
+                    if transforms[v][i] is not None:
+                        kernel.transform.copy_(transforms[v][i][0])
+                        kernel.query_fold.copy_(transforms[v][i][1])
+            e2e[v][str(m)] = evaluate_windows(conv, held)
+            say(f"end to end {v} m={m}: {e2e[v][str(m)]}")
+            del conv
+    return e2e
+
 
 
 def _mean_lists(lists: list[list[float]]) -> list[float]:
