@@ -1,4 +1,4 @@
-"""Cubit (SPEC §2): blocked fast path vs the dense reference, gradients, causality, decode, math."""
+"""Cubit (docs/math.md §3): blocked fast path vs the dense reference, gradients, causality, decode, math."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeltaFormer (SPEC §3): blocked fast path vs the per-token reference, gradients, causality,
+"""DeltaFormer (docs/math.md §4): blocked fast path vs the per-token reference, gradients, causality,
 decode and the defining linear system."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Random-feature attention (Performer / DARKFormer): fast path vs reference, decode, causality,
-and the estimator's statistics (unbiasedness, the variance formula of SPEC §5, convergence in m)."""
+and the estimator's statistics (unbiasedness, the variance formula of docs/math.md §6, convergence in m)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def _single_feature_moments(x, y, transform):
 @pytest.mark.parametrize("darkformer", [False, True])
 def test_iid_features_are_unbiased_within_a_derived_monte_carlo_bound(darkformer):
     """Mean of N independent m-feature estimates; each feature term has variance K²(e^{|a|²} − 1)
-    (SPEC §5 with m = 1), so the mean of N·m iid terms has standard error K·sqrt((e^{|a|²}−1)/(N m)).
+    (docs/math.md §6 with m = 1), so the mean of N·m iid terms has standard error K·sqrt((e^{|a|²}−1)/(N m)).
     We allow 5 standard errors."""
     head_dim, m, n = 8, 4, 50_000
     x, y, mt = _pair(head_dim, seed=0)
@@ -208,7 +208,7 @@ def test_orthogonal_features_are_unbiased():
 
 @pytest.mark.parametrize("m", [1, 8])
 def test_darkformer_variance_formula_holds_empirically(m):
-    """Var[φ_Σ(x)·φ_Σ(y)] = (1/m) K² (exp((x̃+ỹ)ᵀΣ(x̃+ỹ)) − 1) for iid features (SPEC §5).
+    """Var[φ_Σ(x)·φ_Σ(y)] = (1/m) K² (exp((x̃+ỹ)ᵀΣ(x̃+ỹ)) − 1) for iid features (docs/math.md §6).
     Tolerance: 5 standard errors of the sample variance, from the estimator's 4th central moment
     (for a mean of m iid terms: μ4/m³ + 3(m−1)σ⁴/m³)."""
     head_dim, n = 8, 100_000

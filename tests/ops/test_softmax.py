@@ -1,4 +1,4 @@
-"""Causal softmax attention (SPEC §1): SDPA fast path vs the dense reference, GQA, causality, decode."""
+"""Causal softmax attention (docs/math.md §2): SDPA fast path vs the dense reference, GQA, causality, decode."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cubit layer: attention as kernel ridge regression (SPEC §2)."""
+"""Cubit layer: attention as kernel ridge regression (docs/math.md §3)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REFERENCES = ("separate", "key")
 
 class CubitMixer(MixerLayer):
     """Cubit: U = (G + λ_h I)⁻¹ (ρ ⊙ V) with G the causal softmax Gram of the references, then
-    O = causal softmax(q kᵀ/√d) U (SPEC §2).
+    O = causal softmax(q kᵀ/√d) U (docs/math.md §3).
 
     Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
     ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``, see

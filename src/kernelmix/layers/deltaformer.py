@@ -1,4 +1,4 @@
-"""DeltaFormer layer (SPEC §3), a baseline."""
+"""DeltaFormer layer (docs/math.md §4), a baseline."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ W_CHOICES = ("k", "q")
 
 class DeltaFormerMixer(MixerLayer):
     """DeltaFormer: u_i = v_i − β_i Σ_{j<i} softmax_{j<i}(w_i·k_j/√d) u_j, then
-    O = causal softmax(q kᵀ/√d) U (SPEC §3).
+    O = causal softmax(q kᵀ/√d) U (docs/math.md §4).
 
     Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
     ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``, see

@@ -1,4 +1,4 @@
-"""The random-feature map of Performer (SPEC §4) and DARKFormer (SPEC §5), in one module.
+"""The random-feature map of Performer (docs/math.md §6) and DARKFormer (docs/math.md §7), in one module.
 
 :class:`RandomFeatureMap` owns what both need besides q, k and v:
 
@@ -144,7 +144,7 @@ class RandomFeatureMap(nn.Module):
 
     @torch.no_grad()
     def whiten_(self, q_samples: Tensor, k_samples: Tensor, eps: float = 1e-3) -> "RandomFeatureMap":
-        """Data-aware initialisation (SPEC §5): M = S^{1/2} and F = S⁻¹ from query samples
+        """Data-aware initialisation (docs/math.md §7): M = S^{1/2} and F = S⁻¹ from query samples
         ``[N, H, d]`` as the op receives them before the fold, and key samples ``[N', H_kv, d]``, so
         the map computes the same kernel as with M = F = I while the random features see whitened
         inputs. ``eps`` regularises the second moments relative to their trace (real models have

@@ -1,4 +1,4 @@
-"""Random-feature layers: Performer (SPEC §4) and DARKFormer (SPEC §5).
+"""Random-feature layers: Performer (docs/math.md §6) and DARKFormer (docs/math.md §7).
 
 Each is a :class:`~kernelmix.layers.MixerLayer` (projections, RoPE, cache) and a
 :class:`~kernelmix.layers.feature_map.RandomFeatureMap` (the projection W, DARKFormer's transform M
@@ -22,7 +22,7 @@ from .feature_map import RandomFeatureMap
 
 class PerformerMixer(MixerLayer, RandomFeatureMap):
     """Performer (FAVOR+): causal attention with positive random features φ(x) = m^{-1/2}
-    exp(W x̃ − ½‖x̃‖²), x̃ = d^{-1/4} x, an unbiased estimate of the softmax kernel (SPEC §4).
+    exp(W x̃ − ½‖x̃‖²), x̃ = d^{-1/4} x, an unbiased estimate of the softmax kernel (docs/math.md §6).
 
     Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
     ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``, see
@@ -73,7 +73,7 @@ class PerformerMixer(MixerLayer, RandomFeatureMap):
 
 class DarkFormerMixer(PerformerMixer):
     """DARKFormer: data-aware random features, φ_Σ(x) = m^{-1/2} exp(W M x̃ − ½‖M x̃‖²), an
-    unbiased estimate of exp(qᵀΣk/√d) with Σ = MᵀM (SPEC §5).
+    unbiased estimate of exp(qᵀΣk/√d) with Σ = MᵀM (docs/math.md §7).
 
     Keyword-only arguments: exactly those of :class:`PerformerMixer` (``num_features=64``,
     ``projection="orthogonal"|"iid"`` and the shared ones).

@@ -1,4 +1,4 @@
-"""Softmax attention layer (SPEC §1), the baseline."""
+"""Softmax attention layer (docs/math.md §2), the baseline."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ Both mixers solve a lower-triangular system
 
     A U = b,   A = diag(β) K + γ I,   K_ij = softmax_{j ≤ i (or j < i)} (scale · x_i · y_j)
 
-Cubit: x = r, y = r̂, scale = 1, β = 1, γ = λ_h, inclusive mask (SPEC §2).
+Cubit: x = r, y = r̂, scale = 1, β = 1, γ = λ_h, inclusive mask (docs/math.md §3).
 With ``doc_start`` (packed documents, left padding) K_ij is also 0 across documents: the system is
 block-diagonal, one independent solve per document.
-DeltaFormer: x = w, y = k, scale = 1/√d, β = β_i, γ = 1, strict mask (SPEC §3).
+DeltaFormer: x = w, y = k, scale = 1/√d, β = β_i, γ = 1, strict mask (docs/math.md §4).
 
 The dense references build K (T×T) and call ``solve_triangular``. Neither implementation holds K
 (the blocked solve keeps at most a C×T block of it for a few heads, the rectangles one fused

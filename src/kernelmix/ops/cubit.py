@@ -1,4 +1,4 @@
-"""Cubit: attention as kernel ridge regression (SPEC §2).
+"""Cubit: attention as kernel ridge regression (docs/math.md §3).
 
     r̂_j = s_h · r_j / max(‖r_j‖, 1e-6)
     G_ij = softmax_{j≤i}(r_i · r̂_j)                    (causal, row-normalised, diagonal included)

@@ -1,4 +1,4 @@
-"""DARKFormer's data-aware transform (SPEC §5): from calibration samples of queries and keys, the
+"""DARKFormer's data-aware transform (docs/math.md §7): from calibration samples of queries and keys, the
 per-head transform M and query fold F that keep the pretrained kernel exactly,
 (F q̃)ᵀ MᵀM k̃ = q̃ᵀ k̃, while the random features see better-conditioned inputs.
 
@@ -65,7 +65,7 @@ def regularised_second_moments(q_samples: Tensor, k_samples: Tensor, eps: float 
 
 
 def data_aware_transform(q_samples: Tensor, k_samples: Tensor, eps: float = 1e-3) -> tuple[Tensor, Tensor]:
-    """SPEC §5's function-preserving initialisation: returns ``(M, fold)``, both ``[H, d, d]`` float64.
+    """docs/math.md §7's function-preserving initialisation: returns ``(M, fold)``, both ``[H, d, d]`` float64.
 
     With A, B the regularised second moments of the scaled queries and keys
     (:func:`regularised_second_moments`), S = B⁻¹ # A = B^{-1/2}(B^{1/2} A B^{1/2})^{1/2} B^{-1/2}

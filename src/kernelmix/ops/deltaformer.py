@@ -1,4 +1,4 @@
-"""DeltaFormer (SPEC §3), a baseline.
+"""DeltaFormer (docs/math.md §4), a baseline.
 
     u_i = v_i − β_i Σ_{j<i} softmax_{j<i}(w_i·k_j · scale) u_j      (u_0 = v_0)
     o   = causal softmax(q kᵀ · scale) U

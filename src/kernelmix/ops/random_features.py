@@ -1,4 +1,4 @@
-"""Positive random features: Performer (FAVOR+) and DARKFormer (SPEC §4–5).
+"""Positive random features: Performer (FAVOR+) and DARKFormer (docs/math.md §6–7).
 
     x̃ = d^{-1/4} x,   φ(x) = m^{-1/2} exp(W (M x̃) − ½‖M x̃‖²) ∈ R^m_{>0}
     o_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j)
@@ -156,7 +156,7 @@ def _check_projection(projection: Tensor, transform: Tensor | None, heads: int, 
 
 
 def positive_random_features(x: Tensor, projection: Tensor, *, transform: Tensor | None = None) -> Tensor:
-    """The positive feature map φ(x) (SPEC §4–5), ``[B, T, H, d]`` → ``[B, T, H, m]``, unstabilised.
+    """The positive feature map φ(x) (docs/math.md §6–7), ``[B, T, H, d]`` → ``[B, T, H, m]``, unstabilised.
 
     E[φ(q)·φ(k)] = exp(qᵀ Σ k / √d) with Σ = MᵀM (Σ = I when ``transform`` is None)."""
     check_4d("x", x)

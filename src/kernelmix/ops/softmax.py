@@ -1,4 +1,4 @@
-"""Causal softmax attention (SPEC §1): the Nadaraya–Watson baseline.
+"""Causal softmax attention (docs/math.md §2): the Nadaraya–Watson baseline.
 
 Fast path: ``F.scaled_dot_product_attention``. Reference: a dense masked softmax.
 Decode: a KV cache (:class:`SoftmaxState`).

@@ -67,7 +67,7 @@ def token_samples(items: list[Captured], kernel: RandomFeatureKernel) -> tuple[T
 
 
 def whiten(model, captured: dict[int, list[Captured]], eps: float = 1e-3) -> None:
-    """Set every DARKFormer layer's M, F from captured statistics (SPEC §5; kernel preserved)."""
+    """Set every DARKFormer layer's M, F from captured statistics (docs/math.md §7; kernel preserved)."""
     for i, kernel in kernels(model).items():
         if kernel.mixer == "darkformer":
             q, k = token_samples(captured[i], kernel)

@@ -10,9 +10,9 @@
   subsample of query rows, against exact softmax attention on the same q/k/v (the host's mask,
   sliding windows included), as a function of m, averaged over draws of W, for
   ``performer`` (= DARKFormer with M = I, the ``identity`` initialisation, bit for bit),
-  ``whiten`` (SPEC §5 data-aware M, F from calibration text) and ``distill`` (whiten, then
+  ``whiten`` (docs/math.md §7 data-aware M, F from calibration text) and ``distill`` (whiten, then
   per-layer attention-output distillation of M at ``distill_m`` features; evaluated with fresh W);
-* the empirical variance of φ(q)·φ(k) over iid Gaussian W against SPEC §5's closed form
+* the empirical variance of φ(q)·φ(k) over iid Gaussian W against the closed form of docs/math.md §6
   (1/m)·K²·(exp((x̃+ỹ)ᵀΣ(x̃+ỹ)) − 1) for sampled causal (q, k) pairs;
 * the end-to-end next-token loss and accuracy of the converted model (all chosen layers) per
   variant and m, next to the host's.
@@ -377,7 +377,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {L['layer']} | {'yes' if L['local'] else 'no'} | {mean('effective_rank', 'q'):.1f} | {mean('effective_rank', 'k'):.1f} | "
                      f"{mean('top5_share', 'q'):.2f} | {mean('top5_share', 'k'):.2f} | "
                      f"{max(h['zero_dims'] for h in L['q'])}/{max(h['zero_dims'] for h in L['k'])} | {errs} |")
-    lines += ["", "## Estimator variance (iid W): empirical vs SPEC §5 closed form (median over layers)", "",
+    lines += ["", "## Estimator variance (iid W): empirical vs the closed form of docs/math.md §6 (median over layers)", "",
               "| variant | m | median empirical/closed | median closed-form rel. std |", "|---|---:|---:|---:|"]
     for v in variants:
         r = [L["variance"][v]["median_empirical_over_closed"] for L in result["per_layer"]]
