@@ -541,5 +541,5 @@ __all__ = [
 
 if __name__ == "__main__":  # the memory probe's child process (op_peak_memory_mb)
     if len(sys.argv) != 3 or sys.argv[1] != "--memory-probe":
-        raise SystemExit("usage: python -m kernelmix.bench --memory-probe SPEC_JSON (internal; use `kernelmix bench`)")
+        raise SystemExit("usage: python -m kernelmix.studies.bench --memory-probe SPEC_JSON (internal; use `kernelmix bench`)")
     _memory_probe(json.loads(sys.argv[2]))

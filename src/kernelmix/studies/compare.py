@@ -1,6 +1,6 @@
 """``kernelmix compare``: train every mixer the same way and compare them — the README's main job.
 
-    from kernelmix.compare import CompareConfig, run_compare
+    from kernelmix.studies.compare import CompareConfig, run_compare
     summary = run_compare(CompareConfig(mixers=["softmax", "cubit"], lengths=[256, 512], steps=60))
 
 For every (mixer, training length, seed) one run of :func:`kernelmix.training.train` with the
