@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Arg, Field, NonNegativeInt, PositiveInt, check
-from ..data import bos_windows, load_corpus
+from ..data import load_corpus, text_windows
 from ..pretrained import ConversionConfig, convert, load_pretrained, save_converted
 from .options import add_options, from_args
 
@@ -39,7 +39,7 @@ def _cli_convert(args) -> int:
             if tok is None:
                 raise ValueError(f"init={config.init!r} needs the model's tokenizer in {opts.model}")
             docs = [d.text for d in load_corpus(opts.calib_text).documents()]
-            calibration = bos_windows(tok, docs, opts.seq_len, opts.calib_seqs)
+            calibration = text_windows(tok, docs, opts.seq_len, opts.calib_seqs, min_windows=opts.calib_seqs)
         convert(model, config, calibration=calibration, init=config.init, steps=opts.steps, progress=True,
                 log=lambda msg: print(f"  {msg}", flush=True))
         save_converted(model, opts.out, tok)

@@ -43,7 +43,7 @@ def _cli_report(args) -> int:
 
 def add_command(sub) -> None:
     """Register ``kernelmix report``."""
-    p = sub.add_parser("report", help="reproduce a study end to end and write it under reports/ (darkformer)")
+    p = sub.add_parser("report", help="reproduce a study end to end (darkformer); writes under runs/ unless --out says otherwise")
     reports = p.add_subparsers(dest="report", required=True)
     d = reports.add_parser(
         "darkformer",
