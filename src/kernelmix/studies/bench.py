@@ -45,11 +45,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
 
 from .. import ops
+from ..config import Choice, Field, PositiveInt, check
 from ..output import pyplot, write_json_atomic
 from .demo import MMAP_THRESHOLD_BYTES, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 
@@ -136,6 +137,7 @@ def _mixer_call(mixer: str, inputs: dict, chunk_size: int):
 
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the inputs
 
 
 def _autocast(device: torch.device, autocast: str | None):
@@ -352,102 +354,119 @@ def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
     return result
 
 
-def run_bench(
-    *,
-    mixers: tuple[str, ...] = MIXER_NAMES,
-    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
-    decode_positions: tuple[int, ...] = (256, 1024, 4096),
-    batch: int = 1,
-    heads: int = 8,
-    head_dim: int = 64,
-    num_features: int = 128,
-    chunk_size: int = 64,
-    device: str = "cpu",
-    dtype: str = "float32",
-    autocast: str | None = None,
-    repeats: int = 3,
-    memory: bool = True,
-    peers: tuple[str, ...] = (),
-    peer_max_length: int = 2048,
-    progress: Callable[[str], None] | None = None,
-) -> BenchReport:
-    unknown = [m for m in mixers if m not in MIXER_NAMES]
-    if unknown:
-        raise ValueError(f"unknown mixer(s) {unknown} (choose from: {', '.join(MIXER_NAMES)})")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
-    if autocast is not None and autocast not in AUTOCAST_DTYPES:
-        raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or None, got {autocast!r}")
-    if autocast is not None and dtype != "float32":
-        raise ValueError(f"autocast runs fp32 inputs under torch.autocast: use dtype='float32', got {dtype!r}")
-    torch_device, torch_dtype = torch.device(device), dtypes[dtype]
+@dataclass
+class BenchConfig:
+    """What :func:`run_bench` measures (``kernelmix bench``'s options)."""
+
+    mixers: Annotated[list[str], Choice(MIXER_NAMES, "mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+        field(default_factory=lambda: list(MIXER_NAMES)))
+    lengths: Annotated[list[PositiveInt], Field(min_length=1, description="e.g. 256,1024,4096")] = (
+        field(default_factory=lambda: [256, 512, 1024, 2048, 4096]))
+    decode_positions: list[PositiveInt] = field(default_factory=lambda: [256, 1024, 4096])
+    batch: PositiveInt = 1
+    heads: PositiveInt = 8
+    head_dim: PositiveInt = 64
+    num_features: PositiveInt = 128
+    chunk_size: PositiveInt = 64
+    dtype: Annotated[str, Choice(tuple(DTYPES), "dtype"), Field(description="the inputs' dtype")] = "float32"
+    autocast: Annotated[str | None, Choice(tuple(AUTOCAST_DTYPES), "autocast dtype"), Field(
+        description="run the forward passes under torch.autocast in this dtype (fp32 inputs; needs --dtype float32)")] = None
+    device: str = "cpu"
+    repeats: PositiveInt = 3
+    memory: Annotated[bool, Field(description="skip the peak-memory measurement (each op in a fresh process)")] = True
+    peers: Annotated[list[str], Choice(PEERS, "peer"), Field(
+        description="comma-separated peers measured in the same run: performer-pytorch, fla-deltaformer-naive, "
+        "cubit-dense (skipped with a note when not installed)")] = field(default_factory=list)
+    peer_max_length: Annotated[PositiveInt, Field(description="largest T for the peers")] = 2048
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def run_bench(config: BenchConfig | None = None, *, progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Measure every op of ``config`` (default :class:`BenchConfig`): timings, decode, then memory."""
+    config = BenchConfig() if config is None else config
+    if config.autocast is not None and config.dtype != "float32":
+        raise ValueError(f"autocast runs fp32 inputs under torch.autocast: use dtype='float32', got {config.dtype!r}")
+    say = progress or (lambda text: None)
+    torch_device, torch_dtype = torch.device(config.device), DTYPES[config.dtype]
     report = BenchReport(
-        device=str(torch_device), dtype=dtype, batch=batch, heads=heads, head_dim=head_dim,
-        num_features=num_features, chunk_size=chunk_size, threads=torch.get_num_threads(),
-        matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype), autocast=autocast,
+        device=str(torch_device), dtype=config.dtype, batch=config.batch, heads=config.heads, head_dim=config.head_dim,
+        num_features=config.num_features, chunk_size=config.chunk_size, threads=torch.get_num_threads(),
+        matmul_peak_gflops=matmul_peak_gflops(torch_device, torch_dtype), autocast=config.autocast,
     )
-    shape = dict(batch=batch, heads=heads, head_dim=head_dim, num_features=num_features, chunk_size=chunk_size,
-                 device=torch_device, dtype=torch_dtype)
-    # Each length's ops (mixers and peers) are timed round-robin (interleaved_medians_ms), so that
-    # the ratios within a length are measured under the same machine conditions.
+    shape = dict(batch=config.batch, heads=config.heads, head_dim=config.head_dim, num_features=config.num_features,
+                 chunk_size=config.chunk_size, device=torch_device, dtype=torch_dtype)
     peer_records, missing_peers = [], set()
-    for length in lengths:
-        entries = []  # (record name, call, grad_out, forward FLOPs)
-        for mixer in mixers:
-            call, grad_out, flops = _op("mixer", mixer, length, **shape)
-            entries.append((mixer, call, grad_out, flops))
-        for peer in peers:
-            if peer in missing_peers:
-                continue
-            if length > peer_max_length:
-                report.notes.append(f"peer {peer} skipped at T={length} (> peer_max_length={peer_max_length})")
-                continue
-            call, grad_out, flops = _op("peer", peer, length, **shape)
-            if isinstance(call, str):
-                report.notes.append(f"peer {peer} skipped: {call}")
-                missing_peers.add(peer)
-                continue
-            entries.append((f"peer:{peer}", call, grad_out, flops))
-        if progress:
-            progress(f"T={length}: {', '.join(name for name, *_ in entries)}")
-        forwards = [_no_grad_forward(call, torch_device, autocast) for _, call, _, _ in entries]
-        steps = [_forward_backward(call, grad_out, torch_device, autocast) for _, call, grad_out, _ in entries]
-        if autocast:  # the same ops without autocast, in the same round-robin: bf16 vs fp32 in one run
-            steps += [_forward_backward(call, grad_out, torch_device, None) for _, call, grad_out, _ in entries]
-        forward_ms = interleaved_medians_ms(forwards, repeats, torch_device)
-        fb_ms = interleaved_medians_ms(steps, repeats, torch_device)
-        plain_ms = fb_ms[len(entries):] or [None] * len(entries)
-        for (name, _, _, flops), fwd, fb, plain in zip(entries, forward_ms, fb_ms, plain_ms):
-            record = BenchRecord(name, length, fwd, fb, None, flops / 1e9, 3 * flops / (fb * 1e-3) / 1e9,
-                                 without_autocast_ms=plain)
-            (peer_records if name.startswith("peer:") else report.records).append(record)
-        del entries, forwards, steps
+    for length in config.lengths:
+        mixer_records, peers_at_length = _time_length(config, length, shape, report.notes, missing_peers, say)
+        report.records += mixer_records
+        peer_records += peers_at_length
     report.records += peer_records
     # Decode: one mixer's steps at every position round-robin, so that its growth with the position
     # is measured under the same conditions. (Not across mixers: a step that follows another
     # mixer's long-context step finds its state evicted from the caches, and Performer's O(1) step
     # then seemed to grow 1.5× from position 256 to 8192 after DeltaFormer's 8192-token cache.)
-    for mixer in mixers if decode_positions else ():
-        if progress:
-            progress(f"decode {mixer} at positions {', '.join(map(str, decode_positions))}")
-        steps = [_decode_step(mixer, position, autocast=autocast, **shape) for position in decode_positions]
-        decode_ms = interleaved_medians_ms(steps, max(repeats, DECODE_MIN_REPEATS), torch_device)
-        report.decode += [DecodeRecord(mixer, position, ms) for position, ms in zip(decode_positions, decode_ms)]
+    for mixer in config.mixers if config.decode_positions else ():
+        say(f"decode {mixer} at positions {', '.join(map(str, config.decode_positions))}")
+        steps = [_decode_step(mixer, position, autocast=config.autocast, **shape) for position in config.decode_positions]
+        decode_ms = interleaved_medians_ms(steps, max(config.repeats, DECODE_MIN_REPEATS), torch_device)
+        report.decode += [DecodeRecord(mixer, position, ms) for position, ms in zip(config.decode_positions, decode_ms)]
         del steps
-    if memory:  # after every timing (see op_peak_memory_mb)
-        for record in report.records:
-            if progress:
-                progress(f"memory {record.mixer} T={record.length}")
-            is_peer = record.mixer.startswith("peer:")
-            kind, name = ("peer", record.mixer.removeprefix("peer:")) if is_peer else ("mixer", record.mixer)
-            peak = op_peak_memory_mb(kind, name, record.length, autocast=autocast, **shape)
-            if isinstance(peak, str):
-                report.notes.append(f"{record.mixer} T={record.length}: {peak}")
-            else:
-                record.peak_memory_mb = peak
-    report.crossover = {m: crossover_length(report.records, m) for m in mixers if m != "softmax"}
+    if config.memory:  # after every timing (see op_peak_memory_mb)
+        _measure_memory(report, config.autocast, shape, say)
+    report.crossover = {m: crossover_length(report.records, m) for m in config.mixers if m != "softmax"}
     return report
+
+
+def _time_length(config: BenchConfig, length: int, shape: dict, notes: list[str], missing_peers: set[str], say):
+    """Forward and forward+backward medians of every mixer and peer at one length, timed
+    round-robin (:func:`interleaved_medians_ms`) so that the ratios within a length are measured
+    under the same machine conditions. Returns ``(mixer records, peer records)``."""
+    device, autocast = shape["device"], config.autocast
+    entries = []  # (record name, call, grad_out, forward FLOPs)
+    for mixer in config.mixers:
+        call, grad_out, flops = _op("mixer", mixer, length, **shape)
+        entries.append((mixer, call, grad_out, flops))
+    for peer in config.peers:
+        if peer in missing_peers:
+            continue
+        if length > config.peer_max_length:
+            notes.append(f"peer {peer} skipped at T={length} (> peer_max_length={config.peer_max_length})")
+            continue
+        call, grad_out, flops = _op("peer", peer, length, **shape)
+        if isinstance(call, str):
+            notes.append(f"peer {peer} skipped: {call}")
+            missing_peers.add(peer)
+            continue
+        entries.append((f"peer:{peer}", call, grad_out, flops))
+    say(f"T={length}: {', '.join(name for name, *_ in entries)}")
+    forwards = [_no_grad_forward(call, device, autocast) for _, call, _, _ in entries]
+    steps = [_forward_backward(call, grad_out, device, autocast) for _, call, grad_out, _ in entries]
+    if autocast:  # the same ops without autocast, in the same round-robin: bf16 vs fp32 in one run
+        steps += [_forward_backward(call, grad_out, device, None) for _, call, grad_out, _ in entries]
+    forward_ms = interleaved_medians_ms(forwards, config.repeats, device)
+    fb_ms = interleaved_medians_ms(steps, config.repeats, device)
+    plain_ms = fb_ms[len(entries):] or [None] * len(entries)
+    mixers, peers = [], []
+    for (name, _, _, flops), fwd, fb, plain in zip(entries, forward_ms, fb_ms, plain_ms):
+        record = BenchRecord(name, length, fwd, fb, None, flops / 1e9, 3 * flops / (fb * 1e-3) / 1e9,
+                             without_autocast_ms=plain)
+        (peers if name.startswith("peer:") else mixers).append(record)
+    return mixers, peers
+
+
+def _measure_memory(report: BenchReport, autocast: str | None, shape: dict, say) -> None:
+    """Peak memory of every record's forward+backward (a fresh process per op on CPU)."""
+    for record in report.records:
+        say(f"memory {record.mixer} T={record.length}")
+        is_peer = record.mixer.startswith("peer:")
+        kind, name = ("peer", record.mixer.removeprefix("peer:")) if is_peer else ("mixer", record.mixer)
+        peak = op_peak_memory_mb(kind, name, record.length, autocast=autocast, **shape)
+        if isinstance(peak, str):
+            report.notes.append(f"{record.mixer} T={record.length}: {peak}")
+        else:
+            record.peak_memory_mb = peak
 
 
 def _autocast_label(report: BenchReport) -> str:
@@ -533,7 +552,7 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
 
 
 __all__ = [
-    "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS",
+    "BenchConfig", "BenchRecord", "BenchReport", "DecodeRecord", "MIXER_NAMES", "PEERS",
     "crossover_length", "interleaved_medians_ms", "op_peak_memory_mb",
     "format_report", "forward_flops", "matmul_peak_gflops", "run_bench", "write_report",
 ]
