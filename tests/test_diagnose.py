@@ -50,9 +50,9 @@ def test_estimator_variance_matches_closed_form():
 def test_diagnose_tiny_gemma(tmp_path):
     model = tiny_gemma()
     text = ["the quick brown fox jumps over the lazy dog. " * 40]
-    result = dg.diagnose(model, ByteTokenizer(), text, tmp_path, m_values=(16, 256), seq_len=48, calib_seqs=2,
-                         eval_seqs=1, seeds=1, weight_rows=8, variance_pairs=4, variance_draws=32, distill_steps=10,
-                         distill_m=16, e2e_m=(32,), progress=False)
+    config = dg.DiagnoseConfig(m_values=[16, 256], seq_len=48, calib_seqs=2, eval_seqs=1, seeds=1, weight_rows=8,
+                               variance_pairs=4, variance_draws=32, distill_steps=10, distill_m=16, e2e_m=[32])
+    result = dg.diagnose(model, ByteTokenizer(), text, tmp_path, config, progress=False)
     assert not any(hasattr(l.self_attn, "kernelmix_rf") for l in model.model.layers)  # host untouched
     assert [L["layer"] for L in result["per_layer"]] == [0, 1]
     assert result["per_layer"][0]["local"] and not result["per_layer"][1]["local"]
@@ -69,6 +69,6 @@ def test_diagnose_tiny_gemma(tmp_path):
 
 def test_diagnose_bad_input():
     with pytest.raises(ValueError, match="unknown variant"):
-        dg.diagnose(tiny_gemma(), ByteTokenizer(), ["x"], variants=("cubit",))
+        dg.diagnose(tiny_gemma(), ByteTokenizer(), ["x"], config=dg.DiagnoseConfig(variants=["cubit"]))
     with pytest.raises(ValueError, match="not enough text"):
-        dg.diagnose(tiny_gemma(), ByteTokenizer(), ["short"], seq_len=64, progress=False)
+        dg.diagnose(tiny_gemma(), ByteTokenizer(), ["short"], config=dg.DiagnoseConfig(seq_len=64), progress=False)

@@ -122,10 +122,11 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
             say(f"diagnostics: reusing {diag_file}")
     if diagnostics is None:
         say(f"diagnostics of layers {settings.diag_layers} at m = {list(settings.diag_m)}")
-        diagnostics = dg.diagnose(model, tokenizer, val_texts, None, layers=diag_layers, m_values=settings.diag_m,
-                                  seq_len=settings.diag_seq_len, calib_seqs=2, eval_seqs=1, seeds=settings.diag_seeds,
-                                  distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
-                                  e2e_m=settings.diag_e2e_m, seed=settings.seed, progress=progress, log=lambda m: say(f"  {m}"))
+        config = dg.DiagnoseConfig(layers=diag_layers, m_values=list(settings.diag_m), seq_len=settings.diag_seq_len,
+                                   calib_seqs=2, eval_seqs=1, seeds=settings.diag_seeds,
+                                   distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
+                                   e2e_m=list(settings.diag_e2e_m), seed=settings.seed)
+        diagnostics = dg.diagnose(model, tokenizer, val_texts, None, config, progress=progress, log=lambda m: say(f"  {m}"))
         diagnostics["report_key"] = diag_key
         write_json_atomic(diag_file, diagnostics, indent=1)
     dg.write_report(diagnostics, out / "diagnostics")

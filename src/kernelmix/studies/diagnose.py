@@ -28,17 +28,20 @@ import copy
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import pretrained as cv
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data.windows import text_windows
 from ..evaluate import evaluate_windows
 from ..ops import data_aware_transform, random_feature_attention_masked, softmax_attention_masked
 from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
+from ..pretrained.convert import LayerSelection
 
 VARIANTS = ("performer", "whiten", "distill")
 
@@ -118,46 +121,52 @@ def _sample_pairs(q: Tensor, k: Tensor, vis: Tensor, count: int, generator: torc
 # ---------------------------------------------------------------------------------------------
 
 
-def diagnose(
-    model,
-    tokenizer,
-    texts: Sequence[str],
-    out_dir: str | Path | None = None,
-    *,
-    layers: Any = "all",
-    m_values: Sequence[int] = (16, 64, 256, 1024),
-    variants: Sequence[str] = VARIANTS,
-    seq_len: int = 512,
-    calib_seqs: int = 2,
-    eval_seqs: int = 1,
-    seeds: int = 2,
-    weight_rows: int = 64,
-    variance_pairs: int = 16,
-    variance_draws: int = 256,
-    variance_m: int = 64,
-    distill_steps: int = 100,
-    distill_m: int = 256,
-    distill_lr: float = 5e-3,
-    e2e_m: Sequence[int] = (64, 256, 1024),
-    eps: float = 1e-3,
-    seed: int = 0,
-    progress: bool = True,
-    plots: bool = True,
-    log: Any = None,
-) -> dict:
-    """Run the diagnostics on an *unconverted* host ``model`` (left unchanged) and its tokenizer;
-    ``texts`` are documents of real text. Returns the results dict (also written to ``out_dir``)."""
-    for v in variants:
-        if v not in VARIANTS:
-            raise ValueError(f"unknown variant {v!r} (choose from: {', '.join(VARIANTS)}; identity ≡ performer)")
+@dataclass
+class DiagnoseConfig:
+    """What :func:`diagnose` measures (``kernelmix diagnose``'s options). Calibration and held-out
+    text are disjoint: the first ``calib_seqs`` windows calibrate, the next ``eval_seqs`` are measured."""
+
+    layers: LayerSelection = "all"
+    m_values: Annotated[list[PositiveInt], Arg(flag="--m"), Field(min_length=1, description="feature counts")] = (
+        field(default_factory=lambda: [16, 64, 256, 1024]))
+    variants: Annotated[list[str], Choice(VARIANTS, "variant", "; identity ≡ performer"), Field(min_length=1)] = (
+        field(default_factory=lambda: list(VARIANTS)))
+    seq_len: PositiveInt = 512
+    calib_seqs: PositiveInt = 2
+    eval_seqs: PositiveInt = 1
+    seeds: Annotated[PositiveInt, Field(description="draws of W per m")] = 2
+    weight_rows: Annotated[PositiveInt, Field(description="query rows whose attention weights are compared")] = 64
+    variance_pairs: Annotated[PositiveInt, Field(description="sampled causal (q, k) pairs for the variance check")] = 16
+    variance_draws: Annotated[PositiveInt, Field(description="iid draws of W per pair")] = 256
+    variance_m: Annotated[PositiveInt, Field(description="m of the variance check")] = 64
+    distill_steps: NonNegativeInt = 100
+    distill_m: Annotated[PositiveInt, Field(description="m while distilling M")] = 256
+    distill_lr: PositiveFloat = 5e-3
+    e2e_m: Annotated[list[PositiveInt], Field(min_length=1, description="feature counts for the end-to-end loss")] = (
+        field(default_factory=lambda: [64, 256, 1024]))
+    eps: Annotated[PositiveFloat, Field(description="regularisation of the second moments when whitening")] = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def diagnose(model, tokenizer, texts: Sequence[str], out_dir: str | Path | None = None,
+             config: DiagnoseConfig | None = None, *, progress: bool = True, plots: bool = True, log: Any = None) -> dict:
+    """Run the diagnostics of ``config`` (default :class:`DiagnoseConfig`) on an *unconverted*
+    host ``model`` (left unchanged) and its tokenizer; ``texts`` are documents of real text.
+    Returns the results dict (also written to ``out_dir``)."""
+    c = DiagnoseConfig() if config is None else config
     if cv.kernels(model):
         raise ValueError("diagnose takes the original (unconverted) model")
+    layers, m_values, variants, seq_len, calib_seqs, eval_seqs, seeds, seed = (
+        c.layers, c.m_values, c.variants, c.seq_len, c.calib_seqs, c.eval_seqs, c.seeds, c.seed)
     say = log or (lambda msg: None)
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
     ids = text_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs, min_windows=calib_seqs + eval_seqs)
     calib, held = ids[:calib_seqs], ids[calib_seqs:]
-    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=distill_m, seed=seed))
+    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=c.distill_m, seed=seed))
     kernels = cv.kernels(probe)
     t = time.perf_counter()
     cal = cv.capture(probe, calib)
@@ -166,16 +175,16 @@ def diagnose(
     say(f"captured q/k/v of layers {list(kernels)} in {timings['capture_s']:.1f} s")
 
     transforms, distill_history = _variant_transforms(
-        probe, cal, variants, eps=eps, distill_steps=distill_steps, distill_lr=distill_lr, progress=progress, log=log,
-        timings=timings,
+        probe, cal, variants, eps=c.eps, distill_steps=c.distill_steps, distill_lr=c.distill_lr, progress=progress,
+        log=log, timings=timings,
     )
 
     layer_results = []
     bar = progress_bar(progress, "attention errors", len(kernels) * len(variants) * len(m_values) * seeds)
     t = time.perf_counter()
     gen = torch.Generator().manual_seed(seed + 1)
-    sampling = dict(m_values=m_values, seeds=seeds, weight_rows=weight_rows, variance_pairs=variance_pairs,
-                    variance_draws=variance_draws, variance_m=variance_m)
+    sampling = dict(m_values=m_values, seeds=seeds, weight_rows=c.weight_rows, variance_pairs=c.variance_pairs,
+                    variance_draws=c.variance_draws, variance_m=c.variance_m)
     for i, kernel in kernels.items():
         entry = _layer_diagnostics(kernel, ev[i], {v: transforms[v][i] for v in variants}, gen, bar, **sampling)
         entry = {"layer": i, "local": bool(cv.is_local(model.model.layers[i].self_attn)), **entry}
@@ -185,7 +194,7 @@ def diagnose(
     timings["attention_errors_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    e2e = _end_to_end(model, held, transforms, variants, e2e_m, layers=layers, seed=seed, say=say)
+    e2e = _end_to_end(model, held, transforms, variants, c.e2e_m, layers=layers, seed=seed, say=say)
     timings["end_to_end_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_all
 
@@ -194,8 +203,8 @@ def diagnose(
         "model_type": model.config.model_type,
         "layers": list(kernels),
         "settings": {"m_values": list(m_values), "variants": list(variants), "seq_len": seq_len, "calib_seqs": calib_seqs,
-                     "eval_seqs": eval_seqs, "seeds": seeds, "weight_rows": int(min(weight_rows, seq_len)),
-                     "distill_steps": distill_steps, "distill_m": distill_m, "eps": eps, "seed": seed,
+                     "eval_seqs": eval_seqs, "seeds": seeds, "weight_rows": int(min(c.weight_rows, seq_len)),
+                     "distill_steps": c.distill_steps, "distill_m": c.distill_m, "eps": c.eps, "seed": seed,
                      "note": "identity init ≡ performer (M = F = I) bit for bit"},
         "per_layer": layer_results,
         "summary": _summary(layer_results, variants, m_values),
@@ -428,4 +437,4 @@ def _plots(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["VARIANTS", "anisotropy", "diagnose", "estimator_variance", "markdown", "per_head_rel_error", "write_report"]
+__all__ = ["VARIANTS", "DiagnoseConfig", "anisotropy", "diagnose", "estimator_variance", "markdown", "per_head_rel_error", "write_report"]
