@@ -25,9 +25,12 @@ from typing import Annotated, Any
 import torch
 
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..data import load_corpus, split_texts, text_windows
 from ..output import write_json_atomic, write_text_atomic
-from ..pretrained import INITS, MODES
+from ..pretrained import INITS, KNOWN_MODELS, MODES, FinetuneConfig, load_pretrained, parse_layers, prepare
 from ..pretrained.convert import LayerSelection
+from . import diagnose as dg
+from . import finetune as ft
 from .finetune import VARIANTS as FT_VARIANTS
 
 
@@ -83,11 +86,6 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     ``finetune/`` (JSON, markdown, PNG). ``model``/``tokenizer`` override loading ``settings.model``
     (tests pass tiny ones). Checkpoints and per-run state live in ``work_dir`` (default
     ``runs/report-darkformer``), never in ``out_dir``."""
-    from . import diagnose as dg
-    from . import finetune as ft
-    from ..data import load_corpus, split_texts, windows
-    from ..pretrained import FinetuneConfig, parse_layers
-
     out = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else Path("runs") / "report-darkformer"
     out.mkdir(parents=True, exist_ok=True)
@@ -96,55 +94,18 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     t_all = time.perf_counter()
     timings: dict[str, float] = {}
     if model is None:
-        from ..pretrained import KNOWN_MODELS, load_pretrained, prepare
-
         t = time.perf_counter()
-        path = settings.model
-        if settings.model in KNOWN_MODELS:
-            path = prepare(settings.model, progress=lambda msg: say(f"  prepare: {msg}"))
-        model, tokenizer = load_pretrained(path)
-        if tokenizer is None:
-            raise ValueError(f"{settings.model} has no tokenizer files; the report needs one")
+        model, tokenizer = _load_model(settings.model, say)
         timings["load_s"] = time.perf_counter() - t
-    diag_layers = parse_layers(settings.diag_layers) if isinstance(settings.diag_layers, str) else settings.diag_layers
-    ft_layers = parse_layers(settings.ft_layers) if isinstance(settings.ft_layers, str) else settings.ft_layers
     train_texts, val_texts = split_texts(load_corpus(settings.text).documents(), settings.val_fraction, settings.seed)
     say(f"text {settings.text}: {len(train_texts)} training and {len(val_texts)} held-out documents")
 
-    # 1. diagnostics (held-out documents only)
-    diag_key = {k: v for k, v in asdict(settings).items() if k.startswith("diag_") or k in ("model", "text", "val_fraction", "seed")}
-    diag_file = work / "diagnostics.json"
-    diagnostics = None
-    if diag_file.is_file():
-        saved = json.loads(diag_file.read_text())
-        if saved.get("report_key") == json.loads(json.dumps(diag_key)):
-            diagnostics = saved
-            say(f"diagnostics: reusing {diag_file}")
-    if diagnostics is None:
-        say(f"diagnostics of layers {settings.diag_layers} at m = {list(settings.diag_m)}")
-        config = dg.DiagnoseConfig(layers=diag_layers, m_values=list(settings.diag_m), seq_len=settings.diag_seq_len,
-                                   calib_seqs=2, eval_seqs=1, seeds=settings.diag_seeds,
-                                   distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
-                                   e2e_m=list(settings.diag_e2e_m), seed=settings.seed)
-        diagnostics = dg.diagnose(model, tokenizer, val_texts, None, config, progress=progress, log=lambda m: say(f"  {m}"))
-        diagnostics["report_key"] = diag_key
-        write_json_atomic(diag_file, diagnostics, indent=1)
+    diagnostics = _diagnostics(settings, model, tokenizer, val_texts, work, progress, say)  # held-out documents only
     dg.write_report(diagnostics, out / "diagnostics")
     timings["diagnostics_s"] = diagnostics["timings"]["total_s"]
 
-    # 2. finetuning comparison + learning-rate sweep
-    config = FinetuneConfig(mode=settings.ft_mode, steps=settings.ft_steps, seq_len=settings.ft_seq_len,
-                               lr=settings.ft_lrs[0], warmup_steps=max(1, settings.ft_steps // 10),
-                               eval_every=settings.ft_eval_every, eval_seqs=settings.ft_eval_seqs, seed=settings.seed)
-    train_w = windows.text_windows(tokenizer, train_texts, config.seq_len)
-    val_w = windows.text_windows(tokenizer, val_texts, config.seq_len, config.eval_seqs)
-    ft_work = work / ("finetune-" + _slug(config, settings))
-    say(f"finetuning {list(settings.ft_variants)} × lr {list(settings.ft_lrs)}: {config.steps} steps of "
-        f"{config.batch_size}×{config.seq_len} tokens each, m={settings.num_features}")
     t = time.perf_counter()
-    finetuning = ft.compare_finetune(model, train_w, val_w, config, variants=settings.ft_variants, lrs=settings.ft_lrs,
-                                     num_features=settings.num_features, layers=ft_layers, init=settings.init,
-                                     out_dir=ft_work, progress=progress, log=lambda m: say(f"  {m}"))
+    finetuning = _finetuning(settings, model, tokenizer, train_texts, val_texts, work, progress, say)
     ft.write_report(finetuning, out / "finetune")
     timings["finetune_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_all
@@ -160,6 +121,54 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     return summary
 
 
+def _load_model(name: str, say):
+    """A known name (prepared on first use) or a local directory → ``(model, tokenizer)``."""
+    path = prepare(name, progress=lambda msg: say(f"  prepare: {msg}")) if name in KNOWN_MODELS else name
+    model, tokenizer = load_pretrained(path)
+    if tokenizer is None:
+        raise ValueError(f"{name} has no tokenizer files; the report needs one")
+    return model, tokenizer
+
+
+def _layers(selection):
+    return parse_layers(selection) if isinstance(selection, str) else selection
+
+
+def _diagnostics(settings, model, tokenizer, val_texts, work: Path, progress, say) -> dict:
+    """The diagnostics of the held-out documents, reused from ``work`` when its settings match."""
+    diag_key = {k: v for k, v in asdict(settings).items() if k.startswith("diag_") or k in ("model", "text", "val_fraction", "seed")}
+    diag_file = work / "diagnostics.json"
+    if diag_file.is_file():
+        saved = json.loads(diag_file.read_text())
+        if saved.get("report_key") == json.loads(json.dumps(diag_key)):
+            say(f"diagnostics: reusing {diag_file}")
+            return saved
+    say(f"diagnostics of layers {settings.diag_layers} at m = {list(settings.diag_m)}")
+    config = dg.DiagnoseConfig(layers=_layers(settings.diag_layers), m_values=list(settings.diag_m),
+                               seq_len=settings.diag_seq_len, calib_seqs=2, eval_seqs=1, seeds=settings.diag_seeds,
+                               distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
+                               e2e_m=list(settings.diag_e2e_m), seed=settings.seed)
+    diagnostics = dg.diagnose(model, tokenizer, val_texts, None, config, progress=progress, log=lambda m: say(f"  {m}"))
+    diagnostics["report_key"] = diag_key
+    write_json_atomic(diag_file, diagnostics, indent=1)
+    return diagnostics
+
+
+def _finetuning(settings, model, tokenizer, train_texts, val_texts, work: Path, progress, say) -> dict:
+    """The finetuning comparison and learning-rate sweep (finished runs in ``work`` are reused)."""
+    config = FinetuneConfig(mode=settings.ft_mode, steps=settings.ft_steps, seq_len=settings.ft_seq_len,
+                            lr=settings.ft_lrs[0], warmup_steps=max(1, settings.ft_steps // 10),
+                            eval_every=settings.ft_eval_every, eval_seqs=settings.ft_eval_seqs, seed=settings.seed)
+    train_w = text_windows(tokenizer, train_texts, config.seq_len)
+    val_w = text_windows(tokenizer, val_texts, config.seq_len, config.eval_seqs)
+    say(f"finetuning {list(settings.ft_variants)} × lr {list(settings.ft_lrs)}: {config.steps} steps of "
+        f"{config.batch_size}×{config.seq_len} tokens each, m={settings.num_features}")
+    return ft.compare_finetune(model, train_w, val_w, config, variants=settings.ft_variants, lrs=settings.ft_lrs,
+                               num_features=settings.num_features, layers=_layers(settings.ft_layers), init=settings.init,
+                               out_dir=work / ("finetune-" + _slug(config, settings)), progress=progress,
+                               log=lambda m: say(f"  {m}"))
+
+
 def _slug(config, settings) -> str:
     import hashlib
 
@@ -169,9 +178,6 @@ def _slug(config, settings) -> str:
 
 
 def _readme(summary: dict, diagnostics: dict, finetuning: dict) -> str:
-    from . import diagnose as dg
-    from . import finetune as ft
-
     s = summary["settings"]
     t = summary["timings"]
     m = summary["machine"]
