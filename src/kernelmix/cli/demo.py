@@ -7,51 +7,39 @@ import json
 from dataclasses import dataclass
 from typing import Annotated
 
-from ..config import Choice, Field, NonNegativeInt, PositiveInt, check
+from ..config import Field, NonNegativeInt, check
+from ..studies.demo import DTYPES, ERROR_BOUNDS, DemoConfig, cubit_memory, describe, format_table, run_demo
 from .options import add_options, from_args
 
 
 @dataclass
-class DemoOptions:
-    batch: PositiveInt = 2
-    length: PositiveInt = 512
-    heads: PositiveInt = 4
-    head_dim: PositiveInt = 32
-    num_features: Annotated[PositiveInt, Field(description="random features m")] = 64
-    repeats: PositiveInt = 3
+class DemoExtras:
+    """What ``kernelmix demo`` adds to the run of :class:`~kernelmix.studies.demo.DemoConfig`."""
+
     memory_length: Annotated[NonNegativeInt, Field(
         description="also measure Cubit's peak memory (blocked vs dense) at this T; 0 to skip")] = 2048
     json: Annotated[str | None, Field(description="also write the table as JSON to this path")] = None
-    device: Annotated[str, Field(description="torch device for the fast paths, e.g. cuda")] = "cpu"
-    dtype: Annotated[str, Choice(("float32", "bfloat16"), "dtype"), Field(description="dtype of the fast paths")] = "float32"
 
     def __post_init__(self) -> None:
         check(self)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..studies.demo import ERROR_BOUNDS, cubit_memory, describe, format_table, run_demo
-
     try:
-        opts = from_args(DemoOptions, args)
+        config, opts = from_args(DemoConfig, args), from_args(DemoExtras, args)
     except ValueError as err:
         args.parser.error(str(err))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.dtype]
+    dtype = DTYPES[config.dtype]
 
     print(
-        f"kernelmix demo: every mixer on one random batch B={opts.batch} T={opts.length} H={opts.heads} "
-        f"d={opts.head_dim} (random features m={opts.num_features}), fast path in float32 vs float64 reference\n"
+        f"kernelmix demo: every mixer on one random batch B={config.batch} T={config.length} H={config.heads} "
+        f"d={config.head_dim} (random features m={config.num_features}), fast path in {config.dtype} vs float64 reference\n"
     )
-    rows = run_demo(
-        batch=opts.batch, length=opts.length, heads=opts.heads, head_dim=opts.head_dim,
-        num_features=opts.num_features, repeats=opts.repeats, device=opts.device, dtype=dtype,
-    )
+    rows = run_demo(config)
     print(format_table(rows))
-    print("\n" + describe(rows, dtype, opts.device))
+    print("\n" + describe(rows, dtype, config.device))
     if opts.memory_length:
-        mem = cubit_memory(length=opts.memory_length, device=opts.device)
+        mem = cubit_memory(length=opts.memory_length, device=config.device)
         print(
             f"\nforward+backward peak memory at T={opts.memory_length} (B=1, H=8, d=64, float32): "
             + ", ".join(f"{key} {val:.0f} MiB" if val is not None else f"{key} n/a" for key, val in mem.items())
@@ -66,5 +54,5 @@ def _demo(args: argparse.Namespace) -> int:
 
 def add_command(sub) -> None:
     demo = sub.add_parser("demo", help="run every mixer on a random batch: time and error against its reference")
-    add_options(demo, DemoOptions)
+    add_options(demo, DemoConfig, DemoExtras)
     demo.set_defaults(func=_demo, parser=demo)

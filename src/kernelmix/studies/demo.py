@@ -11,11 +11,12 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
 
 from .. import ops
+from ..config import Choice, Field, PositiveInt, check
 
 
 @dataclass
@@ -62,6 +63,7 @@ def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features
 
 
 ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def sync_device(device: torch.device) -> None:
@@ -82,21 +84,29 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
     return statistics.median(times)
 
 
-def run_demo(
-    *,
-    batch: int = 2,
-    length: int = 512,
-    heads: int = 4,
-    head_dim: int = 32,
-    num_features: int = 64,
-    repeats: int = 3,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> list[DemoRow]:
-    """Each mixer's fast path (in ``dtype`` on ``device``) against its float64 reference."""
-    if dtype not in ERROR_BOUNDS:
-        raise ValueError(f"dtype must be one of {', '.join(str(d) for d in ERROR_BOUNDS)}, got {dtype}")
-    device = torch.device(device)
+@dataclass
+class DemoConfig:
+    """What :func:`run_demo` runs (``kernelmix demo``'s options)."""
+
+    batch: PositiveInt = 2
+    length: PositiveInt = 512
+    heads: PositiveInt = 4
+    head_dim: PositiveInt = 32
+    num_features: Annotated[PositiveInt, Field(description="random features m")] = 64
+    repeats: PositiveInt = 3
+    device: Annotated[str, Field(description="torch device for the fast paths, e.g. cuda")] = "cpu"
+    dtype: Annotated[str, Choice(tuple(DTYPES), "dtype"), Field(description="dtype of the fast paths")] = "float32"
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def run_demo(config: DemoConfig | None = None) -> list[DemoRow]:
+    """Each mixer's fast path (in ``config.dtype`` on ``config.device``) against its float64 reference."""
+    c = DemoConfig() if config is None else config
+    batch, length, heads, head_dim, num_features, repeats = c.batch, c.length, c.heads, c.head_dim, c.num_features, c.repeats
+    dtype = DTYPES[c.dtype]
+    device = torch.device(c.device)
     rows = []
     for name, fast, naive, args, kwargs in mixer_cases(batch, length, heads, head_dim, num_features):
         args = [a.to(device) for a in args]
@@ -242,4 +252,4 @@ def describe(rows: list[DemoRow], dtype: torch.dtype = torch.float32, device: st
     )
 
 
-__all__ = ["DemoRow", "run_demo", "cubit_memory", "peak_memory_mb", "format_table", "describe", "mixer_cases"]
+__all__ = ["DTYPES", "DemoConfig", "DemoRow", "run_demo", "cubit_memory", "peak_memory_mb", "format_table", "describe", "mixer_cases"]
