@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..ops._common import expand_heads
+from ..ops import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
 from .base import MixerLayer, check_bool, check_choice, init_linear
 

@@ -3,9 +3,11 @@
 Every op has a fast path, a ``*_naive`` reference (dense or a per-token loop, float64-friendly)
 and a ``*_step`` for one decode token with an explicit state. Softmax and random-feature attention
 also have a ``*_masked`` dense form for an arbitrary ``[B, T, L]`` mask; ``data_aware_transform``
-is DARKFormer's function-preserving initialisation of the random-feature transform.
+is DARKFormer's function-preserving initialisation of the random-feature transform;
+``expand_heads`` repeats grouped key/value heads to the query heads (what every op does inside).
 """
 
+from ._common import expand_heads
 from .cubit import CubitState, cubit_attention, cubit_attention_naive, cubit_attention_step, cubit_solve
 from .data_aware import data_aware_transform, regularised_second_moments
 from .deltaformer import (
@@ -36,6 +38,7 @@ __all__ = [
     "CubitState",
     "DeltaFormerState",
     "RandomFeatureState",
+    "expand_heads",
     "SoftmaxState",
     "cubit_attention",
     "cubit_attention_naive",

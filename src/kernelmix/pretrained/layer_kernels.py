@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..layers import RandomFeatureMap
 from ..layers.base import check_choice
-from ..ops._common import expand_heads
+from ..ops import expand_heads
 from .attention import left_padding_doc_start, visible_from_mask
 
 
