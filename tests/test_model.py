@@ -3,6 +3,7 @@ documents == separate documents, preset sizes, the loss, and clear errors for ba
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -267,6 +268,32 @@ def test_bad_input_raises_clear_value_error(call, message):
     with pytest.raises(ValueError) as exc:
         call()
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+        (dict(num_layers=True), "num_layers must be an integer, got True"),
+        (dict(max_seq_len="256"), "max_seq_len must be an integer, got '256'"),
+        (dict(dropout=1.0), "dropout must be a number in [0, 1), got 1.0"),
+        (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
+        (dict(tie_embeddings=1), "tie_embeddings must be true or false, got 1"),
+        (dict(num_kv_heads=3), "num_heads (4) must be divisible by num_kv_heads (3)"),  # at config time, not build
+        (dict(head_dim=7), "head_dim must be even for rotary embeddings, got 7"),
+    ],
+)
+def test_config_fields_are_checked_when_the_config_is_built(overrides, message):
+    with pytest.raises(ValueError) as exc:
+        ModelConfig.preset("tiny", **overrides)
+    assert message in str(exc.value)
+
+
+def test_config_takes_data_read_from_files():
+    # JSON/TOML give lists for tuples and may write an integer as a whole float: both normalised
+    config = ModelConfig.preset("tiny", mixers=("softmax", "cubit"), vocab_size=512.0, rope_theta=500)
+    assert config.mixers == ["softmax", "cubit"] and type(config.vocab_size) is int and type(config.rope_theta) is float
+    assert ModelConfig.from_dict(json.loads(config.to_json())) == config
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,16 +20,37 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BeforeValidator, ValidationError, WrapValidator
 from torch import Tensor, nn
 
+from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt, check
 from .layers import MIXERS, SHARED_OPTIONS, LayerCache, build_mixer, mixer_options
+from .layers.base import check_head_geometry
 
 # ---------------------------------------------------------------------------------------------
 # Config
+
+
+def _not_a_string(value: Any) -> Any:
+    if isinstance(value, str):  # a list would take it letter by letter
+        raise ValueError(f"mixers must be a list of mixer names (one per layer), got the string {value!r}")
+    return value
+
+
+def _options_message(value: Any, handler: Any) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            f"mixer_options must map a mixer name to a dict of options, e.g. {{'cubit': {{'lrr': False}}}}; got {value!r}"
+        ) from None
+
+
+MixerName = Annotated[str, Choice(MIXERS, "mixer")]
 
 
 @dataclass
@@ -42,58 +63,38 @@ class ModelConfig:
     ``{"performer": {"num_features": 128}}``).
     """
 
-    vocab_size: int = 256
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None  # None: = num_heads; fewer gives grouped-query attention
-    head_dim: int | None = None  # None: hidden_size // num_heads
-    intermediate_size: int | None = None  # SwiGLU hidden size; None: 8/3 · hidden, rounded up to 64
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 1024  # a hard limit on positions: longer inputs are refused, not extrapolated
+    vocab_size: PositiveInt = 256
+    hidden_size: PositiveInt = 256
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 4
+    num_kv_heads: Annotated[PositiveInt | None, Field(
+        description="key/value heads; None: = num_heads; fewer gives grouped-query attention")] = None
+    head_dim: Annotated[PositiveInt | None, Field(description="None: hidden_size // num_heads")] = None
+    intermediate_size: Annotated[PositiveInt | None, Field(
+        description="SwiGLU hidden size; None: 8/3 · hidden, rounded up to 64")] = None
+    norm_eps: NonNegativeFloat = 1e-6
+    rope_theta: PositiveFloat = 10000.0
+    max_seq_len: Annotated[PositiveInt, Field(
+        description="a hard limit on positions: longer inputs are refused, not extrapolated")] = 1024
     tie_embeddings: bool = True
-    dropout: float = 0.0
-    initializer_range: float = 0.02
-    mixer: str = "softmax"
-    mixers: list[str] | None = None
-    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    chunk_size: int = 64
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    initializer_range: NonNegativeFloat = 0.02
+    mixer: MixerName = "softmax"
+    mixers: Annotated[list[MixerName] | None, BeforeValidator(_not_a_string)] = None
+    mixer_options: Annotated[dict[str, dict[str, Any]], WrapValidator(_options_message)] = field(default_factory=dict)
+    chunk_size: PositiveInt = 64
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-        if self.head_dim is None:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
-                    "set head_dim explicitly"
-                )
-            self.head_dim = self.hidden_size // self.num_heads
+        check(self)
+        self.head_dim, self.num_kv_heads = check_head_geometry(
+            self.hidden_size, self.num_heads, self.head_dim, self.num_kv_heads
+        )
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.mixers is not None:
-            if isinstance(self.mixers, str):
-                raise ValueError(f"mixers must be a list of mixer names (one per layer), got the string {self.mixers!r}")
-            self.mixers = list(self.mixers)
-            if len(self.mixers) != self.num_layers:
-                raise ValueError(
-                    f"mixers lists {len(self.mixers)} names but num_layers is {self.num_layers}; "
-                    "give one mixer per layer (or use mixer= for all layers)"
-                )
-        for name in self.layer_mixers():
-            if name not in MIXERS:
-                raise ValueError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
-        if not isinstance(self.mixer_options, dict) or not all(isinstance(o, dict) for o in self.mixer_options.values()):
+        if self.mixers is not None and len(self.mixers) != self.num_layers:
             raise ValueError(
-                f"mixer_options must map a mixer name to a dict of options, e.g. {{'cubit': {{'lrr': False}}}}; "
-                f"got {self.mixer_options!r}"
+                f"mixers lists {len(self.mixers)} names but num_layers is {self.num_layers}; "
+                "give one mixer per layer (or use mixer= for all layers)"
             )
         for name, options in self.mixer_options.items():
             if name not in MIXERS:

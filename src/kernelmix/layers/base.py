@@ -81,6 +81,34 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_head_geometry(
+    hidden_size: Any, num_heads: Any, head_dim: Any = None, num_kv_heads: Any = None
+) -> tuple[int, int]:
+    """``(head_dim, num_kv_heads)`` of a layer of width ``hidden_size`` with ``num_heads`` query
+    heads, the defaults filled in (``hidden_size // num_heads``; ``num_heads``); checked for what
+    every mixer needs: an even head dim (RoPE) and query heads in whole groups per key/value head.
+    Used by :class:`MixerLayer` and, for every layer at once, by :class:`kernelmix.model.ModelConfig`."""
+    hidden_size = check_positive_int("hidden_size", hidden_size)
+    num_heads = check_positive_int("num_heads", num_heads)
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+                f"pass head_dim explicitly or choose num_heads dividing hidden_size"
+            )
+        head_dim = hidden_size // num_heads
+    head_dim = check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+    num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for grouped-query "
+            f"attention; choose num_kv_heads among the divisors of {num_heads}"
+        )
+    return head_dim, num_kv_heads
+
+
 def init_linear(linear: nn.Linear | None, std: float | None) -> None:
     """Weights ~ N(0, std²) and zero bias, or with ``std`` None PyTorch's default ``nn.Linear`` init
     (nothing for None)."""
@@ -138,24 +166,7 @@ class MixerLayer(nn.Module):
         # nn.Module's init directly, not super(): the random-feature layers are also a
         # RandomFeatureMap, whose own __init__ they replace by init_feature_map.
         nn.Module.__init__(self)
-        hidden_size = check_positive_int("hidden_size", hidden_size)
-        num_heads = check_positive_int("num_heads", num_heads)
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(
-                    f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
-                    f"pass head_dim explicitly or choose num_heads dividing hidden_size"
-                )
-            head_dim = hidden_size // num_heads
-        head_dim = check_positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for grouped-query "
-                f"attention; choose num_kv_heads among the divisors of {num_heads}"
-            )
+        head_dim, num_kv_heads = check_head_geometry(hidden_size, num_heads, head_dim, num_kv_heads)
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
             raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
         bias = check_bool("bias", bias)
@@ -355,4 +366,4 @@ SHARED_OPTIONS: tuple[str, ...] = tuple(
     p.name for p in inspect.signature(MixerLayer.__init__).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
 )
 
-__all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_positive_int", "init_linear"]
+__all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_head_geometry", "check_positive_int", "init_linear"]
