@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from kernelmix.cli import main
-from kernelmix.generate import BenchRow, format_bench_table, generate, generation_throughput
-from kernelmix.model import CausalLM, ModelConfig
+from kernelmix.generate import generate
+from kernelmix.model import PRESETS, CausalLM, ModelConfig
+from kernelmix.studies.generate_bench import (
+    BenchRow, GenerateBenchConfig, benchmark_generation, format_bench_table, generation_throughput,
+)
 
 from .test_model import CASE_IDS, OVERRIDES, left_padded, make_model
 
@@ -235,6 +238,27 @@ def test_format_bench_table():
     assert "4.0x" in table and table.splitlines()[-1].split()[-1] == "-"
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_generate_bench_defaults_fit_every_preset(preset):
+    config = GenerateBenchConfig(preset=preset)
+    room = ModelConfig.preset(preset).max_seq_len - config.prompt_length
+    assert config.new_tokens == min(1024, room) and config.uncached_new_tokens == config.new_tokens
+    shorter = GenerateBenchConfig(preset=preset, prompt_length=200, uncached_new_tokens=8)
+    assert shorter.new_tokens == min(1024, room + 32 - 200) and shorter.uncached_new_tokens == 8
+
+
+def test_benchmark_generation_takes_its_config():
+    config = GenerateBenchConfig(preset="tiny", mixers=["softmax", "performer"], prompt_length=4, new_tokens=3,
+                                 uncached_new_tokens=0)
+    rows = benchmark_generation(config)
+    assert [(r.mixer, r.cached_tokens, r.uncached_tokens) for r in rows] == [("softmax", 3, 0), ("performer", 3, 0)]
+    assert all(r.cached_tokens_per_s > 0 and r.uncached_tokens_per_s is None and r.speedup is None for r in rows)
+    with pytest.raises(ValueError, match=r"new tokens 300 is beyond the preset's max_seq_len = 256; ask for at most 224"):
+        GenerateBenchConfig(preset="tiny", new_tokens=300)
+    with pytest.raises(ValueError, match="uncached_new_tokens must be an integer >= 0, got -1"):
+        GenerateBenchConfig(uncached_new_tokens=-1)
+
+
 def test_generate_bench_cli(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(["generate-bench", "--preset", "tiny", "--mixers", "softmax,performer", "--prompt-length", "4",
@@ -262,6 +286,9 @@ def test_generate_bench_cli(tmp_path, capsys):
         (["--preset", "huge"], "invalid choice: 'huge' (choose from 'tiny', 'small'"),
         (["--new-tokens", "0"], "must be a positive integer"),
         (["--preset", "tiny", "--prompt-length", "200", "--new-tokens", "100"], "max_seq_len = 256"),
+        (["--preset", "tiny", "--prompt-length", "256"], "leaves no room for new tokens within the preset's max_seq_len"),
+        (["--uncached-new-tokens", "-1"], "--uncached-new-tokens must be an integer >= 0, got -1"),
+        (["--device", "cuda:x"], "unknown device 'cuda:x'"),
     ],
 )
 def test_generate_bench_cli_errors(argv, message, capsys):

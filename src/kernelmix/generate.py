@@ -1,4 +1,4 @@
-"""Autoregressive generation with the model's cache, and a throughput measurement.
+"""Autoregressive generation with the model's cache.
 
     from kernelmix.generate import generate
     tokens = generate(model, prompt, 64, temperature=0.0)                     # greedy
@@ -12,21 +12,19 @@ whole sequence at every step — the slow baseline, kept for measurement and as 
 
 Batched prompts of different lengths are LEFT-padded and described by ``attention_mask`` (1 for
 real tokens, 0 for padding); the model masks the padding out, so each row generates what it would
-alone. The CLI's ``generate-bench`` is a thin shell over :func:`benchmark_generation`.
+alone. Its throughput, cached vs uncached, is measured by :mod:`kernelmix.studies.generate_bench`
+(``kernelmix generate-bench``).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .model import CausalLM, ModelConfig
+from .model import CausalLM
 
 # ---------------------------------------------------------------------------------------------
 # Validation
@@ -243,125 +241,4 @@ def generate(
         return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Measurement
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def generation_throughput(
-    model: CausalLM,
-    prompt_length: int,
-    new_tokens: int,
-    *,
-    batch: int = 1,
-    use_cache: bool = True,
-    repeats: int = 1,
-    seed: int = 0,
-) -> float:
-    """New tokens per second of greedy :func:`generate` (``batch · new_tokens`` / wall time of one
-    call, prefill included), median of ``repeats`` timed calls with ``time.perf_counter``.
-
-    The prompt is ``batch`` rows of ``prompt_length`` random token ids (seeded); no eos, so every
-    call generates exactly ``new_tokens`` tokens. One short untimed call warms up first."""
-    for name, value in (("prompt_length", prompt_length), ("new_tokens", new_tokens), ("batch", batch),
-                        ("repeats", repeats)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(model, CausalLM):
-        raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_length), generator=g).to(device)
-    generate(model, prompt, min(new_tokens, 2), temperature=0.0, use_cache=use_cache)  # warm-up (also validates)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        generate(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return batch * new_tokens / statistics.median(times)
-
-
-@dataclass
-class BenchRow:
-    mixer: str
-    parameters: int
-    cached_tokens: int
-    cached_tokens_per_s: float
-    uncached_tokens: int  # 0: not measured
-    uncached_tokens_per_s: float | None
-
-    @property
-    def speedup(self) -> float | None:
-        if self.uncached_tokens_per_s is None:
-            return None
-        return self.cached_tokens_per_s / self.uncached_tokens_per_s
-
-
-def benchmark_generation(
-    preset: str,
-    mixers: list[str],
-    *,
-    prompt_length: int = 32,
-    new_tokens: int = 1024,
-    uncached_new_tokens: int | None = None,
-    batch: int = 1,
-    repeats: int = 1,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> list[BenchRow]:
-    """Cached vs uncached generation throughput of a freshly initialised ``preset`` model per mixer
-    (same seed for every mixer). ``uncached_new_tokens`` (default: ``new_tokens``) lets the slow
-    uncached baseline run on fewer tokens; 0 skips it."""
-    if uncached_new_tokens is None:
-        uncached_new_tokens = new_tokens
-    if not _is_int(uncached_new_tokens) or uncached_new_tokens < 0:
-        raise ValueError(f"uncached_new_tokens must be an int >= 0, got {uncached_new_tokens!r}")
-    if not mixers:
-        raise ValueError("mixers is empty; name at least one mixer")
-    rows = []
-    for name in mixers:
-        config = ModelConfig.preset(preset, mixer=name)
-        if prompt_length + max(new_tokens, uncached_new_tokens) > config.max_seq_len:
-            raise ValueError(
-                f"prompt_length {prompt_length} + new tokens {max(new_tokens, uncached_new_tokens)} is beyond the "
-                f"preset's max_seq_len = {config.max_seq_len}"
-            )
-        torch.manual_seed(seed)
-        model = CausalLM(config).to(device=device, dtype=dtype).eval()
-        cached = generation_throughput(
-            model, prompt_length, new_tokens, batch=batch, use_cache=True, repeats=repeats, seed=seed
-        )
-        uncached = None
-        if uncached_new_tokens:
-            uncached = generation_throughput(
-                model, prompt_length, uncached_new_tokens, batch=batch, use_cache=False, repeats=repeats, seed=seed
-            )
-        rows.append(BenchRow(name, model.num_parameters(), new_tokens, cached, uncached_new_tokens, uncached))
-    return rows
-
-
-def format_bench_table(rows: list[BenchRow]) -> str:
-    """A plain-text table of :func:`benchmark_generation` rows."""
-    header = (
-        f"{'mixer':<12} {'params':>10} {'cached tok/s':>13} {'(tokens)':>9} {'uncached tok/s':>15} "
-        f"{'(tokens)':>9} {'cached/uncached':>16}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        uncached = "-" if row.uncached_tokens_per_s is None else f"{row.uncached_tokens_per_s:.1f}"
-        speedup = "-" if row.speedup is None else f"{row.speedup:.1f}x"
-        lines.append(
-            f"{row.mixer:<12} {row.parameters:>10,} {row.cached_tokens_per_s:>13.1f} {row.cached_tokens:>9} "
-            f"{uncached:>15} {row.uncached_tokens or '-':>9} {speedup:>16}"
-        )
-    return "\n".join(lines)
-
-
-__all__ = ["BenchRow", "benchmark_generation", "format_bench_table", "generate", "generation_throughput"]
+__all__ = ["generate"]

@@ -1,0 +1,170 @@
+"""``kernelmix generate-bench``: generation throughput per mixer, cached vs uncached.
+
+    from kernelmix.studies.generate_bench import GenerateBenchConfig, benchmark_generation, format_bench_table
+    rows = benchmark_generation(GenerateBenchConfig(preset="tiny", mixers=["softmax", "performer"]))
+    print(format_bench_table(rows))
+
+Every mixer gets a freshly initialised ``preset`` model (same seed) and greedy
+:func:`kernelmix.generate.generate` from the same random prompt: *cached* prefills once and then
+runs one forward per new token; *uncached* reruns the full forward over the whole sequence per new
+token (the slow baseline, on ``uncached_new_tokens`` tokens). tokens/s = ``batch · new tokens`` /
+wall time of one call, prefill included, median of ``repeats`` timed calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import torch
+
+from ..config import Choice, Field, NonNegativeInt, PositiveInt, check
+from ..generate import generate
+from ..layers import MIXERS
+from ..layers.base import check_positive_int
+from ..model import PRESETS, CausalLM, ModelConfig
+from .demo import sync_device
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_NEW_TOKENS = 1024  # the default new-token count, where the preset's max_seq_len allows it
+
+
+@dataclass
+class GenerateBenchConfig:
+    """What ``kernelmix generate-bench`` measures (and :func:`benchmark_generation` takes)."""
+
+    preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
+    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+        field(default_factory=lambda: list(MIXERS)))
+    prompt_length: PositiveInt = 32
+    new_tokens: Annotated[PositiveInt | None, Field(description=(
+        f"new tokens of the cached run (default: {MAX_NEW_TOKENS}, or fewer so that the prompt plus them fit the "
+        "preset's max_seq_len)"))] = None
+    uncached_new_tokens: Annotated[NonNegativeInt | None, Field(
+        description="measure the slow uncached baseline on this many new tokens (default: --new-tokens; 0 skips it)")] = None
+    batch: PositiveInt = 1
+    repeats: PositiveInt = 1
+    seed: int = 0
+    device: Annotated[str, Field(description="cpu or cuda[:N]")] = "cpu"
+    dtype: Annotated[str, Choice(DTYPES, "dtype"), Field(description="dtype of the models")] = "float32"
+
+    def __post_init__(self) -> None:
+        check(self)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {self.device!r} (e.g. cpu, cuda, cuda:1)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+        max_seq_len = ModelConfig.preset(self.preset).max_seq_len
+        room = max_seq_len - self.prompt_length
+        if self.new_tokens is None:
+            if room < 1:
+                raise ValueError(
+                    f"prompt_length {self.prompt_length} leaves no room for new tokens within the preset's "
+                    f"max_seq_len = {max_seq_len}; lower prompt_length"
+                )
+            self.new_tokens = min(MAX_NEW_TOKENS, room)
+        if self.uncached_new_tokens is None:
+            self.uncached_new_tokens = self.new_tokens
+        longest = max(self.new_tokens, self.uncached_new_tokens)
+        if longest > room:
+            raise ValueError(
+                f"prompt_length {self.prompt_length} + new tokens {longest} is beyond the preset's "
+                f"max_seq_len = {max_seq_len}; ask for at most {max(room, 0)} new tokens or a shorter prompt"
+            )
+
+
+def generation_throughput(
+    model: CausalLM,
+    prompt_length: int,
+    new_tokens: int,
+    *,
+    batch: int = 1,
+    use_cache: bool = True,
+    repeats: int = 1,
+    seed: int = 0,
+) -> float:
+    """New tokens per second of greedy :func:`~kernelmix.generate.generate` (``batch · new_tokens``
+    / wall time of one call, prefill included), median of ``repeats`` timed calls with
+    ``time.perf_counter``.
+
+    The prompt is ``batch`` rows of ``prompt_length`` random token ids (seeded); no eos, so every
+    call generates exactly ``new_tokens`` tokens. One short untimed call warms up first."""
+    for name, value in (("prompt_length", prompt_length), ("new_tokens", new_tokens), ("batch", batch),
+                        ("repeats", repeats)):
+        check_positive_int(name, value)
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_length), generator=g).to(device)
+    generate(model, prompt, min(new_tokens, 2), temperature=0.0, use_cache=use_cache)  # warm-up (also validates)
+    times = []
+    for _ in range(repeats):
+        sync_device(device)
+        start = time.perf_counter()
+        generate(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache)
+        sync_device(device)
+        times.append(time.perf_counter() - start)
+    return batch * new_tokens / statistics.median(times)
+
+
+@dataclass
+class BenchRow:
+    mixer: str
+    parameters: int
+    cached_tokens: int
+    cached_tokens_per_s: float
+    uncached_tokens: int  # 0: not measured
+    uncached_tokens_per_s: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.uncached_tokens_per_s is None:
+            return None
+        return self.cached_tokens_per_s / self.uncached_tokens_per_s
+
+
+def benchmark_generation(config: GenerateBenchConfig) -> list[BenchRow]:
+    """Cached vs uncached generation throughput of a freshly initialised ``config.preset`` model
+    per mixer (same seed for every mixer); ``config.uncached_new_tokens`` 0 skips the uncached run."""
+    device = torch.device(config.device)
+    sizes = dict(batch=config.batch, repeats=config.repeats, seed=config.seed)
+    rows = []
+    for name in config.mixers:
+        torch.manual_seed(config.seed)
+        model = CausalLM(ModelConfig.preset(config.preset, mixer=name))
+        model = model.to(device=device, dtype=DTYPES[config.dtype]).eval()
+        cached = generation_throughput(model, config.prompt_length, config.new_tokens, use_cache=True, **sizes)
+        uncached = None
+        if config.uncached_new_tokens:
+            uncached = generation_throughput(
+                model, config.prompt_length, config.uncached_new_tokens, use_cache=False, **sizes
+            )
+        rows.append(BenchRow(
+            name, model.num_parameters(), config.new_tokens, cached, config.uncached_new_tokens, uncached
+        ))
+    return rows
+
+
+def format_bench_table(rows: list[BenchRow]) -> str:
+    """A plain-text table of :func:`benchmark_generation` rows."""
+    header = (
+        f"{'mixer':<12} {'params':>10} {'cached tok/s':>13} {'(tokens)':>9} {'uncached tok/s':>15} "
+        f"{'(tokens)':>9} {'cached/uncached':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        uncached = "-" if row.uncached_tokens_per_s is None else f"{row.uncached_tokens_per_s:.1f}"
+        speedup = "-" if row.speedup is None else f"{row.speedup:.1f}x"
+        lines.append(
+            f"{row.mixer:<12} {row.parameters:>10,} {row.cached_tokens_per_s:>13.1f} {row.cached_tokens:>9} "
+            f"{uncached:>15} {row.uncached_tokens or '-':>9} {speedup:>16}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["BenchRow", "GenerateBenchConfig", "benchmark_generation", "format_bench_table", "generation_throughput"]
