@@ -6,5 +6,6 @@ JSON + Markdown + PNG into a folder (the committed ones live under ``results/``)
 - :mod:`.diagnose` — kernel diagnostics of a converted pretrained model.
 - :mod:`.darkformer_report` — the DARKFormer report on a real model (diagnostics + finetuning).
 - :mod:`.bench` — op speed and memory per mixer against length, with peers.
+- :mod:`.generate_bench` — generation throughput per mixer, cached vs uncached.
 - :mod:`.demo` — every mixer on one random batch: time and error against its reference.
 """
