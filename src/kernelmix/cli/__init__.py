@@ -4,7 +4,6 @@ module here with an ``add_command(subparsers)``; nothing in the library imports 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from . import bench, compare, convert, demo, diagnose, finetune, generate_bench, model_info, pretrained, report, train
 from . import eval as eval_command

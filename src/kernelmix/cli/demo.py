@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Field, NonNegativeInt, check
 from ..studies.demo import DTYPES, ERROR_BOUNDS, DemoConfig, cubit_memory, describe, format_table, run_demo
+from ..output import write_json_atomic
 from .options import add_options, from_args
 
 
@@ -45,8 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
             + ", ".join(f"{key} {val:.0f} MiB" if val is not None else f"{key} n/a" for key, val in mem.items())
         )
     if opts.json:
-        with open(opts.json, "w") as fh:
-            json.dump([row.__dict__ for row in rows], fh, indent=2)
+        write_json_atomic(opts.json, [row.__dict__ for row in rows])
         print(f"\nwrote {opts.json}")
     bad = [r.mixer for r in rows if max(r.forward_error, r.grad_error) >= ERROR_BOUNDS[dtype]]
     return 1 if bad else 0

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveInt, check
 from ..evaluate import BACKENDS, TASKS, build_tasks, cap_split, evaluate_loss, load_run, score_tasks
 from ..training import CheckpointError
+from ..output import write_json_atomic
 from .options import add_options, from_args
 
 
@@ -95,6 +94,6 @@ def _cli_eval(args) -> int:
             print(f"{name} ({opts.backend}): " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
         output["tasks"] = scores
     if opts.json:
-        Path(opts.json).write_text(json.dumps(output, indent=1) + "\n", encoding="utf-8")
+        write_json_atomic(opts.json, output, indent=1)
         print(f"wrote {opts.json}")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from ..data import load_text_windows
 from ..pretrained import INITS, FinetuneConfig, finetune, load_pretrained
 from ..pretrained.convert import LayerSelection
 from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
+from ..output import write_json_atomic
 from .options import add_options, from_args
 
 
@@ -55,7 +55,7 @@ def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts:
     model, result = finetune(host, train_w, val_w, config, out_dir=out / "run", resume=opts.resume,
                              progress=True, label="converted")
     cv.save_converted(model, out / "model", tok)
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    write_json_atomic(out / "result.json", result, indent=1)
     print(f"val loss {result['initial']['loss']:.4f} → {result['final']['loss']:.4f} "
           f"(acc {result['final']['accuracy']:.3f}), {result['num_spikes']} spikes; saved the model to {out / 'model'}")
     return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Field, PositiveInt, check
 from ..studies.generate_bench import GenerateBenchConfig
+from ..output import write_json_atomic
 from .options import add_options, from_args
 
 
@@ -56,12 +56,8 @@ def _generate_bench(args: argparse.Namespace) -> int:
         )
     )
     if out.json:
-        with open(out.json, "w") as fh:
-            json.dump(
-                [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length, batch=config.batch,
-                      dtype=config.dtype, device=where) for row in rows],
-                fh, indent=2,
-            )
+        write_json_atomic(out.json, [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length,
+                                          batch=config.batch, dtype=config.dtype, device=where) for row in rows])
         print(f"wrote {out.json}")
     return 0
 

@@ -30,14 +30,11 @@ the validation documents.
 
 Interruption: :func:`finetune` with ``out_dir`` writes an atomic checkpoint (trainable weights,
 optimizer, step; :mod:`kernelmix.training.checkpoint`) every ``checkpoint_every`` steps and
-``resume=True`` continues from the newest one. 
+``resume=True`` continues from the newest one.
 """
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-import math
 import re
 import time
 from dataclasses import asdict, dataclass, fields

@@ -25,7 +25,6 @@ calibrate, the next ``eval_seqs`` are measured).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from dataclasses import dataclass, field
