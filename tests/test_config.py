@@ -173,3 +173,38 @@ def test_every_command_is_built_from_dataclasses():
                if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
     assert options and {a.dest for a in options} <= fields
     assert all(a.default is argparse.SUPPRESS for a in options if a.option_strings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands: a bad value is refused before any work, with a message that names the option
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "x", "--layers", "1,a", "--out", "unused"], "--layers: unknown layer selection '1,a'"),
+    (["bench", "--mixers", "foo"], "--mixers: unknown mixer(s) 'foo'"),
+    (["diagnose", "x", "--variants", "cubit"], "--variants: unknown variant(s) 'cubit' (choose from: performer, whiten, distill; identity"),
+    (["eval", "unused", "--tasks", "foo"], "--tasks: unknown task(s) 'foo'"),
+    (["compare", "--buckets", "5,0", "--out", "unused"], "bucket edges must start at 0 and increase"),
+    (["compare", "--min-lr", "1", "--out", "unused"], "min_lr must be at most lr"),
+    (["bench", "--device", "nowhere"], "unknown device 'nowhere'"),
+    (["demo", "--device", "nowhere"], "unknown device 'nowhere'"),
+])
+def test_bad_option_values_are_refused_naming_the_option(argv, message, tmp_path, monkeypatch, capsys):
+    from kernelmix.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's error: usage and message on stderr
+        code = stop.code
+    assert code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_config_file_that_does_not_parse_is_named(tmp_path):
+    from kernelmix.training import read_config_file
+
+    for name, text in (("bad.toml", "steps = \n"), ("bad.json", "{steps: 1}")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"cannot parse config file '.*{name}'"):
+            read_config_file(tmp_path / name)

@@ -395,3 +395,15 @@ def test_a_converted_layer_uses_the_layers_random_feature_map():
     assert performer.transform is None and performer.query_fold is None
     with pytest.raises(ValueError, match="data-aware"):
         performer.whiten_(q, k)
+
+
+def test_convert_uses_the_configs_init_unless_told_otherwise():
+    x = ids(batch=2, length=24)
+    whitened = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="darkformer", num_features=8, init="whiten"), calibration=x)
+    assert cv.conversion_config(whitened).init == "whiten"
+    eye = torch.eye(16)
+    assert all(not torch.allclose(k.transform[0], eye) for k in cv.kernels(whitened).values())
+    # an explicit init= wins over the config's
+    plain = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="darkformer", num_features=8, init="whiten"), init="identity")
+    assert cv.conversion_config(plain).init == "identity"
+    assert all(torch.equal(k.transform[0], eye) for k in cv.kernels(plain).values())

@@ -23,7 +23,6 @@ from kernelmix.evaluate import (
     cap_split,
     default_buckets,
     evaluate_loss,
-    load_run,
     loglikelihoods,
     parse_buckets,
     score_tasks,
@@ -31,7 +30,7 @@ from kernelmix.evaluate import (
     write_lm_eval_tasks,
 )
 from kernelmix.model import CausalLM, ModelConfig
-from kernelmix.training import TrainConfig, train
+from kernelmix.training import TrainConfig, load_run, train
 
 from tests.utils import isolated_data_cache
 

@@ -27,7 +27,7 @@ def repo_root(monkeypatch, tmp_path):
 
 
 def test_a_saved_training_run_loads_and_computes_the_same_logits(repo_root):
-    from kernelmix.evaluate import load_run
+    from kernelmix.training import load_run
 
     run = load_run(LEGACY / "run")
     saved = expected("run")

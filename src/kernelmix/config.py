@@ -73,7 +73,7 @@ class Choice:
         unknown = [name for name in names if name not in self.options]
         if unknown:
             what = self.what if isinstance(value, str) else f"{self.what}(s)"
-            more = f", {self.more}" if self.more else ""
+            more = self.more if self.more.startswith(";") else f", {self.more}" if self.more else ""
             raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))} (choose from: {', '.join(self.options)}{more})")
         return value
 
@@ -126,8 +126,8 @@ class FieldError(ValueError):
         super().__init__(self.message(spec.label))
 
     def message(self, label: str) -> str:
-        if self.custom is not None:
-            return self.custom
+        if self.custom is not None:  # a validator's own message: say which option it is about
+            return self.custom if label == self.spec.label else f"{label}: {self.custom}"
         example = f", e.g. {self.spec.example}" if self.spec.example else ""
         return f"{label} must be {self.expect}{example}, got {self.value!r}"
 

@@ -1,6 +1,7 @@
 """Evaluation of a trained model: ``kernelmix eval``.
 
-    from kernelmix.evaluate import load_run, evaluate_loss, build_tasks, score_tasks
+    from kernelmix.evaluate import evaluate_loss, build_tasks, score_tasks
+    from kernelmix.training import load_run
 
     run = load_run("runs/train")                        # a run directory or one checkpoint directory
     split = run.split("val")                            # the run's validation split (or split_from_texts / text_split)
@@ -65,101 +66,10 @@ import torch
 import torch.nn.functional as F
 
 from .data import Batch, TokenizedSplit, eval_batches, load_corpus
-from .model import CausalLM, ModelConfig
+from .model import CausalLM
 
 TASKS = ("continuation", "cloze")
 BACKENDS = ("builtin", "lm-eval")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading a run
-
-
-@dataclass
-class LoadedRun:
-    """A trained model with what is needed to evaluate it. ``record`` is the run's resolved
-    config (``config.json``: ``train``/``model``/``run`` sections); ``train_seq_len`` the length
-    it was trained at."""
-
-    model: CausalLM
-    tokenizer: Any
-    checkpoint: Path
-    step: int
-    record: dict[str, Any]
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.model.config
-
-    @property
-    def train_seq_len(self) -> int | None:
-        return self.record.get("train", {}).get("seq_len")
-
-    def dataset(self):
-        """The run's tokenized corpus (the same split as in training; cached)."""
-        from .data import prepare_dataset
-
-        train = self.record.get("train", {})
-        return prepare_dataset(train.get("corpus", "pystdlib"), train.get("tokenizer", "byte"),
-                               val_fraction=train.get("val_fraction", 0.05))
-
-    def split(self, name: str = "val") -> TokenizedSplit:
-        """``"val"``/``"train"``: a split of the run's own corpus; anything else: a corpus spec
-        (a text file, directory, glob, .jsonl; see :func:`kernelmix.data.load_corpus`) tokenized
-        with the run's tokenizer, every document of it evaluated."""
-        if name in ("val", "train"):
-            return self.dataset().split(name)
-        return text_split(name, self.tokenizer)
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory of ``path``: ``path`` itself if it is one (holds
-    ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``."""
-    from .training.checkpoint import latest_checkpoint
-
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"run directory {str(path)!r} does not exist; give a `kernelmix train --out` directory or a checkpoint")
-    if (path / "manifest.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise ValueError(
-            f"{str(path)!r} holds no checkpoint (no checkpoints/step_N/ inside, and it is not a checkpoint directory "
-            "itself); train one with `kernelmix train --out DIR` (or let the run finish: it saves at its last step)"
-        )
-    return latest
-
-
-def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedRun:
-    """Load the newest checkpoint of a run directory (or a given checkpoint directory) as a
-    :class:`LoadedRun`, in eval mode. Verified like any checkpoint (manifest sizes and hashes;
-    safetensors and JSON only, no code executed). The tokenizer is the one saved with the run's
-    tokenized corpus, re-created from the corpus if that cache is gone."""
-    from .data import load_tokenizer
-    from .training.checkpoint import load_checkpoint, load_weights
-
-    ckpt = load_checkpoint(find_checkpoint(path))
-    record = ckpt.config
-    if not isinstance(record, dict) or "model" not in record:
-        raise ValueError(f"checkpoint {str(ckpt.path)!r} holds no kernelmix model config; is it from `kernelmix train`?")
-    model = CausalLM(ModelConfig.from_dict(record["model"]))
-    load_weights(model, ckpt.weights, ckpt.path)
-    model.to(device).eval()
-    run = LoadedRun(model=model, tokenizer=None, checkpoint=ckpt.path, step=ckpt.step, record=record)
-    data_path = record.get("run", {}).get("data", {}).get("path")
-    try:
-        run.tokenizer = load_tokenizer(data_path) if data_path else None
-    except ValueError:
-        run.tokenizer = None
-    if run.tokenizer is None:
-        run.tokenizer = run.dataset().tokenizer
-    if run.tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"the run's tokenizer has {run.tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}; "
-            "the tokenized corpus changed since training"
-        )
-    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,7 +663,6 @@ __all__ = [
     "BACKENDS",
     "TASKS",
     "BucketLoss",
-    "LoadedRun",
     "LossReport",
     "build_cloze_task",
     "build_continuation_task",
@@ -762,9 +671,7 @@ __all__ = [
     "default_buckets",
     "evaluate_loss",
     "evaluate_windows",
-    "find_checkpoint",
     "lm_eval_model",
-    "load_run",
     "loglikelihoods",
     "parse_buckets",
     "score_tasks",

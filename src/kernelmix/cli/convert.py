@@ -44,7 +44,7 @@ def _cli_convert(args) -> int:
                 log=lambda msg: print(f"  {msg}", flush=True))
         save_converted(model, opts.out, tok)
     except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kernelmix convert: error: {exc}", file=sys.stderr)
         return 2
     print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, init={config.init}); "
           f"saved to {opts.out} — reload with kernelmix.pretrained.load_converted({str(opts.out)!r})")

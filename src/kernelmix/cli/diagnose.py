@@ -37,7 +37,7 @@ def _cli_diagnose(args) -> int:
         docs = [d.text for d in load_corpus(opts.text).documents()]
         result = diagnose(model, tok, docs, opts.out, config, progress=True, log=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kernelmix diagnose: error: {exc}", file=sys.stderr)
         return 2
     print(markdown(result))
     print(f"wrote {opts.out}/diagnostics.json, diagnostics.md and PNG plots")

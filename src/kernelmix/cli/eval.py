@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveInt, check
-from ..evaluate import BACKENDS, TASKS, build_tasks, cap_split, evaluate_loss, load_run, score_tasks
+from ..evaluate import BACKENDS, TASKS, build_tasks, cap_split, evaluate_loss, score_tasks
+from ..training import load_run
 from ..training import CheckpointError
 from ..output import write_json_atomic
 from .options import add_options, from_args
@@ -24,7 +25,8 @@ class EvalOptions:
     batch_size: PositiveInt = 8
     max_docs: Annotated[PositiveInt | None, Field(description="evaluate only the first N documents")] = None
     doc_tokens: Annotated[PositiveInt | None, Field(description="evaluate only the first N tokens of each document")] = None
-    tasks: Annotated[str, Field(description=f"zero-shot tasks: {','.join(TASKS)} | all | none (default)")] = "none"
+    tasks: Annotated[list[str], Choice((*TASKS, "all", "none"), "task"), Field(
+        description=f"zero-shot tasks: {','.join(TASKS)} | all | none (default)")] = field(default_factory=lambda: ["none"])
     items: Annotated[PositiveInt, Field(description="items per zero-shot task")] = 100
     context_tokens: Annotated[PositiveInt, Field(description="context of a zero-shot item (tokens)")] = 256
     backend: Annotated[str, Choice(BACKENDS, "backend"), Field(
@@ -65,7 +67,7 @@ def _cli_eval(args) -> int:
         if opts.max_docs or opts.doc_tokens:
             split = cap_split(split, doc_tokens=opts.doc_tokens, max_docs=opts.max_docs)
         lengths = opts.lengths or [run.train_seq_len or run.config.max_seq_len]
-        tasks = list(TASKS) if opts.tasks == "all" else [] if opts.tasks == "none" else opts.tasks.split(",")
+        tasks = list(TASKS) if "all" in opts.tasks else [t for t in opts.tasks if t != "none"]
     except (CheckpointError, ValueError) as error:
         return _fail(str(error))
     print(f"kernelmix eval: {run.checkpoint} (step {run.step}, trained at T={run.train_seq_len}, "

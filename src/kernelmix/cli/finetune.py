@@ -79,7 +79,7 @@ def _cli_finetune(args) -> int:
                                   calib_windows=opts.calib_seqs, distill_steps=opts.distill_steps, out_dir=opts.out,
                                   progress=True, log=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kernelmix finetune: error: {exc}", file=sys.stderr)
         return 2
     print(markdown(report))
     print(f"wrote {opts.out}/finetune.json, finetune.md and finetune_curves.png ({report['wall_s']:.0f} s)")

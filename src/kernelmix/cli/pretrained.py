@@ -44,7 +44,7 @@ def _cli_prepare(args) -> int:
         path = prepare(opts.name, root=opts.cache, dtype=dtype, force=opts.force,
                        progress=lambda msg: print(f"  {msg}", flush=True))
     except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kernelmix pretrained: error: {exc}", file=sys.stderr)
         return 2
     print(f"prepared {opts.name} in {path}")
     return 0

@@ -36,7 +36,7 @@ def _cli_report(args) -> int:
         settings = from_args(DarkformerReportSettings, args, factory=quick)
         darkformer_report(settings, opts.out, opts.work, progress=None)
     except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kernelmix report darkformer: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

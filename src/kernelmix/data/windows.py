@@ -24,6 +24,11 @@ def split_texts(documents, val_fraction: float = 0.1, seed: int = 0) -> tuple[li
     return [documents[i].text for i in train], [documents[i].text for i in val]
 
 
+# Names the rule below; results computed on windows (cached diagnostics, finetuning runs) record it,
+# so a change of rule is never mistaken for the same data.
+WINDOW_RULE = "bos-first/1"
+
+
 def text_windows(
     tokenizer, texts: Sequence[str], seq_len: int, max_windows: int | None = None, *, min_windows: int = 1,
 ) -> Tensor:
@@ -72,4 +77,4 @@ def load_text_windows(tokenizer, text: str, seq_len: int, *, val_fraction: float
     return text_windows(tokenizer, train_texts, seq_len), text_windows(tokenizer, val_texts, seq_len, eval_seqs)
 
 
-__all__ = ["load_text_windows", "split_texts", "text_windows"]
+__all__ = ["WINDOW_RULE", "load_text_windows", "split_texts", "text_windows"]

@@ -39,7 +39,6 @@ from .convert import (
     conversion_config,
     convert,
     initialise,
-    parse_layers,
     resolve_layers,
     set_num_features,
     set_trainable,
@@ -55,7 +54,7 @@ __all__ = [
     "RandomFeatureKernel", "attach_kernels", "cache_dir", "capture", "check_model_dir", "conversion_config", "convert",
     "decoder_layers", "distill", "exact_attention", "exact_output", "finetune", "finished_model", "initialise", "is_local",
     "kernelmix_attention", "kernels", "left_padding_doc_start", "load_converted", "load_pretrained", "pad_queries_left",
-    "parse_layers", "prepare", "prepare_trainable", "record_attention", "register", "require", "resolve", "resolve_layers",
+    "prepare", "prepare_trainable", "record_attention", "register", "require", "resolve", "resolve_layers",
     "save_converted", "set_num_features", "set_trainable", "token_samples",
     "visible_from_mask", "whiten",
 ]

@@ -95,16 +95,18 @@ def resolve_layers(model, layers: Any) -> list[int]:
 
 
 def convert(model, config: ConversionConfig | None = None, *, calibration: Tensor | None = None,
-            init: str = "identity", attention_mask: Tensor | None = None, progress: bool = False,
+            init: str | None = None, attention_mask: Tensor | None = None, progress: bool = False,
             **init_options) -> nn.Module:
     """Convert ``model`` in place (and return it): the chosen layers get a
     :class:`RandomFeatureKernel` and the model runs the ``kernelmix`` attention implementation.
 
-    The host's parameters are untouched. ``init`` (DARKFormer): ``identity``, ``whiten``,
-    ``distill`` or ``whiten+distill``, the last three from ``calibration`` token ids ``[B, T]``
-    (``attention_mask`` optional); ``init_options`` go to :func:`initialise`."""
+    The host's parameters are untouched. ``init`` (DARKFormer; default ``config.init``):
+    ``identity``, ``whiten``, ``distill`` or ``whiten+distill``, the last three from ``calibration``
+    token ids ``[B, T]`` (``attention_mask`` optional); ``init_options`` go to :func:`initialise`."""
     config = ConversionConfig() if config is None else config
-    config.init = init
+    if init is not None:
+        config.init = init
+    init = config.init
     config.validate()
     if hasattr(model.config, CONFIG_KEY) and any(hasattr(l.self_attn, "kernelmix_rf") for l in decoder_layers(model)):
         raise ValueError("the model is already converted; load the original to convert it again")
@@ -212,14 +214,3 @@ def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: boo
     for p in trainable:
         p.requires_grad_(True)
     return trainable
-
-
-
-def parse_layers(text: str):
-    """``all`` / ``global`` / ``local`` / ``0,5,11`` → the ``layers`` of :class:`ConversionConfig`."""
-    if text in LAYER_CHOICES:
-        return text
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"layers takes {', '.join(LAYER_CHOICES)} or comma-separated indices, got {text!r}") from None

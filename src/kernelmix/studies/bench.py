@@ -52,7 +52,7 @@ import torch
 from .. import ops
 from ..config import Choice, Field, PositiveInt, check
 from ..output import pyplot, write_json_atomic
-from .demo import MMAP_THRESHOLD_BYTES, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
+from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -137,7 +137,6 @@ def _mixer_call(mixer: str, inputs: dict, chunk_size: int):
 
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the inputs
 
 
 def _autocast(device: torch.device, autocast: str | None):
@@ -373,7 +372,7 @@ class BenchConfig:
         description="run the forward passes under torch.autocast in this dtype (fp32 inputs; needs --dtype float32)")] = None
     device: str = "cpu"
     repeats: PositiveInt = 3
-    memory: Annotated[bool, Field(description="skip the peak-memory measurement (each op in a fresh process)")] = True
+    memory: Annotated[bool, Field(description="measure peak memory, each op in a fresh process (--no-memory skips it)")] = True
     peers: Annotated[list[str], Choice(PEERS, "peer"), Field(
         description="comma-separated peers measured in the same run: performer-pytorch, fla-deltaformer-naive, "
         "cubit-dense (skipped with a note when not installed)")] = field(default_factory=list)
@@ -381,6 +380,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        check_device(self.device)
 
 
 def run_bench(config: BenchConfig | None = None, *, progress: Callable[[str], None] | None = None) -> BenchReport:

@@ -50,6 +50,7 @@ from typing import Annotated, Any, Callable
 import torch
 
 from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..evaluate import parse_buckets
 from ..model import PRESETS
 from ..output import pyplot, write_json_atomic, write_text_atomic
 
@@ -101,6 +102,10 @@ class CompareConfig:
             raise ValueError(f"mixers lists a name twice: {self.mixers}")
         if self.min_lr is None:
             self.min_lr = self.lr / 10
+        if self.buckets is not None:  # now, not after the first run has trained
+            parse_buckets(self.buckets, max(self.lengths))
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr must be at most lr, got min_lr={self.min_lr}, lr={self.lr}; lower min_lr or leave it out (lr / 10)")
         for length in self.lengths:
             if self.tokens_per_step % length:
                 raise ValueError(
@@ -140,7 +145,7 @@ class CompareConfig:
         return TrainConfig(
             preset=self.preset, model=self.model_overrides(mixer), corpus=self.corpus, tokenizer=self.tokenizer,
             seq_len=length, batch_size=windows // world_size, steps=self.steps, lr=self.lr,
-            min_lr=min(self.min_lr, self.lr), warmup_steps=self.warmup_steps, seed=seed, device=self.device,
+            min_lr=self.min_lr, warmup_steps=self.warmup_steps, seed=seed, device=self.device,
             eval_every=0, eval_batches=1, log_every=max(1, self.steps // 10), checkpoint_every=0,
             keep_checkpoints=1, out_dir=str(out_dir),
         )
@@ -165,7 +170,8 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
     """Train and evaluate one (mixer, length, seed), or reuse its result. Returns (result, reused).
     Under torchrun (``env``: the joined process group) every process trains its share and
     evaluates; only rank 0 touches the run directory's files outside training."""
-    from ..evaluate import evaluate_loss, load_run
+    from ..evaluate import evaluate_loss
+    from ..training import load_run
     from ..training import distributed as distrib
     from ..training import latest_checkpoint, train
 

@@ -26,8 +26,9 @@ import torch
 
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_corpus, split_texts, text_windows
+from ..data.windows import WINDOW_RULE
 from ..output import write_json_atomic, write_text_atomic
-from ..pretrained import INITS, KNOWN_MODELS, MODES, FinetuneConfig, load_pretrained, parse_layers, prepare
+from ..pretrained import INITS, KNOWN_MODELS, MODES, FinetuneConfig, load_pretrained, prepare
 from ..pretrained.convert import LayerSelection
 from . import diagnose as dg
 from . import finetune as ft
@@ -130,13 +131,10 @@ def _load_model(name: str, say):
     return model, tokenizer
 
 
-def _layers(selection):
-    return parse_layers(selection) if isinstance(selection, str) else selection
-
-
 def _diagnostics(settings, model, tokenizer, val_texts, work: Path, progress, say) -> dict:
     """The diagnostics of the held-out documents, reused from ``work`` when its settings match."""
     diag_key = {k: v for k, v in asdict(settings).items() if k.startswith("diag_") or k in ("model", "text", "val_fraction", "seed")}
+    diag_key["windows"] = WINDOW_RULE
     diag_file = work / "diagnostics.json"
     if diag_file.is_file():
         saved = json.loads(diag_file.read_text())
@@ -144,7 +142,7 @@ def _diagnostics(settings, model, tokenizer, val_texts, work: Path, progress, sa
             say(f"diagnostics: reusing {diag_file}")
             return saved
     say(f"diagnostics of layers {settings.diag_layers} at m = {list(settings.diag_m)}")
-    config = dg.DiagnoseConfig(layers=_layers(settings.diag_layers), m_values=list(settings.diag_m),
+    config = dg.DiagnoseConfig(layers=settings.diag_layers, m_values=list(settings.diag_m),
                                seq_len=settings.diag_seq_len, calib_seqs=2, eval_seqs=1, seeds=settings.diag_seeds,
                                distill_steps=settings.diag_distill_steps, distill_m=max(settings.diag_m[:3]),
                                e2e_m=list(settings.diag_e2e_m), seed=settings.seed)
@@ -164,7 +162,7 @@ def _finetuning(settings, model, tokenizer, train_texts, val_texts, work: Path, 
     say(f"finetuning {list(settings.ft_variants)} × lr {list(settings.ft_lrs)}: {config.steps} steps of "
         f"{config.batch_size}×{config.seq_len} tokens each, m={settings.num_features}")
     return ft.compare_finetune(model, train_w, val_w, config, variants=settings.ft_variants, lrs=settings.ft_lrs,
-                               num_features=settings.num_features, layers=_layers(settings.ft_layers), init=settings.init,
+                               num_features=settings.num_features, layers=settings.ft_layers, init=settings.init,
                                out_dir=work / ("finetune-" + _slug(config, settings)), progress=progress,
                                log=lambda m: say(f"  {m}"))
 
@@ -173,7 +171,7 @@ def _slug(config, settings) -> str:
     import hashlib
 
     key = json.dumps([asdict(config), settings.num_features, settings.ft_layers, settings.init, settings.model,
-                      settings.text, settings.val_fraction], sort_keys=True, default=str)
+                      settings.text, settings.val_fraction, WINDOW_RULE], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 

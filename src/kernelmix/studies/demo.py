@@ -63,7 +63,18 @@ def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features
 
 
 ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes the studies run in
+
+
+def check_device(text: str) -> torch.device:
+    """``text`` as a torch device that exists here; ValueError naming the problem otherwise."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"unknown device {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device")
+    return device
 
 
 def sync_device(device: torch.device) -> None:
@@ -99,6 +110,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        check_device(self.device)
 
 
 def run_demo(config: DemoConfig | None = None) -> list[DemoRow]:
@@ -252,4 +264,4 @@ def describe(rows: list[DemoRow], dtype: torch.dtype = torch.float32, device: st
     )
 
 
-__all__ = ["DTYPES", "DemoConfig", "DemoRow", "run_demo", "cubit_memory", "peak_memory_mb", "format_table", "describe", "mixer_cases"]
+__all__ = ["DTYPES", "DemoConfig", "check_device", "DemoRow", "run_demo", "cubit_memory", "peak_memory_mb", "format_table", "describe", "mixer_cases"]

@@ -25,9 +25,8 @@ from ..generate import generate
 from ..layers import MIXERS
 from ..layers.base import check_positive_int
 from ..model import PRESETS, CausalLM, ModelConfig
-from .demo import sync_device
+from .demo import DTYPES, check_device, sync_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_NEW_TOKENS = 1024  # the default new-token count, where the preset's max_seq_len allows it
 
 
@@ -52,12 +51,7 @@ class GenerateBenchConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {self.device!r} (e.g. cpu, cuda, cuda:1)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+        check_device(self.device)
         max_seq_len = ModelConfig.preset(self.preset).max_seq_len
         room = max_seq_len - self.prompt_length
         if self.new_tokens is None:

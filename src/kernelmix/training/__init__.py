@@ -25,9 +25,13 @@ Run output (``out_dir``): ``config.json`` (the resolved train + model config), `
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights
 from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
 from .loop import TrainResult, derived_seed, lr_at, param_groups, redraw_random_features, train, warmup_cosine
+from .runs import LoadedRun, find_checkpoint, load_run
 from .trainer import Schedule, StepOutcome, Trainer, optimizer_step
 
 __all__ = [
+    "LoadedRun",
+    "find_checkpoint",
+    "load_run",
     "CheckpointError",
     "Schedule",
     "StepOutcome",

@@ -183,9 +183,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
         else:
             raise ValueError(f"config file {str(path)!r}: unknown format {suffix!r} (use .toml, .yaml, .yml or .json)")
-    except ValueError:
-        raise
-    except Exception as error:  # the parsers' own error types (TOMLDecodeError, YAMLError, ...)
+    except ValueError as error:
+        if str(path) in str(error):  # ours, already naming the file
+            raise
+        # TOMLDecodeError and JSONDecodeError are ValueErrors: say which file they are about
+        raise ValueError(f"cannot parse config file {str(path)!r}: {error}") from error
+    except Exception as error:  # the other parsers' own error types (YAMLError, ...)
         raise ValueError(f"cannot parse config file {str(path)!r}: {error}") from error
     if data is None:
         data = {}
