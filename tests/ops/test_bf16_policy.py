@@ -105,3 +105,29 @@ def test_fp32_inputs_under_bf16_autocast(native, name):
     for n in names:
         assert grads[n].dtype == torch.float32 and torch.isfinite(grads[n]).all(), n
         assert rms(grads[n].double() - ref_grads[n]) <= BF16_TOL * rms(ref_grads[n]), n
+
+
+@pytest.mark.parametrize("name", ["cubit", "deltaformer"])
+def test_decode_steps_keep_the_solve_in_fp32_under_bf16_autocast(name):
+    """The cached u of a decode step is the last row of the triangular solve: under bf16 autocast
+    it must come out as without autocast (a bf16 Gram row compounds along the sequence; at a small
+    ridge it put Cubit's u off by 0.2 of 34 before the step turned autocast off)."""
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, dim = 1, 40, 2, 16
+    q, k, v, r = (torch.randn(batch, length, heads, dim, generator=g) for _ in range(4))
+    beta = torch.rand(batch, length, heads, generator=g)
+
+    def cached_u(autocast: bool) -> torch.Tensor:
+        state = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for t in range(length):
+                sl = slice(t, t + 1)
+                if name == "cubit":
+                    _, state = ops.cubit_attention_step(q[:, sl], k[:, sl], v[:, sl], r[:, sl], state, ridge=1e-3)
+                else:
+                    _, state = ops.deltaformer_attention_step(q[:, sl], k[:, sl], v[:, sl], state, beta=beta[:, sl])
+        return state.u
+
+    plain, mixed = cached_u(False), cached_u(True)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=1e-6, atol=1e-6)

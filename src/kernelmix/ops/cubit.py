@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ._common import (
+    autocast_off,
     check_4d,
     check_chunk_size,
     check_doc_start,
@@ -232,28 +233,29 @@ def cubit_attention_step(
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible: −inf logits
     hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
-    dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
-    r_t = r.to(dtype)
-    lam = per_head("ridge", ridge, heads, r_t, positive=True)
-    s = per_head("ref_scale", ref_scale, heads, r_t, positive=True)
-    r_hat_t = normalize_reference(r_t, s)
-    r_hat = r_hat_t if state is None else torch.cat([state.r_hat, r_hat_t], dim=1)
-    gram_logits = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat)  # [B, H, t+1]
-    if hidden is not None:
-        gram_logits = gram_logits.masked_fill(hidden, float("-inf"))
-    gram_row = gram_logits.softmax(dim=-1)
-    b_t = expand_heads(v, heads).to(dtype)[:, 0]  # [B, H, d_v]
-    if rho is not None:
-        b_t = rho.to(dtype)[:, 0, :, None] * b_t
-    if state is not None:
-        b_t = b_t - torch.einsum("bhj,bjhd->bhd", gram_row[..., :-1], state.u)
-    u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
-    u = u_t if state is None else torch.cat([state.u, u_t], dim=1)
-    k_all = k if state is None else torch.cat([state.k, k], dim=1)
-    weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
-    weights = weights * softmax_scale(q, scale)
-    if hidden is not None:
-        weights = weights.masked_fill(hidden, float("-inf"))
-    weights = weights.softmax(dim=-1)
-    out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
-    return out, CubitState(k=k_all, u=u, r_hat=r_hat)
+    with autocast_off(q):  # the Gram row, the substitution and the cached u stay fp32 under bf16 autocast (the policy, _common)
+        dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
+        r_t = r.to(dtype)
+        lam = per_head("ridge", ridge, heads, r_t, positive=True)
+        s = per_head("ref_scale", ref_scale, heads, r_t, positive=True)
+        r_hat_t = normalize_reference(r_t, s)
+        r_hat = r_hat_t if state is None else torch.cat([state.r_hat, r_hat_t], dim=1)
+        gram_logits = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat)  # [B, H, t+1]
+        if hidden is not None:
+            gram_logits = gram_logits.masked_fill(hidden, float("-inf"))
+        gram_row = gram_logits.softmax(dim=-1)
+        b_t = expand_heads(v, heads).to(dtype)[:, 0]  # [B, H, d_v]
+        if rho is not None:
+            b_t = rho.to(dtype)[:, 0, :, None] * b_t
+        if state is not None:
+            b_t = b_t - torch.einsum("bhj,bjhd->bhd", gram_row[..., :-1], state.u)
+        u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
+        u = u_t if state is None else torch.cat([state.u, u_t], dim=1)
+        k_all = k if state is None else torch.cat([state.k, k], dim=1)
+        weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
+        weights = weights * softmax_scale(q, scale)
+        if hidden is not None:
+            weights = weights.masked_fill(hidden, float("-inf"))
+        weights = weights.softmax(dim=-1)
+        out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
+        return out, CubitState(k=k_all, u=u, r_hat=r_hat)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._common import (
+    autocast_off,
     check_4d,
     check_chunk_size,
     check_doc_start,
@@ -164,21 +165,22 @@ def deltaformer_attention_step(
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible
     hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
-    dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
-    sc = softmax_scale(q, scale)
-    u_t = expand_heads(v, heads).to(dtype)[:, 0]
-    if state is not None:
-        w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]
-        logits = torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc
-        # a document's first token has no visible past: its row is empty (0), not NaN
-        weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
-        b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
-        u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
-    u = u_t[:, None] if state is None else torch.cat([state.u, u_t[:, None]], dim=1)
-    k_all = k if state is None else torch.cat([state.k, k], dim=1)
-    logits = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc
-    if hidden is not None:
-        logits = logits.masked_fill(hidden, float("-inf"))
-    weights = logits.softmax(-1)
-    out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
-    return out, DeltaFormerState(k=k_all, u=u)
+    with autocast_off(q):  # the solve's row and the cached u stay fp32 under bf16 autocast (the policy, _common)
+        dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
+        sc = softmax_scale(q, scale)
+        u_t = expand_heads(v, heads).to(dtype)[:, 0]
+        if state is not None:
+            w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]
+            logits = torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc
+            # a document's first token has no visible past: its row is empty (0), not NaN
+            weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
+            b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
+            u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
+        u = u_t[:, None] if state is None else torch.cat([state.u, u_t[:, None]], dim=1)
+        k_all = k if state is None else torch.cat([state.k, k], dim=1)
+        logits = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc
+        if hidden is not None:
+            logits = logits.masked_fill(hidden, float("-inf"))
+        weights = logits.softmax(-1)
+        out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
+        return out, DeltaFormerState(k=k_all, u=u)
