@@ -352,3 +352,13 @@ def test_reset_parameters_is_the_init_and_each_layer_owns_its_part(overrides):
     for block in model.blocks:
         if block.mixer.mixer_name == "cubit" and block.mixer.lrr:
             assert not block.mixer.rho_proj.weight.any()  # ρ = 1 at init: Cubit starts as Cubit-NoLRR
+
+
+def test_position_ids_that_do_not_count_up_inside_a_document_are_refused():
+    # [0, 1, 1, 2] made token 2 start a document at index 1 while token 1 belonged to the one at 0:
+    # overlapping documents, which the fast paths computed differently
+    model = CausalLM(ModelConfig.preset("tiny", mixers=["cubit", "performer"])).eval()
+    ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="contiguous documents.*position_ids"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 1, 2]]))
+    model(input_ids=ids, position_ids=torch.tensor([[0, 1, 0, 1]]))  # two packed documents are fine

@@ -186,14 +186,18 @@ def test_gradcheck_blocked_solve_with_documents():
     )
 
 
-@pytest.mark.parametrize("bad", ["shape", "float", "future", "negative"])
+@pytest.mark.parametrize("bad", ["shape", "float", "future", "negative", "sliding-window", "back-to-an-earlier-document"])
 def test_bad_doc_start_is_rejected(bad):
+    # a doc_start that is not contiguous documents (a sliding window max(0, i - 2), or a token that
+    # returns to an earlier document) was accepted before, and the paths disagreed on it
     t = _tensors(1, 6)
     doc_start = {
         "shape": torch.zeros(6, dtype=torch.long),
         "float": torch.zeros(1, 6),
         "future": torch.tensor([[0, 0, 5, 0, 0, 0]]),
         "negative": torch.tensor([[0, -1, 0, 0, 0, 0]]),
+        "sliding-window": torch.tensor([[0, 0, 0, 1, 2, 3]]),
+        "back-to-an-earlier-document": torch.tensor([[0, 0, 2, 2, 0, 0]]),
     }[bad]
     for name, (fast, *_rest) in MIXERS.items():
         with pytest.raises(ValueError, match="doc_start"):

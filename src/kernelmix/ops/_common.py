@@ -175,7 +175,8 @@ def masked_logsumexp(logits: Tensor) -> Tensor:
 
 
 def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: int = 0) -> None:
-    """Check document starts ``[B, T]``: integers with 0 ≤ doc_start[b, i] ≤ offset + i.
+    """Check document starts ``[B, T]``: integers with 0 ≤ doc_start[b, i] ≤ offset + i, describing
+    contiguous documents (each token starts one, doc_start = its index, or continues the previous's).
 
     ``doc_start[b, i]`` is the absolute index of the first token of token i's document (token i sits
     at absolute index ``offset + i``); token i reads token j only if doc_start[b, i] ≤ j ≤ i.
@@ -193,6 +194,20 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
             "doc_start[b, i] must lie in [0, i] (the first token of token i's document, in absolute indices "
             f"starting at {offset}); got values outside that range"
         )
+    # Documents are contiguous runs: every token starts one or continues the previous token's. The
+    # fast paths rely on it (a token's document never starts before an earlier token's); anything
+    # else, e.g. a sliding window, would give each path a different answer.
+    if length > 1:
+        previous, current = doc_start[:, :-1], doc_start[:, 1:]
+        broken = ~((current == previous) | (current == index[1:]))
+        if bool(broken.any()):
+            b, i = (int(x) for x in broken.nonzero()[0])
+            raise ValueError(
+                "doc_start must describe contiguous documents: each token starts a document (doc_start[b, i] = its "
+                f"own index) or continues the previous token's; in batch row {b}, the token at index {offset + i + 1} "
+                f"has doc_start {int(current[b, i])} after {int(previous[b, i])}. (A CausalLM derives doc_start from "
+                "position_ids: inside each document they must count up by one from the document's first token.)"
+            )
 
 
 def causal_hidden(size: int, strict: bool, device) -> Tensor:
