@@ -529,3 +529,11 @@ def test_a_skipped_update_leaves_parameters_and_optimizer_as_they_were():
     outcome = optimizer_step(optimizer, [x, x], lambda batch: layer(batch).pow(2).mean(), params=list(layer.parameters()),
                              grad_clip=0.0)
     assert outcome.updated and not torch.equal(before[0], layer.weight)  # two micro-batches, one update
+
+
+def test_a_run_shorter_than_its_warmup_is_warned_about(tmp_path):
+    # kernelmix train --set steps=20 with the default 100 warmup steps never reached its lr, silently
+    config = TrainConfig(preset="tiny", corpus=CORPUS, seq_len=32, batch_size=2, steps=3, warmup_steps=100,
+                         eval_every=0, out_dir=str(tmp_path / "run"))
+    with pytest.warns(UserWarning, match=r"warmup_steps=100 is not below the run's 3 steps.*warmup_steps=1"):
+        train(config, progress=False)

@@ -422,6 +422,12 @@ class PretrainTrainer(Trainer):
         self.global_batch = config.batch_size * config.grad_accum * env.world_size
         self.tokens_per_step = self.global_batch * config.seq_len
         total_steps = math.ceil(config.tokens / self.tokens_per_step) if config.tokens else config.steps
+        if config.warmup_steps >= total_steps and env.is_main:
+            warnings.warn(
+                f"warmup_steps={config.warmup_steps} is not below the run's {total_steps} steps: the learning rate never "
+                f"reaches lr={config.lr:g} (its last step uses {lr_at(total_steps - 1, config, total_steps):.2g}); "
+                f"set fewer warmup steps, e.g. --set warmup_steps={max(1, total_steps // 10)}", stacklevel=3,
+            )
         self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps)
         self.raw_model.to(env.device)
         self.model = parallelize(self.raw_model, env, config.fsdp)
