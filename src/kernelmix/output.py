@@ -31,7 +31,8 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None 
 class ProgressBar:
     """A rich progress bar on stderr: ``advance(n)``, ``update(completed=..., **fields)``,
     ``print(text)`` (above the bar), ``close()``. ``unit="bytes"`` shows sizes and a transfer rate;
-    ``fields`` are named values shown after the count (e.g. a loss), updated with :meth:`update`."""
+    ``fields`` maps a name to how its value is shown after the count, ``{}`` standing for the value
+    (``{"loss": "loss {}", "tps": "{} tok/s"}``); values start as ``-`` and change with :meth:`update`."""
 
     def __init__(self, label: str, total: int, *, completed: int = 0, unit: str = "items",
                  fields: dict[str, str] | None = None, transient: bool = True):
@@ -42,15 +43,15 @@ class ProgressBar:
         )
 
         fields = dict(fields or {})
+        shown = [TextColumn(shape.replace("{}", f"{{task.fields[{name}]}}")) for name, shape in fields.items()]
         counts = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
-        shown = [TextColumn(f"{name} {{task.fields[{name}]}}") for name in fields]
         self.console = Console(stderr=True)
         self._progress = Progress(
             TextColumn(f"[bold]{label}"), BarColumn(), *counts, *shown, TimeElapsedColumn(), TextColumn("ETA"),
             TimeRemainingColumn(), console=self.console, transient=transient,
         )
         self._progress.start()
-        self._task = self._progress.add_task(label, total=total, completed=completed, **fields)
+        self._task = self._progress.add_task(label, total=total, completed=completed, **{name: "-" for name in fields})
 
     def advance(self, n: int = 1) -> None:
         self._progress.advance(self._task, n)

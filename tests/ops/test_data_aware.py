@@ -6,14 +6,7 @@ import torch
 
 from kernelmix.ops import data_aware_transform, regularised_second_moments
 
-F64 = torch.float64
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |a − e| / max |e| (max norms)."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+from ..layers.common import F64, HEAD_DIM, HEADS, KV_HEADS, rel_err
 
 
 def correlated_samples(n, heads, kv_heads, d, seed=0, zero_dims=()):

@@ -9,11 +9,11 @@ from typing import Annotated, Any
 
 import torch
 
-from ..config import Arg, Field, PositiveInt, check
+from ..config import Arg, Field, check
 from ..studies.compare import CompareConfig, format_markdown, run_compare
 from ..training import CheckpointError
 from ..training.config import apply_override
-from .options import add_options, from_args
+from .options import Threads, add_options, from_args
 
 
 @dataclass
@@ -21,7 +21,7 @@ class CompareOptions:
     overrides: Annotated[list[str], Arg(flag="--set", repeat=True, metavar="KEY=VALUE"), Field(
         description="model override for every run, e.g. hidden_size=128 or mixer_options.performer.num_features=64")] = (
         field(default_factory=list))
-    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+    threads: Threads = None
 
     def __post_init__(self) -> None:
         check(self)

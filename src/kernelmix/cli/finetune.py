@@ -16,7 +16,7 @@ from ..pretrained import INITS, FinetuneConfig, finetune, load_pretrained
 from ..pretrained.convert import LayerSelection
 from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
 from ..output import write_json_atomic
-from .options import add_options, from_args
+from .options import Threads, add_options, from_args
 
 
 @dataclass
@@ -40,7 +40,7 @@ class FinetuneOptions:
         field(default_factory=lambda: [1e-4]))
     calib_seqs: Annotated[PositiveInt, Field(description="training windows used to whiten/distill")] = 2
     distill_steps: NonNegativeInt = 100
-    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+    threads: Threads = None
     resume: Annotated[bool, Field(description="converted MODEL only: continue from OUT/run's last checkpoint")] = False
 
     def __post_init__(self) -> None:

@@ -6,17 +6,17 @@ import argparse
 from dataclasses import dataclass
 from typing import Annotated
 
-from ..config import Field, PositiveInt, check
+from ..config import Field, check
 from ..studies.generate_bench import GenerateBenchConfig
 from ..output import write_json_atomic
-from .options import add_options, from_args
+from .options import Threads, add_options, from_args
 
 
 @dataclass
 class GenerateBenchOutput:
     """What the command adds to the study's config: the CPU threads and a JSON copy of the rows."""
 
-    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+    threads: Threads = None
     json: Annotated[str | None, Field(description="also write the rows as JSON to this path")] = None
 
     def __post_init__(self) -> None:

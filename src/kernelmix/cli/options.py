@@ -18,9 +18,13 @@ the dataclass's own default applies.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Annotated, Any
 
-from ..config import FieldError, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
+from ..config import Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
+
+
+# the --threads option of the commands that compute (one spelling, one help text)
+Threads = Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")]
 
 
 class OptionError(argparse.ArgumentTypeError, ValueError):
@@ -155,4 +159,4 @@ def _words(annotation: Any) -> str:
     return expectation(annotation, constraints=False)
 
 
-__all__ = ["OptionError", "add_options", "flag", "from_args", "parse_text"]
+__all__ = ["OptionError", "Threads", "add_options", "flag", "from_args", "parse_text"]

@@ -6,10 +6,9 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated
 
-import torch
-
 from ..config import Arg, Choice, Field, check
 from ..pretrained import KNOWN_MODELS, cache_dir, prepare
+from ..studies.demo import DTYPES
 from .options import add_options, from_args
 
 _CACHE_HELP = "cache root (default $KERNELMIX_CACHE or ~/.cache/kernelmix/pretrained)"
@@ -39,7 +38,7 @@ class PrepareOptions:
 
 def _cli_prepare(args) -> int:
     opts = from_args(PrepareOptions, args)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+    dtype = DTYPES[opts.dtype]
     try:
         path = prepare(opts.name, root=opts.cache, dtype=dtype, force=opts.force,
                        progress=lambda msg: print(f"  {msg}", flush=True))

@@ -8,9 +8,9 @@ from typing import Annotated
 
 import torch
 
-from ..config import Field, PositiveInt, check
+from ..config import Field, check
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
-from .options import add_options, from_args
+from .options import Threads, add_options, from_args
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ReportOptions:
         "runs/darkformer-report")
     work: Annotated[str | None, Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
     quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False
-    threads: Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")] = None
+    threads: Threads = None
 
     def __post_init__(self) -> None:
         check(self)

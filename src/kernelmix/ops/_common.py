@@ -164,16 +164,6 @@ def expand_heads(x: Tensor, num_heads: int, dim: int = 2) -> Tensor:
     return x.repeat_interleave(num_heads // h, dim=dim)
 
 
-def masked_logsumexp(logits: Tensor) -> Tensor:
-    """logsumexp over the last dim where fully masked rows (all -inf) give 0 instead of -inf.
-
-    A row with no visible column (row 0 of a strict causal softmax) then yields exp(-inf - 0) = 0
-    everywhere: the empty softmax is the zero row, not NaN.
-    """
-    lse = torch.logsumexp(logits, dim=-1)
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
 def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: int = 0) -> None:
     """Check document starts ``[B, T]``: integers with 0 ≤ doc_start[b, i] ≤ offset + i, describing
     contiguous documents (each token starts one, doc_start = its index, or continues the previous's).
@@ -189,25 +179,26 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
     if doc_start.is_floating_point() or doc_start.dtype == torch.bool:
         raise ValueError(f"doc_start must be an integer tensor (absolute token indices), got {doc_start.dtype}")
     index = offset + torch.arange(length, device=doc_start.device)
-    if bool(((doc_start < 0) | (doc_start > index)).any()):
+    out_of_range = (doc_start < 0) | (doc_start > index)
+    # Documents are contiguous runs: every token starts one or continues the previous token's. The
+    # fast paths rely on it (a token's document never starts before an earlier token's); anything
+    # else, e.g. a sliding window, would give each path a different answer.
+    previous, current = doc_start[:, :-1], doc_start[:, 1:]
+    broken = ~((current == previous) | (current == index[1:]))
+    if not bool(out_of_range.any() | broken.any()):  # one device sync for both checks
+        return
+    if bool(out_of_range.any()):
         raise ValueError(
             "doc_start[b, i] must lie in [0, i] (the first token of token i's document, in absolute indices "
             f"starting at {offset}); got values outside that range"
         )
-    # Documents are contiguous runs: every token starts one or continues the previous token's. The
-    # fast paths rely on it (a token's document never starts before an earlier token's); anything
-    # else, e.g. a sliding window, would give each path a different answer.
-    if length > 1:
-        previous, current = doc_start[:, :-1], doc_start[:, 1:]
-        broken = ~((current == previous) | (current == index[1:]))
-        if bool(broken.any()):
-            b, i = (int(x) for x in broken.nonzero()[0])
-            raise ValueError(
-                "doc_start must describe contiguous documents: each token starts a document (doc_start[b, i] = its "
-                f"own index) or continues the previous token's; in batch row {b}, the token at index {offset + i + 1} "
-                f"has doc_start {int(current[b, i])} after {int(previous[b, i])}. (A CausalLM derives doc_start from "
-                "position_ids: inside each document they must count up by one from the document's first token.)"
-            )
+    b, i = (int(x) for x in broken.nonzero()[0])
+    raise ValueError(
+        "doc_start must describe contiguous documents: each token starts a document (doc_start[b, i] = its "
+        f"own index) or continues the previous token's; in batch row {b}, the token at index {offset + i + 1} "
+        f"has doc_start {int(current[b, i])} after {int(previous[b, i])}. (A CausalLM derives doc_start from "
+        "position_ids: inside each document they must count up by one from the document's first token.)"
+    )
 
 
 def causal_hidden(size: int, strict: bool, device) -> Tensor:

@@ -73,7 +73,7 @@ def check_device(text: str) -> torch.device:
     except RuntimeError:
         raise ValueError(f"unknown device {text!r} (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device")
+        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device; use --device cpu (or a CUDA build of torch)")
     return device
 
 

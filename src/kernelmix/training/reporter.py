@@ -34,7 +34,7 @@ class Reporter:
             progress = sys.stderr.isatty()
         if progress:
             self.bar = ProgressBar("train", total_steps, completed=start_step, transient=False,
-                                   fields={"loss": "-", "tok/s": "-", "val": "-"})
+                                   fields={"loss": "loss {}", "tps": "{} tok/s", "val": "val {}"})
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -54,8 +54,6 @@ class Reporter:
         if not self.active:
             return
         if self.bar is not None:
-            if "tps" in fields:  # shown as "tok/s"
-                fields["tok/s"] = fields.pop("tps")
             self.bar.update(**fields)
         elif not self.quiet:
             print(text, flush=True)
