@@ -9,11 +9,25 @@ from __future__ import annotations
 
 
 class KernelmixError(ValueError):
-    """A bad input, a bad run directory or a bad environment: the message says what and how to fix it."""
+    """A bad input, a bad run directory or a bad environment: the message says what and how to fix it.
+
+    ``exit_code`` is what the command line exits with when it catches this error."""
+
+    exit_code = 1
 
 
 class RunDirectoryBusy(KernelmixError):
     """Another live process holds the run directory's lock."""
 
 
-__all__ = ["KernelmixError", "RunDirectoryBusy"]
+class Interrupted(KernelmixError):
+    """A run stopped by SIGINT or SIGTERM after saving its state; the message says where and how to resume.
+    The command line exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.signal_number = signal_number
+        self.exit_code = 128 + signal_number
+
+
+__all__ = ["Interrupted", "KernelmixError", "RunDirectoryBusy"]
