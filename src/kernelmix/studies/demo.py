@@ -17,6 +17,7 @@ import torch
 
 from .. import ops
 from ..config import Choice, Field, PositiveInt, check
+from ..output import progress_bar
 
 
 @dataclass
@@ -113,14 +114,18 @@ class DemoConfig:
         check_device(self.device)
 
 
-def run_demo(config: DemoConfig | None = None) -> list[DemoRow]:
-    """Each mixer's fast path (in ``config.dtype`` on ``config.device``) against its float64 reference."""
+def run_demo(config: DemoConfig | None = None, *, progress: bool = False) -> list[DemoRow]:
+    """Each mixer's fast path (in ``config.dtype`` on ``config.device``) against its float64 reference;
+    ``progress`` shows a bar (mixers done, the one running, time left) on stderr."""
     c = DemoConfig() if config is None else config
     batch, length, heads, head_dim, num_features, repeats = c.batch, c.length, c.heads, c.head_dim, c.num_features, c.repeats
     dtype = DTYPES[c.dtype]
     device = torch.device(c.device)
     rows = []
-    for name, fast, naive, args, kwargs in mixer_cases(batch, length, heads, head_dim, num_features):
+    cases = mixer_cases(batch, length, heads, head_dim, num_features)
+    bar = progress_bar(progress, "demo", len(cases), fields={"mixer": "{}"})
+    for name, fast, naive, args, kwargs in cases:
+        bar.update(mixer=name)
         args = [a.to(device) for a in args]
         kwargs = {key: val.to(device) for key, val in kwargs.items()}
         ref_args = [a.clone().requires_grad_(a.shape[:2] == (batch, length)) for a in args]
@@ -154,6 +159,8 @@ def run_demo(config: DemoConfig | None = None) -> list[DemoRow]:
                 grad_error=max(grad_errors),
             )
         )
+        bar.advance()
+    bar.close()
     return rows
 
 

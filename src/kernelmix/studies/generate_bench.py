@@ -25,6 +25,7 @@ from ..generate import generate
 from ..layers import MIXERS
 from ..layers.base import check_positive_int
 from ..model import PRESETS, CausalLM, ModelConfig
+from ..output import progress_bar
 from .demo import DTYPES, check_device, sync_device
 
 MAX_NEW_TOKENS = 1024  # the default new-token count, where the preset's max_seq_len allows it
@@ -122,25 +123,33 @@ class BenchRow:
         return self.cached_tokens_per_s / self.uncached_tokens_per_s
 
 
-def benchmark_generation(config: GenerateBenchConfig) -> list[BenchRow]:
+def benchmark_generation(config: GenerateBenchConfig, *, progress: bool = False) -> list[BenchRow]:
     """Cached vs uncached generation throughput of a freshly initialised ``config.preset`` model
-    per mixer (same seed for every mixer); ``config.uncached_new_tokens`` 0 skips the uncached run."""
+    per mixer (same seed for every mixer); ``config.uncached_new_tokens`` 0 skips the uncached run.
+    ``progress`` shows a bar (measurements done, the one running, time left) on stderr."""
     device = torch.device(config.device)
     sizes = dict(batch=config.batch, repeats=config.repeats, seed=config.seed)
+    phases = 2 if config.uncached_new_tokens else 1
+    bar = progress_bar(progress, "generate-bench", phases * len(config.mixers), fields={"run": "{}"})
     rows = []
     for name in config.mixers:
         torch.manual_seed(config.seed)
         model = CausalLM(ModelConfig.preset(config.preset, mixer=name))
         model = model.to(device=device, dtype=DTYPES[config.dtype]).eval()
+        bar.update(run=f"{name} cached")
         cached = generation_throughput(model, config.prompt_length, config.new_tokens, use_cache=True, **sizes)
+        bar.advance()
         uncached = None
         if config.uncached_new_tokens:
+            bar.update(run=f"{name} uncached")
             uncached = generation_throughput(
                 model, config.prompt_length, config.uncached_new_tokens, use_cache=False, **sizes
             )
+            bar.advance()
         rows.append(BenchRow(
             name, model.num_parameters(), config.new_tokens, cached, config.uncached_new_tokens, uncached
         ))
+    bar.close()
     return rows
 
 
