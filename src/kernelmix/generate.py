@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .errors import KernelmixError
 from .model import CausalLM
 
 # ---------------------------------------------------------------------------------------------
@@ -38,7 +39,25 @@ def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
     if value is None:
         return
     if not _is_int(value) or not 0 <= value < vocab_size:
-        raise ValueError(f"{name} must be a token id in [0, {vocab_size}) (vocab_size) or None, got {value!r}")
+        raise KernelmixError(f"{name} must be a token id in [0, {vocab_size}) (vocab_size) or None, got {value!r}")
+
+
+def check_left_padded(mask: Tensor) -> None:
+    """Refuse an ``attention_mask`` ``[B, T]`` (bool) that is not LEFT-padded: in every row the zeros
+    come first and the last token is real. Generation continues each row after its last token, so
+    a right-padded row would continue after its padding (Hugging Face's ``generate`` only warns)."""
+    ends_in_padding = ~mask[:, -1]
+    gap = mask[:, :-1] & ~mask[:, 1:]  # a real token followed by padding
+    bad = (ends_in_padding | gap.any(dim=1)).nonzero()
+    if len(bad):
+        row = int(bad[0])
+        where = "ends in padding" if bool(ends_in_padding[row]) else (
+            f"has padding after a real token at index {int(gap[row].nonzero()[0])}")
+        raise KernelmixError(
+            f"generation needs LEFT padding, but row {row} of attention_mask {where}: each row is continued after "
+            "its last token, so its padding must come first. Pad batched prompts on the left — with a Hugging Face "
+            'tokenizer, set tokenizer.padding_side = "left" before tokenizing'
+        )
 
 
 def _check_generate_args(
@@ -54,66 +73,67 @@ def _check_generate_args(
     generator: Any,
     use_cache: Any,
 ) -> Tensor | None:
-    """Raise ValueError for any bad argument; returns the attention mask as bool (or None)."""
+    """Raise KernelmixError for any bad argument; returns the attention mask as bool (or None)."""
     if not isinstance(model, CausalLM):
-        raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+        raise KernelmixError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
     config = model.config
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-        raise ValueError(
+        raise KernelmixError(
             f"input_ids must be a [B, T] tensor of token ids, got {got}; add a batch dim with ids.unsqueeze(0)"
         )
-    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise KernelmixError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}; pass ids.long()")
+    if torch.iinfo(input_ids.dtype).max < config.vocab_size - 1:
+        # the new tokens are returned in the prompt's dtype: a larger id would wrap around silently
+        raise KernelmixError(
+            f"input_ids are {input_ids.dtype}, which cannot hold the token ids this model generates (up to "
+            f"{config.vocab_size - 1}); pass input_ids.long()"
+        )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must hold at least one prompt token per row, got shape {tuple(input_ids.shape)}")
+        raise KernelmixError(f"input_ids must hold at least one prompt token per row, got shape {tuple(input_ids.shape)}")
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= config.vocab_size:
-        raise ValueError(
+        raise KernelmixError(
             f"token ids must lie in [0, {config.vocab_size}) (vocab_size), got min {low} and max {high}"
         )
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        raise KernelmixError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+        raise KernelmixError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        raise KernelmixError(f"top_k must be an int >= 1 or None, got {top_k!r}")
     if top_p is not None and (
         isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0
     ):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+        raise KernelmixError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     _check_token_id("eos_token_id", eos_token_id, config.vocab_size)
     _check_token_id("pad_token_id", pad_token_id, config.vocab_size)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+            raise KernelmixError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != input_ids.device.type:
-            raise ValueError(
+            raise KernelmixError(
                 f"generator is on {generator.device} but input_ids are on {input_ids.device}; "
                 "sample with a generator on the model's device"
             )
     if not isinstance(use_cache, bool):
-        raise ValueError(f"use_cache must be True or False, got {use_cache!r}")
+        raise KernelmixError(f"use_cache must be True or False, got {use_cache!r}")
 
     mask = None
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+            raise KernelmixError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
+            raise KernelmixError("attention_mask must hold only 0 (padding) and 1 (real token)")
         mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
-        # left padding: once a row's real tokens begin they go on to the end (a row never ends in padding)
-        if bool((mask[:, :-1] & ~mask[:, 1:]).any()) or not bool(mask[:, -1].all()):
-            raise ValueError(
-                "generate needs LEFT padding: in every row of attention_mask the zeros come first and the "
-                "last token is real (pad batched prompts on the left)"
-            )
+        check_left_padded(mask)
 
     prompt_length = input_ids.shape[1] if mask is None else int(mask.sum(dim=1).max())
     if prompt_length + max_new_tokens > config.max_seq_len:
-        raise ValueError(
+        raise KernelmixError(
             f"a prompt of {prompt_length} tokens plus max_new_tokens={max_new_tokens} is "
             f"{prompt_length + max_new_tokens} positions, beyond the model's max_seq_len = {config.max_seq_len}; "
             "shorten the prompt or ask for fewer new tokens"
@@ -203,8 +223,9 @@ def generate(
       forward over the whole sequence every step (the slow reference).
 
     Runs under ``torch.no_grad`` in eval mode (dropout off); the model's train/eval mode is
-    restored afterwards. Raises ``ValueError`` for bad arguments, including a longest prompt plus
-    ``max_new_tokens`` beyond ``config.max_seq_len``.
+    restored afterwards. Raises :class:`~kernelmix.errors.KernelmixError` (a ``ValueError``) for
+    bad arguments, including a longest prompt plus ``max_new_tokens`` beyond ``config.max_seq_len``
+    and a right-padded ``attention_mask`` (:func:`check_left_padded`).
     """
     mask = _check_generate_args(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
@@ -241,4 +262,4 @@ def generate(
         return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
 
 
-__all__ = ["generate"]
+__all__ = ["check_left_padded", "generate"]

@@ -58,6 +58,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .errors import KernelmixError
+from .generate import check_left_padded
 from .model import CausalLM, ModelCache, ModelConfig
 
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
@@ -106,17 +108,23 @@ class KernelMixConfig(PreTrainedConfig, _model_config_fields()):
         # transformers only warns when a config.json of another model type is loaded with this class
         model_type = config_dict.get("model_type", cls.model_type)
         if model_type != cls.model_type:
-            raise ValueError(
+            raise KernelmixError(
                 f"this config has model_type {model_type!r}, not {cls.model_type!r}: it describes another kind of "
                 "model; load it with its own class (AutoConfig / AutoModelForCausalLM choose it from model_type)"
             )
-        return super().from_dict(config_dict, **kwargs)
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result  # (config, unused) with return_unused_kwargs
+        # transformers sets keyword overrides (from_pretrained(path, mixer_options=...)) after __post_init__,
+        # so they are validated here, not first when the model is built
+        for name, value in config.to_model_config().to_dict().items():
+            setattr(config, name, value)
+        return result
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs: Any) -> "KernelMixConfig":
         """The HF config of a kernelmix ``ModelConfig``; ``kwargs`` are HF extras (``eos_token_id``, ...)."""
         if not isinstance(config, ModelConfig):
-            raise ValueError(f"config must be a kernelmix ModelConfig, got {type(config).__name__}")
+            raise KernelmixError(f"config must be a kernelmix ModelConfig, got {type(config).__name__}")
         return cls(**copy.deepcopy(config.to_dict()), **kwargs)
 
     def to_model_config(self) -> ModelConfig:
@@ -140,9 +148,15 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     _is_stateful = True  # no rollback: assisted decoding is refused clearly
     _supported_generation_modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
-    def __init__(self, config: KernelMixConfig) -> None:
+    def __init__(self, config: KernelMixConfig, **unknown: Any) -> None:
+        if unknown:  # from_pretrained hands on what is neither a config field nor one of its own options
+            fields = sorted(set(_MODEL_FIELDS) | set(KernelMixConfig.attribute_map))
+            raise KernelmixError(
+                f"unknown argument(s) {sorted(unknown)}: not a KernelMixConfig field nor a from_pretrained option; "
+                f"the config fields are: {', '.join(fields)}"
+            )
         if not isinstance(config, KernelMixConfig):
-            raise ValueError(
+            raise KernelmixError(
                 f"config must be a KernelMixConfig, got {type(config).__name__}; "
                 "convert a ModelConfig with KernelMixConfig.from_model_config(config)"
             )
@@ -154,7 +168,7 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     def from_model(cls, model: CausalLM, **config_kwargs: Any) -> "KernelMixForCausalLM":
         """Wrap an existing kernelmix ``CausalLM`` (shared, not copied), e.g. to save a trained model."""
         if not isinstance(model, CausalLM):
-            raise ValueError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
+            raise KernelmixError(f"model must be a kernelmix CausalLM, got {type(model).__name__}")
         config = KernelMixConfig.from_model_config(model.config, **config_kwargs)
         with torch.device("meta"):  # a placeholder CausalLM: no memory, no draw from the RNG
             wrapper = cls(config)
@@ -173,30 +187,59 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Linear:
         return self.model.lm_head
 
+    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+        # what resize_token_embeddings calls; the CausalLM's own config checks token ids against its vocab_size
+        self.model.embed = value
+        self.model.config.vocab_size = value.num_embeddings
+
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        self.model.lm_head = value
+
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         """``PreTrainedModel.from_pretrained``, strict: a checkpoint whose tensors do not match this
-        config (missing or unexpected keys) raises ``ValueError`` instead of loading a partly
-        random model."""
+        config (missing or unexpected keys, or other shapes, e.g. from ``vocab_size=`` given on
+        loading) raises :class:`~kernelmix.errors.KernelmixError` instead of loading a partly random
+        model. ``ignore_mismatched_sizes=True`` is refused: the tensors it skips would stay
+        uninitialised (a CausalLM initialises itself as a whole, not tensor by tensor)."""
         want_info = kwargs.pop("output_loading_info", False)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if kwargs.pop("ignore_mismatched_sizes", False):
+            raise KernelmixError(
+                "ignore_mismatched_sizes=True is not supported for kernelmix models: the tensors whose shapes differ "
+                "would be left uninitialised. Load the checkpoint as saved, then change it — for another vocabulary "
+                "size, model.resize_token_embeddings(n)"
+            )
         try:
-            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+            # shapes that differ are collected (not raised on) so that the error below can name them and the fix
+            model, info = super().from_pretrained(
+                *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
         except SafetensorError as error:  # its message names neither the file nor the likely cause
-            raise ValueError(
+            raise KernelmixError(
                 f"cannot read the weights in {str(source)!r} ({error}): the .safetensors file is truncated or "
                 "corrupt; save or copy the model again"
             ) from error
         missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
         if missing or unexpected:
-            raise ValueError(
+            raise KernelmixError(
                 f"checkpoint {str(source)!r} does not match its config (mixers "
                 f"{model.config.to_model_config().layer_mixers()}): missing tensors {missing[:8]}"
                 f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
                 f"{' ...' if len(unexpected) > 8 else ''}; was config.json edited or the weights saved from "
                 "another model?"
             )
+        mismatched = sorted(info.get("mismatched_keys", ()))
+        if mismatched:
+            raise KernelmixError(_mismatch_message(str(source), mismatched, kwargs))
         return (model, info) if want_info else model
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> torch.nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings``: the embedding (and an untied LM head) get
+        ``new_num_tokens`` rows, the trained rows kept; the CausalLM's config follows."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.model.config.vocab_size = self.config.vocab_size = embeddings.num_embeddings
+        return embeddings
 
     def forward(
         self,
@@ -227,11 +270,54 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
         """``GenerationMixin.generate`` (see its documentation); generation starts from the prompt,
         a cache cannot be passed in (transformers would treat it as one of its ``Cache`` objects)."""
         if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params")):
-            raise ValueError(
+            raise KernelmixError(
                 "generate() does not take a cache for a kernelmix model (a ModelCache is not a transformers "
                 "Cache); pass the whole token sequence, or continue with model(new_ids, cache=...) yourself"
             )
+        self._check_generate_inputs(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
         return super().generate(*args, **kwargs)
+
+    def _check_generate_inputs(self, input_ids: Any, kwargs: dict[str, Any]) -> None:
+        """What transformers lets through: an empty prompt (an IndexError deep inside), a right-padded
+        mask (a warning, then tokens generated after the padding) and special token ids outside the
+        vocabulary (fed back to the model once a row has ended)."""
+        if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[1] == 0:
+            raise KernelmixError(
+                f"input_ids holds no prompt token (shape {list(input_ids.shape)}); generation continues a prompt, so "
+                "start each row with at least one token, e.g. the tokenizer's BOS token"
+            )
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 0:
+            check_left_padded(mask.bool())
+        vocab_size = self.config.vocab_size
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            value = kwargs.get(name, getattr(generation_config, name, None))
+            values = value.tolist() if isinstance(value, Tensor) else value
+            for token in values if isinstance(values, (list, tuple)) else [values]:
+                if token is not None and not 0 <= int(token) < vocab_size:
+                    raise KernelmixError(
+                        f"{name}={value!r} is not a token of this model (ids lie in [0, {vocab_size}), vocab_size); "
+                        f"pass the {name} of the tokenizer this model was trained with"
+                    )
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+        # the first hook of generate() that sees both the final max_length and the prompt's positions
+        # (from its attention mask): a run past max_seq_len is refused here, before any token, not
+        # by the model at the step that gets there
+        position_ids = model_kwargs.get("position_ids")
+        if isinstance(position_ids, Tensor) and position_ids.numel():
+            new_tokens = generation_config.max_length - position_ids.shape[-1]
+            prompt = int(position_ids.max()) + 1
+            limit = self.config.max_seq_len
+            if prompt + new_tokens > limit:
+                raise KernelmixError(
+                    f"a prompt of {prompt} tokens plus {new_tokens} new tokens is {prompt + new_tokens} positions, "
+                    f"beyond the model's max_seq_len = {limit}; ask for at most max_new_tokens={max(limit - prompt, 0)} "
+                    "or shorten the prompt"
+                )
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,
@@ -273,6 +359,30 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model carries its own ModelCache (HF's escape route for mamba-like models)
+
+
+def _mismatch_message(source: str, mismatched: list[tuple[str, Any, Any]], kwargs: dict[str, Any]) -> str:
+    """Why a checkpoint's tensors have other shapes than the model built for it, and the fix."""
+    vocab_keys = {"model.embed.weight", "model.lm_head.weight"}
+    if all(key in vocab_keys and saved[1:] == built[1:] for key, saved, built in mismatched):
+        _, saved, built = mismatched[0]
+        return (
+            f"checkpoint {source!r} was saved with vocab_size {saved[0]}, but this load asks for vocab_size {built[0]} "
+            f"({mismatched[0][0]} is {list(saved)} there, {list(built)} here); load it as saved and resize the "
+            f"embeddings afterwards, which keeps the trained rows: model = KernelMixForCausalLM.from_pretrained(path); "
+            f"model.resize_token_embeddings({built[0]}) — or leave vocab_size out"
+        )
+    fields = set(_MODEL_FIELDS) | set(KernelMixConfig.attribute_map)
+    overrides = [f"{name}={kwargs[name]!r}" for name in kwargs if name in fields]
+    if kwargs.get("config") is not None:
+        overrides.append("config=...")
+    shown = ", ".join(f"{key} {list(saved)} there, {list(built)} here" for key, saved, built in mismatched[:4])
+    return (
+        f"checkpoint {source!r} holds tensors of other shapes than the model built for this load ({shown}"
+        f"{', ...' if len(mismatched) > 4 else ''}): the config was changed on loading"
+        f"{' (' + ', '.join(overrides) + ')' if overrides else ''}; load the checkpoint with the config it was "
+        "saved with (drop those arguments) and change the model afterwards"
+    )
 
 
 def register() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -28,6 +29,7 @@ from pydantic import BeforeValidator, ValidationError, WrapValidator
 from torch import Tensor, nn
 
 from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt, check
+from .errors import KernelmixError
 from .layers import MIXERS, SHARED_OPTIONS, LayerCache, build_mixer, mixer_options
 from .layers.base import check_head_geometry
 
@@ -92,19 +94,34 @@ class ModelConfig:
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
         if self.mixers is not None and len(self.mixers) != self.num_layers:
-            raise ValueError(
+            raise KernelmixError(
                 f"mixers lists {len(self.mixers)} names but num_layers is {self.num_layers}; "
                 "give one mixer per layer (or use mixer= for all layers)"
             )
         for name, options in self.mixer_options.items():
             if name not in MIXERS:
-                raise ValueError(f"mixer_options names unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+                raise KernelmixError(f"mixer_options names unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
             accepted = set(mixer_options(name)) - set(LAYER_ARGS_FROM_CONFIG)
             unknown = sorted(set(options) - accepted)
             if unknown:
-                raise ValueError(
+                raise KernelmixError(
                     f"mixer_options[{name!r}] has unknown option(s) {unknown}; accepted: {', '.join(sorted(accepted))} "
                     f"(the shared ones — {', '.join(LAYER_ARGS_FROM_CONFIG)} — come from the model config)"
+                )
+        self._check_options_are_used()
+
+    def _check_options_are_used(self) -> None:
+        # options for a mixer no layer has would be dropped without a word (a typo'd mixer= or a
+        # hybrid's list that lost that mixer); an empty dict drops nothing, so it is accepted
+        present = self.layer_mixers()
+        for name, options in self.mixer_options.items():
+            if options and name not in present:
+                given = ", ".join(f"mixer_options.{name}.{option}" for option in sorted(options))
+                verb = "is" if len(options) == 1 else "are"
+                raise KernelmixError(
+                    f"{given} {verb} given, but no layer of this model is {name!r} (its layers' mixers: {', '.join(present)}), "
+                    f"so the option would be ignored; use the mixer (mixer={name!r}, or name it in mixers= for the "
+                    f"layers that should have it) or remove mixer_options[{name!r}]"
                 )
 
     def layer_mixers(self) -> list[str]:
@@ -117,11 +134,11 @@ class ModelConfig:
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         """A named size (see :data:`PRESETS`) with any field overridden."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r} (choose from: {', '.join(PRESETS)})")
+            raise KernelmixError(f"unknown preset {name!r} (choose from: {', '.join(PRESETS)})")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ValueError(f"unknown config field(s) {unknown}; fields are: {', '.join(sorted(fields))}")
+            raise KernelmixError(f"unknown config field(s) {unknown}; fields are: {', '.join(sorted(fields))}")
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +149,7 @@ class ModelConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise ValueError(f"unknown config field(s) {unknown}; is this a kernelmix model config?")
+            raise KernelmixError(f"unknown config field(s) {unknown}; is this a kernelmix model config?")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -263,7 +280,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
-            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+            raise KernelmixError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
@@ -296,45 +313,56 @@ class CausalLM(nn.Module):
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def _check_input_ids(self, input_ids: Any) -> None:
+    def _check_input_ids(self, input_ids: Any) -> Tensor:
+        """``input_ids`` as int64 (any integer dtype is accepted: the embedding takes only int32/int64)."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a [B, T] tensor of token ids, got {got}")
-        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids has no tokens (T = 0)")
+            raise KernelmixError(f"input_ids must be a [B, T] tensor of token ids, got {got}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise KernelmixError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}; pass ids.long()")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise KernelmixError(
+                f"input_ids must hold at least one row and one token, got shape {tuple(input_ids.shape)}"
+            )
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(
+            raise KernelmixError(
                 f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size), got min {low} and max {high}; "
                 "is the tokenizer the one this model was built for?"
             )
+        return input_ids.long()
 
-    def _check_labels(self, labels: Any, input_ids: Tensor) -> None:
+    def _check_labels(self, labels: Any, input_ids: Tensor) -> tuple[Tensor, bool]:
+        """``labels`` as int64 and whether they leave no token to predict (all -100 after the shift)."""
         if not isinstance(labels, Tensor) or labels.shape != input_ids.shape:
             got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
-        if labels.is_floating_point() or labels.dtype == torch.bool:
-            raise ValueError(f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}")
+            raise KernelmixError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise KernelmixError(
+                f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}; pass labels.long()"
+            )
+        labels = labels.long()  # cross_entropy takes int64 targets only
         bad = ((labels < 0) & (labels != -100)) | (labels >= self.config.vocab_size)
-        if bool(bad.any()):
-            raise ValueError(
+        # one device sync for both questions
+        any_bad, nothing = torch.stack([bad.any(), (labels[:, 1:] == -100).all()]).tolist()
+        if any_bad:
+            raise KernelmixError(
                 f"labels must lie in [0, {self.config.vocab_size}) (vocab_size) or be -100 (ignored), got "
                 f"{labels[bad].unique()[:5].tolist()}"
             )
+        return labels, nothing
 
     def _check_cache(self, cache: Any, batch: int) -> None:
         if not isinstance(cache, ModelCache):
-            raise ValueError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
+            raise KernelmixError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
         mixers = tuple(self.config.layer_mixers())
         if cache.layer_mixers != mixers:
-            raise ValueError(
+            raise KernelmixError(
                 f"cache was built by a model with {len(cache.layer_mixers)} layers {list(cache.layer_mixers)}, "
                 f"this model has {len(mixers)} layers {list(mixers)}; pass the cache of this model"
             )
         if cache.next_position.shape != (batch,):
-            raise ValueError(f"cache holds {cache.next_position.shape[0]} rows, input_ids has {batch}")
+            raise KernelmixError(f"cache holds {cache.next_position.shape[0]} rows, input_ids has {batch}")
 
     def _positions_and_documents(
         self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, cache: ModelCache | None
@@ -354,6 +382,8 @@ class CausalLM(nn.Module):
         real = None
         if attention_mask is not None:
             real = self._current_mask(attention_mask, batch, length, offset)
+        if position_ids is not None:
+            self._check_position_ids(position_ids, batch, length)
         if position_ids is None:
             if cache is not None:
                 start = cache.next_position[:, None]
@@ -366,8 +396,6 @@ class CausalLM(nn.Module):
                 position_ids = start + (real.long().cumsum(dim=1) - 1).clamp_min(0)
                 # not position_ids[:, -1] + 1: a chunk that is all left padding leaves the next position at start
                 next_position = start[:, 0] + real.long().sum(dim=1)
-        elif tuple(position_ids.shape) != (batch, length) or position_ids.is_floating_point():
-            raise ValueError(f"position_ids must be integers of shape [B, T] = {(batch, length)}, got {tuple(position_ids.shape)}")
         else:
             next_position = position_ids[:, -1].long() + 1
         position_ids = position_ids.long()
@@ -381,14 +409,31 @@ class CausalLM(nn.Module):
         return position_ids, doc_start, next_position
 
     @staticmethod
-    def _current_mask(attention_mask: Tensor, batch: int, length: int, offset: int) -> Tensor:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
-            length,
-            offset + length,
+    def _check_position_ids(position_ids: Any, batch: int, length: int) -> None:
+        if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) != (batch, length) or (
+            position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool
         ):
-            raise ValueError(
+            got = (f"{tuple(position_ids.shape)} {position_ids.dtype}" if isinstance(position_ids, Tensor)
+                   else type(position_ids).__name__)
+            raise KernelmixError(
+                f"position_ids must be an integer tensor of shape [B, T] = {(batch, length)}, got {got}; "
+                "give each token its position in its document (0, 1, 2, ... restarting at 0 per document)"
+            )
+        if int(position_ids.min()) < 0:
+            raise KernelmixError(
+                f"position_ids must be >= 0, got a minimum of {int(position_ids.min())}; positions count 0, 1, 2, ... "
+                "from the first token of each document (left padding: leave position_ids out and pass attention_mask)"
+            )
+
+    @staticmethod
+    def _current_mask(attention_mask: Any, batch: int, length: int, offset: int) -> Tensor:
+        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+            attention_mask.shape[1] not in (length, offset + length)
+        ):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise KernelmixError(
                 f"attention_mask must have shape [B, T] = {(batch, length)} (or [B, past + T] = "
-                f"{(batch, offset + length)}), got {tuple(attention_mask.shape)}"
+                f"{(batch, offset + length)}), got {got}"
             )
         mask = attention_mask.bool()
         if mask.shape[1] != length:
@@ -396,8 +441,14 @@ class CausalLM(nn.Module):
         # a 0 between two 1s in a row is a gap of padding inside the sequence
         seen_real = mask.long().cummax(dim=1).values.bool()
         remaining_real = mask.flip(1).long().cummax(dim=1).values.flip(1).bool()
-        if bool((seen_real & remaining_real & ~mask).any()):
-            raise ValueError(
+        not_binary = ~((attention_mask == 0) | (attention_mask == 1))
+        has_gap, any_not_binary = torch.stack([(seen_real & remaining_real & ~mask).any(), not_binary.any()]).tolist()
+        if any_not_binary:  # .bool() would read 0.5 or 2 as a real token without a word
+            raise KernelmixError(
+                f"attention_mask must hold only 0 (padding) and 1 (real token), got {attention_mask[not_binary][:5].tolist()}"
+            )
+        if has_gap:
+            raise KernelmixError(
                 "attention_mask has padding between real tokens; only left padding (for batched generation) "
                 "or right padding is supported — pack documents with position_ids instead"
             )
@@ -415,20 +466,24 @@ class CausalLM(nn.Module):
         use_cache: bool = True,
     ) -> CausalLMOutput:
         """Logits ``[B, T, vocab]``; with ``labels`` ``[B, T]`` the mean next-token loss (labels are
-        shifted inside; -100 is ignored); with ``use_cache`` the cache to continue from."""
-        self._check_input_ids(input_ids)
+        shifted inside; -100 is ignored; labels that leave no token to predict give a loss of 0
+        and a warning, see :meth:`loss`); with ``use_cache`` the cache to continue from."""
+        input_ids = self._check_input_ids(input_ids)
         batch, length = input_ids.shape
+        if not isinstance(use_cache, bool):
+            raise KernelmixError(f"use_cache must be True or False, got {use_cache!r}")
         if cache is not None:
             self._check_cache(cache, batch)
+        nothing_to_predict = False
         if labels is not None:
-            self._check_labels(labels, input_ids)
+            labels, nothing_to_predict = self._check_labels(labels, input_ids)
         position_ids, doc_start, next_position = self._positions_and_documents(
             input_ids, attention_mask, position_ids, cache
         )
         offset = 0 if cache is None else cache.length
         furthest = offset + length - 1 if position_ids is None else int(position_ids.max())
         if furthest >= self.config.max_seq_len:
-            raise ValueError(
+            raise KernelmixError(
                 f"position {furthest} is beyond max_seq_len = {self.config.max_seq_len}; shorten the input or "
                 "raise max_seq_len in the config (positions beyond the trained length are extrapolation)"
             )
@@ -439,14 +494,7 @@ class CausalLM(nn.Module):
             x, layer_cache = block(x, None if cache is None else cache.layers[i], position_ids, doc_start)
             layer_caches.append(layer_cache)
         logits = self.lm_head(self.norm(x))
-
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(  # in float32 at least (float64 stays float64)
-                logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
-                labels[:, 1:].reshape(-1),
-                ignore_index=-100,
-            )
+        loss = None if labels is None else self.loss(logits, labels, nothing_to_predict)
 
         new_cache = None
         if use_cache:
@@ -464,5 +512,30 @@ class CausalLM(nn.Module):
             )
         return CausalLMOutput(logits=logits, loss=loss, cache=new_cache)
 
+    @staticmethod
+    def loss(logits: Tensor, labels: Tensor, nothing_to_predict: bool) -> Tensor:
+        """Mean next-token cross-entropy over the labels that are not -100 (in float32 at least;
+        float64 stays float64). Rows that are all -100 just add no tokens to the mean.
+
+        When no label at all is left to predict (every ``labels[:, 1:]`` is -100, or T = 1), the
+        mean over zero tokens would be nan, and one nan loss makes every parameter and the
+        optimizer's moments nan at the next step. A batch like that is legitimate (a prompt mask
+        that covers a whole window) and must not stop a run, so the loss is defined as the sum over
+        its tokens, 0 — what such a batch adds to a token-weighted sum, the convention of
+        transformers' Trainer (``num_items_in_batch``) — still in the graph, so ``backward()``
+        gives zero gradients; a warning says it happened."""
+        flat_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+        targets = labels[:, 1:].reshape(-1)
+        if not nothing_to_predict:
+            return F.cross_entropy(flat_logits, targets, ignore_index=-100)
+        warnings.warn(
+            "labels leave no token to predict: every label after the first position is -100 (labels are shifted "
+            "inside the model, so labels[:, 0] is never predicted); the loss is 0 with zero gradients instead of "
+            "nan. If this batch should train the model, check how its labels are masked (a prompt mask covering "
+            "the whole window, or sequences of one token)",
+            UserWarning,
+            stacklevel=2,
+        )
+        return F.cross_entropy(flat_logits, targets, ignore_index=-100, reduction="sum")
 
 __all__ = ["PRESETS", "Block", "CausalLM", "CausalLMOutput", "ModelCache", "ModelConfig", "RMSNorm", "SwiGLU"]
