@@ -9,7 +9,7 @@ One registry name per mixer::
 
 Every constructor takes explicit keyword-only arguments: the shared ones (:data:`SHARED_OPTIONS`,
 defined once by :class:`MixerLayer`) and the mixer's own; :func:`build_mixer` turns an unknown
-mixer name or option into a ``ValueError`` that lists the accepted ones. Every layer initialises
+mixer name or option into a ``KernelmixError`` (a ``ValueError``) that lists the accepted ones. Every layer initialises
 its own parameters (``reset_parameters``); the random-feature layers share one
 :class:`RandomFeatureMap` with a converted model's kernels (``redraw_``, ``whiten_``).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 
+from ..errors import KernelmixError
 from .base import SHARED_OPTIONS, LayerCache, MixerLayer
 from .cubit import CubitMixer
 from .deltaformer import DeltaFormerMixer
@@ -44,20 +45,20 @@ def mixer_options(name: str) -> tuple[str, ...]:
 
 def _mixer_class(name: str) -> type[MixerLayer]:
     if name not in MIXERS:
-        raise ValueError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
+        raise KernelmixError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
     return MIXERS[name]
 
 
 def build_mixer(name: str, **kwargs) -> MixerLayer:
     """Construct the mixer layer registered as ``name`` with keyword arguments ``kwargs``.
 
-    Raises ``ValueError`` for an unknown name (listing the registered ones) and for an option the
+    Raises ``KernelmixError`` (a ``ValueError``) for an unknown name (listing the registered ones) and for an option the
     mixer does not take (listing the ones it does) — an option is never silently ignored."""
     cls = _mixer_class(name)
     accepted = mixer_options(name)
     unknown = [key for key in kwargs if key not in accepted]
     if unknown:
-        raise ValueError(
+        raise KernelmixError(
             f"mixer {name!r} got unknown option(s) {', '.join(repr(k) for k in unknown)}; "
             f"accepted options: {', '.join(accepted)}"
         )

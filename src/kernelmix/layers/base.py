@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from .rope import DEFAULT_THETA, apply_rope, rope_positions
 
 
@@ -65,19 +66,19 @@ class LayerCache:
 
 def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise KernelmixError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise KernelmixError(f"{name} must be True or False, got {value!r}")
     return value
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+        raise KernelmixError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
     return value
 
 
@@ -92,17 +93,17 @@ def check_head_geometry(
     num_heads = check_positive_int("num_heads", num_heads)
     if head_dim is None:
         if hidden_size % num_heads:
-            raise ValueError(
+            raise KernelmixError(
                 f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
                 f"pass head_dim explicitly or choose num_heads dividing hidden_size"
             )
         head_dim = hidden_size // num_heads
     head_dim = check_positive_int("head_dim", head_dim)
     if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        raise KernelmixError(f"head_dim must be even for rotary embeddings, got {head_dim}")
     num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads:
-        raise ValueError(
+        raise KernelmixError(
             f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for grouped-query "
             f"attention; choose num_kv_heads among the divisors of {num_heads}"
         )
@@ -168,7 +169,7 @@ class MixerLayer(nn.Module):
         nn.Module.__init__(self)
         head_dim, num_kv_heads = check_head_geometry(hidden_size, num_heads, head_dim, num_kv_heads)
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
-            raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
+            raise KernelmixError(f"rope_theta must be a positive number, got {rope_theta!r}")
         bias = check_bool("bias", bias)
         chunk_size = check_positive_int("chunk_size", chunk_size)
 
@@ -235,48 +236,48 @@ class MixerLayer(nn.Module):
 
     def _check_hidden_states(self, hidden_states: Any) -> None:
         if not isinstance(hidden_states, Tensor):
-            raise ValueError(
+            raise KernelmixError(
                 f"hidden_states must be a tensor of shape [B, T, {self.hidden_size}], got {type(hidden_states).__name__}"
             )
         if hidden_states.dim() != 3:
-            raise ValueError(
+            raise KernelmixError(
                 f"hidden_states must have shape [B, T, hidden_size] = [B, T, {self.hidden_size}] (3 dims), got "
                 f"{hidden_states.dim()} dims with shape {tuple(hidden_states.shape)}; add a batch dim with "
                 f"x.unsqueeze(0) for a single sequence"
             )
         if hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
+            raise KernelmixError(
                 f"hidden_states last dim must be hidden_size = {self.hidden_size}, got shape "
                 f"{tuple(hidden_states.shape)}"
             )
         if hidden_states.shape[1] == 0:
-            raise ValueError("hidden_states has no tokens (T = 0); pass at least one token")
+            raise KernelmixError("hidden_states has no tokens (T = 0); pass at least one token")
         if not hidden_states.is_floating_point():
-            raise ValueError(f"hidden_states must be a floating tensor, got {hidden_states.dtype}")
+            raise KernelmixError(f"hidden_states must be a floating tensor, got {hidden_states.dtype}")
 
     def _check_cache(self, cache: Any, batch_size: int) -> None:
         if not isinstance(cache, LayerCache):
-            raise ValueError(
+            raise KernelmixError(
                 f"cache must be a LayerCache returned by this layer's forward (or None), got {type(cache).__name__}"
             )
         if cache.mixer != self.mixer_name:
-            raise ValueError(
+            raise KernelmixError(
                 f"cache was built by a {cache.mixer!r} layer, this is a {self.mixer_name!r} layer; "
                 f"pass each layer its own cache"
             )
         ours = (self.num_heads, self.num_kv_heads, self.head_dim)
         theirs = (cache.num_heads, cache.num_kv_heads, cache.head_dim)
         if ours != theirs:
-            raise ValueError(
+            raise KernelmixError(
                 f"cache has (num_heads, num_kv_heads, head_dim) = {theirs}, this layer has {ours}; "
                 f"the cache belongs to a differently shaped layer"
             )
         length = getattr(cache.state, "length", None)
         if length is not None and length != cache.position:
-            raise ValueError(f"cache is inconsistent: position {cache.position} but its state holds {length} tokens")
+            raise KernelmixError(f"cache is inconsistent: position {cache.position} but its state holds {length} tokens")
         state_batch = _state_batch_size(cache.state)
         if state_batch is not None and state_batch != batch_size:
-            raise ValueError(
+            raise KernelmixError(
                 f"cache was built for batch size {state_batch}, hidden_states has batch size {batch_size}"
             )
         self._check_state(cache.state)
@@ -313,7 +314,7 @@ class MixerLayer(nn.Module):
         if position_ids is None:
             positions = rope_positions(offset, length, device=hidden_states.device)
         elif tuple(position_ids.shape) != (batch, length) or position_ids.is_floating_point():
-            raise ValueError(
+            raise KernelmixError(
                 f"position_ids must be an integer tensor of shape [B, T] = {(batch, length)}, "
                 f"got {position_ids.dtype} {tuple(position_ids.shape)}"
             )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from ..ops import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
 from .base import MixerLayer, check_bool, check_choice, init_linear
@@ -59,12 +60,12 @@ class CubitMixer(MixerLayer):
         try:
             lo, hi = (float(x) for x in lrr_range)
         except (TypeError, ValueError):
-            raise ValueError(f"lrr_range must be a pair (lo, hi) of numbers, got {lrr_range!r}") from None
+            raise KernelmixError(f"lrr_range must be a pair (lo, hi) of numbers, got {lrr_range!r}") from None
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
-            raise ValueError(f"lrr_range (lo, hi) needs 0 < lo < hi (finite), got {lrr_range!r}")
+            raise KernelmixError(f"lrr_range (lo, hi) needs 0 < lo < hi (finite), got {lrr_range!r}")
         self.lrr_range = (lo, hi)
         if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (math.isfinite(ridge) and ridge > 0):
-            raise ValueError(f"ridge must be a positive finite number, got {ridge!r}")
+            raise KernelmixError(f"ridge must be a positive finite number, got {ridge!r}")
 
         self.initial_ridge = float(ridge)  # reset_parameters returns λ to it
 
@@ -135,7 +136,7 @@ class CubitMixer(MixerLayer):
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, CubitState):
-            raise ValueError(f"a cubit layer's cache state must be a CubitState, got {type(state).__name__}")
+            raise KernelmixError(f"a cubit layer's cache state must be a CubitState, got {type(state).__name__}")
 
 
 __all__ = ["CubitMixer"]

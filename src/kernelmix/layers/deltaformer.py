@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
 from .base import MixerLayer, check_choice, init_linear
 
@@ -58,7 +59,7 @@ class DeltaFormerMixer(MixerLayer):
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, DeltaFormerState):
-            raise ValueError(
+            raise KernelmixError(
                 f"a deltaformer layer's cache state must be a DeltaFormerState, got {type(state).__name__}"
             )
 

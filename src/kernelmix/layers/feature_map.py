@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from ..ops.data_aware import data_aware_transform
 from ..ops.random_features import (
     RandomFeatureState,
@@ -150,16 +151,16 @@ class RandomFeatureMap(nn.Module):
         inputs. ``eps`` regularises the second moments relative to their trace (real models have
         exactly-zero q/k dimensions). Returns ``self``; existing caches become stale."""
         if not self.data_aware:
-            raise ValueError("whiten_ needs a data-aware map (DARKFormer); a Performer map has no transform M")
+            raise KernelmixError("whiten_ needs a data-aware map (DARKFormer); a Performer map has no transform M")
         if q_samples.dim() == 3 and q_samples.shape[1] != self.num_heads:
-            raise ValueError(f"q_samples have {q_samples.shape[1]} heads, this layer has num_heads={self.num_heads}")
+            raise KernelmixError(f"q_samples have {q_samples.shape[1]} heads, this layer has num_heads={self.num_heads}")
         if k_samples.dim() == 3 and k_samples.shape[1] not in (self.num_kv_heads, self.num_heads):
-            raise ValueError(
+            raise KernelmixError(
                 f"k_samples have {k_samples.shape[1]} heads, expected num_kv_heads={self.num_kv_heads} "
                 f"(or num_heads={self.num_heads})"
             )
         if q_samples.dim() == 3 and q_samples.shape[2] != self.head_dim:
-            raise ValueError(f"q_samples have head dim {q_samples.shape[2]}, this layer has head_dim={self.head_dim}")
+            raise KernelmixError(f"q_samples have head dim {q_samples.shape[2]}, this layer has head_dim={self.head_dim}")
         m, fold = data_aware_transform(q_samples, k_samples, eps)
         self.transform.copy_(m.to(self.transform))
         self.query_fold.copy_(fold.to(self.query_fold))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ..ops.random_features import RandomFeatureState
 from .base import MixerLayer
 from .feature_map import RandomFeatureMap
@@ -61,11 +62,11 @@ class PerformerMixer(MixerLayer, RandomFeatureMap):
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, RandomFeatureState):
-            raise ValueError(
+            raise KernelmixError(
                 f"a {self.mixer_name} layer's cache state must be a RandomFeatureState, got {type(state).__name__}"
             )
         if state.S.dim() != 4 or state.S.shape[2] != self.num_features:
-            raise ValueError(
+            raise KernelmixError(
                 f"cache holds {state.S.shape[2] if state.S.dim() == 4 else '?'} random features, this layer has "
                 f"num_features={self.num_features}"
             )

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
+
 DEFAULT_THETA = 10000.0
 
 
@@ -33,7 +35,7 @@ def rope_cos_sin(
     """cos and sin tables ``[..., T, head_dim]`` for integer ``positions`` ``[..., T]`` (computed in float64
     when ``dtype`` is float64, else float32, and returned in ``dtype``)."""
     if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        raise KernelmixError(f"RoPE needs an even head_dim, got {head_dim}")
     angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     exponents = torch.arange(0, head_dim, 2, dtype=angle_dtype, device=positions.device) / head_dim
     inv_freq = 1.0 / (float(theta) ** exponents)  # [d/2]
@@ -52,9 +54,9 @@ def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) ->
     """Rotate ``x`` ``[B, T, H, d]`` by its token positions: ``[T]`` (shared by the batch) or
     ``[B, T]`` (per row: left padding, packed documents whose positions restart)."""
     if x.dim() != 4:
-        raise ValueError(f"apply_rope expects [B, T, H, d], got shape {tuple(x.shape)}")
+        raise KernelmixError(f"apply_rope expects [B, T, H, d], got shape {tuple(x.shape)}")
     if tuple(positions.shape) not in ((x.shape[1],), (x.shape[0], x.shape[1])):
-        raise ValueError(
+        raise KernelmixError(
             f"positions must have shape [T] = ({x.shape[1]},) or [B, T] = {tuple(x.shape[:2])}, "
             f"got {tuple(positions.shape)}"
         )

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ..ops.softmax import SoftmaxState, softmax_attention, softmax_attention_step
 from .base import MixerLayer
 
@@ -30,7 +31,7 @@ class SoftmaxMixer(MixerLayer):
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, SoftmaxState):
-            raise ValueError(f"a softmax layer's cache state must be a SoftmaxState, got {type(state).__name__}")
+            raise KernelmixError(f"a softmax layer's cache state must be a SoftmaxState, got {type(state).__name__}")
 
 
 __all__ = ["SoftmaxMixer"]

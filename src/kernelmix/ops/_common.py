@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
+
 # ---------------------------------------------------------------------------------------------
 # Precision policy (bf16 inputs, bf16 autocast)
 #
@@ -76,20 +78,28 @@ def softmax_scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
-def check_4d(name: str, x: Tensor) -> None:
+def check_tensor(name: str, x, shape: str, dtype: str = "torch.float32") -> None:
+    """A KernelmixError naming ``name`` when ``x`` is not a tensor (a list, a NumPy array, ...)."""
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape [B, T, H, d], got {type(x).__name__}")
+        raise KernelmixError(
+            f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}; pass a torch.Tensor "
+            f"(e.g. torch.as_tensor({name}, dtype={dtype}))"
+        )
+
+
+def check_4d(name: str, x: Tensor) -> None:
+    check_tensor(name, x, "[B, T, H, d]")
     if x.dim() != 4:
-        raise ValueError(
+        raise KernelmixError(
             f"{name} must have shape [B, T, H, d] (4 dims), got {x.dim()} dims with shape {tuple(x.shape)}; "
             "reshape [B, T, H*d] inputs with x.view(B, T, H, d)"
         )
     if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating tensor (float64, float32 or bfloat16), got {x.dtype}")
+        raise KernelmixError(f"{name} must be a floating tensor (float64, float32 or bfloat16), got {x.dtype}")
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False, same_length: bool = True) -> None:
-    """Check q, k, v agree on batch, length and head grouping; raise ValueError naming the fix.
+    """Check q, k, v agree on batch, length and head grouping; raise KernelmixError naming the fix.
     ``same_length=False`` (masked attention over a cache): only k and v need the same length."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_4d(name, x)
@@ -97,18 +107,18 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False
     bk, tk, hk, dk = k.shape
     bv, tv, hv, _ = v.shape
     if not (bq == bk == bv):
-        raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}; all of q, k, v need the same B")
+        raise KernelmixError(f"batch sizes differ: q {bq}, k {bk}, v {bv}; all of q, k, v need the same B")
     if same_length and not (tq == tk == tv):
-        raise ValueError(f"sequence lengths differ: q {tq}, k {tk}, v {tv}; all of q, k, v need the same T")
+        raise KernelmixError(f"sequence lengths differ: q {tq}, k {tk}, v {tv}; all of q, k, v need the same T")
     if tk != tv:
-        raise ValueError(f"sequence lengths differ: k {tk}, v {tv}; k and v need the same length")
+        raise KernelmixError(f"sequence lengths differ: k {tk}, v {tv}; k and v need the same length")
     if dq != dk:
-        raise ValueError(f"head dims differ: q has d={dq}, k has d={dk}; q and k need the same head dim")
+        raise KernelmixError(f"head dims differ: q has d={dq}, k has d={dk}; q and k need the same head dim")
     if hk != hv and not v_heads_follow_q:
-        raise ValueError(f"k has {hk} heads but v has {hv}; k and v need the same number of heads")
+        raise KernelmixError(f"k has {hk} heads but v has {hv}; k and v need the same number of heads")
     for name, h in (("k", hk), ("v", hv)):
         if h <= 0 or hq % h != 0:
-            raise ValueError(
+            raise KernelmixError(
                 f"q has {hq} heads but {name} has {h}; the query head count must be a multiple of the "
                 f"key/value head count (grouped-query attention)"
             )
@@ -118,11 +128,12 @@ def check_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
     """Check an attention mask for queries ``[B, T, ...]`` and keys ``[B, L, ...]``: bool
     ``[B, T, L]`` (or ``[1, T, L]``, shared by the batch), True where query t reads key l."""
     expected = (q.shape[0], q.shape[1], k.shape[1])
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 3:
+    check_tensor("mask", mask, f"[B, T, L] = {expected} (True: visible)", "torch.bool")
+    if mask.dtype != torch.bool or mask.dim() != 3:
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"mask must be a bool tensor [B, T, L] = {expected} (True: visible), got {got}")
+        raise KernelmixError(f"mask must be a bool tensor [B, T, L] = {expected} (True: visible), got {got}")
     if mask.shape[0] not in (1, expected[0]) or tuple(mask.shape[1:]) != expected[1:]:
-        raise ValueError(f"mask must have shape [B, T, L] = {expected} (or [1, T, L]), got {tuple(mask.shape)}")
+        raise KernelmixError(f"mask must have shape [B, T, L] = {expected} (or [1, T, L]), got {tuple(mask.shape)}")
 
 
 def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:
@@ -130,9 +141,10 @@ def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:
     if x is None:
         return
     expected = tuple(q.shape[:3])
-    if not isinstance(x, Tensor) or tuple(x.shape) != expected:
+    check_tensor(name, x, f"[B, T, H] = {expected}")
+    if tuple(x.shape) != expected:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{name} must have shape [B, T, H] = {expected}, got {got}")
+        raise KernelmixError(f"{name} must have shape [B, T, H] = {expected}, got {got}")
 
 
 def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, positive: bool) -> Tensor:
@@ -141,23 +153,52 @@ def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, 
         if value.dim() == 0:
             value = value.expand(num_heads)
         if tuple(value.shape) != (num_heads,):
-            raise ValueError(f"{name} must be a float or a tensor of shape [H] = ({num_heads},), got {tuple(value.shape)}")
+            raise KernelmixError(f"{name} must be a float or a tensor of shape [H] = ({num_heads},), got {tuple(value.shape)}")
         if positive and bool((value.detach() <= 0).any()):
-            raise ValueError(f"{name} must be > 0 for every head, got min {value.detach().min().item():g}")
+            raise KernelmixError(f"{name} must be > 0 for every head, got min {value.detach().min().item():g}")
         return value.to(dtype=like.dtype, device=like.device)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KernelmixError(f"{name} must be a float or a torch.Tensor of shape [H] = ({num_heads},), got {type(value).__name__}")
     value = float(value)
     if positive and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value:g}")
+        raise KernelmixError(f"{name} must be > 0, got {value:g}")
     return torch.full((num_heads,), value, dtype=like.dtype, device=like.device)
+
+
+def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]], *, same_length: tuple[str, ...] = ()) -> None:
+    """Check a decode state handed to ``op``: an instance of ``cls`` whose tensor fields have the
+    expected shapes (``fields``: name → (shape with None for a free dim, its layout in words)); the
+    fields named in ``same_length`` must agree on dim 1 (the cached tokens)."""
+    if not isinstance(state, cls):
+        raise KernelmixError(
+            f"{op}: state must be a {cls.__name__} (returned by the parallel op with return_state=True or by the "
+            f"previous step), or None to start a sequence; got {type(state).__name__}"
+        )
+    for name, (expected, layout) in fields.items():
+        value = getattr(state, name)
+        fits = isinstance(value, Tensor) and value.dim() == len(expected)
+        fits = fits and all(e is None or e == g for e, g in zip(expected, value.shape))
+        if not fits:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            want = "(" + ", ".join("t" if e is None else str(e) for e in expected) + ")"
+            raise KernelmixError(
+                f"{op}: the state does not fit: state.{name} has shape {got}, expected {layout} = {want}; "
+                "it was built for another batch size, number of heads, head dim or projection — pass the "
+                "state this op (this layer) returned for the same sequence"
+            )
+    lengths = {name: getattr(state, name).shape[1] for name in same_length}
+    if len(set(lengths.values())) > 1:
+        raise KernelmixError(f"{op}: the state is inconsistent: its cached lengths differ ({lengths}); pass an unmodified state")
 
 
 def check_chunk_size(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        raise KernelmixError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
 def expand_heads(x: Tensor, num_heads: int, dim: int = 2) -> Tensor:
     """Repeat grouped key/value heads so there is one per query head (no copy when equal)."""
+    check_tensor("x", x, "[B, T, H, ...]")
     h = x.shape[dim]
     if h == num_heads:
         return x
@@ -175,9 +216,9 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
         return
     if not isinstance(doc_start, Tensor) or tuple(doc_start.shape) != (batch, length):
         got = tuple(doc_start.shape) if isinstance(doc_start, Tensor) else type(doc_start).__name__
-        raise ValueError(f"doc_start must have shape [B, T] = {(batch, length)}, got {got}")
+        raise KernelmixError(f"doc_start must have shape [B, T] = {(batch, length)}, got {got}")
     if doc_start.is_floating_point() or doc_start.dtype == torch.bool:
-        raise ValueError(f"doc_start must be an integer tensor (absolute token indices), got {doc_start.dtype}")
+        raise KernelmixError(f"doc_start must be an integer tensor (absolute token indices), got {doc_start.dtype}")
     index = offset + torch.arange(length, device=doc_start.device)
     out_of_range = (doc_start < 0) | (doc_start > index)
     # Documents are contiguous runs: every token starts one or continues the previous token's. The
@@ -188,12 +229,12 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
     if not bool(out_of_range.any() | broken.any()):  # one device sync for both checks
         return
     if bool(out_of_range.any()):
-        raise ValueError(
+        raise KernelmixError(
             "doc_start[b, i] must lie in [0, i] (the first token of token i's document, in absolute indices "
             f"starting at {offset}); got values outside that range"
         )
     b, i = (int(x) for x in broken.nonzero()[0])
-    raise ValueError(
+    raise KernelmixError(
         "doc_start must describe contiguous documents: each token starts a document (doc_start[b, i] = its "
         f"own index) or continues the previous token's; in batch row {b}, the token at index {offset + i + 1} "
         f"has doc_start {int(current[b, i])} after {int(previous[b, i])}. (A CausalLM derives doc_start from "
@@ -225,3 +266,90 @@ def masked_softmax(logits: Tensor, hidden: Tensor) -> Tensor:
     empty = hidden.all(dim=-1, keepdim=True)
     logits = logits.masked_fill(hidden, float("-inf")).masked_fill(empty, 0.0)
     return logits.softmax(dim=-1).masked_fill(hidden, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs (NaN, ±inf)
+#
+# A dense masked product gives a hidden entry the weight 0, and 0 · NaN = NaN: a NaN value at
+# position t (or a NaN key behind an additive −inf mask) reached rows < t and other documents in
+# every op, and the random-feature ratio then turned whole rows into exact zeros. So the fast paths
+# zero the (token, head) inputs that hold a NaN or ±inf before computing — a row that cannot see them
+# is then bitwise what the clean input gives, since every op is causal for finite inputs — and set
+# to NaN afterwards every row that can see one: a later row of the same document for the causal ops,
+# a row whose mask shows it for the masked ones. That is what the math gives (one NaN in a sum makes
+# it NaN) and what SDPA does for the rows it should reach. A whole row is set, not just the
+# affected value columns: a NaN key spoils every column anyway.
+#
+# Cost: on the CPU one reduction per input and a sync (free there) decide, so finite inputs run
+# exactly as before; elsewhere nothing syncs and the masks are always built: a few elementwise passes
+# over the inputs, O(T·H·d), beside the op's own O(T·C·d) or more.
+
+
+def scan_syncs(device: torch.device) -> bool:
+    """Whether the non-finite scan may sync to skip the guard for finite inputs (the CPU: syncs are free)."""
+    return device.type == "cpu"
+
+
+class NonFinite:
+    """The (token, head) pairs of an op's inputs that hold a NaN or ±inf (see :func:`find_nonfinite`).
+
+    ``masks``: per input name, ``[B, T, H_x]`` booleans; ``bad``: their union on the ``heads`` query
+    heads, ``[B, T, H]``."""
+
+    def __init__(self, masks: dict[str, Tensor], heads: int):
+        self.masks = masks
+        bad = None
+        for mask in masks.values():
+            mask = expand_heads(mask, heads)
+            bad = mask if bad is None else bad | mask
+        self.bad = bad
+
+    def zeroed(self, name: str, x: Tensor | None) -> Tensor | None:
+        """``x`` (the input called ``name``) with its non-finite tokens set to 0 (a select: its
+        backward keeps only the boolean mask)."""
+        if x is None or name not in self.masks:
+            return x
+        mask = self.masks[name]
+        return x.masked_fill(mask[..., None] if x.dim() == mask.dim() + 1 else mask, 0.0)
+
+    def poison_causal(self, out: Tensor, doc_start: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """``out`` ``[B, T, H, d]`` with NaN rows wherever a causal row sees a non-finite token: the
+        token itself and every later token of its document (``doc_start`` ``[B, T]`` in absolute
+        indices; token i sits at ``offset + i``)."""
+        return out.masked_fill(reaches_causal(self.bad, doc_start, offset)[..., None], float("nan"))
+
+    def poison_visible(self, out: Tensor, visible: Tensor) -> Tensor:
+        """``out`` ``[B, T, H, d]`` with NaN rows where ``visible`` ``[B or 1, H or 1, T, L]`` shows a
+        non-finite key token (``bad`` is ``[B, L, H]`` here)."""
+        reached = (visible & self.bad.transpose(1, 2)[:, :, None, :]).any(-1)  # [B, H, T]
+        return out.masked_fill(reached.transpose(1, 2)[..., None], float("nan"))
+
+
+def _token_mask(x: Tensor) -> Tensor:
+    """``[B, T, H]`` True where the token's head holds a NaN or ±inf (``x`` ``[B, T, H, d]`` or ``[B, T, H]``)."""
+    finite = torch.isfinite(x.detach())
+    return ~finite.all(-1) if x.dim() == 4 else ~finite
+
+
+def find_nonfinite(inputs: dict[str, Tensor | None], heads: int, *, always: bool = False) -> NonFinite | None:
+    """The non-finite tokens of ``inputs`` (name → ``[B, T, H_x, d]`` or ``[B, T, H_x]``, None
+    skipped), or None when :func:`scan_syncs` allows a check and every entry is finite (never None
+    with ``always``: the dense references build the masks unconditionally)."""
+    present = {name: x for name, x in inputs.items() if x is not None}
+    device = next(iter(present.values())).device
+    # a sum is non-finite whenever an entry is (inf + finite = inf, NaN wins, inf − inf = NaN); a
+    # finite input whose sum overflows only takes the exact path below
+    if not always and scan_syncs(device) and all(bool(torch.isfinite(x.detach().sum())) for x in present.values()):
+        return None
+    return NonFinite({name: _token_mask(x) for name, x in present.items()}, heads)
+
+
+def reaches_causal(bad: Tensor, doc_start: Tensor | None, offset: int = 0) -> Tensor:
+    """``[B, T, H]``: True where token i sees a token j ≤ i of its own document with ``bad[b, j, h]``
+    (``doc_start`` ``[B, T]`` absolute; token i at index ``offset + i``). The latest bad index so far
+    (a cummax) against the document's start: O(T) per head, no T×T mask."""
+    index = offset + torch.arange(bad.shape[1], device=bad.device)
+    latest = torch.where(bad, index[None, :, None], -1).cummax(dim=1).values
+    start = 0 if doc_start is None else doc_start[:, :, None]
+    return latest >= start

@@ -193,12 +193,13 @@ class _RectangleSolve(torch.autograd.Function):
         exact_at, exact_rows = [], []  # Y of the rows with β < BETA_EXACT (see full_rows in _backward)
         offset = -1 if strict else 0  # the diagonal blocks' visible entries: on or below this diagonal
         size = min(leaf, max(length, 1))
-        hidden_bias = x.new_zeros(size, size).masked_fill_(causal_hidden(size, strict, x.device), float("-inf"))
+        hidden = causal_hidden(size, strict, x.device)
         flash = getattr(torch.ops.aten, _FLASH_FORWARD)
 
         def leaf_forward(bs, i0, i1):
             logits = _diagonal_logits(x[bs, :, i0:i1], _keys(x, y, y_scale, bs, i0, i1), scale)
-            block_max = (logits + hidden_bias[: i1 - i0, : i1 - i0]).amax(dim=-1)
+            # a select, not an additive −inf bias: a NaN logit of a later column must not reach the row's max
+            block_max = logits.masked_fill(hidden[: i1 - i0, : i1 - i0], float("-inf")).amax(dim=-1)
             block_max.masked_fill_(torch.isinf(block_max), 0.0)  # nothing visible (strict mask, first row)
             exps = _visible_exp_(logits.sub_(block_max[..., None]), offset)
             before = lse[bs, :, i0:i1]  # the rectangles' share of each row (−inf: none)

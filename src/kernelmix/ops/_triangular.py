@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ._common import autocast_off
 from ._solve_blocked import blocked_solve
 from ._solve_rectangles import rectangle_solve, rectangles_applicable
@@ -32,7 +33,7 @@ SOLVERS = ("auto", "blocked", "rectangles")
 
 def check_solver(solver: str) -> None:
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r} (choose from: {', '.join(SOLVERS)})")
+        raise KernelmixError(f"unknown solver {solver!r} (choose from: {', '.join(SOLVERS)})")
 
 
 def kernel_triangular_solve(
@@ -62,11 +63,11 @@ def kernel_triangular_solve(
     ``chunk_size`` is the blocked solve's row block; the CPU rectangle solve uses diagonal blocks
     of max(chunk_size, ``RECT_MIN_LEAF``) rows (smaller ones only add small, slow calls).
     ``solver``: "auto" (the rectangles on CPU where dk == dv, else the blocked solve), "blocked" or
-    "rectangles" (a RuntimeError where it cannot run); anything else is a ValueError.
+    "rectangles" (a RuntimeError where it cannot run); anything else is a KernelmixError (a ValueError).
     Returns U as a ``[B, H, T, dv]`` view of a ``[B, T, H, dv]`` tensor."""
     check_solver(solver)
     if y is not None and y_scale is not None:
-        raise ValueError("y_scale applies only when y is None (y = x ⊙ y_scale)")
+        raise KernelmixError("y_scale applies only when y is None (y = x ⊙ y_scale)")
     common = dict(beta=beta, gamma=gamma, y_scale=y_scale, b_scale=b_scale, doc_start=doc_start, scale=scale,
                   strict=strict, chunk_size=chunk_size)
     with autocast_off(x):  # bf16 autocast must not reach the solve

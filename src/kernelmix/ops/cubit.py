@@ -18,21 +18,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ._common import (
+    NonFinite,
     autocast_off,
     check_4d,
     check_chunk_size,
     check_doc_start,
     check_per_token_heads,
     check_qkv,
+    check_state,
     compute_dtype,
     expand_heads,
+    find_nonfinite,
     per_head,
     readout_values,
     softmax_scale,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import softmax_attention, softmax_attention_naive
+from .softmax import causal_softmax_attention, softmax_attention_naive
 
 REFERENCE_NORM_EPS = 1e-6
 
@@ -56,7 +60,7 @@ def _check_cubit_inputs(q, k, v, r, rho) -> None:
     check_qkv(q, k, v)
     check_4d("r", r)
     if tuple(r.shape[:3]) != tuple(q.shape[:3]):
-        raise ValueError(
+        raise KernelmixError(
             f"r must have shape [B, T, H, d_r] with the query's B, T and H = {tuple(q.shape[:3])}, "
             f"got {tuple(r.shape)}"
         )
@@ -87,12 +91,30 @@ def cubit_solve(
     """The kernel-ridge step alone: returns ``(U, r̂)``, both ``[B, T, H, *]`` in the compute dtype.
 
     ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
-    ``solver`` as in :func:`cubit_attention`.
+    ``solver`` as in :func:`cubit_attention`. A NaN or ±inf in r, v or ρ at token t makes the rows
+    ≥ t of U in its document NaN (and r̂_t, for a non-finite r_t); the other rows are unaffected.
     """
-    return _cubit_solve(
-        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start,
-        solver=solver, want_r_hat=True,
+    check_4d("r", r)
+    check_4d("v", v)
+    check_per_token_heads("rho", rho, r)
+    guard = find_nonfinite({"v": v, "r": r, "rho": rho}, r.shape[2])
+    u, r_hat = _cubit_solve(
+        r if guard is None else guard.zeroed("r", r), v if guard is None else guard.zeroed("v", v),
+        rho=rho if guard is None else guard.zeroed("rho", rho), ridge=ridge, ref_scale=ref_scale,
+        chunk_size=chunk_size, doc_start=doc_start, solver=solver, want_r_hat=True,
     )
+    return _poisoned_solution(guard, u, r_hat, doc_start)
+
+
+def _poisoned_solution(guard: NonFinite | None, u: Tensor, r_hat: Tensor | None, doc_start) -> tuple[Tensor, Tensor | None]:
+    """U (and r̂) of a solve on zeroed inputs, with NaN back where the inputs had it: the rows of U
+    that see a non-finite token, and r̂ of a non-finite reference."""
+    if guard is None:
+        return u, r_hat
+    u = guard.poison_causal(u, doc_start)
+    if r_hat is not None and "r" in guard.masks:
+        r_hat = r_hat.masked_fill(guard.masks["r"][..., None], float("nan"))
+    return u, r_hat
 
 
 def _cubit_solve(
@@ -101,7 +123,7 @@ def _cubit_solve(
     check_4d("r", r)
     check_4d("v", v)
     if r.shape[:2] != v.shape[:2] or r.shape[2] % v.shape[2]:
-        raise ValueError(
+        raise KernelmixError(
             f"r {tuple(r.shape)} and v {tuple(v.shape)} must share B and T, and r's head count must be a "
             "multiple of v's"
         )
@@ -157,17 +179,23 @@ def cubit_attention(
     ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
     on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
     d_r == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
-    Output: ``[B, T, H, d_v]`` in v's dtype.
+    Output: ``[B, T, H, d_v]`` in v's dtype. A NaN or ±inf in k, v, r or ρ at token t makes rows
+    ≥ t of its document NaN (U is causal); every other row is what the clean input gives.
     """
     _check_cubit_inputs(q, k, v, r, rho)
-    u, r_hat = _cubit_solve(
-        r, v, rho=rho, ridge=ridge, ref_scale=ref_scale, chunk_size=chunk_size, doc_start=doc_start,
-        solver=solver, want_r_hat=return_state,
-    )
     heads = q.shape[2]
-    out = softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start).to(
-        v.dtype
+    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)
+    keys = k if guard is None else guard.zeroed("k", k)
+    u, r_hat = _cubit_solve(
+        r if guard is None else guard.zeroed("r", r), v if guard is None else guard.zeroed("v", v),
+        rho=rho if guard is None else guard.zeroed("rho", rho), ridge=ridge, ref_scale=ref_scale,
+        chunk_size=chunk_size, doc_start=doc_start, solver=solver, want_r_hat=return_state,
     )
+    out = causal_softmax_attention(q, expand_heads(keys, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
+    out = out.to(v.dtype)
+    if guard is not None:
+        out = guard.poison_causal(out, doc_start)
+        u, r_hat = _poisoned_solution(guard, u, r_hat, doc_start)
     if return_state:
         return out, CubitState(k=k, u=u, r_hat=r_hat)
     return out
@@ -185,10 +213,13 @@ def cubit_attention_naive(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> Tensor:
-    """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly)."""
+    """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly).
+    Non-finite k, v, r or ρ are zeroed and every row that sees one is NaN (as the fast path)."""
     _check_cubit_inputs(q, k, v, r, rho)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)
+    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads, always=True)
+    k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
     dtype = compute_dtype(q, k, v, r)
     lam = per_head("ridge", ridge, heads, r.to(dtype), positive=True)
     s = per_head("ref_scale", ref_scale, heads, r.to(dtype), positive=True)
@@ -203,9 +234,8 @@ def cubit_attention_naive(
     if rho is not None:
         values = rho.to(dtype)[..., None] * values
     u = torch.linalg.solve_triangular(system, values.transpose(1, 2), upper=False).transpose(1, 2)
-    return softmax_attention_naive(
-        q.to(dtype), expand_heads(k, heads).to(dtype), u, scale=scale, doc_start=doc_start
-    ).to(v.dtype)
+    out = softmax_attention_naive(q.to(dtype), expand_heads(k, heads).to(dtype), u, scale=scale, doc_start=doc_start)
+    return guard.poison_visible(out, visible).to(v.dtype)
 
 
 def cubit_attention_step(
@@ -227,8 +257,17 @@ def cubit_attention_step(
     """
     _check_cubit_inputs(q, k, v, r, rho)
     if q.shape[1] != 1:
-        raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_attention for prefill")
     heads = q.shape[2]
+    if state is not None:
+        batch = q.shape[0]
+        check_state(
+            "cubit_attention_step", state, CubitState,
+            {"k": ((batch, None, *k.shape[2:]), "[B, t, H_kv, d]"),
+             "u": ((batch, None, heads, v.shape[3]), "[B, t, H, d_v]"),
+             "r_hat": ((batch, None, heads, r.shape[3]), "[B, t, H, d_r]")},
+            same_length=("k", "u", "r_hat"),
+        )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible: −inf logits

@@ -16,13 +16,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
+from ._common import check_tensor
+
 
 def _check_samples(name: str, x: Any) -> None:
-    if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
-        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a floating tensor of shape [N, H, d], got {got}")
+    check_tensor(name, x, "[N, H, d]")
+    if x.dim() != 3 or not x.is_floating_point():
+        raise KernelmixError(f"{name} must be a floating tensor of shape [N, H, d], got {x.dtype} {tuple(x.shape)}")
     if x.shape[0] == 0:
-        raise ValueError(f"{name} has no samples (N = 0)")
+        raise KernelmixError(f"{name} has no samples (N = 0); calibrate on at least one token")
+    finite = torch.isfinite(x).flatten(1).all(-1)  # [N] (one sync; calibration, not a hot path)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[:, 0]
+        raise KernelmixError(
+            f"{name} holds NaN or ±inf in {bad.numel()} of {x.shape[0]} samples (the first at sample "
+            f"{int(bad[0])}); the moments would be NaN (or silently wrong). Calibrate on finite activations: "
+            "drop those tokens, or run the calibration forward in float32 if the model overflows in float16/bfloat16"
+        )
 
 
 def _symmetric_function(mat: Tensor, fn) -> Tensor:
@@ -42,14 +53,14 @@ def regularised_second_moments(q_samples: Tensor, k_samples: Tensor, eps: float 
     _check_samples("k_samples", k_samples)
     heads, head_dim = q_samples.shape[1], q_samples.shape[2]
     if k_samples.shape[2] != head_dim:
-        raise ValueError(f"q_samples have head dim {head_dim} but k_samples have {k_samples.shape[2]}")
+        raise KernelmixError(f"q_samples have head dim {head_dim} but k_samples have {k_samples.shape[2]}")
     if heads % k_samples.shape[1]:
-        raise ValueError(
+        raise KernelmixError(
             f"q_samples have {heads} heads, k_samples {k_samples.shape[1]}; the query head count must be a "
             f"multiple of the key head count"
         )
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive number (real q/k have exactly-zero dimensions), got {eps!r}")
+        raise KernelmixError(f"eps must be a positive number (real q/k have exactly-zero dimensions), got {eps!r}")
     k_samples = k_samples.repeat_interleave(heads // k_samples.shape[1], dim=1)
     scale = head_dim**-0.25
     eye = torch.eye(head_dim, dtype=torch.float64, device=q_samples.device)

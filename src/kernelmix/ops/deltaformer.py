@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ._common import (
     autocast_off,
     check_4d,
@@ -22,14 +23,16 @@ from ._common import (
     check_doc_start,
     check_per_token_heads,
     check_qkv,
+    check_state,
     compute_dtype,
     expand_heads,
+    find_nonfinite,
     masked_softmax,
     readout_values,
     softmax_scale,
 )
 from ._triangular import kernel_triangular_solve
-from .softmax import softmax_attention, softmax_attention_naive
+from .softmax import causal_softmax_attention, softmax_attention_naive
 
 
 @dataclass
@@ -52,7 +55,7 @@ def _check_inputs(q, k, v, beta, w) -> None:
         check_4d("w", w)
         heads = q.shape[2]
         if w.shape[0] != q.shape[0] or w.shape[1] != q.shape[1] or w.shape[3] != q.shape[3] or heads % w.shape[2]:
-            raise ValueError(
+            raise KernelmixError(
                 f"w must have shape [B, T, H_w, d] with q's B, T, d and H divisible by H_w; "
                 f"q is {tuple(q.shape)}, w is {tuple(w.shape)}"
             )
@@ -77,12 +80,18 @@ def deltaformer_attention(
     ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document).
     ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
     on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
-    d == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding."""
+    d == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
+    A NaN or ±inf in k, v, β or w at token t makes rows ≥ t of its document NaN; every other row is
+    what the clean input gives."""
     _check_inputs(q, k, v, beta, w)
     check_chunk_size(chunk_size)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]
     dtype = compute_dtype(q, k, v, k if w is None else w)
+    guard = find_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads)
+    k_in, v_in = k, v
+    if guard is not None:
+        k, v, beta, w = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("beta", beta), ("w", w)))
     keys = expand_heads(k, heads).to(dtype).transpose(1, 2)
     u = kernel_triangular_solve(
         keys if w is None else expand_heads(w, heads).to(dtype).transpose(1, 2),
@@ -96,11 +105,12 @@ def deltaformer_attention(
         doc_start=doc_start,
         solver=solver,
     ).transpose(1, 2)
-    out = softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start).to(
-        v.dtype
-    )
+    out = causal_softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
+    out = out.to(v_in.dtype)
+    if guard is not None:
+        out, u = guard.poison_causal(out, doc_start), guard.poison_causal(u, doc_start)
     if return_state:
-        return out, DeltaFormerState(k=k, u=u)
+        return out, DeltaFormerState(k=k_in, u=u)
     return out
 
 
@@ -114,10 +124,13 @@ def deltaformer_attention_naive(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> Tensor:
-    """Reference: the recurrence of the definition, one token at a time (float64-friendly)."""
+    """Reference: the recurrence of the definition, one token at a time (float64-friendly).
+    Non-finite k, v, β or w are zeroed and every row that sees one is NaN (as the fast path)."""
     _check_inputs(q, k, v, beta, w)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)
+    guard = find_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads, always=True)
+    k, v, beta, w = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("beta", beta), ("w", w)))
     w = k if w is None else w
     dtype = compute_dtype(q, k, v, w)
     sc = softmax_scale(q, scale)
@@ -139,8 +152,12 @@ def deltaformer_attention_naive(
         mixed = torch.einsum("bhj,bjhd->bhd", weights, past_u)
         b_i = 1.0 if beta is None else beta[:, i].to(dtype)[..., None]
         us.append(vv[:, i] - b_i * mixed)
-    u = torch.stack(us, dim=1)
-    return softmax_attention_naive(q.to(dtype), kk, u, scale=scale, doc_start=doc_start).to(v.dtype)
+    u = torch.stack(us, dim=1) if us else vv
+    out = softmax_attention_naive(q.to(dtype), kk, u, scale=scale, doc_start=doc_start)
+    seen = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if doc_start is not None:
+        seen = seen & (torch.arange(length, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
+    return guard.poison_visible(out, seen).to(v.dtype)
 
 
 def deltaformer_attention_step(
@@ -157,10 +174,17 @@ def deltaformer_attention_step(
     """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens."""
     _check_inputs(q, k, v, beta, w)
     if q.shape[1] != 1:
-        raise ValueError(
+        raise KernelmixError(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use deltaformer_attention for prefill"
         )
     heads = q.shape[2]
+    if state is not None:
+        check_state(
+            "deltaformer_attention_step", state, DeltaFormerState,
+            {"k": ((q.shape[0], None, *k.shape[2:]), "[B, t, H_kv, d]"),
+             "u": ((q.shape[0], None, heads, v.shape[3]), "[B, t, H, d_v]")},
+            same_length=("k", "u"),
+        )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible

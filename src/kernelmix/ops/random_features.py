@@ -13,26 +13,37 @@ the same exp(−s_i), so the ratio is unchanged, and s_i depends only on tokens 
 their own s_j are brought to s_i by the factor exp(s_j − s_i) ≤ 1, which never overflows. The state
 (S, z) is kept at scale exp(−shift) and rescaled when the shift grows, in the chunked pass and in
 decode alike. No additive epsilon enters the ratio; a row whose denominator underflows (below √tiny:
-no numerically visible key mass) gets 0 and zero gradients instead of 0/0 (:func:`safe_ratio`).
+no numerically visible key mass) gets 0 and zero gradients instead of 0/0 (:func:`safe_ratio`), and
+the ops say so once per process (:class:`UnderflowWarning`, checked by :data:`UNDERFLOW_CHECK`).
+A NaN or ±inf input is never turned into zeros: the rows that see it are NaN, the others exact
+(``_common``, non-finite inputs).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ._common import (
+    NonFinite,
     autocast_off,
     check_4d,
     check_chunk_size,
     check_doc_start,
     check_mask,
     check_qkv,
+    check_state,
+    check_tensor,
     compute_dtype,
     expand_heads,
+    find_nonfinite,
+    reaches_causal,
+    scan_syncs,
 )
 
 
@@ -52,7 +63,8 @@ class RandomFeatureState:
 
 
 def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """numerator / denominator, and 0 where the denominator is below √tiny of its dtype.
+    """numerator / denominator, and 0 where the denominator is below √tiny of its dtype (a NaN
+    denominator stays NaN: a non-finite input must not come out as a zero row).
 
     Such a row has no numerically visible key mass: with very anisotropic inputs (seen on Gemma 3
     270M after a few DARKFormer finetuning steps, ‖Mq‖² ≈ 5·10⁴) a query's dominant features can
@@ -60,19 +72,79 @@ def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
     division's backward divides by the denominator again, so anything below √tiny overflows there.
     The selects (not a multiplication by a mask) keep the gradients of those rows exactly 0, not
     NaN. Rows above the floor are untouched, so ordinary inputs give bit-identical results."""
-    floor = math.sqrt(torch.finfo(denominator.dtype).tiny)
-    ok = denominator > floor
-    safe = torch.where(ok, denominator, torch.ones_like(denominator))
-    return torch.where(ok, numerator / safe, torch.zeros_like(numerator))
+    empty = denominator <= underflow_floor(denominator.dtype)  # False for NaN
+    safe = torch.where(empty, torch.ones_like(denominator), denominator)
+    return torch.where(empty, torch.zeros_like(numerator), numerator / safe)
+
+
+def underflow_floor(dtype: torch.dtype) -> float:
+    """√tiny of ``dtype``: a denominator at or below it gives a zero row (:func:`safe_ratio`)."""
+    return math.sqrt(torch.finfo(dtype).tiny)
+
+
+class UnderflowWarning(RuntimeWarning):
+    """Random-feature attention gave exactly-zero rows: their denominators underflowed."""
+
+
+class UnderflowCheck:
+    """Warns once per process (an :class:`UnderflowWarning`) when some rows of random-feature
+    attention came out exactly 0 because the estimator's denominator φ(q)·Σφ(k) underflowed.
+
+    The check needs a device sync, so it runs on the first call and then every ``every``-th call,
+    and never again once it has warned (or while ``torch.compile`` traces): on an accelerator the
+    other calls stay sync-free. The ops call :meth:`observe` where they already have the
+    denominators; ``reset`` starts over (tests)."""
+
+    def __init__(self, every: int = 100) -> None:
+        self.every = every
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.warned = False
+
+    def observe(self, denominator: Tensor, counted: Tensor | None = None) -> None:
+        """``denominator``: one entry per output row (query token × head); ``counted``: which rows
+        count (broadcastable bool; None: all) — a row with no visible key is 0 by definition."""
+        if self.warned or torch.compiler.is_compiling():
+            return
+        self.calls += 1
+        if (self.calls - 1) % self.every or denominator.numel() == 0:
+            return
+        with torch.no_grad():
+            empty = denominator.detach() <= underflow_floor(denominator.dtype)
+            if counted is None:
+                counted = torch.ones_like(empty)
+            counted = counted.expand_as(empty)
+            zero_rows, rows = torch.stack([(empty & counted).sum(), counted.sum()]).tolist()  # the one sync
+        if zero_rows:
+            self.warned = True
+            warnings.warn(_underflow_message(zero_rows, rows, self.every), UnderflowWarning, stacklevel=3)
+
+
+def _underflow_message(zero_rows: int, rows: int, every: int) -> str:
+    return (
+        f"random-feature attention: {zero_rows / rows:.1%} of the output rows ({zero_rows} of {rows} query "
+        "tokens × heads) came out exactly 0: their denominator φ(q)·Σφ(k) underflowed (every random feature "
+        "that dominates the query misses every key). This is the estimator's limit, not a bug, but those "
+        "rows carry no information. What helps: more random features (num_features), a smaller logit scale "
+        "(temperature) of q and k, the data-aware transform (DARKFormer; RandomFeatureMap.whiten_), or "
+        "float64 inputs (float32 and bfloat16 inputs are computed in float32). "
+        f"(Checked on the first call and every {every}th; shown once per process.)"
+    )
+
+
+#: The process-wide underflow check of the random-feature ops (see :class:`UnderflowCheck`).
+UNDERFLOW_CHECK = UnderflowCheck()
 
 
 def _check_feature_dims(num_features: int, head_dim: int, num_heads: int | None) -> None:
-    if not isinstance(num_features, int) or num_features <= 0:
-        raise ValueError(f"num_features (m) must be a positive int, got {num_features!r}")
+    if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+        raise KernelmixError(f"num_features (m) must be a positive int, got {num_features!r}")
     if not isinstance(head_dim, int) or head_dim <= 0:
-        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        raise KernelmixError(f"head_dim must be a positive int, got {head_dim!r}")
     if num_heads is not None and (not isinstance(num_heads, int) or num_heads <= 0):
-        raise ValueError(f"num_heads must be a positive int or None, got {num_heads!r}")
+        raise KernelmixError(f"num_heads must be a positive int or None, got {num_heads!r}")
 
 
 def gaussian_random_features(
@@ -141,29 +213,33 @@ def feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None, *, n
 
 
 def _check_projection(projection: Tensor, transform: Tensor | None, heads: int, head_dim: int) -> None:
-    if not isinstance(projection, Tensor) or projection.dim() not in (2, 3):
-        got = tuple(projection.shape) if isinstance(projection, Tensor) else type(projection).__name__
-        raise ValueError(f"projection must be a tensor [m, d] or [H, m, d], got {got}")
+    check_tensor("projection", projection, "[m, d] or [H, m, d]")
+    if projection.dim() not in (2, 3):
+        raise KernelmixError(f"projection must be a tensor [m, d] or [H, m, d], got {tuple(projection.shape)}")
     if projection.shape[-2] <= 0:
-        raise ValueError(f"projection has m = {projection.shape[-2]} features; m must be ≥ 1")
+        raise KernelmixError(f"projection has m = {projection.shape[-2]} features; m must be ≥ 1")
     if projection.shape[-1] != head_dim:
-        raise ValueError(f"projection rows have dim {projection.shape[-1]} but the head dim is {head_dim}")
+        raise KernelmixError(f"projection rows have dim {projection.shape[-1]} but the head dim is {head_dim}")
     if projection.dim() == 3 and projection.shape[0] != heads:
-        raise ValueError(f"projection has {projection.shape[0]} heads but q has {heads}; use [m, d] or [H, m, d]")
-    if transform is not None and (not isinstance(transform, Tensor) or tuple(transform.shape) != (heads, head_dim, head_dim)):
-        got = tuple(transform.shape) if isinstance(transform, Tensor) else type(transform).__name__
-        raise ValueError(f"transform (M) must have shape [H, d, d] = {(heads, head_dim, head_dim)}, got {got}")
+        raise KernelmixError(f"projection has {projection.shape[0]} heads but q has {heads}; use [m, d] or [H, m, d]")
+    if transform is not None:
+        check_tensor("transform", transform, "[H, d, d]")
+    if transform is not None and tuple(transform.shape) != (heads, head_dim, head_dim):
+        got = tuple(transform.shape)
+        raise KernelmixError(f"transform (M) must have shape [H, d, d] = {(heads, head_dim, head_dim)}, got {got}")
 
 
 def positive_random_features(x: Tensor, projection: Tensor, *, transform: Tensor | None = None) -> Tensor:
     """The positive feature map φ(x) (docs/math.md §6–7), ``[B, T, H, d]`` → ``[B, T, H, m]``, unstabilised.
 
-    E[φ(q)·φ(k)] = exp(qᵀ Σ k / √d) with Σ = MᵀM (Σ = I when ``transform`` is None)."""
+    E[φ(q)·φ(k)] = exp(qᵀ Σ k / √d) with Σ = MᵀM (Σ = I when ``transform`` is None). Computed in
+    float32 (float64 for float64 inputs) with autocast off, as the attention ops compute it."""
     check_4d("x", x)
     _check_projection(projection, transform, x.shape[2], x.shape[3])
-    dtype = compute_dtype(x, projection)
-    logits = feature_logits(x.to(dtype), projection.to(dtype), None if transform is None else transform.to(dtype))
-    return torch.exp(logits) / math.sqrt(projection.shape[-2])
+    with autocast_off(x):
+        dtype = compute_dtype(x, projection)
+        logits = feature_logits(x.to(dtype), projection.to(dtype), None if transform is None else transform.to(dtype))
+        return torch.exp(logits) / math.sqrt(projection.shape[-2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,43 +303,108 @@ def random_feature_attention(
     ``transform`` DARKFormer's M ``[H, d, d]`` or None (Performer). ``initial_state`` continues
     from a previous call (chunked prefill / decode of several tokens). ``doc_start`` ``[B, T]``
     (absolute indices, counting the tokens of ``initial_state``) keeps packed documents / left
-    padding apart: the state restarts at every document boundary.
+    padding apart: the state restarts at every document boundary. T = 0 gives an empty output
+    (and the state unchanged).
 
     All chunks are processed at once as batched products over a ``[B, H, N, C, *]`` view (N chunks
     of C tokens, the last one padded): the intra-chunk scores, every chunk's own state contribution
     and the read-out are each one product; only the carry of the (m × d) state from chunk to chunk
     is a loop over N. Values carry an extra ones column, so one product gives numerator and
-    denominator (S and z travel together as ``[m, d_v + 1]``)."""
+    denominator (S and z travel together as ``[m, d_v + 1]``).
+
+    A NaN or ±inf in k or v at token t (or in ``initial_state``) makes the rows that see it NaN —
+    rows ≥ t of its document (the rows that continue the state) — and the returned state; every
+    other row is what the clean input gives. Rows whose denominator underflows are 0 and raise an
+    :class:`UnderflowWarning` (once per process)."""
     check_chunk_size(chunk_size)
+    check_qkv(q, k, v)
+    _check_projection(projection, transform, q.shape[2], q.shape[3])
+    guard = find_nonfinite({"k": k, "v": v}, q.shape[2])
+    if guard is not None:
+        k, v = guard.zeroed("k", k), guard.zeroed("v", v)
+    initial_state, state_bad = _finite_state(initial_state, q, v, projection)
     with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
-        q_logits, k_logits, values, _ = _prepare(q, k, v, projection, transform)
-        batch, length, heads, m = k_logits.shape
-        dv = values.shape[-1]
-        state, shift, start = _starting_state(initial_state, values, m)
-        check_doc_start(doc_start, batch, length, offset=start)
-        running = _running_key_shift(k_logits, doc_start, start, shift)  # [B, H, T]
-        chunk = min(chunk_size, max(length, 1))
-        n_chunks = -(-length // chunk)
-        pad = n_chunks * chunk - length
-        pos = (start + torch.arange(n_chunks * chunk, device=q.device)).view(n_chunks, chunk)  # absolute
-        # padding tokens continue the last document and repeat the last shift (their features are 0)
-        rows_doc = None if doc_start is None else _repeat_last(doc_start, pad).view(batch, n_chunks, chunk)
-        sc = _repeat_last(running, pad).view(batch, heads, n_chunks, chunk)
-        q_feat = _chunked(_normalised_queries(q_logits), n_chunks, chunk)
-        k_feat = _chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]), n_chunks, chunk)  # ≤ 1; padding: 0
-        ones = values.new_ones(()).expand(*values.shape[:-1], 1)
-        values = _chunked(torch.cat([values, ones], dim=-1), n_chunks, chunk)  # [V, 1]: numerator and denominator
-        scores = _intra_chunk_scores(q_feat, k_feat, sc, pos, rows_doc)
-        own_state = _chunk_states(k_feat, values, sc, pos, rows_doc)
-        last_shift = sc[..., -1]  # [B, H, N]: each chunk's own state is at scale exp(−s_last)
-        before, state, shift = _carry_states(own_state, state, shift, last_shift, pos, rows_doc)
-        shift_before = torch.cat([_initial_shift(initial_state, batch, heads, values), last_shift[..., :-1]], dim=-1)
-        out = _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc)
-        out = out.reshape(batch, heads, n_chunks * chunk, dv)[:, :, :length].transpose(1, 2).to(v.dtype)
-    if return_state:
-        final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
-        return out, final
-    return out
+        out, final, denominator = _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+    UNDERFLOW_CHECK.observe(denominator)
+    reached = _reached_rows(guard, state_bad, doc_start, final.length - q.shape[1], q.shape[:3])
+    if reached is not None:
+        out = out.masked_fill(reached[..., None], float("nan"))
+        final = _poisoned_state(final, reached[:, -1] if q.shape[1] else state_bad)
+    return (out, final) if return_state else out
+
+
+def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
+    """The chunked pass of :func:`random_feature_attention` on checked, finite inputs: returns the
+    output ``[B, T, H, d_v]`` (v's dtype), the final state and the denominators ``[B, H, T]``."""
+    q_logits, k_logits, values, _ = _prepare(q, k, v, projection, transform)
+    batch, length, heads, m = k_logits.shape
+    dv = values.shape[-1]
+    state, shift, start = _starting_state(initial_state, values, m)
+    check_doc_start(doc_start, batch, length, offset=start)
+    if length == 0:  # nothing to mix: an empty output, the state as it was
+        final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start)
+        return values.new_zeros(batch, 0, heads, dv).to(v.dtype), final, values.new_zeros(batch, heads, 0)
+    running = _running_key_shift(k_logits, doc_start, start, shift)  # [B, H, T]
+    chunk = min(chunk_size, length)
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    pos = (start + torch.arange(n_chunks * chunk, device=q.device)).view(n_chunks, chunk)  # absolute
+    # padding tokens continue the last document and repeat the last shift (their features are 0)
+    rows_doc = None if doc_start is None else _repeat_last(doc_start, pad).view(batch, n_chunks, chunk)
+    sc = _repeat_last(running, pad).view(batch, heads, n_chunks, chunk)
+    q_feat = _chunked(_normalised_queries(q_logits), n_chunks, chunk)
+    k_feat = _chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]), n_chunks, chunk)  # ≤ 1; padding: 0
+    ones = values.new_ones(()).expand(*values.shape[:-1], 1)
+    values = _chunked(torch.cat([values, ones], dim=-1), n_chunks, chunk)  # [V, 1]: numerator and denominator
+    scores = _intra_chunk_scores(q_feat, k_feat, sc, pos, rows_doc)
+    own_state = _chunk_states(k_feat, values, sc, pos, rows_doc)
+    last_shift = sc[..., -1]  # [B, H, N]: each chunk's own state is at scale exp(−s_last)
+    before, state, shift = _carry_states(own_state, state, shift, last_shift, pos, rows_doc)
+    shift_before = torch.cat([_initial_shift(initial_state, batch, heads, values), last_shift[..., :-1]], dim=-1)
+    mixed = _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc)
+    mixed = mixed.reshape(batch, heads, n_chunks * chunk, dv + 1)[:, :, :length]
+    out = safe_ratio(mixed[..., :dv], mixed[..., dv:]).transpose(1, 2).to(v.dtype)
+    final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
+    return out, final, mixed[..., dv]
+
+
+def _finite_state(state: RandomFeatureState | None, q: Tensor, v: Tensor, projection: Tensor):
+    """``(state, bad)``: the checked ``state`` with every head that holds a NaN or ±inf (a shift of
+    −inf is an empty state, not a fault) emptied, and which heads those were, ``[B, H]`` (None: no
+    state, or found finite with a sync on the CPU; see ``_common``, non-finite inputs)."""
+    if state is None:
+        return None, None
+    _check_state(state, q.shape[0], q.shape[2], projection.shape[-2], v.shape[3])
+    finite = torch.isfinite(state.S.detach()).flatten(2).all(-1) & torch.isfinite(state.z.detach()).all(-1)
+    bad = ~(finite & (state.shift.detach() < float("inf")))
+    if scan_syncs(bad.device) and not bool(bad.any()):
+        return state, None
+    emptied = RandomFeatureState(
+        S=state.S.masked_fill(bad[..., None, None], 0.0), z=state.z.masked_fill(bad[..., None], 0.0),
+        shift=state.shift.masked_fill(bad, float("-inf")), length=state.length,
+    )
+    return emptied, bad
+
+
+def _reached_rows(guard: NonFinite | None, state_bad: Tensor | None, doc_start, start: int, shape) -> Tensor | None:
+    """``[B, T, H]``: the rows that see a non-finite token (causally, in their document) or continue
+    a non-finite state; None when there is neither."""
+    reached = None if guard is None else reaches_causal(guard.bad, doc_start, start)
+    if state_bad is not None:
+        batch, length, _ = shape
+        continues = doc_start < start if doc_start is not None else state_bad.new_ones(batch, length)
+        carried = continues[:, :, None] & state_bad[:, None, :]
+        reached = carried if reached is None else reached | carried
+    return reached
+
+
+def _poisoned_state(state: RandomFeatureState, bad: Tensor) -> RandomFeatureState:
+    """``state`` with NaN in every head ``bad`` ``[B, H]`` marks (its document saw a non-finite input)."""
+    nan = float("nan")
+    return RandomFeatureState(
+        S=state.S.masked_fill(bad[..., None, None], nan), z=state.z.masked_fill(bad[..., None], nan),
+        shift=state.shift.masked_fill(bad, nan), length=state.length,
+    )
 
 
 def _starting_state(initial_state: RandomFeatureState | None, values: Tensor, m: int) -> tuple[Tensor, Tensor, int]:
@@ -346,17 +487,15 @@ def _carry_states(own_state, state, shift, last_shift, pos, rows_doc) -> tuple[T
 
 
 def _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc) -> Tensor:
-    """o = (intra-chunk part + the carried state read at scale exp(−s_i)) as numerator / denominator,
-    ``[B, H, N, C, d_v]``. The carried state (at exp(−shift_before)) reaches row i with the factor
+    """The intra-chunk part + the carried state read at scale exp(−s_i): numerator and denominator
+    of o, ``[B, H, N, C, d_v + 1]``. The carried state (at exp(−shift_before)) reaches row i with the factor
     exp(shift_before − s_i) ≤ 1, and only rows whose document began before their chunk read it."""
-    dv = values.shape[-1] - 1
     if rows_doc is None:
         carry_ok = torch.ones_like(sc, dtype=torch.bool)
     else:
         carry_ok = (rows_doc < pos[:, 0, None])[:, None].expand_as(sc)  # [B, H, N, C]
     carry = _exp_where(shift_before[..., None] - sc, carry_ok & torch.isfinite(shift_before)[..., None])
-    mixed = scores @ values + carry[..., None] * (q_feat @ before)
-    return safe_ratio(mixed[..., :dv], mixed[..., dv:])
+    return scores @ values + carry[..., None] * (q_feat @ before)
 
 
 def _initial_shift(state: RandomFeatureState | None, batch: int, heads: int, like: Tensor) -> Tensor:
@@ -365,14 +504,14 @@ def _initial_shift(state: RandomFeatureState | None, batch: int, heads: int, lik
     return state.shift.to(like.dtype)[..., None]
 
 
-def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: int) -> None:
-    expected = (batch, heads, m, dv)
-    if not isinstance(state, RandomFeatureState) or tuple(state.S.shape) != expected:
-        got = tuple(state.S.shape) if isinstance(state, RandomFeatureState) else type(state).__name__
-        raise ValueError(
-            f"random-feature state does not fit: expected S of shape [B, H, m, d_v] = {expected}, got {got}; "
-            "was it built with another projection, batch or layer?"
-        )
+def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: int, op: str = "random_feature_attention") -> None:
+    check_state(
+        op, state, RandomFeatureState,
+        {"S": ((batch, heads, m, dv), "[B, H, m, d_v]"), "z": ((batch, heads, m), "[B, H, m]"),
+         "shift": ((batch, heads), "[B, H]")},
+    )
+    if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
+        raise KernelmixError(f"{op}: state.length must be the number of tokens seen (an int ≥ 0), got {state.length!r}")
 
 
 def random_feature_attention_naive(
@@ -384,20 +523,23 @@ def random_feature_attention_naive(
     transform: Tensor | None = None,
     doc_start: Tensor | None = None,
 ) -> Tensor:
-    """Dense reference: explicit φ(Q) φ(K)ᵀ (T×T), causal (+ document) mask, row-normalised."""
+    """Dense reference: explicit φ(Q) φ(K)ᵀ (T×T), causal (+ document) mask, row-normalised.
+    Non-finite k or v are zeroed and every row that sees one is NaN (as the fast path)."""
     check_qkv(q, k, v)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]
+    guard = find_nonfinite({"k": k, "v": v}, heads, always=True)
+    k, v = guard.zeroed("k", k), guard.zeroed("v", v)
     phi_q = positive_random_features(q, projection, transform=transform)
     phi_k = positive_random_features(expand_heads(k, heads), projection, transform=transform)
     length = q.shape[1]
     mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     if doc_start is not None:
         mask = mask & (torch.arange(length, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
-    kernel = torch.einsum("bihm,bjhm->bhij", phi_q, phi_k) * mask
+    kernel = torch.einsum("bihm,bjhm->bhij", phi_q, phi_k).masked_fill(~mask, 0.0)  # a select: 0·inf is NaN
     values = expand_heads(v, heads).to(kernel.dtype)
     out = safe_ratio(torch.einsum("bhij,bjhd->bihd", kernel, values), kernel.sum(-1).transpose(1, 2)[..., None])
-    return out.to(v.dtype)
+    return guard.poison_visible(out, mask).to(v.dtype)
 
 
 def random_feature_attention_masked(
@@ -409,14 +551,21 @@ def random_feature_attention_masked(
     ``(out [B, T, H, d_v], weights [B, H, T, L])``: ``out`` in v's dtype, the weights in float32
     (float64 for float64 queries). Stabilised like the chunked op: per-query max over features,
     per-key max and a per-row shift (the max over the row's visible keys), so nothing overflows
-    and rows stay exact ratios. Rows with no visible key give 0.
+    and rows stay exact ratios. Rows with no visible key give 0; a row that shows a non-finite key
+    or value gives NaN (the others are unaffected); underflowing rows warn as in the chunked op.
     :func:`~kernelmix.ops.softmax.softmax_attention_masked` is its exact counterpart."""
     check_qkv(q, k, v, same_length=False)
     check_mask(mask, q, k)
     heads = q.shape[2]
     _check_projection(projection, transform, heads, q.shape[3])
+    guard = find_nonfinite({"k": k, "v": v}, heads)
+    if guard is not None:
+        k, v = guard.zeroed("k", k), guard.zeroed("v", v)
+    dtype = compute_dtype(q)
+    if k.shape[1] == 0:  # no keys: every row is empty (0)
+        batch, length = q.shape[:2]
+        return v.new_zeros(batch, length, heads, v.shape[3]), q.new_zeros(batch, heads, length, 0, dtype=dtype)
     with autocast_off(q):  # feature logits stay ≥ fp32 (the precision policy, _common)
-        dtype = compute_dtype(q)
         proj = projection.to(dtype)
         m = None if transform is None else transform.to(dtype)
         q_logits = feature_logits(q.to(dtype), proj, m)  # [B, T, H, m]
@@ -429,9 +578,13 @@ def random_feature_attention_masked(
         row_shift = torch.where(torch.isfinite(row_shift), row_shift, torch.zeros_like(row_shift))
         decay = _exp_where(key_max[:, :, None, :] - row_shift, seen)
         scores = (q_feat @ k_feat.transpose(-1, -2)) * decay
-        weights = safe_ratio(scores, scores.sum(-1, keepdim=True))
+        denominator = scores.sum(-1, keepdim=True)
+        weights = safe_ratio(scores, denominator)
         values = expand_heads(v, heads).to(dtype).transpose(1, 2)
         out = (weights @ values).transpose(1, 2)
+    UNDERFLOW_CHECK.observe(denominator[..., 0], mask.any(-1)[:, None])  # rows with no visible key are 0 anyway
+    if guard is not None:
+        out = guard.poison_visible(out, seen)
     return out.to(v.dtype), weights
 
 
@@ -447,9 +600,11 @@ def random_feature_attention_step(
 ) -> tuple[Tensor, RandomFeatureState]:
     """Decode one token (T=1) with O(m·d) work and state, independent of the position.
     ``doc_start`` ``[B, 1]``: where ``doc_start == state.length`` the token starts a new document
-    and the state restarts."""
-    if q.dim() == 4 and q.shape[1] != 1:
-        raise ValueError(
+    and the state restarts. A non-finite input makes this row and the state NaN (a new document
+    then starts from an empty state again)."""
+    check_qkv(q, k, v)
+    if q.shape[1] != 1:
+        raise KernelmixError(
             f"a decode step takes one token (T=1), got T={q.shape[1]}; use random_feature_attention for prefill"
         )
     with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
@@ -463,7 +618,7 @@ def random_feature_attention_step(
             shift = values.new_full((batch, heads), float("-inf"))
             length = 0
         else:
-            _check_state(state, batch, heads, m, values.shape[-1])
+            _check_state(state, batch, heads, m, values.shape[-1], op="random_feature_attention_step")
             state_s, state_z, shift, length = state.S.to(dtype), state.z.to(dtype), state.shift.to(dtype), state.length
         check_doc_start(doc_start, batch, 1, offset=length)
         key_max = k_logits.detach().amax(dim=-1)
@@ -474,9 +629,19 @@ def random_feature_attention_step(
         new_shift = torch.where(keeps_state, torch.maximum(shift, key_max), key_max)
         rescale = _exp_where(shift - new_shift, keeps_state)
         k_feat = torch.exp(k_logits - new_shift[..., None])
-        state_s = rescale[..., None, None] * state_s + k_feat[..., :, None] * values[..., None, :]
-        state_z = rescale[..., None] * state_z + k_feat
+        state_s = _rescaled(state_s, rescale[..., None, None], None if doc_start is None else keeps_state[..., None, None])
+        state_s = state_s + k_feat[..., :, None] * values[..., None, :]
+        state_z = _rescaled(state_z, rescale[..., None], None if doc_start is None else keeps_state[..., None]) + k_feat
         numerator = torch.einsum("bhm,bhmd->bhd", q_feat, state_s)
         denominator = (q_feat * state_z).sum(-1, keepdim=True)
         out = safe_ratio(numerator, denominator)[:, None].to(v.dtype)
+    UNDERFLOW_CHECK.observe(denominator[..., 0])
     return out, RandomFeatureState(S=state_s, z=state_z, shift=new_shift, length=length + 1)
+
+
+def _rescaled(state: Tensor, rescale: Tensor, keeps: Tensor | None) -> Tensor:
+    """rescale · state, and exactly 0 where ``keeps`` is False (a new document: a select, since the
+    dropped state may hold NaN and 0 · NaN is NaN)."""
+    if keeps is None:
+        return rescale * state
+    return torch.where(keeps, rescale * state, torch.zeros_like(state))

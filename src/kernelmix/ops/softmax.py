@@ -13,14 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import KernelmixError
 from ._common import (
     autocast_off,
     bf16_attention_in_fp32,
     check_doc_start,
     check_qkv,
     check_mask,
+    check_state,
     compute_dtype,
     expand_heads,
+    find_nonfinite,
     masked_softmax,
     softmax_scale,
     visible,
@@ -66,26 +69,40 @@ def softmax_attention(
     token reads across a document boundary (packed sequences, left padding).
     Returns ``o`` shaped like ``q`` with ``v``'s head dim (and a :class:`SoftmaxState` when
     ``return_state``). bf16 on a CPU without native bf16 products runs in fp32 (see
-    ``bf16_attention_in_fp32``) and returns bf16.
+    ``bf16_attention_in_fp32``) and returns bf16. A NaN or ±inf in k or v at token t makes rows ≥ t
+    of its document NaN and leaves every other row as it is (see ``_common``, non-finite inputs).
     """
     check_qkv(q, k, v)
-    batch, length, h = q.shape[:3]
-    check_doc_start(doc_start, batch, length)
+    check_doc_start(doc_start, q.shape[0], q.shape[1])
+    guard = find_nonfinite({"k": k, "v": v}, q.shape[2])
+    if guard is None:
+        out = causal_softmax_attention(q, k, v, scale=scale, doc_start=doc_start)
+    else:
+        out = causal_softmax_attention(q, guard.zeroed("k", k), guard.zeroed("v", v), scale=scale, doc_start=doc_start)
+        out = guard.poison_causal(out, doc_start)
+    if return_state:
+        return out, SoftmaxState(k=k, v=v)
+    return out
+
+
+def causal_softmax_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, doc_start: Tensor | None = None
+) -> Tensor:
+    """:func:`softmax_attention`'s SDPA call alone, on checked inputs and without the non-finite
+    guard: for the ops that guard their own inputs (Cubit's and DeltaFormer's read-out of U)."""
+    length, heads = q.shape[1], q.shape[2]
     if doc_start is None:
         mask_kwargs = {"is_causal": True}
     else:
         idx = torch.arange(length, device=q.device)
         mask_kwargs = {"attn_mask": visible(idx, idx, doc_start)}
-    out = _sdpa(
+    return _sdpa(
         q.transpose(1, 2),
-        expand_heads(k, h).transpose(1, 2),
-        expand_heads(v, h).transpose(1, 2),
+        expand_heads(k, heads).transpose(1, 2),
+        expand_heads(v, heads).transpose(1, 2),
         scale=softmax_scale(q, scale),
         **mask_kwargs,
     ).transpose(1, 2)
-    if return_state:
-        return out, SoftmaxState(k=k, v=v)
-    return out
 
 
 def softmax_attention_naive(
@@ -95,13 +112,15 @@ def softmax_attention_naive(
     check_qkv(q, k, v)
     h, t = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], t)
-    k, v = expand_heads(k, h), expand_heads(v, h)
+    guard = find_nonfinite({"k": k, "v": v}, h, always=True)
+    k, v = expand_heads(guard.zeroed("k", k), h), expand_heads(guard.zeroed("v", v), h)
     scores = torch.einsum("bihd,bjhd->bhij", q, k) * softmax_scale(q, scale)
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if doc_start is not None:
         mask = mask & (torch.arange(t, device=q.device)[None, None, :] >= doc_start[:, :, None])[:, None]
     weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.einsum("bhij,bjhd->bihd", weights, v)
+    # non-finite keys/values were zeroed: the rows that see one are NaN, the others exact
+    return guard.poison_visible(torch.einsum("bhij,bjhd->bihd", weights, v), mask)
 
 
 def softmax_attention_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,15 +131,23 @@ def softmax_attention_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> t
     ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, L, H_kv, d]``; ``mask`` bool ``[B, T, L]`` (True where query
     t reads key l; a batch of 1 broadcasts). Returns ``(out [B, T, H, d_v], weights [B, H, T, L])``,
     both computed in float32 (float64 for float64 queries); ``out`` is cast to v's dtype. A row
-    with no visible key gives 0."""
+    with no visible key gives 0; a row that shows a non-finite key or value gives NaN (rows that
+    do not show it are unaffected). Runs with autocast off (the precision policy, ``_common``)."""
     check_qkv(q, k, v, same_length=False)
     check_mask(mask, q, k)
     heads, d = q.shape[2], q.shape[3]
-    dtype = compute_dtype(q)
-    logits = torch.einsum("bthd,blhd->bhtl", q.to(dtype), expand_heads(k, heads).to(dtype)) / math.sqrt(d)
-    weights = masked_softmax(logits, ~mask[:, None])
-    out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
-    return out.to(v.dtype), weights
+    guard = find_nonfinite({"k": k, "v": v}, heads)
+    out_dtype = v.dtype
+    if guard is not None:
+        k, v = guard.zeroed("k", k), guard.zeroed("v", v)
+    with autocast_off(q):
+        dtype = compute_dtype(q)
+        logits = torch.einsum("bthd,blhd->bhtl", q.to(dtype), expand_heads(k, heads).to(dtype)) / math.sqrt(d)
+        weights = masked_softmax(logits, ~mask[:, None])
+        out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
+    if guard is not None:
+        out = guard.poison_visible(out, mask[:, None])
+    return out.to(out_dtype), weights
 
 
 def softmax_attention_step(
@@ -136,7 +163,14 @@ def softmax_attention_step(
     (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given)."""
     check_qkv(q, k, v)
     if q.shape[1] != 1:
-        raise ValueError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
+    if state is not None:
+        check_state(
+            "softmax_attention_step", state, SoftmaxState,
+            {"k": ((k.shape[0], None, *k.shape[2:]), "[B, t, H_kv, d]"),
+             "v": ((v.shape[0], None, *v.shape[2:]), "[B, t, H_kv, d_v]")},
+            same_length=("k", "v"),
+        )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     if state is not None:
@@ -159,6 +193,7 @@ def softmax_attention_step(
 
 __all__ = [
     "SoftmaxState",
+    "causal_softmax_attention",
     "softmax_attention",
     "softmax_attention_masked",
     "softmax_attention_naive",
