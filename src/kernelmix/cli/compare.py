@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import torch
 
 from ..config import Arg, Field, check
+from ..errors import Interrupted
 from ..studies.compare import CompareConfig, format_markdown, run_compare
 from ..training import CheckpointError
 from ..training.config import apply_override
@@ -51,11 +52,20 @@ def _cli_compare(args) -> int:
         args.parser.error(str(error))
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    main_process = os.environ.get("RANK", "0") == "0"  # torchrun: rank 0 reports
     try:
         results = run_compare(config)
-    except (CheckpointError, ValueError) as error:  # an unknown corpus, a damaged run directory, ...
+    except Interrupted as stop:  # SIGINT/SIGTERM: the run in progress is checkpointed; the message says how to go on
+        if main_process:
+            print(stop, file=sys.stderr)
+        return stop.exit_code
+    except (CheckpointError, ValueError) as error:  # an unknown corpus, a busy or damaged run directory, ...
         print(f"kernelmix compare: error: {error}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 reports
+    except KeyboardInterrupt:  # Ctrl-C pressed twice, or while the corpus was loading
+        print("kernelmix compare: stopped by Ctrl-C without saving the run in progress; finished runs are kept and "
+              "the same command continues", file=sys.stderr)
+        return 130
+    if main_process:
         print(format_markdown(results))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,10 +13,13 @@ import torch
 from .. import pretrained as cv
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_text_windows
+from ..errors import Interrupted
+from ..locks import run_directory_lock
 from ..pretrained import INITS, FinetuneConfig, finetune, load_pretrained
 from ..pretrained.convert import LayerSelection
 from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
 from ..output import write_json_atomic
+from ..training.checkpoint import writing
 from .options import Threads, add_options, from_args
 
 
@@ -47,18 +51,18 @@ class FinetuneOptions:
         check(self)
 
 
-def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts: FinetuneOptions) -> int:
+def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts: FinetuneOptions) -> None:
     """An already converted model: finetune it as it is and save it."""
     if len(opts.lrs) != 1:
         raise ValueError("an already converted model is finetuned at one learning rate; give one --lr")
     out = Path(opts.out)
     model, result = finetune(host, train_w, val_w, config, out_dir=out / "run", resume=opts.resume,
                              progress=True, label="converted")
-    cv.save_converted(model, out / "model", tok)
-    write_json_atomic(out / "result.json", result, indent=1)
+    with writing(out):
+        cv.save_converted(model, out / "model", tok)
+        write_json_atomic(out / "result.json", result, indent=1)
     print(f"val loss {result['initial']['loss']:.4f} → {result['final']['loss']:.4f} "
           f"(acc {result['final']['accuracy']:.3f}), {result['num_spikes']} spikes; saved the model to {out / 'model'}")
-    return 0
 
 
 def _cli_finetune(args) -> int:
@@ -67,23 +71,42 @@ def _cli_finetune(args) -> int:
         config = from_args(FinetuneConfig, args, lr=opts.lrs[0])
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        host, tok = load_pretrained(opts.model)
-        if tok is None:
-            raise ValueError(f"{opts.model} has no tokenizer files; finetune needs one")
-        train_w, val_w = load_text_windows(tok, opts.text, config.seq_len, val_fraction=opts.val_fraction,
-                                           eval_seqs=config.eval_seqs, seed=config.seed)
-        if cv.kernels(host):
-            return _finetune_converted(host, tok, train_w, val_w, config, opts)
-        report = compare_finetune(host, train_w, val_w, config, variants=opts.variants, lrs=opts.lrs,
-                                  num_features=opts.num_features, layers=opts.layers, init=opts.init,
-                                  calib_windows=opts.calib_seqs, distill_steps=opts.distill_steps, out_dir=opts.out,
-                                  progress=True, log=lambda msg: print(f"  {msg}", flush=True))
+        # OUT is locked before the model and the text are read: a busy OUT (or one that is a file) fails at once
+        with contextlib.ExitStack() as stack:
+            with writing(opts.out, "create the output directory"):
+                stack.enter_context(run_directory_lock(opts.out, "kernelmix finetune"))
+            report = _run(opts, config)
+    except Interrupted as stop:  # the run in progress saved its step; the message says how to continue
+        print(f"kernelmix finetune: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (ValueError, ImportError) as exc:
         print(f"kernelmix finetune: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C pressed twice, or while loading
+        print("kernelmix finetune: stopped by Ctrl-C without saving the run in progress; finished runs are kept",
+              file=sys.stderr)
+        return 130
+    if report is None:  # an already converted model, finetuned and saved
+        return 0
     print(markdown(report))
     print(f"wrote {opts.out}/finetune.json, finetune.md and finetune_curves.png ({report['wall_s']:.0f} s)")
     return 0
+
+
+def _run(opts: FinetuneOptions, config: FinetuneConfig) -> dict | None:
+    """Load MODEL and the text, then finetune: the comparison's report, or None for a converted MODEL."""
+    host, tok = load_pretrained(opts.model)
+    if tok is None:
+        raise ValueError(f"{opts.model} has no tokenizer files; finetune needs one")
+    train_w, val_w = load_text_windows(tok, opts.text, config.seq_len, val_fraction=opts.val_fraction,
+                                       eval_seqs=config.eval_seqs, seed=config.seed)
+    if cv.kernels(host):
+        _finetune_converted(host, tok, train_w, val_w, config, opts)
+        return None
+    return compare_finetune(host, train_w, val_w, config, variants=opts.variants, lrs=opts.lrs,
+                            num_features=opts.num_features, layers=opts.layers, init=opts.init,
+                            calib_windows=opts.calib_seqs, distill_steps=opts.distill_steps, out_dir=opts.out,
+                            progress=True, log=lambda msg: print(f"  {msg}", flush=True))
 
 
 def add_command(sub) -> None:

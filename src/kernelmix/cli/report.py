@@ -9,6 +9,7 @@ from typing import Annotated
 import torch
 
 from ..config import Field, check
+from ..errors import Interrupted
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
 from .options import Threads, add_options, from_args
 
@@ -35,9 +36,16 @@ def _cli_report(args) -> int:
         quick = DarkformerReportSettings.quick if opts.quick else None
         settings = from_args(DarkformerReportSettings, args, factory=quick)
         darkformer_report(settings, opts.out, opts.work, progress=None)
+    except Interrupted as stop:  # the finetuning run in progress saved its step; the same command continues
+        print(f"kernelmix report darkformer: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"kernelmix report darkformer: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a finetuning step (loading, diagnostics), or pressed twice
+        print("kernelmix report darkformer: stopped by Ctrl-C; finished work is kept and the same command continues",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -40,25 +40,36 @@ def settings_help(cls: type = TrainConfig) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..training import CheckpointError, run_config, train
+    from ..errors import Interrupted
+    from ..training import run_config, train
 
     opts = from_args(TrainOptions, args)
+    main_process = int(os.environ.get("RANK", "0")) == 0
     try:
         config = run_config(opts.config, opts.overrides, out_dir=opts.out, resume=opts.resume)
     except ValueError as err:  # unknown key, bad value, unknown preset/mixer/option
         args.parser.error(str(err))
     try:
         result = train(config, resume=opts.resume)
-    except (CheckpointError, ValueError) as err:  # an existing run, a bad checkpoint, a corpus problem
+    except Interrupted as err:  # SIGINT/SIGTERM: saved; the message says where and how to resume
+        if main_process:
+            print(f"kernelmix train: {err}", file=sys.stderr)
+        return err.exit_code
+    except ValueError as err:  # a busy or existing run, a bad checkpoint, a full disk, divergence, a corpus problem
         print(f"kernelmix train: error: {err}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading data, building the model)
+        print("kernelmix train: stopped by Ctrl-C without saving (outside the training steps, or pressed twice); "
+              "the checkpoints written before are kept", file=sys.stderr)
+        return 130
+    if main_process:
         last = result.losses.get(result.final_step)
         val = result.val_losses.get(result.final_step)
         print(
             f"step {result.final_step}/{result.total_steps}"
             + (f", loss {last:.4f}" if last is not None else "")
             + (f", val loss {val:.4f}" if val is not None else "")
+            + (f", {len(result.skipped_steps)} skipped updates" if result.skipped_steps else "")
             + f", {result.tokens_per_s:,.0f} tokens/s; metrics {result.metrics_path}, checkpoint {result.checkpoint}"
         )
     return 0

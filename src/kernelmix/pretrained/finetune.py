@@ -30,13 +30,18 @@ the validation documents.
 
 Interruption: :func:`finetune` with ``out_dir`` writes an atomic checkpoint (trainable weights,
 optimizer, step; :mod:`kernelmix.training.checkpoint`) every ``checkpoint_every`` steps and
-``resume=True`` continues from the newest one.
+``resume=True`` continues from the newest valid one, exactly. SIGINT/SIGTERM finish the step, save
+it and raise :class:`kernelmix.errors.Interrupted` (:mod:`kernelmix.training.signals`). While it
+writes, ``out_dir`` is locked against a second writer (:func:`kernelmix.locks.run_directory_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,10 +50,13 @@ import torch
 from torch import Tensor
 
 from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..errors import Interrupted, KernelmixError
 from ..evaluate import evaluate_windows
+from ..locks import run_directory_lock
 from ..training import checkpoint as ckpt
 from ..training.loop import derived_seed, warmup_cosine
 from ..training.reporter import Reporter, truncate_metrics
+from ..training.signals import signal_name
 from ..training.spikes import SpikeGuard
 from ..training.trainer import Schedule, StepOutcome, Trainer
 from .attention import decoder_layers, kernels
@@ -120,7 +128,12 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
         prefix = _decoder_prefix(model)
         pattern = rf"{re.escape(prefix)}\.({'|'.join(map(str, indices))})\.self_attn\.({'|'.join(names)})"
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern, bias="none")
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft (0.21) reads the model's `is_gradient_checkpointing`, which transformers 5 deprecated
+            # in favour of `is_activation_checkpointing`; the call is peft's, not ours, so only this
+            # one warning is silenced, and only here
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, lora)
     elif config.mode == "partial":
         set_trainable(model, layers=indices)
     else:  # full
@@ -208,20 +221,25 @@ def finetune(
     config.validate()
     if train_windows.dim() != 2 or val_windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got {tuple(train_windows.shape)} and {tuple(val_windows.shape)}")
-    torch.manual_seed(config.seed)
-    model, params = prepare_trainable(model, config, layers)
-    optimizer = torch.optim.AdamW(finetune_param_groups(model, params, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     out = Path(out_dir) if out_dir is not None else None
-    state = open_finetune_run(out, resume, model, optimizer, config)
-    reporter = Reporter(out, config.steps, state["step"], progress, active=True) if out is not None else None
-    trainer = FinetuneTrainer(model, optimizer, params, train_windows, val_windows, config, state,
-                              out=out, stop_at=stop_at, label=label, reporter=reporter)
-    model.train()
-    try:
-        trainer.run()
-    finally:
-        if reporter is not None:
-            reporter.close()
+    with contextlib.ExitStack() as stack:
+        if out is not None:  # one writer per run directory, from before anything of it is read
+            with ckpt.writing(out, "create the run directory"):
+                stack.enter_context(run_directory_lock(out, "kernelmix finetune"))
+        torch.manual_seed(config.seed)
+        model, params = prepare_trainable(model, config, layers)
+        optimizer = torch.optim.AdamW(finetune_param_groups(model, params, config.weight_decay), lr=config.lr,
+                                      betas=(0.9, 0.95))
+        state = open_finetune_run(out, resume, model, optimizer, config)
+        reporter = Reporter(out, config.steps, state["step"], progress, active=True) if out is not None else None
+        trainer = FinetuneTrainer(model, optimizer, params, train_windows, val_windows, config, state,
+                                  out=out, stop_at=stop_at, label=label, reporter=reporter)
+        model.train()
+        try:
+            trainer.run()
+        finally:
+            if reporter is not None:
+                reporter.close()
     model.eval()
     result = trainer.result()  # before LoRA is merged: a diverged run is evaluated as it stopped
     return finished_model(model), result
@@ -236,19 +254,20 @@ def open_finetune_run(out: Path | None, resume: bool, model, optimizer, config: 
     if out is None:
         return fresh
     out.mkdir(parents=True, exist_ok=True)
-    latest = ckpt.latest_checkpoint(out)
-    if latest is not None and not resume:
-        raise ValueError(f"{out} already holds finetuning checkpoints; pass resume=True (--resume) or use another directory")
-    if latest is None:
+    if ckpt.latest_checkpoint(out) is not None and not resume:
+        raise KernelmixError(f"{out} already holds finetuning checkpoints; pass resume=True (--resume) or use another "
+                             "directory")
+    saved = ckpt.load_latest_valid(out) if resume else None  # a damaged newest one: warned about, skipped
+    if saved is None:  # nothing to continue (a run killed before its first checkpoint): start over
         (out / "metrics.jsonl").unlink(missing_ok=True)
         return fresh
-    saved = ckpt.load_checkpoint(latest)
+    latest = saved.path
     if saved.config.get("finetune") != asdict(config):
-        raise ValueError(f"{latest} was written with another finetune config; use another --out or drop --resume")
+        raise KernelmixError(f"{latest} was written with another finetune config; use another --out or drop --resume")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n in trainable if n not in saved.weights]
     if missing:
-        raise ValueError(f"{latest} lacks trainable tensors (e.g. {missing[0]}); it is from another model or mode")
+        raise KernelmixError(f"{latest} lacks trainable tensors (e.g. {missing[0]}); it is from another model or mode")
     own = dict(model.named_parameters())
     with torch.no_grad():
         for n in trainable:
@@ -283,6 +302,7 @@ class FinetuneTrainer(Trainer):
             stop_at=None if stop_at is None else max(start, min(stop_at, config.steps)), save_at_stop=False,
         )
         self.t_start: float | None = None  # train_s counts from the first step (not the first evaluation)
+        self.saved: Path | None = None  # the checkpoint this call wrote last
 
     def lr(self, step: int) -> float:
         config = self.config
@@ -306,8 +326,19 @@ class FinetuneTrainer(Trainer):
         if self.out is None:
             return
         weights = {n: p.detach().contiguous() for n, p in self.model.named_parameters() if p.requires_grad}
-        ckpt.save_checkpoint(self.out, step, weights, {"step": step, "optimizer": self.optimizer.state_dict(), "progress": self.state},
-                             {"finetune": asdict(self.config), "label": self.label})
+        self.saved = ckpt.save_checkpoint(
+            self.out, step, weights, {"step": step, "optimizer": self.optimizer.state_dict(), "progress": self.state},
+            {"finetune": asdict(self.config), "label": self.label})
+
+    def interrupted(self, step: int, signal_number: int) -> Interrupted:
+        name, steps = signal_name(signal_number), self.config.steps
+        if self.out is None:
+            where = "nothing was saved (finetune was called without out_dir)"
+        elif self.saved is not None:
+            where = f"saved {str(self.saved)!r}; continue with resume=True (kernelmix finetune --resume)"
+        else:
+            where = "no update was done since it started, so there was nothing new to save; run it again"
+        return Interrupted(f"{self.label} interrupted by {name} at step {step}/{steps}: {where}", signal_number)
 
     def before_step(self, step: int) -> None:
         if self.t_start is None:
@@ -316,7 +347,7 @@ class FinetuneTrainer(Trainer):
     def after_step(self, step: int, outcome: StepOutcome) -> bool:
         """Book the update (spike, skipped), log it; stop when the run has diverged."""
         state, value = self.state, float(outcome.loss)
-        grad_finite = None if outcome.grad_norm is None else outcome.updated
+        grad_finite = outcome.updated if math.isfinite(value) else None  # None: the loss itself was not finite
         spike = self.guard.record(step - 1, value, grad_finite=grad_finite, updated=outcome.updated)
         state["skipped"], state["step"] = self.guard.skipped, step
         state["train_s"] = time.perf_counter() - self.t_start

@@ -26,8 +26,12 @@ Output (``out_dir``, default ``runs/compare/``)::
     runs/<mixer>-T<len>-s<seed>-<hash>/   each run's train() directory + result.json
 
 Resumable: a run whose ``result.json`` exists for the same settings (the hash in its directory
-name) is reused; one that was interrupted after its last checkpoint is resumed; an interrupted
-one without a checkpoint is started again. So an interrupted compare loses at most one run.
+name) is reused; one that was interrupted after a checkpoint is resumed (bitwise on CPU); an
+interrupted one without a checkpoint is started again. SIGINT (Ctrl-C) or SIGTERM during a run's
+training finishes its step and checkpoints it; during its evaluation, the evaluation is finished
+and saved; either way the compare stops with :class:`kernelmix.errors.Interrupted` and the same
+command continues it. One writer at a time: ``out_dir`` is locked
+(:func:`kernelmix.locks.run_directory_lock`) while a compare writes it.
 
 Mixer names: the registry's (softmax, cubit, deltaformer, performer, darkformer) and
 ``cubit-nolrr`` (Cubit with ``mixer_options cubit.lrr=false``).
@@ -35,6 +39,7 @@ Mixer names: the registry's (softmax, cubit, deltaformer, performer, darkformer)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,9 +55,13 @@ from typing import Annotated, Any, Callable
 import torch
 
 from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..errors import Interrupted
 from ..evaluate import parse_buckets
+from ..locks import run_directory_lock
 from ..model import PRESETS
 from ..output import pyplot, write_json_atomic, write_text_atomic
+from ..training.checkpoint import latest_checkpoint, writing
+from ..training.signals import catch_stop_signals, signal_name
 
 # name → (registry mixer, mixer_options)
 MIXER_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
@@ -154,6 +163,7 @@ class CompareConfig:
         """A hash of everything that defines the run and its evaluation (not out_dir)."""
         settings = self.train_config(mixer, length, seed, "").to_dict()
         settings.pop("out_dir")
+        settings.pop("max_bad_steps")  # when a run stops; what it computes is the same (and old keys stay valid)
         settings["eval"] = {"docs": self.eval_docs, "doc_tokens": max(self.lengths), "buckets": self.buckets}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -173,7 +183,6 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
     from ..evaluate import evaluate_loss
     from ..training import load_run
     from ..training import distributed as distrib
-    from ..training import latest_checkpoint, train
 
     env = env if env is not None else distrib.DistEnv()
 
@@ -195,7 +204,7 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
     distrib.barrier(env)
     if resume:
         note(f"  resuming {run_dir}")
-    trained = train(train_config, resume=resume, progress=progress if env.is_main else False)
+    trained = _train(train_config, resume, f"{mixer} T={length} seed {seed}", progress if env.is_main else False)
     distrib.barrier(env)  # the final checkpoint is on disk for every process
 
     started = time.perf_counter()
@@ -204,16 +213,8 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
                            train_seq_len=length)[0]
     eval_s = time.perf_counter() - started
 
-    curve, rates, train_wall, tokens_per_s = [], [], trained.wall_s, trained.tokens_per_s
-    metrics = run_dir / "metrics.jsonl"
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("kind") == "train":
-            curve.append([record["step"], record["tokens"], record["loss"]])
-            rates.append(record["tokens_per_s"])
+    curve, rates = _read_curve(run_dir / "metrics.jsonl")
+    train_wall, tokens_per_s = trained.wall_s, trained.tokens_per_s
     if rates and (resume or not tokens_per_s):  # a resumed run: over all its logged steps, not this call's
         tokens_per_s = len(rates) / sum(1 / max(r, 1e-9) for r in rates)  # seconds per token, averaged per step
     result = {
@@ -238,9 +239,39 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, val_sp
         "run_dir": str(run_dir),
     }
     if env.is_main:
-        write_json_atomic(result_path, result, indent=1)
+        with writing(result_path):
+            write_json_atomic(result_path, result, indent=1)
     distrib.barrier(env)
     return result, False
+
+
+def _train(train_config, resume: bool, label: str, progress: bool | None):
+    """:func:`kernelmix.training.train`; an interrupted run's error says how to continue the compare."""
+    from ..training import train
+
+    try:
+        return train(train_config, resume=resume, progress=progress)
+    except Interrupted as stop:  # the step is finished and checkpointed
+        saved = latest_checkpoint(train_config.out_dir)
+        where = f"its progress is saved in {str(saved)!r}" if saved is not None else "it had not finished a step"
+        raise Interrupted(
+            f"kernelmix compare interrupted by {signal_name(stop.signal_number)} while training {label}: {where}; run "
+            "the same command again to continue (finished runs are reused, this one resumes)", stop.signal_number,
+        ) from None
+
+
+def _read_curve(metrics: Path) -> tuple[list[list], list[float]]:
+    """``([step, tokens, loss], ...)`` and the tokens/s of each logged training step of a run."""
+    curve, rates = [], []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") == "train" and record.get("loss") is not None:  # null: a skipped, non-finite step
+            curve.append([record["step"], record["tokens"], record["loss"]])
+            rates.append(record["tokens_per_s"])
+    return curve, rates
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,9 +320,40 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
 
     env = distrib.setup(config.device)
     try:
-        return _run_compare(config, env, progress=progress, console=console)
+        with contextlib.ExitStack() as stack:
+            if env.is_main:  # one compare per directory; refused before any data is read
+                with writing(config.out_dir, "create the output directory"):
+                    stack.enter_context(run_directory_lock(config.out_dir, "kernelmix compare"))
+            return _run_compare(config, env, progress=progress, console=console)
     finally:
         distrib.teardown(env)
+
+
+def _run_plan(config: CompareConfig, plan: list, val, env, progress: bool | None, note) -> tuple[list[dict], int]:
+    """Every run of ``plan`` (reused or trained and evaluated); returns (results, how many were reused).
+    A stop signal outside a run's training steps (its evaluation) lets that run's result be written
+    first; inside them, train() checkpoints the step and :func:`_train` says how to continue."""
+    from ..training import distributed as distrib
+
+    runs, reused_count = [], 0
+    with catch_stop_signals() as signals:
+        for index, (mixer, length, seed) in enumerate(plan, start=1):
+            note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
+                 f"(batch {config.tokens_per_step // length} × {length})")
+            t0 = time.perf_counter()
+            result, reused = run_one(config, mixer, length, seed, val_split=val, progress=progress, note=note, env=env)
+            runs.append(result)
+            reused_count += reused
+            note(
+                f"      {'reused' if reused else 'done'}: val loss {result['val_loss']:.4f}, "
+                f"{result['tokens_per_s']:,.0f} tok/s, train {result['train_wall_s']:.0f} s"
+                + ("" if reused else f", total {time.perf_counter() - t0:.0f} s")
+            )
+            number = distrib.agree_on_signal(env, signals.received)
+            if number is not None and index < len(plan):
+                raise Interrupted(f"kernelmix compare interrupted by {signal_name(number)} after {index} of {len(plan)} "
+                                  "runs (each one saved); run the same command again to continue", number)
+    return runs, reused_count
 
 
 def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) -> dict[str, Any]:
@@ -326,19 +388,7 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
         f"{config.tokens_per_run:,} tokens per run ({config.steps} steps × {config.tokens_per_step:,} tokens); "
         f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "") + f"; output {out}"
     )
-    runs, reused_count = [], 0
-    for index, (mixer, length, seed) in enumerate(plan, start=1):
-        note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
-             f"(batch {config.tokens_per_step // length} × {length})")
-        t0 = time.perf_counter()
-        result, reused = run_one(config, mixer, length, seed, val_split=val, progress=progress, note=note, env=env)
-        runs.append(result)
-        reused_count += reused
-        note(
-            f"      {'reused' if reused else 'done'}: val loss {result['val_loss']:.4f}, "
-            f"{result['tokens_per_s']:,.0f} tok/s, train {result['train_wall_s']:.0f} s"
-            + ("" if reused else f", total {time.perf_counter() - t0:.0f} s")
-        )
+    runs, reused_count = _run_plan(config, plan, val, env, progress, note)
     summary = summarize(config, runs)
     results = {
         "format": RESULT_FORMAT,
@@ -362,9 +412,10 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     }
     if not env.is_main:
         return results
-    write_text_atomic(out / "results.md", format_markdown(results))
-    results["plots"] = write_plots(results, out)
-    write_json_atomic(out / "results.json", results, indent=1)
+    with writing(out):
+        write_text_atomic(out / "results.md", format_markdown(results))
+        results["plots"] = write_plots(results, out)
+        write_json_atomic(out / "results.json", results, indent=1)
     note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(results['plots'])} plots "
          f"in {results['wall_s'] / 60:.1f} min")
     return results

@@ -14,6 +14,7 @@ run are kept in the work directory and reused when the command runs again with t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -27,9 +28,11 @@ import torch
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_corpus, split_texts, text_windows
 from ..data.windows import WINDOW_RULE
+from ..locks import run_directory_lock
 from ..output import write_json_atomic, write_text_atomic
 from ..pretrained import INITS, KNOWN_MODELS, MODES, FinetuneConfig, load_pretrained, prepare
 from ..pretrained.convert import LayerSelection
+from ..training.checkpoint import writing
 from . import diagnose as dg
 from . import finetune as ft
 from .finetune import VARIANTS as FT_VARIANTS
@@ -86,11 +89,20 @@ def darkformer_report(settings: DarkformerReportSettings, out_dir: str | Path = 
     """Run the study and write ``out_dir``: ``README.md`` (the summary), ``diagnostics/`` and
     ``finetune/`` (JSON, markdown, PNG). ``model``/``tokenizer`` override loading ``settings.model``
     (tests pass tiny ones). Checkpoints and per-run state live in ``work_dir`` (default
-    ``runs/report-darkformer``), never in ``out_dir``."""
+    ``runs/report-darkformer``), never in ``out_dir``. Both are locked against a second writer
+    while the report runs; SIGINT/SIGTERM during finetuning save the run in progress and raise
+    :class:`kernelmix.errors.Interrupted` (the same command continues)."""
     out = Path(out_dir)
     work = Path(work_dir) if work_dir is not None else Path("runs") / "report-darkformer"
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        for directory in (out, work):  # one writer each (the same directory twice is fine: the lock is re-entrant)
+            with writing(directory, "create the directory"):
+                stack.enter_context(run_directory_lock(directory, "kernelmix report darkformer"))
+        return _report(settings, out, work, model=model, tokenizer=tokenizer, progress=progress, log=log)
+
+
+def _report(settings: DarkformerReportSettings, out: Path, work: Path, *, model, tokenizer, progress, log) -> dict:
+    """:func:`darkformer_report` once both directories are locked."""
     say = log or (lambda msg: None)
     t_all = time.perf_counter()
     timings: dict[str, float] = {}

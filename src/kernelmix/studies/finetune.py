@@ -7,11 +7,13 @@ model is the host finetuned the same way, not the host as it was. Both are repor
 learning rates make the learning-rate sweep of the stability claim (spikes per run).
 
 Interruption: :func:`compare_finetune` keeps each finished run's result in ``out_dir`` and skips it
-on the next call; an interrupted run continues from its last checkpoint.
+on the next call; an interrupted run (SIGINT/SIGTERM save its step) continues from its last
+checkpoint, exactly. ``out_dir`` has one writer at a time (:func:`kernelmix.locks.run_directory_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -24,9 +26,13 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
+from ..errors import Interrupted
+from ..locks import run_directory_lock
 from ..output import pyplot, write_json_atomic, write_text_atomic
 from ..pretrained.convert import INITS, ConversionConfig, convert
 from ..pretrained.finetune import FinetuneConfig, finetune
+from ..training.checkpoint import writing
+from ..training.signals import catch_stop_signals, signal_name
 from ..training.spikes import find_spikes
 
 VARIANTS = ("softmax", "performer", "darkformer", "cubit")  # cubit: the experimental conversion
@@ -69,7 +75,9 @@ def compare_finetune(
 ) -> dict:
     """Finetune every variant at every learning rate with the same data, steps, m and seed.
     Returns (and writes to ``out_dir``: ``finetune.json``, ``finetune.md``, PNG plots) the results.
-    Finished runs found in ``out_dir`` are reused."""
+    Finished runs found in ``out_dir`` are reused; ``out_dir`` is locked against a second writer
+    meanwhile. SIGINT/SIGTERM: the run in progress saves its step (or, between runs, the finished
+    run its result) and :class:`kernelmix.errors.Interrupted` says to run the same command again."""
     say = log or (lambda msg: None)
     for v in variants:
         if v not in VARIANTS:
@@ -78,55 +86,86 @@ def compare_finetune(
         raise ValueError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
     lrs = list(lrs) if lrs else [config.lr]
     out = Path(out_dir) if out_dir is not None else None
-    calibration = train_windows[:calib_windows]
+    plan = [(variant, lr) for variant in variants for lr in lrs]
     runs = []
     t_all = time.perf_counter()
-    for variant in variants:
-        for lr in lrs:
-            name = f"{variant}-lr{lr:g}"
-            run_dir = out / "runs" / name if out is not None else None
-            done_file = run_dir / "result.json" if run_dir is not None else None
-            if done_file is not None and done_file.is_file():
-                saved = json.loads(done_file.read_text())
-                # spikes are a function of the logged losses: recount with the current rule
-                by_loss = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
-                by_gradient = [sp for sp in saved["spikes"] if sp.get("gradient")]
-                steps = {sp["step"] for sp in by_loss}
-                saved["spikes"] = sorted(by_loss + [sp for sp in by_gradient if sp["step"] not in steps], key=lambda sp: sp["step"])
-                saved["num_spikes"] = len(saved["spikes"])
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            with writing(out, "create the output directory"):
+                stack.enter_context(run_directory_lock(out, "kernelmix finetune"))
+        signals = stack.enter_context(catch_stop_signals())
+        for index, (variant, lr) in enumerate(plan, start=1):
+            run_dir = out / "runs" / f"{variant}-lr{lr:g}" if out is not None else None
+            saved = _finished_run(run_dir, config)
+            if saved is not None:
                 runs.append(saved)
-                say(f"{name}: reusing the finished run in {run_dir}")
+                say(f"{variant}-lr{lr:g}: reusing the finished run in {run_dir}")
                 continue
-            t = time.perf_counter()
-            model = build_variant(host, variant, num_features=num_features, layers=layers, init=init,
-                                  calibration=calibration, seed=config.seed, distill_steps=distill_steps, log=log)
-            setup_s = time.perf_counter() - t
-            run_config = dataclasses.replace(config, lr=lr)
-            resume = run_dir is not None and (run_dir / "checkpoints").is_dir()
-            model, result = finetune(model, train_windows, val_windows, run_config, layers=layers, out_dir=run_dir,
-                                     resume=resume, progress=progress, label=name)
-            result.update({"variant": variant, "lr": lr, "num_features": num_features if variant in ("performer", "darkformer") else None,
-                           "init": None if variant == "softmax" else (init if variant == "darkformer" else "identity"),
-                           "setup_s": setup_s})
-            say(f"{name}: val loss {result['initial']['loss']:.3f} → {result['final']['loss']:.3f}, "
-                f"acc {result['final']['accuracy']:.3f}, {result['num_spikes']} spikes, {result['train_s']:.0f} s")
-            if done_file is not None:
-                write_json_atomic(done_file, result, indent=1)
-                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the run is done; its result is kept
-            runs.append(result)
-            del model
-    report = {
-        "format": "kernelmix-finetune-1",
-        "settings": {"finetune": asdict(config), "variants": list(variants), "lrs": lrs, "num_features": num_features,
-                     "layers": layers, "init": init, "calib_windows": calib_windows,
-                     "train_windows": int(train_windows.shape[0]), "val_windows": int(val_windows.shape[0]),
-                     "val_tokens": int(val_windows.shape[0] * (val_windows.shape[1] - 1))},
-        "runs": runs,
-        "wall_s": time.perf_counter() - t_all,
-    }
-    if out is not None:
-        write_report(report, out)
+            runs.append(_run_variant(host, train_windows, val_windows, dataclasses.replace(config, lr=lr), variant, run_dir,
+                                     num_features=num_features, layers=layers, init=init, calib_windows=calib_windows,
+                                     distill_steps=distill_steps, progress=progress, log=log, say=say))
+            if signals.received is not None and index < len(plan):
+                raise Interrupted(f"finetuning interrupted by {signal_name(signals.received)} after {index} of {len(plan)} "
+                                  "runs (each one saved); run the same command again to continue", signals.received)
+        report = {
+            "format": "kernelmix-finetune-1",
+            "settings": {"finetune": asdict(config), "variants": list(variants), "lrs": lrs, "num_features": num_features,
+                         "layers": layers, "init": init, "calib_windows": calib_windows,
+                         "train_windows": int(train_windows.shape[0]), "val_windows": int(val_windows.shape[0]),
+                         "val_tokens": int(val_windows.shape[0] * (val_windows.shape[1] - 1))},
+            "runs": runs,
+            "wall_s": time.perf_counter() - t_all,
+        }
+        if out is not None:
+            write_report(report, out)
     return report
+
+
+def _finished_run(run_dir: Path | None, config: FinetuneConfig) -> dict | None:
+    """The saved result of a finished run in ``run_dir`` (None: not finished), its spikes recounted."""
+    done_file = run_dir / "result.json" if run_dir is not None else None
+    if done_file is None or not done_file.is_file():
+        return None
+    saved = json.loads(done_file.read_text())
+    # spikes are a function of the logged losses: recount with the current rule
+    by_loss = find_spikes(saved["losses"], window=config.spike_window, nats=config.spike_nats)
+    by_gradient = [sp for sp in saved["spikes"] if sp.get("gradient")]
+    steps = {sp["step"] for sp in by_loss}
+    saved["spikes"] = sorted(by_loss + [sp for sp in by_gradient if sp["step"] not in steps], key=lambda sp: sp["step"])
+    saved["num_spikes"] = len(saved["spikes"])
+    return saved
+
+
+def _run_variant(host, train_windows: Tensor, val_windows: Tensor, run_config: FinetuneConfig, variant: str,
+                 run_dir: Path | None, *, num_features: int, layers: Any, init: str, calib_windows: int,
+                 distill_steps: int, progress, log, say) -> dict:
+    """Convert, finetune and record one (variant, lr) run; an interruption says how to continue."""
+    name = f"{variant}-lr{run_config.lr:g}"
+    t = time.perf_counter()
+    model = build_variant(host, variant, num_features=num_features, layers=layers, init=init,
+                          calibration=train_windows[:calib_windows], seed=run_config.seed, distill_steps=distill_steps,
+                          log=log)
+    setup_s = time.perf_counter() - t
+    resume = run_dir is not None and (run_dir / "checkpoints").is_dir()
+    try:
+        model, result = finetune(model, train_windows, val_windows, run_config, layers=layers, out_dir=run_dir,
+                                 resume=resume, progress=progress, label=name)
+    except Interrupted as stop:  # the step is saved (when there is a run directory)
+        where = "its step is saved" if run_dir is not None else "nothing is saved (no output directory)"
+        raise Interrupted(f"finetuning interrupted by {signal_name(stop.signal_number)} during {name}: {where}; run the "
+                          "same command again to continue (finished runs are reused, this one resumes)",
+                          stop.signal_number) from None
+    result.update({"variant": variant, "lr": run_config.lr,
+                   "num_features": num_features if variant in ("performer", "darkformer") else None,
+                   "init": None if variant == "softmax" else (init if variant == "darkformer" else "identity"),
+                   "setup_s": setup_s})
+    say(f"{name}: val loss {result['initial']['loss']:.3f} → {result['final']['loss']:.3f}, "
+        f"acc {result['final']['accuracy']:.3f}, {result['num_spikes']} spikes, {result['train_s']:.0f} s")
+    if run_dir is not None:
+        with writing(run_dir / "result.json"):
+            write_json_atomic(run_dir / "result.json", result, indent=1)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the run is done; its result is kept
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,9 +195,10 @@ def markdown(report: dict) -> str:
 
 def write_report(report: dict, out_dir: str | Path, *, plots: bool = True) -> Path:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "finetune.json", report, indent=1)
-    write_text_atomic(out / "finetune.md", markdown(report))
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "finetune.json", report, indent=1)
+        write_text_atomic(out / "finetune.md", markdown(report))
     if plots:
         try:
             _plots(report, out)

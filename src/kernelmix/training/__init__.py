@@ -14,7 +14,9 @@
   micro-batches, the schedule of evaluations and checkpoints, :class:`Trainer` and its hooks);
   ``kernelmix train`` and :func:`kernelmix.pretrained.finetune` both run on them.
 - :mod:`~kernelmix.training.checkpoint` — atomic, verified checkpoints (safetensors + weights-only
-  torch state + JSON config) for exact resumption.
+  torch state + JSON config) for exact resumption; never one holding NaN or Inf.
+- :mod:`~kernelmix.training.signals` — SIGINT/SIGTERM finish the step, save and raise
+  :class:`kernelmix.errors.Interrupted`.
 - :mod:`~kernelmix.training.reporter` (metrics.jsonl, TensorBoard, progress) and
   :mod:`~kernelmix.training.spikes` (loss spikes, skipped updates).
 
@@ -22,7 +24,9 @@ Run output (``out_dir``): ``config.json`` (the resolved train + model config), `
 (one line per log step and per evaluation), ``checkpoints/step_<N>/``, ``tensorboard/``.
 """
 
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights
+from .checkpoint import (
+    CheckpointDamaged, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_latest_valid, load_weights,
+)
 from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
 from .loop import TrainResult, derived_seed, lr_at, param_groups, redraw_random_features, train, warmup_cosine
 from .runs import LoadedRun, find_checkpoint, load_run
@@ -32,6 +36,7 @@ __all__ = [
     "LoadedRun",
     "find_checkpoint",
     "load_run",
+    "CheckpointDamaged",
     "CheckpointError",
     "Schedule",
     "StepOutcome",
@@ -44,6 +49,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_latest_valid",
     "load_weights",
     "lr_at",
     "optimizer_step",

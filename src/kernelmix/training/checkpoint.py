@@ -14,16 +14,27 @@ parent directory fsynced. A kill at any moment leaves either no ``step_<N>`` dir
 ``.tmp-`` one, cleaned up by the next save) or a complete one; the previous checkpoint is only
 deleted after the new one is in place. The manifest catches what atomicity cannot: a file
 truncated or damaged later.
+
+Nothing non-finite is written: a checkpoint whose weights or optimizer state hold NaN or Inf is
+refused before anything reaches the disk (resuming from it would only continue a diverged run).
+A full disk or a directory we may not write is a :class:`CheckpointError` naming the path and the
+fix; the previous checkpoint is untouched either way. Resuming reads the newest checkpoint that
+verifies (:func:`load_latest_valid`): a damaged newest one is named in a warning and the one before
+it is used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +42,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import KernelmixError
+
 FORMAT = 1
 FILES = ("model.safetensors", "state.pt", "config.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or from another run config."""
+class CheckpointError(KernelmixError):
+    """A checkpoint is missing, incomplete, corrupt, from another run config, not finite, or
+    cannot be written."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are missing, truncated or corrupt; ``reason`` says which (without the fix)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -74,6 +96,70 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 # Writing
 
+# errno → what the user can do about it (anything else: a failing disk or filesystem)
+_STORAGE_FIXES = {
+    errno.ENOSPC: "free space or choose another --out",
+    errno.EDQUOT: "free space (the disk quota is used up) or choose another --out",
+    errno.EACCES: "make the directory writable or choose another --out",
+    errno.EPERM: "make the directory writable or choose another --out",
+    errno.EROFS: "the filesystem is read-only: choose another --out",
+}
+
+
+def storage_error(path: str | Path, error: OSError, what: str = "write", suffix: str = "") -> KernelmixError:
+    """The :class:`CheckpointError` for an ``OSError`` met while writing ``path``: the path, the
+    system's reason, and the fix (then ``suffix``)."""
+    fix = _STORAGE_FIXES.get(error.errno, "check the disk, or choose another --out")
+    reason = error.strerror or str(error)
+    return CheckpointError(f"cannot {what} {str(path)!r}: {reason}; {fix}{suffix}")
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str = "write") -> Iterator[None]:
+    """Turn an ``OSError`` inside the block (a full disk, no permission) into :func:`storage_error`."""
+    try:
+        yield
+    except OSError as error:
+        raise storage_error(path, error, what) from error
+
+
+def _tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside nested dicts/lists/tuples, with a dotted name."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index))
+
+
+def non_finite_tensors(weights: dict[str, torch.Tensor], state: dict[str, Any]) -> tuple[list[str], int]:
+    """The names of the floating-point tensors of ``weights`` and ``state`` (the optimizer's
+    moments, ...) that hold a NaN or an Inf, and how many floating-point tensors there are."""
+    bad, count = [], 0
+    for name, tensor in [*_tensors(weights, ""), *_tensors(state, "state")]:
+        if tensor.is_floating_point() or tensor.is_complex():
+            count += 1
+            if not bool(torch.isfinite(tensor).all()):
+                bad.append(name)
+    return bad, count
+
+
+def _refuse_non_finite(out_dir: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    bad, count = non_finite_tensors(weights, state)
+    if not bad:
+        return
+    previous = latest_checkpoint(out_dir)
+    kept = f"the previous checkpoint {str(previous)!r} is intact" if previous else "there is no earlier checkpoint"
+    shown = ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else "")
+    raise CheckpointError(
+        f"refusing to write the checkpoint of step {step} in {str(out_dir)!r}: {len(bad)} of {count} tensors hold NaN "
+        f"or Inf ({shown}), so the model diverged or a weight was corrupted; nothing was written and {kept}. Resume "
+        "from it (--resume) or start again with a lower lr, grad_clip > 0 or without bf16"
+    )
+
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as handle:
@@ -100,9 +186,16 @@ def _sha256(path: Path) -> str:
 
 
 def write_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path), metadata={"format": "pt"})
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path), metadata={"format": "pt"})
+    except SafetensorError as error:
+        # safetensors reports I/O failures as its own error type with the OS's text: recover the
+        # errno, so a full disk reads as one (see storage_error)
+        code = next((c for c in _STORAGE_FIXES if os.strerror(c) in str(error)), errno.EIO)
+        raise OSError(code, os.strerror(code), str(path)) from error
 
 
 def write_state(state: dict[str, Any], path: Path) -> None:
@@ -123,43 +216,64 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Write a checkpoint atomically (see the module docstring) and delete all but the newest
-    ``keep``. Call on one process only."""
+    ``keep``. Call on one process only. Non-finite tensors, a full disk or a directory that cannot
+    be written raise :class:`CheckpointError`; the checkpoints already there stay as they were."""
+    _refuse_non_finite(out_dir, step, weights, state)
     root = checkpoint_root(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        write_weights(weights, tmp / "model.safetensors")
-        write_state(state, tmp / "state.pt")
-        write_json(config, tmp / "config.json")
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES},
-        }
-        write_json(manifest, tmp / "manifest.json")
-        for name in (*FILES, "manifest.json"):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. a finished run resumed): swap it out
-            stale = root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, stale)
-            os.replace(tmp, final)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        _write_files(tmp, step, weights, state, config)
+        _move_into_place(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Only now that the new checkpoint is durable may older ones (and debris of killed saves) go.
-    for _, old in list_checkpoints(out_dir)[:-keep]:
+        if not isinstance(error, OSError):
+            raise
+        previous = latest_checkpoint(out_dir)
+        kept = (f"; the previous checkpoint {str(previous)!r} is intact, continue from it with --resume"
+                if previous is not None else "")
+        raise storage_error(final, error, suffix=kept) from error
+    # Only now that the new checkpoint is durable may others go: the oldest beyond ``keep``, debris
+    # of killed saves, and any *newer* than this one, which can only be a damaged checkpoint that
+    # a resumed run fell back from (load_latest_valid): this run has replaced it.
+    found = list_checkpoints(out_dir)
+    for found_step, old in found:
+        if found_step > step:
+            shutil.rmtree(old, ignore_errors=True)
+    for _, old in [c for c in found if c[0] <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for entry in root.iterdir():
         if entry.name.startswith(".tmp-"):
             shutil.rmtree(entry, ignore_errors=True)
     return final
+
+
+def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any], config: dict[str, Any]) -> None:
+    write_weights(weights, tmp / "model.safetensors")
+    write_state(state, tmp / "state.pt")
+    write_json(config, tmp / "config.json")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES},
+    }
+    write_json(manifest, tmp / "manifest.json")
+    for name in (*FILES, "manifest.json"):
+        _fsync_file(tmp / name)
+    _fsync_dir(tmp)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if final.exists():  # the same step saved again (e.g. a finished run resumed): swap it out
+        stale = final.parent / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,41 +283,36 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Verify a checkpoint directory against its manifest and load it (no code is executed:
     safetensors, ``weights_only`` torch.load, JSON). :class:`CheckpointError` says what is wrong
-    and what to do about it."""
+    and what to do about it (:class:`CheckpointDamaged` for a missing, truncated or corrupt file)."""
     path = Path(path)
     others = [p for _, p in list_checkpoints(path.parent.parent) if p != path]  # <out_dir>/checkpoints/step_N
     fallback = (
-        f"delete {str(path)!r} to resume from the previous checkpoint {str(others[-1])!r}"
+        f"the previous checkpoint {str(others[-1])!r} is intact (--resume falls back to it by itself; to use it "
+        f"elsewhere, delete {str(path)!r})"
         if others
         else "start a fresh run with another --out (no earlier checkpoint is left)"
     )
+
+    def damaged(reason: str) -> CheckpointDamaged:
+        return CheckpointDamaged(f"{reason}; {fallback}", reason=reason)
+
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete (no manifest.json); {fallback}")
+        raise damaged(f"checkpoint {str(path)!r} is incomplete (no manifest.json)")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
         step = int(manifest["step"])
     except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable manifest.json ({error}); {fallback}") from None
+        raise damaged(f"checkpoint {str(path)!r} has an unreadable manifest.json ({error})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has format {manifest.get('format')!r}, this kernelmix reads format {FORMAT}; "
             "resume it with the kernelmix version that wrote it"
         )
-    for name in FILES:
-        file = path / name
-        expected = files.get(name, {})
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}; {fallback}")
-        size = file.stat().st_size
-        if size != expected.get("bytes"):
-            raise CheckpointError(
-                f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, the manifest says "
-                f"{expected.get('bytes')}; {fallback}"
-            )
-        if _sha256(file) != expected.get("sha256"):
-            raise CheckpointError(f"checkpoint file {str(file)!r} is corrupt (SHA-256 mismatch); {fallback}")
+    problem = _file_problem(path, files)
+    if problem:
+        raise damaged(problem)
     try:
         from safetensors.torch import load_file
 
@@ -211,11 +320,50 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except Exception as error:  # a file that matches its manifest but still does not parse
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({error}); {fallback}") from error
+        raise damaged(f"checkpoint {str(path)!r} cannot be read ({error})") from error
     if state.get("step") != step:
-        raise CheckpointError(f"checkpoint {str(path)!r}: state.pt is for step {state.get('step')}, the manifest says {step}")
+        raise damaged(f"checkpoint {str(path)!r}: state.pt is for step {state.get('step')}, the manifest says {step}")
     return Checkpoint(path=path, step=step, weights=weights, state=state, config=config)
 
+
+def _file_problem(path: Path, files: dict[str, Any]) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest (None: nothing)."""
+    for name in FILES:
+        file = path / name
+        expected = files.get(name, {})
+        if not file.is_file():
+            return f"checkpoint {str(path)!r} is missing {name}"
+        size = file.stat().st_size
+        if size != expected.get("bytes"):
+            return f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, the manifest says {expected.get('bytes')}"
+        if _sha256(file) != expected.get("sha256"):
+            return f"checkpoint file {str(file)!r} is corrupt (SHA-256 mismatch)"
+    return None
+
+
+def load_latest_valid(out_dir: str | Path, *, warn: bool = True) -> Checkpoint | None:
+    """The newest checkpoint of ``out_dir`` that verifies (None when there is none at all).
+    Damaged newer ones are skipped with a warning naming them and what is wrong (``warn``); the
+    resumed run's next checkpoint replaces them (:func:`save_checkpoint`). When every checkpoint is
+    damaged, the newest one's error is raised; any other :class:`CheckpointError` (a checkpoint of
+    another format) is raised as it is, since an older one would silently lose its progress."""
+    damaged: list[CheckpointDamaged] = []
+    for _, path in reversed(list_checkpoints(out_dir)):
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointDamaged as error:
+            damaged.append(error)
+            continue
+        if damaged and warn:
+            warnings.warn(f"{'; '.join(e.reason for e in damaged)}: resuming from the newest valid checkpoint "
+                          f"{str(path)!r} instead (the damaged one is replaced by the next checkpoint)", stacklevel=2)
+        return ckpt
+    if len(damaged) == 1:
+        raise damaged[0]
+    if damaged:
+        raise CheckpointDamaged(f"every checkpoint of {str(out_dir)!r} is damaged ({'; '.join(e.reason for e in damaged)}); "
+                                "start a fresh run with another --out", reason="every checkpoint is damaged")
+    return None
 
 
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
@@ -231,11 +379,16 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: Path)
 
 __all__ = [
     "Checkpoint",
+    "CheckpointDamaged",
     "CheckpointError",
     "checkpoint_root",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_latest_valid",
     "load_weights",
+    "non_finite_tensors",
     "save_checkpoint",
+    "storage_error",
+    "writing",
 ]

@@ -86,6 +86,8 @@ class TrainConfig:
     seed: NonNegativeInt = 0
     redraw_every: Annotated[NonNegativeInt, Field(
         description="redraw random-feature projections every N steps (0: never)")] = 0
+    max_bad_steps: Annotated[PositiveInt, Field(
+        description="updates in a row with a non-finite loss or gradient (each one skipped) that stop the run")] = 5
 
     # -- evaluation, logging, checkpoints -----------------------------------------------------
     eval_every: Annotated[NonNegativeInt, Field(
@@ -283,14 +285,17 @@ def run_config(
         update["out_dir"] = str(out_dir)
     base: dict[str, Any] = {}
     if resume:
-        from .checkpoint import latest_checkpoint
+        from .checkpoint import list_checkpoints
 
-        latest = latest_checkpoint(update.get("out_dir", TrainConfig.out_dir))
-        try:  # unreadable: train() verifies the checkpoint and says what is wrong with it
-            saved = json.loads((latest / "config.json").read_text(encoding="utf-8")) if latest else {}
-            base = saved["train"] if saved.get("format") == RESOLVED_FORMAT else {}
-        except (OSError, ValueError, KeyError, AttributeError):
-            base = {}
+        # the newest checkpoint whose record reads: train() falls back past a damaged newest one
+        # too, and verifies the checkpoint it resumes from (saying what is wrong with the others)
+        for _, path in reversed(list_checkpoints(update.get("out_dir", TrainConfig.out_dir))):
+            try:
+                saved = json.loads((path / "config.json").read_text(encoding="utf-8"))
+                base = saved["train"] if saved.get("format") == RESOLVED_FORMAT else {}
+            except (OSError, ValueError, KeyError, AttributeError):
+                continue
+            break
     return TrainConfig.from_dict(merge(base, update))
 
 

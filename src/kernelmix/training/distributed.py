@@ -77,6 +77,22 @@ def all_reduce_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """The maximum over processes, in place."""
+    if env.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def agree_on_signal(env: DistEnv, received: int | None) -> int | None:
+    """The stop signal every process acts on now (None: none). A signal reaches the processes of a
+    run at different moments, but they must all stop at the same step: any one's signal counts."""
+    if not env.enabled:
+        return received
+    flag = torch.tensor(float(received or 0), device=env.device)
+    return int(all_reduce_max(env, flag).item()) or None
+
+
 def all_gather_object(env: DistEnv, obj):
     if not env.enabled:
         return [obj]
@@ -85,4 +101,4 @@ def all_gather_object(env: DistEnv, obj):
     return out
 
 
-__all__ = ["DistEnv", "all_gather_object", "all_reduce_sum", "barrier", "setup", "teardown"]
+__all__ = ["DistEnv", "agree_on_signal", "all_gather_object", "all_reduce_max", "all_reduce_sum", "barrier", "setup", "teardown"]

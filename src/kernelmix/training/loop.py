@@ -3,8 +3,9 @@
 One process or many (``torchrun --nproc_per_node=N``, detected from RANK/WORLD_SIZE/LOCAL_RANK;
 DDP, or FSDP2 with ``fsdp=true``; gloo on CPU, nccl on CUDA). The order of things:
 
-1. refuse to overwrite a run, or load and check the checkpoint to resume — before anything is written
-   (:func:`open_run`);
+1. hold the run directory's lock (one writer per directory: :func:`kernelmix.locks.run_directory_lock`),
+   then refuse to overwrite a run, or load and check the checkpoint to resume — before anything is
+   written (:func:`open_run`);
 2. tokenize the corpus (cached) and build the model, AdamW and the samplers (:func:`load_dataset`,
    :func:`build_model`, :func:`parallelize`, :func:`build_optimizer`, :func:`build_samplers`);
 3. loop (:class:`PretrainTrainer`, run by :meth:`.trainer.Trainer.run`): log → evaluate →
@@ -16,6 +17,12 @@ Data: the batch of step s is a pure function of (seed, s) and the *global* batch
 sequence of windows however it is split into processes and micro-steps (one process with
 ``grad_accum=2`` trains on exactly what two processes with ``grad_accum=1`` do), and a resumed run
 sees exactly the batches it would have seen.
+
+Numerics: an update whose loss or gradient norm is not finite is skipped (parameters and optimizer
+untouched) and counted; ``max_bad_steps`` of them in a row stop the run with a
+:class:`~kernelmix.errors.KernelmixError`, and no checkpoint holding NaN or Inf is ever written.
+SIGINT/SIGTERM finish the step, checkpoint it and raise :class:`~kernelmix.errors.Interrupted`;
+``--resume`` continues bitwise (on CPU) as if nothing had happened.
 
 The loss of a step is the mean over its micro-batches (and processes) of each micro-batch's mean
 token loss, as in nanoGPT; with ``cross_documents`` windows every micro-batch predicts nearly the
@@ -29,6 +36,8 @@ import hashlib
 import json
 import math
 import random
+import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -38,22 +47,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import Interrupted, KernelmixError
 from ..evaluate import sum_token_losses
+from ..locks import run_directory_lock
 from ..model import CausalLM
 from ..output import write_json_atomic
 from . import distributed as distrib
 from .checkpoint import (
-    Checkpoint, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint,
+    Checkpoint, CheckpointError, list_checkpoints, load_latest_valid, load_weights, save_checkpoint, writing,
 )
 from .config import RESOLVED_FORMAT, TrainConfig
 from .reporter import Reporter, truncate_metrics
+from .signals import signal_name
 from .trainer import Due, Schedule, StepOutcome, Trainer
 
 # Settings that may change when a run is resumed: budgets, bookkeeping, and how the global batch
 # is split over processes and micro-steps (the data depend only on the global batch).
 MAY_CHANGE_ON_RESUME = frozenset(
     {"steps", "tokens", "eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
-     "out_dir", "device", "batch_size", "grad_accum", "fsdp"}
+     "out_dir", "device", "batch_size", "grad_accum", "fsdp", "max_bad_steps"}
 )
 
 
@@ -62,13 +74,16 @@ class TrainResult:
     """What a call to :func:`train` did. ``losses``/``val_losses`` map a step (optimizer updates
     done) to the training loss of that update / the validation loss after it, for the steps run
     in this call. ``tokens_per_s``: training tokens (all processes) per second of training steps
-    (evaluation and checkpointing excluded)."""
+    (evaluation and checkpointing excluded). ``skipped_steps``: the steps of this call whose update
+    was skipped (non-finite loss or gradient). ``checkpoint``: the newest checkpoint of the run (the
+    one it resumed from when this call saved none)."""
 
     start_step: int
     final_step: int
     total_steps: int
     losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
+    skipped_steps: list[int] = field(default_factory=list)
     tokens_seen: int = 0
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
@@ -266,29 +281,59 @@ def train(
 def run_training(
     config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: int | None, progress: bool | None,
 ) -> TrainResult:
-    """:func:`train` in a process group that is already set up."""
-    ckpt = open_run(Path(config.out_dir), resume)
-    dataset = load_dataset(config, env)
-    return PretrainTrainer(config, env, dataset, ckpt, stop_at=stop_at).train(progress)
+    """:func:`train` in a process group that is already set up. Rank 0 holds the run directory's
+    lock throughout: a second writer is refused at once, naming this one."""
+    out_dir = Path(config.out_dir)
+    if resume and not out_dir.exists():  # before the lock would create it: a mistyped --out
+        raise CheckpointError(f"nothing to resume: {str(out_dir)!r} does not exist; check --out, or run without "
+                              "--resume to start a run there")
+    with contextlib.ExitStack() as stack:
+        if env.is_main:
+            with writing(out_dir, "create the run directory"):
+                stack.enter_context(run_directory_lock(out_dir, "kernelmix train"))
+        ckpt = open_run(out_dir, resume, main=env.is_main)
+        dataset = load_dataset(config, env)
+        return PretrainTrainer(config, env, dataset, ckpt, stop_at=stop_at).train(progress)
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup, in the order it happens
 
 
-def open_run(out_dir: Path, resume: bool) -> Checkpoint | None:
+def open_run(out_dir: Path, resume: bool, *, main: bool = True) -> Checkpoint | None:
     """Nothing is written before we know we may: a fresh run must not clobber an old one, a
-    resumed one must have a sound checkpoint (returned, loaded and verified)."""
-    if resume:
-        path = latest_checkpoint(out_dir)
-        if path is None:
-            raise CheckpointError(f"nothing to resume: {str(out_dir)!r} holds no checkpoint; run without --resume to start")
-        return load_checkpoint(path)
-    if list_checkpoints(out_dir) or (out_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists():
-        raise ValueError(
-            f"{str(out_dir)!r} already holds a training run; pass --resume to continue it, or choose another --out "
-            "(or delete that directory)"
+    resumed one starts from the newest checkpoint that verifies (returned, loaded and verified; a
+    damaged newer one is named in a warning). A run killed before its first checkpoint left nothing
+    to continue: with or without ``resume`` it is started over in place, with a note (``main``:
+    this process speaks and cleans up)."""
+    ckpt = load_latest_valid(out_dir, warn=main) if resume else None
+    if ckpt is not None:
+        return ckpt
+    found = list_checkpoints(out_dir)
+    if found:
+        raise KernelmixError(
+            f"{str(out_dir)!r} already holds a training run (checkpoints up to step {found[-1][0]}); pass --resume to "
+            "continue it, or choose another --out"
         )
+    record = out_dir / "config.json"
+    if not record.exists():
+        if resume:
+            raise CheckpointError(f"nothing to resume: {str(out_dir)!r} holds no training run; run without --resume to "
+                                  "start one")
+        return None
+    try:
+        ours = json.loads(record.read_text(encoding="utf-8")).get("format") == RESOLVED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:  # someone else's config.json: never overwrite it
+        raise KernelmixError(f"{str(out_dir)!r} holds a config.json that is not a kernelmix training run; choose "
+                             "another --out (an empty or new directory)")
+    if main:
+        print(f"note: {out_dir} holds a run that stopped before its first checkpoint, so there is nothing to resume; "
+              "starting it over from step 0", file=sys.stderr)
+        with writing(out_dir / "metrics.jsonl", "remove"):
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)  # its scalars would overlap the new run's
     return None
 
 
@@ -414,8 +459,11 @@ class PretrainTrainer(Trainer):
     """``kernelmix train`` on the pieces of :class:`~kernelmix.training.trainer.Trainer`: batches
     from the samplers, bf16 autocast, DDP/FSDP gradient sync after the last micro-batch, random
     features redrawn every ``redraw_every`` steps, the validation loss summed over processes, and
-    metrics logged every ``log_every`` steps (one device sync and one all-reduce per log, not per
-    step)."""
+    metrics logged every ``log_every`` steps (one all-reduce per log, not per step). An update
+    whose loss or gradient norm is not finite is skipped (one device sync per step decides it, the
+    same on every process) and counted; ``max_bad_steps`` in a row stop the run."""
+
+    skip_non_finite = True
 
     def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *, stop_at: int | None):
         self.config, self.env, self.ckpt, self.out_dir = config, env, ckpt, Path(config.out_dir)
@@ -444,7 +492,11 @@ class PretrainTrainer(Trainer):
         self.result = TrainResult(
             start_step=start_step, final_step=start_step, total_steps=total_steps, out_dir=self.out_dir,
             metrics_path=self.out_dir / "metrics.jsonl", config_path=self.out_dir / "config.json",
+            checkpoint=ckpt.path if ckpt is not None and env.is_main else None,  # until this call saves one
         )
+        # the skipped updates of the whole run (the checkpoint's, then this call's): a run resumed
+        # in the middle of a streak of bad steps stops where the uninterrupted one would
+        self.skipped: list[int] = list(ckpt.state.get("skipped_steps", [])) if ckpt is not None else []
         self.wall_before = float(ckpt.state.get("wall_s", 0.0)) if ckpt is not None else 0.0  # earlier sessions
         self.pending: list[torch.Tensor] = []  # [loss, grad norm] of the steps not yet logged
         self.train_time = 0.0  # seconds of optimizer steps (tokens/s excludes evaluation and checkpoints)
@@ -452,6 +504,7 @@ class PretrainTrainer(Trainer):
     def train(self, progress: bool | None) -> TrainResult:
         """Write the run's record, then run the loop; returns the :class:`TrainResult`."""
         self.reporter = self.open_outputs(progress)
+        self.saved_step: int | None = self.ckpt.step if self.ckpt is not None else None
         self.started = self.window_start = time.perf_counter()
         self.model.train()
         try:
@@ -469,10 +522,12 @@ class PretrainTrainer(Trainer):
         """Now we may write: the resolved config, metrics cut back to the checkpoint, the reporter."""
         env, start_step, total_steps = self.env, self.schedule.start_step, self.schedule.total_steps
         if env.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.out_dir / "config.json", self.record, sort_keys=True)
+            with writing(self.out_dir / "config.json"):
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(self.out_dir / "config.json", self.record, sort_keys=True)
             if self.ckpt is not None:
-                truncate_metrics(self.out_dir / "metrics.jsonl", start_step)
+                with writing(self.out_dir / "metrics.jsonl"):
+                    truncate_metrics(self.out_dir / "metrics.jsonl", start_step)
         reporter = Reporter(self.out_dir, total_steps, start_step, progress, active=env.is_main)
         if env.is_main and start_step == 0:
             config, model_config = self.config, self.raw_model.config
@@ -539,10 +594,10 @@ class PretrainTrainer(Trainer):
                 "data": {"step": step, "seed": config.seed, "global_batch": self.global_batch},
                 "rng": rngs,
                 "wall_s": self.wall(),
+                "skipped_steps": [s for s in self.skipped if s <= step],
             }
             self.result.checkpoint = save_checkpoint(self.out_dir, step, weights, state, self.record, keep=config.keep_checkpoints)
-        else:
-            self.result.checkpoint = None
+        self.saved_step = step
         distrib.barrier(env)
 
     def before_boundary(self, step: int, due: Due) -> None:
@@ -560,7 +615,52 @@ class PretrainTrainer(Trainer):
     def after_step(self, step: int, outcome: StepOutcome) -> bool:
         self.pending.append(torch.stack([outcome.loss, outcome.grad_norm.to(outcome.loss.dtype)]))
         self.reporter.advance(step)
+        if not outcome.updated:  # known without another sync: optimizer_step decided it
+            self.skipped.append(step)
+            self.result.skipped_steps.append(step)
+            streak = self.bad_streak(step)
+            if streak >= self.config.max_bad_steps:
+                self.log_pending(step)
+                raise self.diverged(step, streak)
         return False
+
+    def bad_streak(self, step: int) -> int:
+        """How many updates in a row, ending with the one that reached ``step``, were skipped."""
+        skipped, count = set(self.skipped), 0
+        while step - count in skipped:
+            count += 1
+        return count
+
+    def diverged(self, step: int, streak: int) -> KernelmixError:
+        config, last = self.config, self.result.checkpoint
+        retry = f"resume from {str(last)!r} (--resume)" if last is not None else "start it again"
+        return KernelmixError(
+            f"training stopped at step {step}: the last {streak} updates (steps {step - streak + 1}-{step}) had a "
+            f"non-finite loss or gradient norm and were skipped, the weights left as they were. Start again with a "
+            f"lower lr (now {config.lr:g}), grad_clip > 0 (now {config.grad_clip:g}) or bf16 off and another --out; if "
+            f"the cause was passing, {retry}; --set max_bad_steps=N (now {config.max_bad_steps}) sets how many skipped "
+            "updates in a row stop a run"
+        )
+
+    def agree(self, count: torch.Tensor) -> torch.Tensor:
+        return distrib.all_reduce_sum(self.env, count)
+
+    def agree_on_signal(self, received: int | None) -> int | None:
+        return distrib.agree_on_signal(self.env, received)
+
+    def interrupted(self, step: int, signal_number: int) -> Interrupted:
+        """One line: where the run's state is and how to continue it."""
+        total, name = self.schedule.total_steps, signal_name(signal_number)
+        again = f"`kernelmix train --resume --out {self.out_dir}`"
+        if self.saved_step == step and self.result.checkpoint is not None:
+            where = f"the run is saved in {str(self.result.checkpoint)!r}; continue with {again}"
+        elif self.saved_step is not None:
+            where = f"no update was done since {str(self.result.checkpoint)!r}; continue with {again}"
+        else:
+            where = "before its first update, so there was nothing to save; run the same command again to start it"
+        if step == total:
+            where = f"the run had finished and is saved in {str(self.result.checkpoint)!r}"
+        return Interrupted(f"interrupted by {name} at step {step}/{total}: {where}", signal_number)
 
     def log_pending(self, step: int) -> None:
         """Log the steps since the last log: one device sync and one all-reduce, not one per step."""
@@ -570,16 +670,13 @@ class PretrainTrainer(Trainer):
         self.train_time += elapsed
         tokens_per_s = len(rows) * self.tokens_per_step / max(elapsed, 1e-9)
         wall = round(self.wall(), 3)
+        skipped = set(self.skipped)
         for s, (loss_value, norm_value) in enumerate(rows, start=step - len(rows) + 1):
             self.result.losses[s] = loss_value
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"the training loss became {loss_value} at step {s}; lower lr, keep grad_clip > 0 or disable "
-                    f"bf16, and resume from the last checkpoint in {str(self.out_dir)!r} (or start over)"
-                )
             self.reporter.write({
-                "kind": "train", "step": s, "tokens": s * self.tokens_per_step, "loss": loss_value,
-                "lr": self.lr(s - 1), "grad_norm": norm_value, "tokens_per_s": round(tokens_per_s, 1), "wall_s": wall,
+                "kind": "train", "step": s, "tokens": s * self.tokens_per_step, "loss": _finite_or_none(loss_value),
+                "lr": self.lr(s - 1), "grad_norm": _finite_or_none(norm_value), "skipped": s in skipped,
+                "tokens_per_s": round(tokens_per_s, 1), "wall_s": wall,
             })
         eta = (total_steps - step) * elapsed / len(rows)
         self.reporter.show(
@@ -588,6 +685,11 @@ class PretrainTrainer(Trainer):
             loss=f"{rows[-1][0]:.4f}", tps=f"{tokens_per_s:,.0f}",
         )
         self.pending = []
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or Inf (Python writes them, other readers choke): a skipped step's loss is null."""
+    return value if math.isfinite(value) else None
 
 
 __all__ = [

@@ -1,15 +1,18 @@
 """What a training run shows and records on its main process: ``metrics.jsonl`` (one JSON line per
 log step and per evaluation), TensorBoard scalars when the package is installed, and a rich
-progress bar on a terminal (plain lines in a log file)."""
+progress bar on a terminal (plain lines in a log file). A full disk or a directory that cannot be
+written is a :class:`~kernelmix.training.checkpoint.CheckpointError` naming metrics.jsonl and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..output import ProgressBar, write_text_atomic
+from .checkpoint import writing
 
 
 class Reporter:
@@ -22,7 +25,8 @@ class Reporter:
         self.bar = self.tb = self.file = None
         if not active:
             return
-        self.file = open(self.metrics_path, "a", encoding="utf-8")
+        with writing(self.metrics_path, "open"):
+            self.file = open(self.metrics_path, "a", encoding="utf-8")
         try:  # optional: torch's SummaryWriter needs the tensorboard package
             from torch.utils.tensorboard import SummaryWriter
 
@@ -39,8 +43,9 @@ class Reporter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with writing(self.metrics_path):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
                 if key not in ("kind", "step", "tokens", "wall_s") and isinstance(value, (int, float)):
@@ -70,7 +75,10 @@ class Reporter:
         if self.tb is not None:
             self.tb.close()
         if self.file is not None:
-            self.file.close()
+            # every line was flushed when written; what a close can still fail on is a line whose
+            # write already failed and was reported (raising again would hide that message)
+            with contextlib.suppress(OSError):
+                self.file.close()
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -11,6 +11,11 @@ the same for both::
 
 Steps count optimizer updates done: "step s" is the state after s updates, so step 0 is the
 untrained model and the update that takes step s to s + 1 uses the learning rate of ``s``.
+
+SIGINT/SIGTERM during :meth:`Trainer.run` (:mod:`.signals`) end the loop at the next step boundary
+as if the schedule stopped there: what is due there is evaluated, a checkpoint is saved, and
+:meth:`Trainer.interrupted` builds the :class:`~kernelmix.errors.Interrupted` that is raised. A
+resumed run then continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import Tensor
 
+from ..errors import Interrupted
+from .signals import catch_stop_signals, signal_name
+
 
 @dataclass
 class StepOutcome:
     """One optimizer step. ``loss``: the mean of the micro-batches' losses (a 0-dim float32 tensor
-    on the device, not synchronised); ``grad_norm``: the global gradient norm before clipping (None
-    when a non-finite loss skipped the backward pass); ``updated``: whether the optimizer stepped."""
+    on the device); ``grad_norm``: the global gradient norm before clipping (0-dim, on the
+    device); ``updated``: whether the optimizer stepped (False: a non-finite loss or gradient
+    norm skipped the update)."""
 
     loss: Tensor
-    grad_norm: Tensor | None
+    grad_norm: Tensor
     updated: bool = True
 
 
@@ -48,13 +57,19 @@ def optimizer_step(
     grad_clip: float,
     sync: Callable[[bool], ContextManager] | None = None,
     skip_non_finite: bool = False,
+    agree: Callable[[Tensor], Tensor] | None = None,
 ) -> StepOutcome:
     """One update over ``micro_batches`` (gradient accumulation): the mean of their losses is
     minimised, the gradient of ``params`` is clipped to norm ``grad_clip`` (0: no clipping) and the
     optimizer steps. ``sync(last)``: a context for each micro-batch's backward (DDP's ``no_sync``
-    except after the last). ``skip_non_finite``: a non-finite loss (checked before its backward,
-    which costs a device sync per micro-batch) or gradient skips the update, leaving parameters
-    and optimizer state as they were."""
+    except after the last).
+
+    ``skip_non_finite``: an update whose loss or gradient norm is not finite is skipped, leaving
+    parameters and optimizer state as they were (a finite loss can have a NaN gradient: stepping on
+    it turns every parameter into NaN). One device sync per step decides it. Every backward runs
+    even after a non-finite loss, because under DDP each one's gradient all-reduce must happen on
+    every process; ``agree`` sums this process's count of non-finite values over the processes, so
+    that all of them skip the same updates."""
     optimizer.zero_grad(set_to_none=True)  # a no-op in a loop; gradients left by earlier use go
     total: Tensor | None = None
     for index, batch in enumerate(micro_batches):
@@ -62,16 +77,14 @@ def optimizer_step(
             loss = loss_of(batch) / len(micro_batches)
             total = torch.zeros((), device=loss.device) if total is None else total
             total += loss.detach()
-            if skip_non_finite and not torch.isfinite(loss):
-                optimizer.zero_grad(set_to_none=True)
-                return StepOutcome(total, None, updated=False)
             loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
-    # a finite loss can still have a non-finite gradient; stepping on it would turn every
-    # parameter into NaN
-    updated = not skip_non_finite or bool(torch.isfinite(grad_norm))
+    updated = True
+    if skip_non_finite:
+        bad = (~torch.isfinite(total)).float() + (~torch.isfinite(grad_norm)).to(total.device).float()
+        updated = not bool(agree(bad) if agree is not None else bad)
     if updated:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -166,30 +179,58 @@ class Trainer:
         checkpoint of this step)."""
         return False
 
+    def agree(self, count: Tensor) -> Tensor:
+        """``count`` summed over the processes of the run (one process: itself)."""
+        return count
+
+    def agree_on_signal(self, received: int | None) -> int | None:
+        """The stop signal every process acts on at this boundary (None: go on). Under many
+        processes a signal reaches them at different moments; they must still stop at the same
+        step, so a subclass that runs many combines theirs."""
+        return received
+
+    def interrupted(self, step: int, signal_number: int) -> Interrupted:
+        """The error :meth:`run` raises after a stop signal, once ``step`` is saved (when due)."""
+        return Interrupted(f"interrupted by {signal_name(signal_number)} at step {step}", signal_number)
+
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self, step: int) -> StepOutcome:
         set_lr(self.optimizer, self.lr(step))
         return optimizer_step(self.optimizer, self.micro_batches(step), self.loss, params=self.params,
-                              grad_clip=self.grad_clip, sync=self.sync, skip_non_finite=self.skip_non_finite)
+                              grad_clip=self.grad_clip, sync=self.sync, skip_non_finite=self.skip_non_finite,
+                              agree=self.agree)
 
     def run(self) -> int:
+        """Drive the loop (see the module docstring); returns the step it stopped at. A stop
+        signal ends it at the next boundary: that step is evaluated if due and saved (unless no
+        update was done since the start), then :meth:`interrupted`'s error is raised."""
         schedule = self.schedule
         step = schedule.start_step
-        while True:
-            due = Due(schedule.eval_due(step), schedule.save_due(step), schedule.stopping(step))
-            self.before_boundary(step, due)
-            if due.evaluate:
-                self.evaluate(step)
-            if due.save:
-                self.save(step)
-            if due.stop:
-                return step
-            self.before_step(step)
-            outcome = self.step(step)
-            step += 1
-            if self.after_step(step, outcome):
-                return step
+        with catch_stop_signals() as signals:
+            while True:
+                signal_number = self.agree_on_signal(signals.received)
+                interrupted = signal_number is not None
+                due = Due(schedule.eval_due(step),
+                          schedule.save_due(step) or (interrupted and step > schedule.start_step),
+                          schedule.stopping(step) or interrupted)
+                self.before_boundary(step, due)
+                if due.evaluate:
+                    self.evaluate(step)
+                if due.save:
+                    self.save(step)
+                if due.stop:
+                    break
+                self.before_step(step)
+                outcome = self.step(step)
+                step += 1
+                if self.after_step(step, outcome):
+                    break
+            # a signal during the last evaluation or save still stops the caller (a study's next run)
+            signal_number = self.agree_on_signal(signals.received)
+        if signal_number is not None:
+            raise self.interrupted(step, signal_number)
+        return step
 
 
 __all__ = ["Due", "Schedule", "StepOutcome", "Trainer", "optimizer_step", "set_lr"]
