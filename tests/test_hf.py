@@ -219,6 +219,20 @@ def test_left_padded_batch_equals_each_prompt_alone(name):
     assert torch.equal(batch, kernelmix_generate(model.model, ids, new, temperature=0.0, attention_mask=mask))
 
 
+def test_generation_may_reach_max_seq_len_exactly_and_padding_does_not_count():
+    model = tiny_model(mixer="performer", max_seq_len=32)
+    ids = prompt(1, 6)
+    assert model.generate(ids, max_new_tokens=26, do_sample=False).shape == (1, 32)
+    with pytest.raises(ValueError, match="6 tokens plus 27 new tokens is 33 positions"):
+        model.generate(ids, max_new_tokens=27, do_sample=False)
+    # 6 pads + 4 real tokens: 4 + 28 positions fit although the tensor grows to 38
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids[:, :4]], dim=1)
+    mask = torch.tensor([[0] * 6 + [1] * 4])
+    out = model.generate(padded, attention_mask=mask, max_new_tokens=28, do_sample=False, pad_token_id=0)
+    alone = model.generate(ids[:, :4], max_new_tokens=28, do_sample=False)
+    assert out.shape == (1, 38) and torch.equal(out[:, 10:], alone[:, 4:])
+
+
 def test_sampling_and_unsupported_modes():
     model = tiny_model(mixer="performer")
     ids = prompt(2, 5)

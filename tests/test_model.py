@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -322,6 +323,33 @@ def test_loss_equals_independent_cross_entropy(dtype):
     unshifted = F.cross_entropy(out.logits.double().flatten(0, 1), labels.flatten(), ignore_index=-100)
     assert abs(unshifted.item() - expected.item()) > 1e-3
     assert math.isfinite(out.loss.item())
+
+
+def test_rows_of_only_minus_100_add_no_tokens_to_the_mean():
+    # a batch where some rows are all -100 is fine (no warning): the mean is over the real labels
+    model = make_model(F64, mixer="softmax")
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[1] = -100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = model(ids, labels=labels, use_cache=False)
+    log_probs = out.logits[:, :-1].double().log_softmax(dim=-1)
+    rows = [0, 2]  # float64 reference from the two real rows alone
+    picked = log_probs[rows].gather(-1, ids[rows, 1:, None])[..., 0]
+    expected = -picked.mean()
+    assert abs(out.loss.item() - expected.item()) <= 1e-12 * expected.item()
+
+
+def test_options_of_a_mixer_one_layer_of_a_hybrid_has_apply():
+    # mixer_options for a mixer no layer has are refused (tests/reliability); one layer is enough
+    config = ModelConfig.preset("tiny", mixers=["softmax", "performer"], mixer_options={"performer": {"num_features": 24}})
+    model = CausalLM(config)
+    assert model.blocks[1].mixer.num_features == 24
+    assert ModelConfig.from_dict(json.loads(config.to_json())) == config
+    # an empty dict for an absent mixer ignores nothing, so it is accepted
+    assert ModelConfig.preset("tiny", mixer_options={"cubit": {}}).mixer_options == {"cubit": {}}
 
 
 # ---------------------------------------------------------------------------------------------

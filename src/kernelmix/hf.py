@@ -26,7 +26,12 @@ this module only translates::
   are supported; beam search and assisted decoding are refused (the cache cannot be reordered
   or rolled back).
 * Loading is strict: a checkpoint with missing or unexpected tensors (e.g. saved with other
-  mixers) is an error, never a silently re-initialised layer.
+  mixers) or tensors of other shapes (e.g. ``vocab_size=`` given on loading) is an error, never a
+  silently re-initialised layer; a different vocabulary is ``model.resize_token_embeddings(n)``
+  after loading.
+* ``generate`` refuses, before the first token, what transformers lets through: a right-padded
+  ``attention_mask``, an empty prompt, special token ids outside the vocabulary and a run past
+  ``max_seq_len``.
 
 Registration: ``import kernelmix`` registers these classes with ``AutoConfig`` and
 ``AutoModelForCausalLM`` as soon as transformers is imported (see ``kernelmix/__init__.py``);
