@@ -276,10 +276,12 @@ def test_cli_convert_and_errors(tmp_path, capsys, monkeypatch):
     x = ids()
     model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", layers="global", num_features=16))
     torch.testing.assert_close(logits(loaded, x), logits(model, x))
-    assert main(["convert", str(tmp_path / "host"), "--out", str(tmp_path / "bad"), "--layers", "0,7"]) == 2
+    # a KernelmixError: kernelmix prints the message and exits with the error's code (1)
+    assert main(["convert", str(tmp_path / "host"), "--out", str(tmp_path / "bad"), "--layers", "0,7"]) == 1
     assert "out of range" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path), "--out", str(tmp_path / "bad")]) == 2
+    assert main(["convert", str(tmp_path), "--out", str(tmp_path / "bad")]) == 1
     assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
     assert main(["pretrained", "list"]) == 0
     assert "gemma3-270m" in capsys.readouterr().out
 

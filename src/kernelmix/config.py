@@ -42,6 +42,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, Va
 from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
+from .errors import KernelmixError
+
 # The bounds most fields need, by name (pydantic's Field; ``allow_inf_nan=False``: finite).
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -117,9 +119,10 @@ class Spec:
         return self.default is dataclasses.MISSING
 
 
-class FieldError(ValueError):
+class FieldError(KernelmixError):
     """A field's value is wrong: ``<label> must be <expect>, got <value>`` (or, for a value that
-    failed a :class:`Choice` or another validator, that validator's own message)."""
+    failed a :class:`Choice` or another validator, that validator's own message). A
+    :class:`~kernelmix.errors.KernelmixError`: the command line prints it without a traceback."""
 
     def __init__(self, spec: Spec, value: Any, expect: str | None, message: str | None = None) -> None:
         self.spec, self.value, self.expect, self.custom = spec, value, expect, message
@@ -182,11 +185,27 @@ def _field_error(s: Spec, value: Any, error: ValidationError) -> FieldError:
     if _members(base):  # no member took the value: say what each takes
         return FieldError(s, value, expectation(s.annotation))
     if first["type"] not in _CONSTRAINT_ERRORS:  # the wrong type: the type's words, "an integer"
-        return FieldError(s, value, expectation(s.annotation, constraints=False))
+        return FieldError(s, value, _wrong_kind(s.annotation, value))
     item = _item_annotation(base)
     if item is not None and first["loc"] and isinstance(first["loc"][0], int):  # one item of a list is wrong
         return FieldError(s, value, expectation(item, plural=True))
     return FieldError(s, value, expectation(s.annotation))
+
+
+def _wrong_kind(annotation: Any, value: Any) -> str:
+    """What a field must be, for a value of the wrong type: the type's words (``an integer``), or for a
+    field of names the names themselves (a list for ``mixer`` says ``one of: softmax, cubit, ...``, the
+    forms it accepts, not just ``a string``), and that one value is wanted when a list or a mapping came."""
+    item = item_type(annotation)
+    names = choice_of(annotation) is not None or item is not None and choice_of(item) is not None
+    scalar = unwrap(annotation)[0] is str
+    words = expectation(annotation, constraints=names)
+    if item is None and scalar or unwrap(annotation)[0] in (int, float, bool):
+        if isinstance(value, (list, tuple)):
+            return f"{words} (one value, not a list)"
+        if isinstance(value, dict):
+            return f"{words} (one value, not a mapping)"
+    return words
 
 
 _CONSTRAINT_ERRORS = {
@@ -309,6 +328,7 @@ def expectation(annotation: Any, *, plural: bool = False, constraints: bool = Tr
     if item is not None:
         lead = ("lists" if plural else "a list") if not (constraints and _min_length(meta)) else (
             "non-empty lists" if plural else "a non-empty list")
+        found = found or (choice_of(item) if constraints else None)
         if found is not None:
             return f"{lead} of names from: {', '.join(found.options)}"
         return f"{lead} of {expectation(item, plural=True, constraints=constraints)}"

@@ -9,6 +9,7 @@ from typing import Annotated
 from ..config import Field, check
 from ..studies.bench import BenchConfig, format_report, run_bench, write_report
 from .options import add_options, from_args
+from .paths import output_dir, user_errors
 
 
 @dataclass
@@ -27,7 +28,9 @@ def _op_bench(args: argparse.Namespace) -> int:
         config, output = from_args(BenchConfig, args), from_args(BenchOutput, args)
     except ValueError as err:
         args.parser.error(str(err))
-    report = run_bench(config, progress=lambda text: print(f"  measuring {text}", flush=True))
+    output_dir(output.out, "--out")  # now, not after minutes of measuring
+    with user_errors():  # options that only the run checks (e.g. --autocast with a dtype other than float32)
+        report = run_bench(config, progress=lambda text: print(f"  measuring {text}", flush=True))
     written = write_report(report, output.out)
     print(format_report(report))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from ..config import Field, NonNegativeInt, check
 from ..studies.demo import DTYPES, ERROR_BOUNDS, DemoConfig, cubit_memory, describe, format_table, run_demo
 from ..output import write_json_atomic
 from .options import add_options, from_args
+from .paths import output_file
 
 
 @dataclass
@@ -29,6 +31,8 @@ def _demo(args: argparse.Namespace) -> int:
         config, opts = from_args(DemoConfig, args), from_args(DemoExtras, args)
     except ValueError as err:
         args.parser.error(str(err))
+    if opts.json:
+        output_file(opts.json, "--json")  # now, not after the whole run
     dtype = DTYPES[config.dtype]
 
     print(
@@ -45,7 +49,8 @@ def _demo(args: argparse.Namespace) -> int:
             + ", ".join(f"{key} {val:.0f} MiB" if val is not None else f"{key} n/a" for key, val in mem.items())
         )
     if opts.json:
-        write_json_atomic(opts.json, [row.__dict__ for row in rows])
+        Path(opts.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(opts.json).expanduser(), [row.__dict__ for row in rows])
         print(f"\nwrote {opts.json}")
     bad = [r.mixer for r in rows if max(r.forward_error, r.grad_error) >= ERROR_BOUNDS[dtype]]
     return 1 if bad else 0

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Arg, Field, check
 from ..data import load_corpus
+from ..errors import KernelmixError
 from ..pretrained import load_pretrained
 from ..studies.diagnose import DiagnoseConfig, diagnose, markdown
 from .options import add_options, from_args
+from .paths import output_dir, user_errors
 
 
 @dataclass
@@ -31,14 +32,16 @@ class DiagnoseInputs:
 def _cli_diagnose(args) -> int:
     try:
         opts, config = from_args(DiagnoseInputs, args), from_args(DiagnoseConfig, args)
+    except ValueError as error:
+        args.parser.error(str(error))
+    output_dir(opts.out, "--out")  # before the model is loaded and measured
+    with user_errors():  # the library's ValueErrors about the input (an unknown corpus, a converted model, ...)
         model, tok = load_pretrained(opts.model)
         if tok is None:
-            raise ValueError(f"{opts.model} has no tokenizer files; diagnose needs one")
+            raise KernelmixError(f"{opts.model} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
+                                 "diagnose needs one: copy them into the model directory")
         docs = [d.text for d in load_corpus(opts.text).documents()]
         result = diagnose(model, tok, docs, opts.out, config, progress=True, log=lambda msg: print(f"  {msg}", flush=True))
-    except (ValueError, ImportError) as exc:
-        print(f"kernelmix diagnose: error: {exc}", file=sys.stderr)
-        return 2
     print(markdown(result))
     print(f"wrote {opts.out}/diagnostics.json, diagnostics.md and PNG plots")
     return 0

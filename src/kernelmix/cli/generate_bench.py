@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from ..config import Field, check
 from ..studies.generate_bench import GenerateBenchConfig
 from ..output import write_json_atomic
 from .options import Threads, add_options, from_args
+from .paths import output_file
 
 
 @dataclass
@@ -33,6 +35,8 @@ def _generate_bench(args: argparse.Namespace) -> int:
         out = from_args(GenerateBenchOutput, args)
     except ValueError as err:  # e.g. prompt + new tokens beyond the preset's max_seq_len, no CUDA device
         args.parser.error(str(err))
+    if out.json:
+        output_file(out.json, "--json")  # now, not after the whole benchmark
     device = torch.device(config.device)
     if out.threads:
         torch.set_num_threads(out.threads)
@@ -56,7 +60,8 @@ def _generate_bench(args: argparse.Namespace) -> int:
         )
     )
     if out.json:
-        write_json_atomic(out.json, [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length,
+        Path(out.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(out.json).expanduser(), [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length,
                                           batch=config.batch, dtype=config.dtype, device=where) for row in rows])
         print(f"wrote {out.json}")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -10,6 +9,7 @@ from ..config import Arg, Choice, Field, check
 from ..pretrained import KNOWN_MODELS, cache_dir, prepare
 from ..studies.demo import DTYPES
 from .options import add_options, from_args
+from .paths import output_dir
 
 _CACHE_HELP = "cache root (default $KERNELMIX_CACHE or ~/.cache/kernelmix/pretrained)"
 
@@ -38,13 +38,10 @@ class PrepareOptions:
 
 def _cli_prepare(args) -> int:
     opts = from_args(PrepareOptions, args)
-    dtype = DTYPES[opts.dtype]
-    try:
-        path = prepare(opts.name, root=opts.cache, dtype=dtype, force=opts.force,
-                       progress=lambda msg: print(f"  {msg}", flush=True))
-    except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"kernelmix pretrained: error: {exc}", file=sys.stderr)
-        return 2
+    output_dir(cache_dir(opts.cache), "--cache")  # before the minute of dequantizing
+    # errors (a missing package, a full disk) are KernelmixError, ImportError or OSError: kernelmix prints them
+    path = prepare(opts.name, root=opts.cache, dtype=DTYPES[opts.dtype], force=opts.force,
+                   progress=lambda msg: print(f"  {msg}", flush=True))
     print(f"prepared {opts.name} in {path}")
     return 0
 

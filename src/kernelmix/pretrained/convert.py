@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Arg, Choice, Field, PositiveFloat, PositiveInt, check
+from ..errors import KernelmixError
 from ..layers import PROJECTIONS
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
@@ -72,25 +73,27 @@ class ConversionConfig:
 
 
 def resolve_layers(model, layers: Any) -> list[int]:
-    """``all`` / ``global`` / ``local`` / indices → sorted list of layer indices (ValueError when empty or out of range)."""
+    """``all`` / ``global`` / ``local`` / indices → sorted list of layer indices (a KernelmixError, which is a
+    ValueError, when empty or out of range)."""
     decoder = decoder_layers(model)
     n = len(decoder)
     if isinstance(layers, str):
         if layers not in LAYER_CHOICES:
-            raise ValueError(f"unknown layer selection {layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
+            raise KernelmixError(f"unknown layer selection {layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
         picked = [i for i, layer in enumerate(decoder)
                   if layers == "all" or (layers == "local") == is_local(layer.self_attn)]
         if not picked:
-            raise ValueError(f"the model has no {layers} attention layers to convert")
+            raise KernelmixError(f"the model has no {layers} attention layers to convert: choose another layer selection "
+                                 f"({', '.join(c for c in LAYER_CHOICES if c != layers)}) or a list of indices")
         return picked
     indices = list(layers)
     if not indices:
-        raise ValueError("empty layer list: choose at least one layer to convert")
+        raise KernelmixError("empty layer list: choose at least one layer to convert")
     for i in indices:
         if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"layer indices must be ints, got {i!r}")
+            raise KernelmixError(f"layer indices must be ints, got {i!r}")
         if not -n <= i < n:
-            raise ValueError(f"layer index {i} out of range: the model has {n} layers (0..{n - 1})")
+            raise KernelmixError(f"layer index {i} out of range: the model has {n} layers, choose indices in 0..{n - 1}")
     return sorted({i % n for i in indices})
 
 
@@ -109,7 +112,7 @@ def convert(model, config: ConversionConfig | None = None, *, calibration: Tenso
     init = config.init
     config.validate()
     if hasattr(model.config, CONFIG_KEY) and any(hasattr(l.self_attn, "kernelmix_rf") for l in decoder_layers(model)):
-        raise ValueError("the model is already converted; load the original to convert it again")
+        raise KernelmixError("the model is already converted; load the original to convert it again")
     indices = resolve_layers(model, config.layers)
     config.layer_indices = indices
     attach_kernels(model, config)
@@ -154,7 +157,7 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     for kernel in kernels(model).values():
         if kernel.mixer == "cubit":
-            raise ValueError("a cubit conversion has no random features to redraw")
+            raise KernelmixError("a cubit conversion has no random features to redraw")
         kernel.redraw_(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)
     raw.update(num_features=int(num_features), seed=int(seed))
@@ -167,19 +170,20 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
     ``distill`` or ``whiten+distill`` from ``calibration`` token ids ``[B, T]``. Returns
     ``{"distill": {layer: losses}}`` when distilling."""
     if init not in INITS:
-        raise ValueError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
+        raise KernelmixError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
     ks = kernels(model)
     if not ks:
-        raise ValueError("the model is not converted (no kernelmix_rf layers); call convert() first")
+        raise KernelmixError("the model is not converted (no kernelmix_rf layers); call convert() first")
     result: dict = {}
     for k in ks.values():
         if k.mixer == "darkformer":
             k.reset_parameters()  # M = F = I, W kept
     if init != "identity":
         if calibration is None:
-            raise ValueError(f"init={init!r} needs calibration token ids [B, T]")
+            raise KernelmixError(f"init={init!r} needs calibration token ids [B, T]")
         if any(k.mixer != "darkformer" for k in ks.values()):
-            raise ValueError(f"init={init!r} applies to darkformer conversions; performer has no transform")
+            raise KernelmixError(f"init={init!r} applies to darkformer conversions (performer has no transform): use "
+                                 "mixer darkformer, or init identity")
         captured = capture(model, calibration, attention_mask, batch_size=batch_size)
         if init.startswith("whiten"):
             whiten(model, captured, eps)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..errors import KernelmixError
+
 # model_type values (config.json) of the families conversion supports: Llama and Gemma.
 SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma2", "gemma3_text")
 
@@ -71,14 +73,21 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
 def require(*modules: str) -> None:
     """Raise ImportError naming the pip command if any of ``modules`` is missing."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ImportError(f"missing Python package(s) {', '.join(missing)} needed for pretrained models; {PRETRAINED_EXTRA}")
+    if missing:  # name=: the command line tells a missing package from a bug by it
+        raise ImportError(f"missing Python package(s) {', '.join(missing)} needed for pretrained models; {PRETRAINED_EXTRA}",
+                          name=missing[0])
 
 
-def _unknown_name(name: str) -> ValueError:
-    return ValueError(
+def _unknown_name(name: str) -> KernelmixError:
+    path = Path(name).expanduser()
+    if path.is_file():
+        folder = f" (its folder, {path.parent}, if that is the model)" if path.name == "config.json" else ""
+        return KernelmixError(
+            f"{name} is a file, not a model directory: pass the directory that holds config.json and the "
+            f"*.safetensors weights{folder}")
+    return KernelmixError(
         f"unknown pretrained model {name!r} (choose from: {', '.join(KNOWN_MODELS)}) and not a local directory "
-        "with a config.json"
+        "with a config.json: check the path, or prepare a known model with `kernelmix pretrained prepare NAME`"
     )
 
 
@@ -98,7 +107,7 @@ def _gguf_file(name: str, workdir: Path) -> Path:
         folder = Path(list(spec.submodule_search_locations)[0])
         files = sorted(folder.glob("*.gguf"))
         if not files:
-            raise FileNotFoundError(f"no .gguf file in {folder}; reinstall with: {known.install}")
+            raise KernelmixError(f"no .gguf file in {folder}; reinstall with: {known.install}")
         return files[0]
     raise _unknown_name(name)
 
@@ -115,7 +124,7 @@ def prepare(
     ``cache_dir(root)/name``; returns that directory. Skips the work if it is already prepared
     (``force=True`` redoes it). ``progress``: optional callable taking a message string."""
     if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown pretrained model {name!r} (choose from: {', '.join(KNOWN_MODELS)})")
+        raise KernelmixError(f"unknown pretrained model {name!r} (choose from: {', '.join(KNOWN_MODELS)})")
     require("transformers", "gguf", "sentencepiece", "safetensors", "accelerate")
     target = cache_dir(root) / name
     if (target / "config.json").exists() and (target / ".kernelmix-prepared").exists() and not force:
@@ -150,14 +159,15 @@ def prepare(
 def resolve(name_or_path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> Path:
     """A prepared known name or a local Hugging Face causal-LM directory → its directory.
 
-    Raises ValueError if it is neither, if the directory is not a causal LM, or if the
-    architecture is not of the Llama or Gemma families."""
+    Raises :class:`~kernelmix.errors.KernelmixError` (a ValueError) if it is neither, if the
+    directory is not a causal LM, if the architecture is not of the Llama or Gemma families, or if
+    its weights are not safetensors (see :func:`check_model_dir`)."""
     text = str(name_or_path)
     path = Path(text).expanduser()
     if text in KNOWN_MODELS and not path.is_dir():
         path = cache_dir(root) / text
         if not (path / "config.json").exists():
-            raise ValueError(f"{text} is not prepared yet in {path.parent}; run: kernelmix pretrained prepare {text}")
+            raise KernelmixError(f"{text} is not prepared yet in {path.parent}; run: kernelmix pretrained prepare {text}")
     elif not path.is_dir():
         raise _unknown_name(text)
     check_model_dir(path)
@@ -165,32 +175,65 @@ def resolve(name_or_path: str | os.PathLike, *, root: str | os.PathLike | None =
 
 
 def check_model_dir(path: str | os.PathLike) -> dict:
-    """Validate a local model directory (config.json of a supported causal LM); returns the config dict."""
+    """Validate a local model directory (config.json of a supported causal LM, safetensors
+    weights); returns the config dict. Raises :class:`~kernelmix.errors.KernelmixError` naming
+    what is wrong and the fix."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        raise KernelmixError(f"{path} is not a Hugging Face model directory (no config.json): pass the directory "
+                             "save_pretrained wrote, or a prepared name (kernelmix pretrained list)")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KernelmixError(f"{config_file} is not valid JSON ({exc}): restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise KernelmixError(f"{config_file} must hold a JSON object of settings, got {type(config).__name__}: "
+                             "restore it from the model's source")
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+    if not isinstance(model_type, (str, type(None))) or model_type not in SUPPORTED_MODEL_TYPES:
+        raise KernelmixError(
             f"unsupported architecture model_type={model_type!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)}; "
             "the Llama and Gemma families)"
         )
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise KernelmixError(f"{config_file}: architectures must be a list of class names, got {architectures!r}")
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
-        raise ValueError(f"{path} is not a causal LM (architectures={architectures}); expected *ForCausalLM")
+        raise KernelmixError(f"{path} is not a causal LM (architectures={architectures}); expected *ForCausalLM")
+    check_weights(path)
     return config
+
+
+# weight files that are Python pickles: loading one can run any code it holds
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """The weights of model directory ``path`` must be safetensors. A pickled checkpoint
+    (``pytorch_model.bin`` ...) is refused on purpose: unpickling runs whatever code the file holds,
+    and kernelmix never executes code from a file."""
+    path = Path(path)
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
+    if pickles:
+        raise KernelmixError(
+            f"{path} holds pickled weights ({', '.join(pickles)}), which kernelmix does not load: unpickling a file can "
+            "execute any code it contains. Convert them to safetensors once, where you trust the file, e.g. "
+            f"AutoModelForCausalLM.from_pretrained({str(path)!r}).save_pretrained(OUT, safe_serialization=True), "
+            "then pass OUT")
+    raise KernelmixError(f"{path} has a config.json but no *.safetensors weights: copy the model's weight files "
+                         "into it (or save it again with save_pretrained)")
 
 
 __all__ = [
     "KNOWN_MODELS",
     "SUPPORTED_MODEL_TYPES",
+    "PICKLE_SUFFIXES",
     "cache_dir",
     "check_model_dir",
+    "check_weights",
     "prepare",
     "require",
     "resolve",
