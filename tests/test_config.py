@@ -209,3 +209,20 @@ def test_a_config_file_that_does_not_parse_is_named(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=rf"cannot parse config file '.*{name}'"):
             read_config_file(tmp_path / name)
+
+
+def test_a_broken_config_file_is_named_with_the_parsers_line(tmp_path, capsys):
+    """Issue 13: the parser's message alone did not say which file; now the command names the file,
+    and the line where the parser gives one (TOML, YAML and JSON all do)."""
+    from kernelmix.cli import main
+
+    pytest.importorskip("yaml")
+    for name, text, where in (("bad.toml", 'preset = "tiny"\nsteps = \n', "line 2"),
+                              ("bad.yaml", "preset: tiny\n steps: [\n", "line 2"),
+                              ("bad.json", '{"preset": "tiny",\n}', "line 2")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit):
+            main(["train", "--config", str(tmp_path / name), "--out", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert f"cannot parse config file '{tmp_path / name}'" in err and where in err, err
+    assert not (tmp_path / "run").exists()

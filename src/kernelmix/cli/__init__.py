@@ -112,17 +112,18 @@ _DISTRIBUTIONS = {"yaml": "pyyaml", "fla": "flash-linear-attention", "lm_eval": 
 
 def missing_extra(error: ImportError) -> str | None:
     """The message for a missing optional package: the error's own text when it already says what to
-    install, else the package and the ``kernelmix[extra]`` that brings it; None when the missing
-    module is not one of kernelmix's optional dependencies (then it is a bug, not the environment)."""
-    if not error.name:  # raised by kernelmix itself: it names what to install, or it is not about a package
-        return str(error) if "pip install" in str(error) else None
+    install (kernelmix's :func:`~kernelmix.pretrained.require`, transformers' own checks), else the
+    package and the ``kernelmix[extra]`` that brings it; None when the missing module is not one of
+    kernelmix's optional dependencies (then it is a bug, not the environment)."""
+    if "pip install" in str(error):
+        return str(error)
+    if not error.name:
+        return None
     top = error.name.split(".")[0]
     distribution = _DISTRIBUTIONS.get(top, top.replace("_", "-"))
     extras = sorted(_extras_of(distribution), key=lambda extra: (extra == "test", extra))  # "test" has everything
     if not extras:
         return None
-    if "pip install" in str(error):
-        return str(error)
     return (f"the optional package {distribution} is not installed ({error}); "
             f"install it with: pip install \"kernelmix[{extras[0]}]\" (or pip install {distribution})")
 
