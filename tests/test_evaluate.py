@@ -17,14 +17,21 @@ import torch.nn.functional as F
 from kernelmix.cli import main as cli_main
 from kernelmix.data import ByteTokenizer, TokenizedSplit, eval_windows
 from kernelmix.evaluate import (
+    DEFAULT_DOC_TOKENS,
+    DEFAULT_MAX_DOCS,
+    auto_batch_size,
     build_cloze_task,
     build_continuation_task,
     build_tasks,
     cap_split,
     default_buckets,
     evaluate_loss,
+    evaluate_windows,
     loglikelihoods,
+    loss_batches,
     parse_buckets,
+    predicted_tokens,
+    scope_split,
     score_tasks,
     split_from_texts,
     write_lm_eval_tasks,
@@ -98,7 +105,7 @@ def test_one_evaluator_behind_windows_and_process_shares():
     same loss and accuracy as a float64 computation from the logits; process shares (each process
     its batches, FSDP's equal forwards) add up to the single-process totals."""
     from kernelmix.data import Batch, eval_batches
-    from kernelmix.evaluate import evaluate_windows, sum_token_losses
+    from kernelmix.evaluate import sum_token_losses
 
     model = small_model()
     windows = torch.randint(0, 256, (5, 12), generator=torch.Generator().manual_seed(0))
@@ -116,6 +123,7 @@ def test_one_evaluator_behind_windows_and_process_shares():
     batches = list(eval_batches(split, 16, 2))[:7]
     assert len(batches) % 2 == 1  # an odd count: the second process has one batch fewer
     single = sum_token_losses(model, batches)
+    single_all = sum_token_losses(model, eval_batches(split, 16, 2))  # the training loop's validation batches
     forwards = []
     handle = model.register_forward_hook(lambda *args: forwards.append(1))
     try:
@@ -128,7 +136,10 @@ def test_one_evaluator_behind_windows_and_process_shares():
     finally:
         handle.remove()
     (report,) = evaluate_loss(model, split, 16, batch_size=2, max_batches=7)
-    assert (report.loss, report.tokens) == (single.mean, single.tokens)
+    cut = sum_token_losses(model, loss_batches(split, 16, 2)[:7])  # evaluate_loss's own batches, cut the same way
+    assert (report.loss, report.tokens) == (cut.mean, cut.tokens)
+    (whole_split,) = evaluate_loss(model, split, 16, batch_size=2)
+    assert whole_split.tokens == single_all.tokens and whole_split.loss == pytest.approx(single_all.mean, rel=1e-6)
 
 def test_every_length_predicts_the_same_tokens_and_refuses_beyond_max_seq_len():
     model = small_model()
@@ -141,6 +152,92 @@ def test_every_length_predicts_the_same_tokens_and_refuses_beyond_max_seq_len():
     with pytest.raises(ValueError, match="exceeds the model's max_seq_len 256"):
         evaluate_loss(model, split, 512)
 
+
+@pytest.mark.parametrize("mixer", ["softmax", "cubit", "performer"])
+def test_batched_windows_equal_one_window_at_a_time(mixer):
+    """7 full windows and 3 short ones (different lengths): batches of 3 leave a last full-width
+    batch of one and pad the short ones together; the sums equal one window per forward (fp32)."""
+    model = small_model(mixer=mixer)
+    texts = ["abcdefghijklmnopqrstuvwxyz" * 3 + "ab", "the quick brown fox jumps over", "0123456789" * 2]
+    split = split_from_texts(texts, TOK)
+    T = 16
+    windows = list(eval_windows(split, T))
+    assert (sum(length == T for _, length in windows), len(windows)) == (7, 10)
+    batched = loss_batches(split, T, 3)
+    assert [tuple(b.input_ids.shape) for b in batched] == [(3, 16), (3, 16), (1, 16), (3, 15)]
+    (one,) = evaluate_loss(model, split, T, batch_size=1, buckets=[0, 4])
+    (three,) = evaluate_loss(model, split, T, batch_size=3, buckets=[0, 4])
+    (auto,) = evaluate_loss(model, split, T, buckets=[0, 4])
+    for report in (three, auto):
+        assert (report.tokens, report.windows, report.full_windows) == (one.tokens, 10, 7)
+        assert report.loss == pytest.approx(one.loss, rel=1e-5)
+        for a, b in zip(report.buckets, one.buckets):
+            assert (a.tokens, a.loss) == (b.tokens, pytest.approx(b.loss, rel=1e-5))
+    stacked = torch.randint(0, 256, (7, 12), generator=torch.Generator().manual_seed(2))
+    single, grouped = evaluate_windows(model, stacked, batch_size=1), evaluate_windows(model, stacked, batch_size=3)
+    assert grouped["tokens"] == single["tokens"] and grouped["loss"] == pytest.approx(single["loss"], rel=1e-5)
+
+
+def test_loss_batches_cover_every_window_once():
+    split = split_from_texts(["x" * 50, "y" * 17, "z", "w" * 2, "v" * 31], TOK)
+    T = 8
+    rows = []
+    for batch in loss_batches(split, T, 4):
+        width = batch.input_ids.shape[1]
+        mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
+        assert width == T or batch.attention_mask is not None or len({int(m.sum()) for m in mask}) == 1
+        for ids, labels, m in zip(batch.input_ids, batch.labels, mask):
+            length = int(m.sum())
+            assert m[:length].all() and not m[length:].any()  # right padding only
+            assert labels[0] == -100 and (labels[length:] == -100).all() and (labels[1:length] == ids[1:length]).all()
+            rows.append(ids[:length].tolist())
+    expected = [split.tokens[start : start + length].tolist() for start, length in eval_windows(split, T)]
+    assert sorted(rows) == sorted(expected)
+    assert sum(len(r) - 1 for r in rows) == predicted_tokens(split) == 49 + 16 + 0 + 1 + 30
+
+
+def test_auto_batch_size_bounds_windows_and_logits():
+    assert auto_batch_size(256, 256) == 16
+    assert auto_batch_size(2048, 256) == 8  # 16k tokens a forward
+    assert auto_batch_size(512, 262144) == 1  # a 262k vocabulary: 512 MiB of logits for one window
+    assert auto_batch_size(256, 50257) == 10
+    assert auto_batch_size(64, None) == 1
+
+
+def test_scope_split_defaults_and_all():
+    docs = [[1] * 5000, [2], [3] * 100] + [[4 + i] * 3000 for i in range(9)]
+    split = TokenizedSplit.from_token_lists(docs, name="val")
+    split.num_bytes = 123
+    capped, scope = scope_split(split, [256])
+    assert (scope.documents, scope.split_documents, scope.doc_tokens) == (DEFAULT_MAX_DOCS, 12, DEFAULT_DOC_TOKENS)
+    assert capped.doc_lengths.tolist() == [4096, 100] + [3000] * 6  # the 1-token document has nothing to predict
+    assert scope.tokens == 4096 + 100 + 6 * 3000 and not scope.whole and capped.num_bytes == 0
+    assert scope.describe() == (f"val: first 8 of 12 documents, at most 4,096 tokens each ({scope.tokens:,} of "
+                                f"{split.num_tokens:,} tokens); --max-docs all for the whole split")
+    capped, scope = scope_split(split, [256], max_docs=2, doc_tokens=None)
+    assert capped.doc_lengths.tolist() == [4096, 100]
+    capped, scope = scope_split(split, [8192], max_docs=1)  # the default cap grows to the longest length
+    assert capped.doc_lengths.tolist() == [5000] and scope.doc_tokens is None
+    capped, scope = scope_split(split, [256], max_docs="all")
+    assert scope.whole and capped.num_bytes == 123 and scope.describe() == f"val: all 12 documents, {split.num_tokens:,} tokens"
+    capped, scope = scope_split(split, [256], max_docs="all", doc_tokens=10)
+    assert not scope.whole and capped.doc_lengths.max() == 10
+    with pytest.raises(ValueError, match="max_docs must be a positive int or 'all'"):
+        scope_split(split, [256], max_docs=0)
+    with pytest.raises(ValueError, match="nothing to predict"):
+        scope_split(TokenizedSplit.from_token_lists([[1], [2]]), [256])
+
+
+def test_option_text_errors_name_the_option(trained_run, capsys):
+    """`--lengths abc` and `--tasks foo` are refused by the parser, naming the option and the form."""
+    for args, words in ((["--lengths", "abc"], ["--lengths", "comma-separated integers"]),
+                        (["--tasks", "foo"], ["--tasks", "unknown task", "choose from"]),
+                        (["--max-docs", "some"], ["--max-docs", "all", "positive integer"])):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["eval", str(trained_run), *args])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert all(word in err for word in words), err
 
 def test_buckets():
     assert default_buckets(1024) == [(0, 64), (64, 256), (256, 1024)]

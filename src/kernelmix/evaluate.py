@@ -65,7 +65,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import Batch, TokenizedSplit, eval_batches, load_corpus
+from .data import Batch, TokenizedSplit, eval_windows, load_corpus
+from .errors import KernelmixError
 from .model import CausalLM
 
 TASKS = ("continuation", "cloze")
@@ -87,15 +88,18 @@ def text_split(spec: str | Path, tokenizer) -> TokenizedSplit:
     docs = list(load_corpus(spec).documents())
     if not docs:
         raise ValueError(f"{str(spec)!r} holds no text to evaluate")
-    return split_from_texts([d.text for d in docs], tokenizer, [d.name for d in docs], name=str(spec))
+    split = split_from_texts([d.text for d in docs], tokenizer, [d.name for d in docs], name=str(spec))
+    split.num_bytes = sum(len(d.text.encode("utf-8")) for d in docs)  # for bits per byte over the whole text
+    return split
 
 
 def cap_split(split: TokenizedSplit, *, doc_tokens: int | None = None, max_docs: int | None = None) -> TokenizedSplit:
     """The first ``doc_tokens`` tokens of each of the first ``max_docs`` documents with at least
-    2 tokens: a smaller evaluation set that is the same for every context length ≤ doc_tokens."""
+    2 tokens: a smaller evaluation set that is the same for every context length ≤ doc_tokens.
+    Its ``num_bytes`` (for bits per byte) is kept only when nothing was cut."""
     for label, value in (("doc_tokens", doc_tokens), ("max_docs", max_docs)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{label} must be a positive int or None, got {value!r}")
+            raise KernelmixError(f"{label} must be a positive int or None, got {value!r}")
     docs, names = [], []
     for i in range(len(split)):
         tokens = split.document(i)
@@ -106,8 +110,76 @@ def cap_split(split: TokenizedSplit, *, doc_tokens: int | None = None, max_docs:
         if max_docs is not None and len(docs) >= max_docs:
             break
     capped = TokenizedSplit.from_token_lists(docs, name=split.name, names=names)
-    capped.num_bytes = 0 if (doc_tokens or max_docs) else split.num_bytes
+    capped.num_bytes = split.num_bytes if predicted_tokens(capped) == predicted_tokens(split) else 0
     return capped
+
+
+def predicted_tokens(split: TokenizedSplit) -> int:
+    """The tokens a loss evaluation of ``split`` predicts: every token but each document's first."""
+    return int(np.maximum(split.doc_lengths - 1, 0).sum())
+
+
+# The default scope of `kernelmix eval`: the first 8 documents, 4,096 tokens of each — about a
+# minute for the `small` preset on 2 CPU cores (measured in docs/evaluation.md); "all" for more.
+DEFAULT_MAX_DOCS = 8
+DEFAULT_DOC_TOKENS = 4096
+
+
+@dataclass
+class EvalScope:
+    """Which part of a split an evaluation covers (:func:`scope_split`): ``documents`` of its
+    ``split_documents``, at most ``doc_tokens`` tokens of each (None: whole documents), ``tokens``
+    of its ``split_tokens`` tokens; ``whole``: every token the split has to predict."""
+
+    split: str
+    documents: int
+    split_documents: int
+    doc_tokens: int | None
+    tokens: int
+    split_tokens: int
+    whole: bool
+
+    def describe(self) -> str:
+        """``val: first 8 of 39 documents, at most 4,096 tokens each (28,801 of 622,368 tokens); ...``"""
+        if self.whole:
+            return f"{self.split}: all {self.split_documents} documents, {self.split_tokens:,} tokens"
+        cap = f", at most {self.doc_tokens:,} tokens each" if self.doc_tokens else ""
+        return (f"{self.split}: first {self.documents} of {self.split_documents} documents{cap} "
+                f"({self.tokens:,} of {self.split_tokens:,} tokens); --max-docs all for the whole split")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def scope_split(
+    split: TokenizedSplit, seq_lens: Sequence[int], *, max_docs: int | str = DEFAULT_MAX_DOCS,
+    doc_tokens: int | str | None = None,
+) -> tuple[TokenizedSplit, EvalScope]:
+    """The part of ``split`` to evaluate at the context lengths ``seq_lens``, and its
+    :class:`EvalScope`: the first ``max_docs`` documents of ≥ 2 tokens ("all": every one) and the
+    first ``doc_tokens`` tokens of each ("all": whole documents; None: whole documents when
+    ``max_docs`` is "all", else :data:`DEFAULT_DOC_TOKENS` or the longest length if that is more,
+    so the longest windows still fit). Refuses a scope with no token to predict."""
+    for label, value in (("max_docs", max_docs), ("doc_tokens", doc_tokens)):
+        if value != "all" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise KernelmixError(f"{label} must be a positive int or 'all', got {value!r}")
+    if max_docs is None:
+        raise KernelmixError("max_docs must be a positive int or 'all', got None")
+    if doc_tokens is None:
+        doc_tokens = "all" if max_docs == "all" else max([DEFAULT_DOC_TOKENS, *seq_lens])
+    cap = None if doc_tokens == "all" else doc_tokens
+    capped = cap_split(split, doc_tokens=cap, max_docs=None if max_docs == "all" else max_docs)
+    tokens, total = predicted_tokens(capped), predicted_tokens(split)
+    if tokens == 0:
+        raise KernelmixError(
+            f"split {split.name!r} has nothing to predict: none of its {len(split)} documents has 2 tokens or more "
+            "(a document's first token is context only); evaluate other text with --data FILE"
+        )
+    longest = int(capped.doc_lengths.max())
+    scope = EvalScope(split=split.name, documents=len(capped), split_documents=len(split),
+                      doc_tokens=cap if cap is not None and cap <= longest else None,
+                      tokens=capped.num_tokens, split_tokens=split.num_tokens, whole=tokens == total)
+    return capped, scope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,12 +202,30 @@ def parse_buckets(edges: Sequence[int] | str, seq_len: int) -> list[tuple[int, i
         try:
             edges = [int(e) for e in edges.split(",") if e.strip()]
         except ValueError:
-            raise ValueError(f"bucket edges must be comma-separated integers, e.g. 0,64,256; got {edges!r}") from None
+            raise KernelmixError(f"bucket edges must be comma-separated integers, e.g. 0,64,256; got {edges!r}") from None
     edges = list(edges)
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"bucket edges must start at 0 and increase, e.g. [0, 64, 256]; got {edges}")
+        raise KernelmixError(f"bucket edges must start at 0 and increase, e.g. [0, 64, 256]; got {edges}")
     kept = [e for e in edges if e < seq_len] + [seq_len]
     return list(zip(kept[:-1], kept[1:]))
+
+
+def check_lengths(model, seq_lens: int | Iterable[int]) -> list[int]:
+    """``seq_lens`` as a list, each an int ≥ 2 within ``model.config.max_seq_len``; otherwise a
+    :class:`~kernelmix.errors.KernelmixError` that names the length and the limit."""
+    seq_lens = [seq_lens] if isinstance(seq_lens, int) else list(seq_lens)
+    if not seq_lens:
+        raise KernelmixError("give at least one context length, e.g. [256]")
+    limit = model.config.max_seq_len
+    for T in seq_lens:
+        if isinstance(T, bool) or not isinstance(T, int) or T < 2:
+            raise KernelmixError(f"context lengths must be ints ≥ 2, got {T!r}")
+        if T > limit:
+            raise KernelmixError(
+                f"context length {T} exceeds the model's max_seq_len {limit}: positions beyond it are refused, not "
+                f"extrapolated; evaluate at ≤ {limit} (beyond the training length is allowed up to max_seq_len)"
+            )
+    return seq_lens
 
 
 @dataclass
@@ -153,8 +243,10 @@ class BucketLoss:
 @dataclass
 class LossReport:
     """Loss of one model on one split at one context length ``seq_len``. ``loss``: mean
-    next-token cross-entropy in nats over ``tokens`` predicted tokens; ``bits_per_byte`` when the
-    split's UTF-8 size is known (a whole split)."""
+    next-token cross-entropy in nats over ``tokens`` predicted tokens in ``windows`` windows, of
+    which ``full_windows`` have all ``seq_len`` tokens (0: every document, or every document's
+    evaluated part, is shorter than ``seq_len``); ``bits_per_byte`` when the split's UTF-8 size is
+    known (a whole split)."""
 
     seq_len: int
     loss: float
@@ -163,17 +255,61 @@ class LossReport:
     buckets: list[BucketLoss] = field(default_factory=list)
     bits_per_byte: float | None = None
     beyond_training_length: bool = False
+    full_windows: int = 0
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss)
 
     def to_dict(self) -> dict[str, Any]:
+        """As JSON: an empty bucket's loss and perplexity are null (JSON has no NaN)."""
         data = asdict(self)
         data["perplexity"] = self.perplexity
         for bucket, entry in zip(self.buckets, data["buckets"]):
-            entry["perplexity"] = bucket.perplexity
+            entry["perplexity"] = bucket.perplexity if bucket.tokens else None
+            entry["loss"] = bucket.loss if bucket.tokens else None
         return data
+
+
+# A forward's logits are float32 [windows, T, vocab]; the automatic batch keeps them under this
+# (a 262k-token vocabulary at T=512 gets one window) and at most 16 windows / 16k tokens.
+LOGITS_BUDGET_BYTES = 512 * 2**20
+
+
+def auto_batch_size(seq_len: int, vocab_size: int | None) -> int:
+    """Windows per forward when none is given (see :data:`LOGITS_BUDGET_BYTES`)."""
+    by_logits = LOGITS_BUDGET_BYTES // (4 * seq_len * vocab_size) if vocab_size else 1
+    return max(1, min(16, 16384 // seq_len, by_logits))
+
+
+def loss_batches(split: TokenizedSplit, seq_len: int, batch_size: int) -> list[Batch]:
+    """The evaluation windows of ``split`` (:func:`kernelmix.data.eval_windows`, the one rule),
+    ``batch_size`` per batch: windows of the full ``seq_len`` in document order, unpadded and
+    without an attention mask (the model's plain path), then each document's shorter last window,
+    longest first, right-padded only to the longest in its batch. Padding is never read, so the
+    sums are those of one window at a time."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise KernelmixError(f"batch_size must be a positive int, got {batch_size!r}")
+    windows = list(eval_windows(split, seq_len))
+    full = [w for w in windows if w[1] == seq_len]
+    short = sorted((w for w in windows if w[1] < seq_len), key=lambda w: -w[1])
+    return [_window_batch(split.tokens, group[i : i + batch_size])
+            for group in (full, short) for i in range(0, len(group), batch_size)]
+
+
+def _window_batch(tokens: np.ndarray, windows: Sequence[tuple[int, int]]) -> Batch:
+    """Rows ``tokens[start : start + length]`` right-padded to the longest; a window's first
+    token and the padding are not predicted (label -100); a mask only where there is padding."""
+    width = max(length for _, length in windows)
+    ids = torch.zeros(len(windows), width, dtype=torch.long)
+    mask = torch.zeros(len(windows), width, dtype=torch.long)
+    for row, (start, length) in enumerate(windows):
+        ids[row, :length] = torch.from_numpy(np.asarray(tokens[start : start + length], dtype=np.int64))
+        mask[row, :length] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 0] = -100
+    padded = any(length < width for _, length in windows)
+    return Batch(ids, labels, None, mask if padded else None)
 
 
 @torch.no_grad()
@@ -182,56 +318,57 @@ def evaluate_loss(
     split: TokenizedSplit,
     seq_lens: int | Iterable[int],
     *,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     buckets: Sequence[int] | str | None = None,
     train_seq_len: int | None = None,
     max_batches: int | None = None,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[LossReport]:
     """Loss, perplexity and loss by position bucket of ``model`` on ``split`` at each context
-    length (see the module docstring). ``buckets``: bucket edges (default :func:`default_buckets`);
+    length (see the module docstring). ``batch_size``: windows per forward (default
+    :func:`auto_batch_size`); ``buckets``: bucket edges (default :func:`default_buckets`);
     ``train_seq_len``: marks lengths beyond it in the reports; ``max_batches``: cut each length's
     evaluation short (then the token sets of different lengths differ; prefer :func:`cap_split`);
-    ``progress``: a callable ``progress(seq_len, batches_done)``."""
-    if isinstance(seq_lens, int):
-        seq_lens = [seq_lens]
-    seq_lens = list(seq_lens)
-    if not seq_lens:
-        raise ValueError("give at least one context length")
-    limit = model.config.max_seq_len
-    for T in seq_lens:
-        if isinstance(T, bool) or not isinstance(T, int) or T < 2:
-            raise ValueError(f"context lengths must be ints ≥ 2, got {T!r}")
-        if T > limit:
-            raise ValueError(
-                f"context length {T} exceeds the model's max_seq_len {limit}: positions beyond it are refused, not "
-                f"extrapolated; evaluate at ≤ {limit} (beyond the training length is allowed up to max_seq_len)"
-            )
+    ``progress(seq_len, tokens_done)`` is called after each batch with the tokens predicted so
+    far at that length (of :func:`predicted_tokens` in all). Every argument is checked before
+    the first forward."""
+    seq_lens = check_lengths(model, seq_lens)
+    ranges = {T: parse_buckets(buckets, T) if buckets is not None else default_buckets(T) for T in seq_lens}
+    if predicted_tokens(split) == 0:
+        raise KernelmixError(f"split {split.name!r} has no token to predict: no document has 2 tokens or more")
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
+        raise KernelmixError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    vocab = getattr(model.config, "vocab_size", None)
     reports = []
     for T in seq_lens:
-        ranges = parse_buckets(buckets, T) if buckets is not None else default_buckets(T)
+        batches = loss_batches(split, T, batch_size or auto_batch_size(T, vocab))[:max_batches]
+        done = np.cumsum([b.num_predicted for b in batches]).tolist()
         sums = sum_token_losses(
-            model, eval_batches(split, T, batch_size, max_batches), edges=[start for start, _ in ranges] + [T],
-            progress=None if progress is None else (lambda done, T=T: progress(T, done)),
+            model, batches, edges=[start for start, _ in ranges[T]] + [T],
+            progress=None if progress is None else (lambda n, T=T: progress(T, done[n - 1])),
         )
-        if sums.tokens == 0:
-            raise ValueError(f"split {split.name!r} has no token to predict at context length {T}")
         bpb = sums.loss / math.log(2) / split.num_bytes if split.num_bytes and max_batches is None else None
         reports.append(LossReport(
             seq_len=T, loss=sums.mean, tokens=sums.tokens, windows=sums.windows,
             buckets=[BucketLoss(a, b, float(s / c) if c else float("nan"), int(c))
-                     for (a, b), s, c in zip(ranges, sums.bucket_loss, sums.bucket_tokens)],
+                     for (a, b), s, c in zip(ranges[T], sums.bucket_loss, sums.bucket_tokens)],
             bits_per_byte=bpb,
             beyond_training_length=bool(train_seq_len and T > train_seq_len),
+            full_windows=sum(int(b.input_ids.shape[0]) for b in batches if b.attention_mask is None
+                             and b.input_ids.shape[1] == T),
         ))
     return reports
 
 
-def evaluate_windows(model, windows: torch.Tensor, batch_size: int = 1) -> dict:
+def evaluate_windows(model, windows: torch.Tensor, batch_size: int | None = None) -> dict:
     """Next-token loss (nats/token) and accuracy of ``model`` (anything that takes ``input_ids``
     and returns ``logits``: our CausalLM or a Hugging Face one) over ``windows`` ``[N, T]``, every
-    token after a window's first predicted (:func:`sum_token_losses`)."""
-    sums = sum_token_losses(model, (Batch(x, x) for x in windows.split(batch_size)))
+    token after a window's first predicted (:func:`sum_token_losses`), ``batch_size`` windows
+    per forward (default :func:`auto_batch_size` for the model's ``config.vocab_size``)."""
+    if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
+        raise KernelmixError(f"windows must be [N, T] with N ≥ 1 and T ≥ 2 (a token to predict), got {tuple(windows.shape)}")
+    size = batch_size or auto_batch_size(windows.shape[1], getattr(getattr(model, "config", None), "vocab_size", None))
+    sums = sum_token_losses(model, (Batch(x, x) for x in windows.split(size)))
     return {"loss": sums.mean, "accuracy": sums.correct / sums.tokens, "tokens": sums.tokens}
 
 
@@ -474,11 +611,13 @@ def build_tasks(
 @torch.no_grad()
 def loglikelihoods(
     model: CausalLM, tokenizer, requests: Sequence[tuple[str, str]], *, batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """For each ``(context, continuation)``: the summed log-probability of the continuation's
     tokens given the context, and whether every one of them is the model's greedy choice (the
     pair lm-eval's ``loglikelihood`` returns). Context and continuation are tokenized separately
-    and concatenated; a context too long for ``max_seq_len`` loses its oldest tokens."""
+    and concatenated; a context too long for ``max_seq_len`` loses its oldest tokens.
+    ``progress(n)`` is called after each batch with the ``n`` requests it scored."""
     device = next(model.parameters()).device
     limit = model.config.max_seq_len
     encoded = []
@@ -515,28 +654,54 @@ def loglikelihoods(
                 total = float(span.gather(1, target[:, None]).sum())
                 greedy = bool((span.argmax(-1) == target).all())
                 results[i] = (total, greedy)
+            if progress is not None:
+                progress(len(chunk))
     finally:
         model.train(was_training)
     return results  # type: ignore[return-value]
 
 
+def task_requests(tasks: dict[str, list[dict[str, Any]]]) -> int:
+    """The log-likelihood requests scoring ``tasks`` takes (one per choice, one per cloze item):
+    the total of :func:`score_tasks`'s progress."""
+    return sum(len(item.get("choices", [None])) for items in tasks.values() for item in items)
+
+
+def check_backend(backend: str) -> None:
+    """``backend`` is one of :data:`BACKENDS` and can run here (lm-eval is installed); otherwise a
+    :class:`~kernelmix.errors.KernelmixError` naming the fix. Cheap: call it before any evaluation."""
+    if backend not in BACKENDS:
+        raise KernelmixError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
+    if backend == "lm-eval":
+        try:
+            import lm_eval  # noqa: F401  (the scoring imports it anyway)
+        except ImportError:
+            raise KernelmixError('the lm-eval backend needs lm-evaluation-harness: pip install "kernelmix[eval]" '
+                                 "(or use the builtin backend)") from None
+
+
 def score_tasks(
     model: CausalLM, tokenizer, tasks: dict[str, list[dict[str, Any]]], *, batch_size: int = 8,
-    backend: str = "builtin", task_dir: str | Path | None = None,
+    backend: str = "builtin", task_dir: str | Path | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Accuracy (and more) per task: ``continuation`` → ``acc``, ``acc_norm``, ``items``;
     ``cloze`` → ``acc`` (target = greedy continuation), ``perplexity`` (per target token)...
     ``backend="lm-eval"`` scores through lm-evaluation-harness with task files written to
-    ``task_dir`` (a temporary directory if None)."""
+    ``task_dir`` (a temporary directory if None). ``progress(n)``: after each batch, with the
+    ``n`` requests it scored (:func:`task_requests` in all). Task names and the backend are
+    checked before anything is scored."""
+    unknown = [name for name in tasks if name not in TASKS]
+    if unknown:
+        raise KernelmixError(f"unknown task(s) {', '.join(map(repr, unknown))} (choose from: {', '.join(TASKS)})")
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
+        raise KernelmixError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
     if backend == "lm-eval":
-        return score_with_lm_eval(model, tokenizer, tasks, batch_size=batch_size, task_dir=task_dir)
+        return score_with_lm_eval(model, tokenizer, tasks, batch_size=batch_size, task_dir=task_dir, progress=progress)
     scores = {}
     for name, items in tasks.items():
         if name == "continuation":
             requests = [(item["context"], choice) for item in items for choice in item["choices"]]
-            values = loglikelihoods(model, tokenizer, requests, batch_size=batch_size)
+            values = loglikelihoods(model, tokenizer, requests, batch_size=batch_size, progress=progress)
             correct = correct_norm = 0
             at = 0
             for item in items:
@@ -548,15 +713,14 @@ def score_tasks(
                 correct_norm += int(np.argmax(norm)) == item["label"]
             scores[name] = {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "items": len(items),
                             "chance": float(np.mean([1 / len(i["choices"]) for i in items]))}
-        elif name == "cloze":
-            values = loglikelihoods(model, tokenizer, [(i["context"], i["target"]) for i in items], batch_size=batch_size)
+        else:  # cloze
+            values = loglikelihoods(model, tokenizer, [(i["context"], i["target"]) for i in items],
+                                    batch_size=batch_size, progress=progress)
             n_tokens = sum(len(tokenizer.encode(i["target"])) for i in items)
             scores[name] = {"acc": float(np.mean([g for _, g in values])), "items": len(items),
                             # lm-eval's perplexity: exp(−mean log-likelihood of a whole target)
                             "perplexity": math.exp(-float(np.mean([ll for ll, _ in values]))),
                             "token_perplexity": math.exp(-sum(ll for ll, _ in values) / n_tokens)}
-        else:
-            raise ValueError(f"unknown task {name!r} (choose from: {', '.join(TASKS)})")
     return scores
 
 
@@ -603,9 +767,9 @@ def _metric(name: str, aggregation: str, higher_is_better: bool) -> list[str]:
     return [f"  - metric: {name}", f"    aggregation: {aggregation}", f"    higher_is_better: {str(higher_is_better).lower()}"]
 
 
-def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8):
+def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8, progress: Callable[[int], None] | None = None):
     """An ``lm_eval.api.model.LM`` for ``model``: loglikelihood through :func:`loglikelihoods`
-    (our tokenizer); rolling loglikelihood and generation are not provided."""
+    (our tokenizer; ``progress`` as there); rolling loglikelihood and generation are not provided."""
     try:
         from lm_eval.api.model import LM
     except ImportError as error:
@@ -617,7 +781,8 @@ def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8):
             self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return loglikelihoods(self.model, self.tokenizer, [r.args for r in requests], batch_size=self.batch_size)
+            return loglikelihoods(self.model, self.tokenizer, [r.args for r in requests], batch_size=self.batch_size,
+                                  progress=progress)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             raise NotImplementedError("kernelmix's lm-eval model scores loglikelihood tasks only")
@@ -630,14 +795,15 @@ def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8):
 
 def score_with_lm_eval(
     model: CausalLM, tokenizer, tasks: dict[str, list[dict[str, Any]]], *, batch_size: int = 8,
-    task_dir: str | Path | None = None,
+    task_dir: str | Path | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Score ``tasks`` with lm-evaluation-harness (offline: local task files, no hub)."""
+    """Score ``tasks`` with lm-evaluation-harness (offline: local task files, no hub);
+    ``progress`` as in :func:`loglikelihoods`."""
     import tempfile
 
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # before datasets is imported: never contact a hub
     os.environ["HF_HUB_OFFLINE"] = "1"
-    lm = lm_eval_model(model, tokenizer, batch_size=batch_size)
+    lm = lm_eval_model(model, tokenizer, batch_size=batch_size, progress=progress)
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -663,21 +829,32 @@ __all__ = [
     "BACKENDS",
     "TASKS",
     "BucketLoss",
+    "DEFAULT_DOC_TOKENS",
+    "DEFAULT_MAX_DOCS",
+    "EvalScope",
+    "LOGITS_BUDGET_BYTES",
     "LossReport",
+    "auto_batch_size",
     "build_cloze_task",
     "build_continuation_task",
     "build_tasks",
     "cap_split",
+    "check_backend",
+    "check_lengths",
     "default_buckets",
     "evaluate_loss",
     "evaluate_windows",
     "lm_eval_model",
     "loglikelihoods",
+    "loss_batches",
     "parse_buckets",
+    "predicted_tokens",
     "score_tasks",
     "score_with_lm_eval",
+    "scope_split",
     "split_from_texts",
     "sum_token_losses",
+    "task_requests",
     "text_split",
     "TokenLosses",
     "token_nll",
