@@ -287,6 +287,12 @@ class TestEmptySequences:
                 out = fn(x, d)
                 assert out.shape == (B, 0, H, D) and out.dtype == torch.float32, op
 
+    def test_gradients_flow_through_an_empty_output(self):
+        for op, (fn, _) in OPS.items():
+            x = {n: a[:, :0].clone().requires_grad_() for n, a in _inputs().items()}
+            fn(x, torch.zeros(B, 0, dtype=torch.long)).sum().backward()  # no error, no gradient
+            assert x["v"].grad is None or x["v"].grad.shape == (B, 0, HKV, D), op
+
     def test_random_feature_attention_keeps_the_state(self):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 5, 2, D, generator=g) for _ in range(3))

@@ -237,7 +237,8 @@ class MixerLayer(nn.Module):
     def _check_hidden_states(self, hidden_states: Any) -> None:
         if not isinstance(hidden_states, Tensor):
             raise KernelmixError(
-                f"hidden_states must be a tensor of shape [B, T, {self.hidden_size}], got {type(hidden_states).__name__}"
+                f"hidden_states must be a torch.Tensor of shape [B, T, {self.hidden_size}], got "
+                f"{type(hidden_states).__name__}; pass a torch.Tensor (e.g. torch.as_tensor(x, dtype=torch.float32))"
             )
         if hidden_states.dim() != 3:
             raise KernelmixError(

@@ -152,6 +152,12 @@ class RandomFeatureMap(nn.Module):
         exactly-zero q/k dimensions). Returns ``self``; existing caches become stale."""
         if not self.data_aware:
             raise KernelmixError("whiten_ needs a data-aware map (DARKFormer); a Performer map has no transform M")
+        for name, samples in (("q_samples", q_samples), ("k_samples", k_samples)):
+            if not isinstance(samples, Tensor):
+                raise KernelmixError(
+                    f"{name} must be a torch.Tensor of shape [N, H, d], got {type(samples).__name__}; pass a "
+                    f"torch.Tensor (e.g. from {type(self).__name__}.qk_samples)"
+                )
         if q_samples.dim() == 3 and q_samples.shape[1] != self.num_heads:
             raise KernelmixError(f"q_samples have {q_samples.shape[1]} heads, this layer has num_heads={self.num_heads}")
         if k_samples.dim() == 3 and k_samples.shape[1] not in (self.num_kv_heads, self.num_heads):

@@ -75,7 +75,12 @@ def readout_values(q: Tensor, u: Tensor) -> Tensor:
 
 def softmax_scale(q: Tensor, scale: float | None) -> float:
     """The softmax logits' scale: ``scale``, or 1/√d for queries of head dim d when it is None."""
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    try:
+        return float(scale)
+    except (TypeError, ValueError, RuntimeError):  # a list, a string, a tensor of several elements
+        raise KernelmixError(f"scale must be a float (or None for 1/√d), got {type(scale).__name__}") from None
 
 
 def check_tensor(name: str, x, shape: str, dtype: str = "torch.float32") -> None:
@@ -192,7 +197,7 @@ def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]],
 
 
 def check_chunk_size(chunk_size: int) -> None:
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise KernelmixError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
@@ -214,9 +219,9 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
     Packed documents and left padding are both expressed this way."""
     if doc_start is None:
         return
-    if not isinstance(doc_start, Tensor) or tuple(doc_start.shape) != (batch, length):
-        got = tuple(doc_start.shape) if isinstance(doc_start, Tensor) else type(doc_start).__name__
-        raise KernelmixError(f"doc_start must have shape [B, T] = {(batch, length)}, got {got}")
+    check_tensor("doc_start", doc_start, f"[B, T] = {(batch, length)}", "torch.long")
+    if tuple(doc_start.shape) != (batch, length):
+        raise KernelmixError(f"doc_start must have shape [B, T] = {(batch, length)}, got {tuple(doc_start.shape)}")
     if doc_start.is_floating_point() or doc_start.dtype == torch.bool:
         raise KernelmixError(f"doc_start must be an integer tensor (absolute token indices), got {doc_start.dtype}")
     index = offset + torch.arange(length, device=doc_start.device)
@@ -287,8 +292,9 @@ def masked_softmax(logits: Tensor, hidden: Tensor) -> Tensor:
 
 
 def scan_syncs(device: torch.device) -> bool:
-    """Whether the non-finite scan may sync to skip the guard for finite inputs (the CPU: syncs are free)."""
-    return device.type == "cpu"
+    """Whether the non-finite scan may sync to skip the guard for finite inputs: on the CPU, where a
+    sync is free, unless ``torch.compile`` traces (a data-dependent branch would break the graph)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class NonFinite:

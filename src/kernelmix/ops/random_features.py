@@ -346,7 +346,7 @@ def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, in
     check_doc_start(doc_start, batch, length, offset=start)
     if length == 0:  # nothing to mix: an empty output, the state as it was
         final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start)
-        return values.new_zeros(batch, 0, heads, dv).to(v.dtype), final, values.new_zeros(batch, heads, 0)
+        return values[:, :0].to(v.dtype), final, values.new_zeros(batch, heads, 0)  # (a slice: autograd sees v)
     running = _running_key_shift(k_logits, doc_start, start, shift)  # [B, H, T]
     chunk = min(chunk_size, length)
     n_chunks = -(-length // chunk)
@@ -565,9 +565,10 @@ def random_feature_attention_masked(
     if guard is not None:
         k, v = guard.zeroed("k", k), guard.zeroed("v", v)
     dtype = compute_dtype(q)
-    if k.shape[1] == 0:  # no keys: every row is empty (0)
-        batch, length = q.shape[:2]
-        return v.new_zeros(batch, length, heads, v.shape[3]), q.new_zeros(batch, heads, length, 0, dtype=dtype)
+    if k.shape[1] == 0:  # no keys: every row is empty (0); an empty sum, so autograd still sees v
+        weights = q.new_zeros(q.shape[0], heads, q.shape[1], 0, dtype=dtype)
+        out = torch.einsum("bhtl,blhd->bthd", weights, expand_heads(v, heads).to(dtype))
+        return out.to(v.dtype), weights
     with autocast_off(q):  # feature logits stay ≥ fp32 (the precision policy, _common)
         proj = projection.to(dtype)
         m = None if transform is None else transform.to(dtype)
