@@ -11,6 +11,7 @@ and Ctrl-C each print one line and exit non-zero. ``kernelmix --debug ...`` or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -79,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        return _say(name, "interrupted (Ctrl-C); nothing more was done", 130)
+        return _say(name, "interrupted (Ctrl-C)", 130)
     except BrokenPipeError:  # `kernelmix ... | head` closed our stdout: not an error, and nothing more can be shown
         if debug:
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not complain
+        with contextlib.suppress(OSError, ValueError):  # so the exit's flush of stdout does not complain
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell shows for a program stopped by a closed pipe
     except OSError as error:  # the environment: disk full, permissions, a missing path
         if debug:

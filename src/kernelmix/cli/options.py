@@ -21,6 +21,7 @@ import argparse
 from typing import Annotated, Any
 
 from ..config import Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
+from ..errors import KernelmixError
 
 
 # the --threads option of the commands that compute (one spelling, one help text)
@@ -55,8 +56,8 @@ def add_options(parser: argparse.ArgumentParser, *configs: type, exclude: tuple[
 def from_args(cls: type, args: argparse.Namespace, factory: Any = None, **values: Any) -> Any:
     """The ``cls`` instance of the options given in ``args`` (and ``values``, set by the command),
     validated; ``factory``: what builds it from those keywords (default ``cls``, e.g. a
-    ``quick`` classmethod). A bad value raises ValueError naming the option: ``--length must be a
-    positive integer, got 0``."""
+    ``quick`` classmethod). A bad value raises a KernelmixError (a ValueError) naming the option:
+    ``--length must be a positive integer, got 0``."""
     given = {s.name: getattr(args, s.name) for s in specs(cls) if s.arg.cli and hasattr(args, s.name)}
     try:
         config = (factory or cls)(**given, **values)
@@ -67,7 +68,7 @@ def from_args(cls: type, args: argparse.Namespace, factory: Any = None, **values
         s = error.spec
         if s.owner is not cls or not s.arg.cli or s.title is not None:
             raise
-        raise ValueError(error.message(flag(s))) from None
+        raise KernelmixError(error.message(flag(s))) from None
     return config
 
 
