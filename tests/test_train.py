@@ -538,3 +538,27 @@ def test_a_run_shorter_than_its_warmup_is_warned_about(tmp_path):
                          eval_every=0, out_dir=str(tmp_path / "run"))
     with pytest.warns(UserWarning, match=r"warmup_steps=100 is not below the run's 3 steps.*warmup_steps=1"):
         train(config, progress=False)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
+    """The first SIGINT finishes the step and saves (tests/reliability/test_training.py); a second
+    one means "now": KeyboardInterrupt at once, nothing saved, the usual handler back."""
+    import os
+    import signal
+
+    from kernelmix.training.loop import PretrainTrainer
+
+    before, real = signal.getsignal(signal.SIGINT), PretrainTrainer.after_step
+
+    def after_step(self, step, outcome):
+        stop = real(self, step, outcome)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return stop
+
+    monkeypatch.setattr(PretrainTrainer, "after_step", after_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**REF, out_dir=str(tmp_path / "run")), progress=False)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert not list_checkpoints(tmp_path / "run")
