@@ -311,6 +311,11 @@ class NonFinite:
             bad = mask if bad is None else bad | mask
         self.bad = bad
 
+    def only(self, *names: str) -> "NonFinite | None":
+        """The same scan restricted to the inputs ``names`` (None when none of them was scanned)."""
+        masks = {name: mask for name, mask in self.masks.items() if name in names}
+        return NonFinite(masks, self.bad.shape[2]) if masks else None
+
     def zeroed(self, name: str, x: Tensor | None) -> Tensor | None:
         """``x`` (the input called ``name``) with its non-finite tokens set to 0 (a select: its
         backward keeps only the boolean mask)."""

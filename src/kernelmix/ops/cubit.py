@@ -195,7 +195,8 @@ def cubit_attention(
     out = out.to(v.dtype)
     if guard is not None:
         out = guard.poison_causal(out, doc_start)
-        u, r_hat = _poisoned_solution(guard, u, r_hat, doc_start)
+        # U does not depend on the read-out keys: only a bad r, v or ρ spoils the cached U
+        u, r_hat = _poisoned_solution(guard.only("v", "r", "rho"), u, r_hat, doc_start)
     if return_state:
         return out, CubitState(k=k, u=u, r_hat=r_hat)
     return out
