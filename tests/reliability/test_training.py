@@ -588,9 +588,9 @@ class TestDiskFull:
         import safetensors.torch
         from safetensors import SafetensorError
 
-        def full(*args, **kwargs):
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                                  'left on device" })')
+        def full(weights, path, metadata=None):  # safetensors' own words for a full disk
+            raise SafetensorError(f'Error while serializing: I/O error: No space left on device (os error 28) at path '
+                                  f'"{Path(path).parent / ".tmpX1"}"')
 
         monkeypatch.setattr(safetensors.torch, "save_file", full)
         with pytest.raises(KernelmixError, match=r"step_00000001': No space left on device; free space or choose another"):

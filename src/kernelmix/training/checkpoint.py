@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import KernelmixError
+from ..oserror import from_safetensors
 
 FORMAT = 1
 FILES = ("model.safetensors", "state.pt", "config.json")
@@ -192,10 +193,9 @@ def write_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path), metadata={"format": "pt"})
     except SafetensorError as error:
-        # safetensors reports I/O failures as its own error type with the OS's text: recover the
-        # errno, so a full disk reads as one (see storage_error)
-        code = next((c for c in _STORAGE_FIXES if os.strerror(c) in str(error)), errno.EIO)
-        raise OSError(code, os.strerror(code), str(path)) from error
+        # safetensors reports I/O failures as its own error type with the OS error in its text:
+        # recover the OSError, so that a full disk reads as one (see storage_error)
+        raise (from_safetensors(error) or OSError(errno.EIO, str(error), str(path))) from error
 
 
 def write_state(state: dict[str, Any], path: Path) -> None:

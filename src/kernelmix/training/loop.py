@@ -578,10 +578,13 @@ class PretrainTrainer(Trainer):
 
     def save(self, step: int) -> None:
         """A checkpoint: full weights and optimizer state (every process takes part under FSDP),
-        every process's RNG states, the schedule and data position; written by rank 0."""
+        every process's RNG states, the schedule and data position; written by rank 0. When rank 0
+        cannot write it (non-finite tensors, a full disk) every process stops, not only rank 0
+        (the others would wait for it forever)."""
         config, env, total_steps = self.config, self.env, self.schedule.total_steps
         weights, optim_state = _full_state_dicts(self.raw_model, self.optimizer, config.fsdp)
         rngs = distrib.all_gather_object(env, rng_state())
+        failure: CheckpointError | None = None
         if env.is_main:
             if self.raw_model.config.tie_embeddings:
                 weights.pop("lm_head.weight", None)  # the embedding, stored once
@@ -596,7 +599,16 @@ class PretrainTrainer(Trainer):
                 "wall_s": self.wall(),
                 "skipped_steps": [s for s in self.skipped if s <= step],
             }
-            self.result.checkpoint = save_checkpoint(self.out_dir, step, weights, state, self.record, keep=config.keep_checkpoints)
+            try:
+                self.result.checkpoint = save_checkpoint(self.out_dir, step, weights, state, self.record,
+                                                         keep=config.keep_checkpoints)
+            except CheckpointError as error:
+                failure = error
+        if env.enabled and bool(self.agree(torch.tensor(float(failure is not None), device=env.device))):
+            failure = failure or CheckpointError(f"rank 0 could not write the checkpoint of step {step}; its message "
+                                                 "says why and what to do")
+        if failure is not None:
+            raise failure
         self.saved_step = step
         distrib.barrier(env)
 
