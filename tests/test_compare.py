@@ -123,3 +123,11 @@ def test_torchrun_two_processes_match_one(tmp_path):
     for a, b in zip(one["runs"], two["runs"]):
         assert (a["mixer"], a["tokens"]) == (b["mixer"], b["tokens"])
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
+
+
+def test_mixer_options_reach_only_their_mixer():
+    config = CompareConfig(mixers=["softmax", "performer"], model={"mixer_options": {"performer": {"num_features": 64}}})
+    assert "mixer_options" not in config.model_overrides("softmax")
+    assert config.model_overrides("performer")["mixer_options"] == {"performer": {"num_features": 64}}
+    with pytest.raises(ValueError, match=r"mixer_options for performer, which no compared run uses.*add the mixer"):
+        CompareConfig(mixers=["softmax", "cubit"], model={"mixer_options": {"performer": {"num_features": 64}}})

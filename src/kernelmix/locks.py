@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import RunDirectoryBusy
+from .errors import KernelmixError, RunDirectoryBusy
 
 LOCK_NAME = ".kernelmix.lock"
 HOLDER_NAME = ".kernelmix.lock.json"
@@ -51,9 +51,13 @@ def run_directory_lock(directory: str | os.PathLike, command: str) -> Iterator[P
 
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise RunDirectoryBusy(f"{directory} is a file, not a run directory: pass an --out that is a directory "
-                               "(or does not exist yet)")
-    directory.mkdir(parents=True, exist_ok=True)
+        raise KernelmixError(f"{directory} is a file, not a run directory: pass an --out that is a directory "
+                             "(or does not exist yet)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KernelmixError(f"cannot create the run directory {directory}: {error.strerror or error}; choose another "
+                             "--out (one you can write to)") from error
     lock = FileLock(str(directory / LOCK_NAME), is_singleton=True)
     try:
         lock.acquire(timeout=0)

@@ -55,7 +55,7 @@ from typing import Annotated, Any, Callable
 import torch
 
 from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
-from ..errors import Interrupted
+from ..errors import Interrupted, KernelmixError
 from ..evaluate import parse_buckets
 from ..locks import run_directory_lock
 from ..model import PRESETS
@@ -122,6 +122,12 @@ class CompareConfig:
                     f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
                 )
         self.lengths = sorted(set(self.lengths))
+        bases = sorted({MIXER_VARIANTS[mixer][0] for mixer in self.mixers})
+        unused = sorted(set(self.model.get("mixer_options", {})) - set(bases))
+        if unused:
+            raise KernelmixError(
+                f"mixer_options for {', '.join(unused)}, which no compared run uses (the runs' mixers: "
+                f"{', '.join(bases)}); drop those options or add the mixer to --mixers")
         for mixer in self.mixers:  # a bad model override fails now, not after the first runs
             self.train_config(mixer, self.lengths[-1], self.seeds[0], "unused")
 
@@ -136,8 +142,13 @@ class CompareConfig:
         merged = dict(overrides.get("mixer_options", {}))
         for name, opts in options.items():
             merged[name] = {**merged.get(name, {}), **opts}
+        # --model options for another compared mixer (mixer_options.performer.* while this run is
+        # cubit) are that mixer's: the model would refuse options for a mixer it does not have
+        merged = {name: opts for name, opts in merged.items() if name == base}
         if merged:
             overrides["mixer_options"] = merged
+        else:
+            overrides.pop("mixer_options", None)
         # every run has the same model (positions up to the longest length), whatever its length
         overrides.setdefault("max_seq_len", max(max(self.lengths), PRESETS[self.preset]["max_seq_len"]))
         return overrides
