@@ -133,7 +133,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         """A named size (see :data:`PRESETS`) with any field overridden."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise KernelmixError(f"unknown preset {name!r} (choose from: {', '.join(PRESETS)})")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)

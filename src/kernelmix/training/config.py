@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any, Iterable
 
 from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..errors import KernelmixError
 from ..model import PRESETS, ModelConfig
 
 RESOLVED_FORMAT = "kernelmix.train/1"
@@ -143,7 +144,10 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping of settings, got {type(data).__name__}")
         if data.get("format") == RESOLVED_FORMAT:
-            data = data["train"]
+            data = data.get("train")
+            if not isinstance(data, dict):
+                raise KernelmixError(f"a resolved run config's 'train' section must be a mapping of settings, got "
+                                     f"{type(data).__name__}: the file is damaged; use the run's original settings")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
@@ -161,10 +165,16 @@ class TrainConfig:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (parsed, never executed)."""
     path = Path(path)
+    if path.is_dir():
+        raise KernelmixError(f"config file {str(path)!r} is a directory: pass the config file inside it")
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
+        raise KernelmixError(f"config file {str(path)!r} does not exist: check the path")
     suffix = path.suffix.lower()
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise KernelmixError(f"config file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}): "
+                             "save it as UTF-8") from None
     try:
         if suffix == ".toml":
             try:
