@@ -131,3 +131,12 @@ def test_mixer_options_reach_only_their_mixer():
     assert config.model_overrides("performer")["mixer_options"] == {"performer": {"num_features": 64}}
     with pytest.raises(ValueError, match=r"mixer_options for performer, which no compared run uses.*add the mixer"):
         CompareConfig(mixers=["softmax", "cubit"], model={"mixer_options": {"performer": {"num_features": 64}}})
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"mixer": "cubit"}, r"sets each run's mixer from --mixers.*pass --mixers"),
+    ({"model": {"hidden_size": 128}}, r"without a 'model\.' prefix: write --set hidden_size=128"),
+])
+def test_model_overrides_compare_would_lose_are_refused(model, message):
+    with pytest.raises(ValueError, match=message):
+        CompareConfig(model=model)

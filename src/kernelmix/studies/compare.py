@@ -122,6 +122,12 @@ class CompareConfig:
                     f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
                 )
         self.lengths = sorted(set(self.lengths))
+        if "model" in self.model:
+            raise KernelmixError("compare's model overrides are model fields without a 'model.' prefix: write "
+                                 "--set hidden_size=128, not --set model.hidden_size=128")
+        if {"mixer", "mixers"} & set(self.model):
+            raise KernelmixError("compare sets each run's mixer from --mixers, so a model override of mixer/mixers "
+                                 "would be overwritten: drop it and pass --mixers (e.g. --mixers softmax,cubit)")
         bases = sorted({MIXER_VARIANTS[mixer][0] for mixer in self.mixers})
         unused = sorted(set(self.model.get("mixer_options", {})) - set(bases))
         if unused:
