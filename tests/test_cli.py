@@ -78,8 +78,11 @@ def test_memory_probe_failure_is_reported_not_raised():
 
 
 def test_op_bench_autocast_needs_fp32_inputs(capsys):
-    assert main(["bench", "--lengths", "16", "--dtype", "bfloat16", "--autocast", "bfloat16"]) == 1
-    assert "autocast runs fp32 inputs under torch.autocast: use dtype='float32'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # refused with the options, before any measuring
+        main(["bench", "--lengths", "16", "--dtype", "bfloat16", "--autocast", "bfloat16"])
+    assert exit_info.value.code == 2
+    assert "autocast runs fp32 inputs under torch.autocast: use --dtype float32 with --autocast bfloat16" in (
+        capsys.readouterr().err)
 
 
 def test_op_bench_rejects_bad_lengths(capsys):

@@ -39,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"kernelmix demo: every mixer on one random batch B={config.batch} T={config.length} H={config.heads} "
         f"d={config.head_dim} (random features m={config.num_features}), fast path in {config.dtype} vs float64 reference\n"
     )
-    rows = run_demo(config)
+    rows = run_demo(config, progress=True)
     print(format_table(rows))
     print("\n" + describe(rows, dtype, config.device))
     if opts.memory_length:

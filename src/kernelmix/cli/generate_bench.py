@@ -48,7 +48,7 @@ def _generate_bench(args: argparse.Namespace) -> int:
         + (f"{uncached} new tokens" if uncached else "not measured")
         + f"; {where}, median of {config.repeats}\n"
     )
-    rows = benchmark_generation(config)
+    rows = benchmark_generation(config, progress=True)
     print(format_bench_table(rows))
     print(
         "\ntokens/s = batch x new tokens / wall time of one generate call (prefill included)."

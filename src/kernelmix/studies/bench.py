@@ -51,6 +51,7 @@ import torch
 
 from .. import ops
 from ..config import Choice, Field, PositiveInt, check
+from ..errors import KernelmixError
 from ..output import pyplot, write_json_atomic
 from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 
@@ -381,13 +382,14 @@ class BenchConfig:
     def __post_init__(self) -> None:
         check(self)
         check_device(self.device)
+        if self.autocast is not None and self.dtype != "float32":
+            raise KernelmixError(f"autocast runs fp32 inputs under torch.autocast: use --dtype float32 with --autocast "
+                                 f"{self.autocast}, got --dtype {self.dtype}")
 
 
 def run_bench(config: BenchConfig | None = None, *, progress: Callable[[str], None] | None = None) -> BenchReport:
     """Measure every op of ``config`` (default :class:`BenchConfig`): timings, decode, then memory."""
     config = BenchConfig() if config is None else config
-    if config.autocast is not None and config.dtype != "float32":
-        raise ValueError(f"autocast runs fp32 inputs under torch.autocast: use dtype='float32', got {config.dtype!r}")
     say = progress or (lambda text: None)
     torch_device, torch_dtype = torch.device(config.device), DTYPES[config.dtype]
     report = BenchReport(
