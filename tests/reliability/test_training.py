@@ -726,6 +726,26 @@ class TestDamagedNewestCheckpoint:
         assert_bitwise_equal(out, reference)
 
 
+class TestLoadingARunWithADamagedNewestCheckpoint:
+    """`kernelmix eval` / load_run failed on a damaged newest checkpoint instead of falling back."""
+
+    def test_load_run_falls_back_with_a_warning(self, reference, tmp_path):
+        import shutil
+
+        from kernelmix.training import load_run
+
+        out = tmp_path / "run"
+        shutil.copytree(reference.out_dir, out)
+        newest = out / "checkpoints" / "step_00000008"
+        (newest / "model.safetensors").write_bytes((newest / "model.safetensors").read_bytes()[:1000])
+        with pytest.warns(UserWarning, match=rf"the newest checkpoint '{re.escape(str(newest))}' is damaged; loading the "
+                                             r"newest valid one .*step_00000004' \(step 4\) instead"):
+            run = load_run(out)
+        assert run.step == 4
+        with pytest.raises(ValueError, match=r"truncated or corrupt"):  # a checkpoint asked for by name is not replaced
+            load_run(newest)
+
+
 class TestResumingAFinishedRun:
     """Resuming a run that had finished printed `checkpoint None` though its checkpoint exists."""
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from ..data import TokenizedSplit, load_tokenizer, prepare_dataset
 from ..evaluate import text_split
 from ..model import CausalLM, ModelConfig
-from .checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, load_latest_valid, load_weights
 
 
 
@@ -73,12 +74,26 @@ def find_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def _load_newest_valid(path: str | Path) -> Checkpoint:
+    """A checkpoint directory as given, or a run directory's newest checkpoint that verifies (a
+    damaged newer one is skipped with a warning naming it: a kill or a full disk after the save is
+    no reason to lose the run)."""
+    newest = find_checkpoint(path)
+    if newest == Path(path):
+        return load_checkpoint(newest)
+    ckpt = load_latest_valid(path, warn=False)
+    if ckpt.path != newest:
+        warnings.warn(f"the newest checkpoint {str(newest)!r} is damaged; loading the newest valid one "
+                      f"{str(ckpt.path)!r} (step {ckpt.step}) instead", stacklevel=3)
+    return ckpt
+
+
 def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedRun:
     """Load the newest checkpoint of a run directory (or a given checkpoint directory) as a
     :class:`LoadedRun`, in eval mode. Verified like any checkpoint (manifest sizes and hashes;
     safetensors and JSON only, no code executed). The tokenizer is the one saved with the run's
     tokenized corpus, re-created from the corpus if that cache is gone."""
-    ckpt = load_checkpoint(find_checkpoint(path))
+    ckpt = _load_newest_valid(path)
     record = ckpt.config
     if not isinstance(record, dict) or "model" not in record:
         raise ValueError(f"checkpoint {str(ckpt.path)!r} holds no kernelmix model config; is it from `kernelmix train`?")
