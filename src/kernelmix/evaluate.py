@@ -5,7 +5,8 @@
 
     run = load_run("runs/train")                        # a run directory or one checkpoint directory
     split = run.split("val")                            # the run's validation split (or split_from_texts / text_split)
-    reports = evaluate_loss(run.model, split, [128, 256, 512])
+    split, scope = scope_split(split, [128, 256, 512])  # kernelmix eval's default part of it (max_docs="all": all)
+    reports = evaluate_loss(run.model, split, [128, 256, 512], progress=lambda T, tokens: ...)
     reports[0].loss, reports[0].perplexity, reports[0].buckets   # loss by position within the window
     tasks = build_tasks(split, run.tokenizer, items=100, seed=0)  # zero-shot tasks from held-out documents
     scores = score_tasks(run.model, run.tokenizer, tasks)          # or backend="lm-eval"
@@ -28,6 +29,14 @@ window), so compare them across models, not across buckets of one model in isola
 top-1 predictions and the tokens of any batches, by position bucket, over processes when asked;
 :func:`evaluate_loss`, :func:`evaluate_windows` (any model that takes ``input_ids``, Hugging Face
 ones included, on ``[N, T]`` windows) and the training loop's validation loss are thin wrappers.
+:func:`evaluate_loss` runs several windows per forward (:func:`loss_batches`: full windows
+without padding or mask, the short last windows of documents padded only to their batch's
+longest; :func:`auto_batch_size` bounds a forward's windows and logits), which gives the sums of
+one window at a time up to float32 rounding.
+
+**Scope.** A whole split can take minutes; :func:`scope_split` cuts the part ``kernelmix eval``
+evaluates by default (the first :data:`DEFAULT_MAX_DOCS` documents, :data:`DEFAULT_DOC_TOKENS`
+tokens of each) and describes it (:class:`EvalScope`), so the output says what was evaluated.
 
 **Zero-shot tasks** are built from the held-out documents of a split, deterministically from a
 seed (:func:`build_tasks`):
@@ -119,8 +128,10 @@ def predicted_tokens(split: TokenizedSplit) -> int:
     return int(np.maximum(split.doc_lengths - 1, 0).sum())
 
 
-# The default scope of `kernelmix eval`: the first 8 documents, 4,096 tokens of each — about a
-# minute for the `small` preset on 2 CPU cores (measured in docs/evaluation.md); "all" for more.
+# The default scope of `kernelmix eval`: the first 8 documents, 4,096 tokens of each — for the
+# `small` preset on 2 CPU cores about 10 s at one length and a minute for four lengths plus the
+# zero-shot tasks (measured in docs/evaluation.md), where a whole split takes minutes (over half an
+# hour was seen on a busy machine).
 DEFAULT_MAX_DOCS = 8
 DEFAULT_DOC_TOKENS = 4096
 
@@ -142,7 +153,8 @@ class EvalScope:
     def describe(self) -> str:
         """``val: first 8 of 39 documents, at most 4,096 tokens each (28,801 of 622,368 tokens); ...``"""
         if self.whole:
-            return f"{self.split}: all {self.split_documents} documents, {self.split_tokens:,} tokens"
+            documents = "its one document" if self.split_documents == 1 else f"all {self.split_documents} documents"
+            return f"{self.split}: {documents}, {self.split_tokens:,} tokens"
         cap = f", at most {self.doc_tokens:,} tokens each" if self.doc_tokens else ""
         return (f"{self.split}: first {self.documents} of {self.split_documents} documents{cap} "
                 f"({self.tokens:,} of {self.split_tokens:,} tokens); --max-docs all for the whole split")

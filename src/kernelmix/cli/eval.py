@@ -37,8 +37,8 @@ class EvalOptions:
     batch_size: Annotated[PositiveInt | None, Field(description=(
         "windows per forward (default: up to 16, fewer for long windows or a large vocabulary); 8 for the tasks"))] = None
     max_docs: Annotated[PositiveInt | All, Field(description=(
-        f"evaluate the first N documents of the split, or all (default: {DEFAULT_MAX_DOCS}, about a minute for the "
-        "small preset on 2 CPU cores)"))] = DEFAULT_MAX_DOCS
+        f"evaluate the first N documents of the split, or all (default: {DEFAULT_MAX_DOCS}; with --doc-tokens' "
+        "default about 10 s a length for the small preset on 2 CPU cores)"))] = DEFAULT_MAX_DOCS
     doc_tokens: Annotated[PositiveInt | All | None, Field(description=(
         f"evaluate the first N tokens of each document, or all (default: {DEFAULT_DOC_TOKENS:,} or the longest "
         "--lengths if longer; whole documents with --max-docs all)"))] = None
