@@ -24,7 +24,8 @@ from ..config import Field, check
 from ..errors import KernelmixError
 from . import bench, compare, convert, demo, diagnose, finetune, generate_bench, model_info, pretrained, report, train
 from . import eval as eval_command
-from .options import add_options
+from ..threads import set_threads
+from .options import Threads, add_options
 
 COMMANDS = (demo, model_info, generate_bench, train, bench, pretrained, convert, diagnose, finetune, report, eval_command, compare)
 DEBUG_ENV = "KERNELMIX_DEBUG"
@@ -35,6 +36,16 @@ class GlobalOptions:
     """The options of ``kernelmix`` itself, accepted before or after the subcommand."""
 
     debug: Annotated[bool, Field(description=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")] = False
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass
+class ThreadOptions:
+    """``--threads`` for every subcommand that does not define its own (the same option)."""
+
+    threads: Threads = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -58,6 +69,8 @@ def _add_to_subcommands(parser: argparse.ArgumentParser) -> None:
             for child in set(action.choices.values()):
                 if not any("--debug" in a.option_strings for a in child._actions):
                     add_options(child, GlobalOptions)
+                if not any("--threads" in a.option_strings for a in child._actions) and child._subparsers is None:
+                    add_options(child, ThreadOptions)
                 _add_to_subcommands(child)
 
 
@@ -71,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     name = " ".join(["kernelmix"] + [n for n in (args.command, getattr(args, "pretrained_command", None)) if n])
     debug = debug_requested(args)
+    note = set_threads(getattr(args, "threads", None))
+    if note:
+        print(note, file=sys.stderr)
     try:
         return args.func(args)
     except KernelmixError as error:  # a bad input or run directory, an interrupted run: the message has the fix

@@ -21,7 +21,7 @@ from ..evaluate import (
 from ..output import progress_bar, write_json_atomic
 from ..studies.demo import check_device
 from ..training import CheckpointError, load_run
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 
 All = Annotated[str, Choice(("all",), "value", more="or a positive integer")]
 
@@ -50,7 +50,6 @@ class EvalOptions:
         description="zero-shot scorer (lm-eval: pip install 'kernelmix[eval]')")] = "builtin"
     seed: Annotated[int, Field(description="seed of the zero-shot task construction")] = 0
     device: str = "cpu"
-    threads: Threads = None
     json: Annotated[str | None, Field(description="also write the results as JSON to this path")] = None
 
     def __post_init__(self) -> None:
@@ -104,13 +103,9 @@ def _check_json_path(path: str | None) -> None:
 def _prepare(opts: EvalOptions) -> _Plan:
     """Load and check everything (device, output path, backend, run, lengths, buckets, scope,
     tasks) before the first forward."""
-    import torch
-
     check_device(opts.device)
     _check_json_path(opts.json)
     check_backend(opts.backend)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
     run = load_run(opts.run, device=opts.device)
     lengths = check_lengths(run.model, opts.lengths or [run.train_seq_len or run.config.max_seq_len])
     if opts.buckets is not None:

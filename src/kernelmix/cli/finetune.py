@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-import torch
-
 from .. import pretrained as cv
 from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_text_windows
@@ -20,7 +18,7 @@ from ..pretrained.convert import LayerSelection
 from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
 from ..output import write_json_atomic
 from ..training.checkpoint import writing
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 
 
 @dataclass
@@ -44,7 +42,6 @@ class FinetuneOptions:
         field(default_factory=lambda: [1e-4]))
     calib_seqs: Annotated[PositiveInt, Field(description="training windows used to whiten/distill")] = 2
     distill_steps: NonNegativeInt = 100
-    threads: Threads = None
     resume: Annotated[bool, Field(description="converted MODEL only: continue from OUT/run's last checkpoint")] = False
 
     def __post_init__(self) -> None:
@@ -69,8 +66,6 @@ def _cli_finetune(args) -> int:
     try:
         opts = from_args(FinetuneOptions, args)
         config = from_args(FinetuneConfig, args, lr=opts.lrs[0])
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
         # OUT is locked before the model and the text are read: a busy OUT (or one that is a file) fails at once
         with contextlib.ExitStack() as stack:
             with writing(opts.out, "create the output directory"):

@@ -10,15 +10,14 @@ from typing import Annotated
 from ..config import Field, check
 from ..studies.generate_bench import GenerateBenchConfig
 from ..output import write_json_atomic
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 from .paths import output_file
 
 
 @dataclass
 class GenerateBenchOutput:
-    """What the command adds to the study's config: the CPU threads and a JSON copy of the rows."""
+    """What the command adds to the study's config: a JSON copy of the rows."""
 
-    threads: Threads = None
     json: Annotated[str | None, Field(description="also write the rows as JSON to this path")] = None
 
     def __post_init__(self) -> None:
@@ -38,8 +37,6 @@ def _generate_bench(args: argparse.Namespace) -> int:
     if out.json:
         output_file(out.json, "--json")  # now, not after the whole benchmark
     device = torch.device(config.device)
-    if out.threads:
-        torch.set_num_threads(out.threads)
     where = f"{torch.get_num_threads()} CPU threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     uncached = config.uncached_new_tokens
     print(

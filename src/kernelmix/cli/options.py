@@ -25,7 +25,9 @@ from ..errors import KernelmixError
 
 
 # the --threads option of the commands that compute (one spelling, one help text)
-Threads = Annotated[PositiveInt | None, Field(description="torch CPU threads (default: torch's)")]
+Threads = Annotated[PositiveInt | None, Field(description=(
+    "torch CPU threads (default: auto, the cores the machine's load leaves idle at the start, at most torch's "
+    "default; on a shared machine 1 is often fastest)"))]
 
 
 class OptionError(argparse.ArgumentTypeError, ValueError):

@@ -6,12 +6,10 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated
 
-import torch
-
 from ..config import Field, check
 from ..errors import Interrupted
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 
 
 @dataclass
@@ -22,7 +20,6 @@ class ReportOptions:
         "runs/darkformer-report")
     work: Annotated[str | None, Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
     quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False
-    threads: Threads = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -31,8 +28,6 @@ class ReportOptions:
 def _cli_report(args) -> int:
     try:
         opts = from_args(ReportOptions, args)
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
         quick = DarkformerReportSettings.quick if opts.quick else None
         settings = from_args(DarkformerReportSettings, args, factory=quick)
         darkformer_report(settings, opts.out, opts.work, progress=None)
