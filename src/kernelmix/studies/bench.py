@@ -14,13 +14,9 @@ allocator returns freed blocks at once (:data:`MEMORY_PROBE_ENV`), so the reside
 counts the op's live tensors and does not depend on what ran before; on CUDA it is the caching
 allocator's peak.
 
-FLOP counts (forward, one multiply-add = 2 FLOPs, causal halves the T² terms; B·H omitted):
-    softmax        2·T²·d                      (q kᵀ and A v over the causal triangle)
-    cubit          4·T²·d                      (Gram r r̂ᵀ, the triangular solve, read-out q kᵀ and A U)
-    deltaformer    4·T²·d                      (as Cubit)
-    performer      8·T·m·d + 2·T·C·(m + d)     (features of q and k, state updates, read-out, intra-chunk)
-    darkformer     performer + 4·T·d²          (M applied to q̃ and k̃)
-Backward is counted as 2× forward.
+FLOP counts: :func:`kernelmix.studies.flops.forward_flops` (its module docstring lists them; the
+same counts ``kernelmix compare --budget flops`` uses): the causal pairs of each op, one
+multiply-add = 2 FLOPs, per (batch, head). Backward is counted as 2× forward.
 
 ``autocast`` (e.g. ``"bfloat16"``): fp32 inputs, every mixer's forward run under
 ``torch.autocast(device, dtype)`` (backward outside it, as in training) — the mixed-precision
@@ -54,6 +50,7 @@ from ..config import Choice, Field, PositiveInt, check
 from ..errors import KernelmixError
 from ..output import pyplot, write_json_atomic
 from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
+from .flops import forward_flops
 
 MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
 
@@ -96,20 +93,6 @@ class BenchReport:
     crossover: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     autocast: str | None = None  # the autocast dtype the forward passes ran under (None: off)
-
-
-def forward_flops(mixer: str, length: int, head_dim: int, num_features: int, chunk_size: int) -> float:
-    """Forward FLOPs per (batch, head) — see the module docstring for the counts."""
-    t, d, m, c = length, head_dim, num_features, min(chunk_size, length)
-    if mixer == "softmax":
-        return 2.0 * t * t * d
-    if mixer in ("cubit", "deltaformer"):
-        return 4.0 * t * t * d
-    if mixer == "performer":
-        return 8.0 * t * m * d + 2.0 * t * c * (m + d)
-    if mixer == "darkformer":
-        return 8.0 * t * m * d + 2.0 * t * c * (m + d) + 4.0 * t * d * d
-    raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
 
 
 def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
