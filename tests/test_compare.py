@@ -4,6 +4,7 @@ bad input gives clear errors."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from kernelmix.cli import main as cli_main
-from kernelmix.studies.compare import CompareConfig, run_compare
+from kernelmix.errors import KernelmixError
+from kernelmix.studies.compare import MIXER_VARIANTS, CompareConfig, plan_budget, run_compare
 
 from tests.utils import isolated_data_cache
 
@@ -41,6 +44,7 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
     for run in data["runs"]:
         assert run["tokens"] == 384 and run["batch_size"] == 128 // run["length"]
         assert run["val_loss"] > 0 and run["tokens_per_s"] > 0 and len(run["curve"]) == 3
+        assert run["flops"] == 384 * run["flops_per_token"] > 0 and run["train_s"] > 0  # every budget reports all three
         assert sum(b["tokens"] for b in run["buckets"]) == run["val_tokens"]
     # both lengths are evaluated on the same held-out tokens
     assert len({r["val_tokens"] for r in data["runs"]}) == 1
@@ -140,3 +144,123 @@ def test_mixer_options_reach_only_their_mixer():
 def test_model_overrides_compare_would_lose_are_refused(model, message):
     with pytest.raises(ValueError, match=message):
         CompareConfig(model=model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets (issue 14 item 2): tokens, FLOPs or time
+
+
+def training_flops(mixer: str, length: int) -> float:
+    """Training FLOPs per token of the small() runs' model (preset tiny, bytes), counted here."""
+    from kernelmix.model import ModelConfig
+    from kernelmix.studies.flops import model_flops
+
+    base, options = MIXER_VARIANTS[mixer]
+    return model_flops(ModelConfig.preset("tiny", mixer=base, mixer_options=options), length).training
+
+
+def stopped_at(run: dict) -> int:
+    """The last training step a run's own metrics.jsonl logged."""
+    lines = (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return max(json.loads(line)["step"] for line in lines if json.loads(line)["kind"] == "train")
+
+
+class TestFlopBudget:
+    def test_every_mixer_trains_the_steps_the_formula_says_and_stops_there(self, tmp_path):
+        console_text = io.StringIO()
+        config = small(tmp_path / "flops", mixers=["softmax", "performer"], steps=10, budget="flops")
+        results = run_compare(config, progress=False, console=Console(file=console_text, width=400))
+        assert results["budget"]["equal"] == "flops"
+        differ = 0
+        for run in results["runs"]:
+            mixer, length = run["mixer"], run["length"]
+            reference = 10 * 128 * training_flops("softmax", length)
+            expected = max(1, round(reference / (training_flops(mixer, length) * 128)))
+            differ += expected != 10
+            assert run["steps"] == expected == stopped_at(run) and run["tokens"] == expected * 128
+            assert run["flops"] == pytest.approx(run["tokens"] * training_flops(mixer, length), rel=1e-12)
+            assert abs(run["flops"] - reference) <= training_flops(mixer, length) * 128 / 2  # the nearest step
+            assert run["train_s"] > 0
+            trained = json.loads((Path(run["run_dir"]) / "config.json").read_text())["train"]
+            assert trained["steps"] == expected and trained["warmup_steps"] == round(expected / 10)  # warmup 1 of 10, scaled
+        assert differ  # Performer costs more per token than softmax at these lengths: fewer steps
+        md = (tmp_path / "flops" / "results.md").read_text()
+        assert md.splitlines()[2].startswith("Equal budget: **training FLOPs**")
+        assert "| performer | 32 | " in md  # the cost table: steps, tokens, FLOPs, seconds per run
+
+        # the progress lines: run i of n, elapsed, and the time left once a run has finished
+        text = console_text.getvalue()
+        assert "[1/4] softmax T=32" in text and "time left known after the first run" in text
+        assert "[4/4] performer T=64" in text and "elapsed, about" in text and " left" in text
+
+        again = run_compare(config, progress=False, console=Console(file=io.StringIO()))
+        assert again["reused_runs"] == 4
+
+    def test_the_run_key_includes_the_budget(self):
+        tokens, flops = CompareConfig(), CompareConfig(budget="flops")
+        assert tokens.run_key("softmax", 256, 0) != flops.run_key("softmax", 256, 0)
+        assert flops.run_key("performer", 256, 0, steps=30) != flops.run_key("performer", 256, 0, steps=31)
+
+
+class TestTimeBudget:
+    def test_a_tiny_budget_stops_where_the_calibration_says(self, tmp_path):
+        config = small(tmp_path / "time", mixers=["softmax", "performer"], lengths=[32], budget="time", seconds=0.05,
+                       calibration_steps=2)
+        results = run_compare(config, progress=False, console=Console(file=io.StringIO()))
+        budget = results["budget"]
+        assert budget["equal"] == "time" and budget["reference"] == "--seconds"
+        saved = json.loads((tmp_path / "time" / "calibration.json").read_text())["entries"]
+        speeds = {(e["mixer"], e["length"]): e["seconds_per_step"] for e in saved.values()}
+        assert set(speeds) == {("softmax", 32), ("performer", 32)}  # --seconds given: softmax only as a mixer
+        for run in results["runs"]:
+            expected = max(1, round(0.05 / speeds[run["mixer"], 32]))
+            assert budget["seconds_per_step"][run["mixer"]]["32"] == speeds[run["mixer"], 32]
+            assert run["steps"] == expected == stopped_at(run) == budget["steps_per_run"][run["mixer"]]["32"]
+            assert run["tokens"] == 128 * expected and run["flops"] > 0 and run["train_s"] > 0
+        assert not (tmp_path / "time" / "calibration").exists()  # the calibrations' scratch runs are gone
+        md = (tmp_path / "time" / "results.md").read_text()
+        assert md.splitlines()[2].startswith("Equal budget: **training time**") and "noisy" in md.splitlines()[2]
+
+        # the same command: the measured speeds are reused, so the same step counts and the finished runs
+        again = run_compare(config, progress=False, console=Console(file=io.StringIO()))
+        assert again["reused_runs"] == 2 and again["budget"] == budget
+
+    def test_without_seconds_softmax_trains_steps_and_the_others_its_seconds(self):
+        config = CompareConfig(mixers=["cubit", "softmax"], lengths=[256, 512], budget="time")
+        speeds = {("softmax", 256): 0.10, ("cubit", 256): 0.25, ("softmax", 512): 0.2, ("cubit", 512): 0.7}
+        plan = plan_budget(config, 256, speeds)
+        assert plan.reference == {256: 40 * 0.10, 512: 40 * 0.2}
+        assert plan.steps == {("softmax", 256): 40, ("cubit", 256): 16, ("softmax", 512): 40, ("cubit", 512): 11}
+        assert plan.to_dict(config)["reference"] == "softmax"
+
+
+class TestTokenBudget:
+    @pytest.mark.parametrize("folder", ["compare", "compare-long"])
+    def test_committed_runs_keep_their_keys(self, folder):
+        # the default budget computes what it did before budgets existed, so finished runs stay reusable
+        committed = json.loads((Path(__file__).parents[1] / "results" / folder / "results.json").read_text())
+        config = CompareConfig(**committed["settings"])
+        assert config.budget == "tokens"
+        for run in committed["runs"]:
+            assert config.run_key(run["mixer"], run["length"], run["seed"]) == run["key"]
+
+    def test_the_plan_is_steps_for_every_mixer(self):
+        config = CompareConfig()
+        plan = plan_budget(config, 256)
+        assert set(plan.steps.values()) == {40} and plan.to_dict(config)["tokens_per_run"] == 40 * 4096
+
+
+class TestBudgetErrors:
+    def test_seconds_without_the_time_budget_names_the_fix(self, tmp_path, capsys):
+        with pytest.raises(KernelmixError, match=r"--seconds sets the time budget.*add --budget time, or drop --seconds"):
+            small(tmp_path, seconds=30.0)
+        with pytest.raises(SystemExit):
+            cli_main(["compare", "--seconds", "30", "--out", str(tmp_path / "x")])
+        assert "add --budget time" in capsys.readouterr().err
+
+    def test_an_unknown_budget_lists_the_budgets(self, tmp_path, capsys):
+        with pytest.raises(ValueError, match=r"tokens, flops, time"):
+            small(tmp_path, budget="wallclock")
+        with pytest.raises(SystemExit):
+            cli_main(["compare", "--budget", "wallclock"])
+        assert "tokens" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``kernelmix compare``: every mixer trained on the same data, tokens and seeds."""
+"""``kernelmix compare``: every mixer trained on the same data and seeds, with an equal budget of
+tokens, FLOPs or time (``--budget``)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ class CompareOptions:
 def add_command(sub) -> None:
     """Register ``kernelmix compare``."""
     p = sub.add_parser(
-        "compare", help="train every mixer with the same data, tokens and seeds at several lengths; table + plots",
+        "compare", help="train every mixer with the same data, seeds and budget at several lengths; table + plots",
         description="Train every mixer (softmax, cubit, cubit-nolrr, deltaformer, performer, darkformer) with the same "
-        "preset, data, tokenizer, token budget and seeds at each training length, evaluate them (val loss at the "
-        "training length, loss by position), and write results.json, results.md and PNG plots. Finished runs in the "
-        "output directory are reused, so an interrupted compare continues where it stopped.",
+        "preset, data, tokenizer, seeds and budget at each training length, evaluate them (val loss at the "
+        "training length, loss by position), and write results.json, results.md and PNG plots. --budget says what is "
+        "equal: tokens (default), training FLOPs (softmax's for those tokens, analytic counts) or training seconds on "
+        "this machine (measured, so noisy); every run reports all three. Finished runs in the output directory are "
+        "reused, so an interrupted compare continues where it stopped.",
     )
     add_options(p, CompareConfig, CompareOptions)
     p.set_defaults(func=_cli_compare, parser=p)
