@@ -17,6 +17,7 @@ a document boundary or from padding. This module does not import transformers (s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import warnings
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BeforeValidator, ValidationError, WrapValidator
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt, check
 from .errors import KernelmixError
@@ -213,11 +215,23 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+#: What a block recomputes in the backward instead of keeping it from the forward (activation
+#: checkpointing, set per block by :func:`kernelmix.training.parallelize`): nothing, the whole block
+#: (only its input is kept), or its mixer with the mixer's norm (the part whose activations grow
+#: with the sequence: attention weights, Cubit's solves, random features).
+BLOCK_CHECKPOINTS = ("none", "block", "mixer")
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x)).
+
+    ``checkpoint`` (one of :data:`BLOCK_CHECKPOINTS`, default ``"none"``) recomputes the block or
+    its mixer in the backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so
+    dropout draws the same masks): the same numbers, less memory, one more forward of that part."""
 
     def __init__(self, config: ModelConfig, mixer_name: str) -> None:
         super().__init__()
+        self.checkpoint = "none"
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(
             mixer_name,
@@ -238,10 +252,24 @@ class Block(nn.Module):
         self.mlp.reset_parameters(std, out_std)
 
     def forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None):
-        mixed, cache = self.mixer(self.mixer_norm(x), cache, position_ids=position_ids, doc_start=doc_start)
+        # only a forward that builds a graph has activations to save (not decoding under no_grad)
+        recompute = self.checkpoint if torch.is_grad_enabled() else "none"
+        if recompute == "block":
+            return checkpoint(self._forward, x, cache, position_ids, doc_start, "none", use_reentrant=False)
+        return self._forward(x, cache, position_ids, doc_start, recompute)
+
+    def _forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None,
+                 recompute: str):
+        if recompute == "mixer":
+            mixed, cache = checkpoint(self._mix, x, cache, position_ids, doc_start, use_reentrant=False)
+        else:
+            mixed, cache = self._mix(x, cache, position_ids, doc_start)
         x = x + self.dropout(mixed)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x, cache
+
+    def _mix(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None):
+        return self.mixer(self.mixer_norm(x), cache, position_ids=position_ids, doc_start=doc_start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,22 +302,77 @@ class CausalLMOutput:
 # The model
 
 
-class CausalLM(nn.Module):
-    """Decoder-only LM: embedding → blocks → RMSNorm → LM head (tied to the embedding by default)."""
+def _derived_seed(seed: int, index: int) -> int:
+    """A 63-bit seed per (seed, module index): one projection draw never shares a stream with another."""
+    return int.from_bytes(hashlib.sha256(f"kernelmix.init {seed} {index}".encode()).digest()[:8], "little") >> 1
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class CausalLM(nn.Module):
+    """Decoder-only LM: embedding → blocks → RMSNorm → LM head (tied to the embedding by default).
+
+    ``CausalLM(config)`` draws its initial weights (and the random-feature projections) from
+    torch's global RNG; ``CausalLM(config, seed=s)`` from ``s`` alone (:meth:`init_weights`), so
+    that a model built without memory gives the same tensors::
+
+        with torch.device("meta"):
+            model = CausalLM(config)           # shapes only: nothing allocated, nothing drawn
+        model.to_empty(device="cpu")           # (or "cuda"): uninitialised memory
+        model.init_weights(seed=s)             # == CausalLM(config, seed=s), parameters and buffers
+    """
+
+    def __init__(self, config: ModelConfig, *, seed: int | None = None) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise KernelmixError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if seed is not None:
+            self._check_seed(seed)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, name) for name in config.layer_mixers())
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.reset_parameters()
+        if seed is None:
+            self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        if seed is not None:
+            self.init_weights(seed)
+
+    @staticmethod
+    def _check_seed(seed: Any) -> int:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise KernelmixError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        return seed
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> "CausalLM":
+        """Initialise every parameter and buffer from ``seed`` alone, as :meth:`reset_parameters`
+        does (GPT-2's init, each mixer its own) and with new random-feature projections — a pure
+        function of (config, seed, device type), whatever the tensors held before (a model built
+        under ``torch.device("meta")`` and moved with ``to_empty``). torch's global RNG is left as
+        it was. Returns the model.
+
+        The projections are drawn on the CPU from a generator per layer (so they are the same on
+        every device); the other tensors from torch's RNG of their device, seeded with ``seed``."""
+        self._check_seed(seed)
+        if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            raise KernelmixError(
+                "init_weights needs real tensors, this model is on the meta device; allocate them first with "
+                "model.to_empty(device='cpu') (or 'cuda')"
+            )
+        if self.config.tie_embeddings and self.lm_head.weight is not self.embed.weight:
+            # to_empty (like any move that swaps parameters) makes the head a parameter of its own
+            self.lm_head.weight = self.embed.weight
+        cuda = sorted({t.device.index or 0 for t in self.parameters() if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            self.reset_parameters()
+        for index, module in enumerate(self.modules()):
+            redraw = getattr(module, "redraw_", None)
+            if callable(redraw):  # Performer/DARKFormer: W is a buffer reset_parameters keeps
+                redraw(torch.Generator().manual_seed(_derived_seed(seed, index)))
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

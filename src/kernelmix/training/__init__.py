@@ -10,6 +10,8 @@
   ``key=value`` overrides; unknown keys are errors that list the valid ones).
 - :mod:`~kernelmix.training.loop` — :func:`train`: AdamW, warmup + cosine, clipping, accumulation,
   bf16 autocast, evaluation, metrics (JSONL, TensorBoard if installed), DDP/FSDP under torchrun.
+- :mod:`~kernelmix.training.parallelize` — :func:`parallelize`: activation checkpointing, ``torch.compile``
+  and FSDP2/DDP per block then at the root (torchtitan's order); the trainer's, and any other trainer's.
 - :mod:`~kernelmix.training.trainer` — the pieces of every loop here (one optimizer step over
   micro-batches, the schedule of evaluations and checkpoints, :class:`Trainer` and its hooks);
   ``kernelmix train`` and :func:`kernelmix.pretrained.finetune` both run on them.
@@ -28,11 +30,13 @@ from .checkpoint import (
     CheckpointDamaged, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_latest_valid, load_weights,
 )
 from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
+from .parallelize import ACTIVATION_CHECKPOINTING, parallelize
 from .loop import TrainResult, derived_seed, lr_at, param_groups, redraw_random_features, train, warmup_cosine
 from .runs import LoadedRun, find_checkpoint, load_run
 from .trainer import Schedule, StepOutcome, Trainer, optimizer_step
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
     "LoadedRun",
     "find_checkpoint",
     "load_run",
@@ -54,6 +58,7 @@ __all__ = [
     "lr_at",
     "optimizer_step",
     "param_groups",
+    "parallelize",
     "parse_value",
     "read_config_file",
     "redraw_random_features",

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Iterable
 from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
 from ..model import PRESETS, ModelConfig
+from .parallelize import ACTIVATION_CHECKPOINTING
 
 RESOLVED_FORMAT = "kernelmix.train/1"
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -84,6 +85,14 @@ class TrainConfig:
         description="auto (cuda:LOCAL_RANK when available, else cpu), cpu or cuda")] = "auto"
     fsdp: Annotated[bool, Field(
         description="shard parameters, gradients and optimizer state over processes (FSDP2) instead of DDP")] = False
+    activation_checkpointing: Annotated[str, Choice(ACTIVATION_CHECKPOINTING, "activation_checkpointing"), Field(
+        description="recompute in the backward instead of storing: none, full (every block), selective (every "
+                    "activation_checkpointing_every-th block) or mixers (each block's mixer only); same numbers, "
+                    "less memory")] = "none"
+    activation_checkpointing_every: Annotated[PositiveInt, Field(
+        description="with activation_checkpointing=selective: every k-th block is recomputed")] = 2
+    compile: Annotated[bool, Field(
+        description="torch.compile each block (inductor, fullgraph); the first steps compile, later ones reuse it")] = False
     seed: NonNegativeInt = 0
     redraw_every: Annotated[NonNegativeInt, Field(
         description="redraw random-feature projections every N steps (0: never)")] = 0

@@ -7,7 +7,7 @@ DDP, or FSDP2 with ``fsdp=true``; gloo on CPU, nccl on CUDA). The order of thing
    then refuse to overwrite a run, or load and check the checkpoint to resume — before anything is
    written (:func:`open_run`);
 2. tokenize the corpus (cached) and build the model, AdamW and the samplers (:func:`load_dataset`,
-   :func:`build_model`, :func:`parallelize`, :func:`build_optimizer`, :func:`build_samplers`);
+   :func:`build_model`, :func:`~.parallelize.parallelize`, :func:`build_optimizer`, :func:`build_samplers`);
 3. loop (:class:`PretrainTrainer`, run by :meth:`.trainer.Trainer.run`): log → evaluate →
    checkpoint → (stop?) → redraw random features → one optimizer step.
 
@@ -57,6 +57,7 @@ from .checkpoint import (
     Checkpoint, CheckpointError, list_checkpoints, load_latest_valid, load_weights, save_checkpoint, writing,
 )
 from .config import RESOLVED_FORMAT, TrainConfig
+from .parallelize import parallelize
 from .reporter import Reporter, truncate_metrics
 from .signals import signal_name
 from .trainer import Due, Schedule, StepOutcome, Trainer
@@ -65,7 +66,9 @@ from .trainer import Due, Schedule, StepOutcome, Trainer
 # is split over processes and micro-steps (the data depend only on the global batch).
 MAY_CHANGE_ON_RESUME = frozenset(
     {"steps", "tokens", "eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
-     "out_dir", "device", "batch_size", "grad_accum", "fsdp", "max_bad_steps"}
+     "out_dir", "device", "batch_size", "grad_accum", "fsdp", "max_bad_steps",
+     # how the same numbers are computed: recomputed activations, compiled blocks
+     "activation_checkpointing", "activation_checkpointing_every", "compile"}
 )
 
 
@@ -374,31 +377,6 @@ def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkp
     return model, record, ckpt.step
 
 
-def parallelize(model: CausalLM, env: distrib.DistEnv, fsdp: bool) -> nn.Module:
-    """What the training forwards go through: ``model`` itself in one process; FSDP2 shards each
-    block, then the root, in place (``model`` is still a CausalLM); else a DDP wrapper."""
-    if env.enabled and fsdp:
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import fully_shard
-
-        # FSDP2 warns about views returned by wrapped modules; our blocks return fresh tensors
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    if env.enabled:
-        # broadcast_buffers=False: buffers (random-feature projections) are identical on every rank
-        # by construction (same seed, same seeded redraws), so no need to broadcast them each step.
-        device = env.device
-        return nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
-    return model
-
-
 def build_optimizer(model: CausalLM, config: TrainConfig, device: torch.device, ckpt: Checkpoint | None):
     """AdamW over :func:`param_groups`, with the checkpoint's state (full, keyed by parameter
     name: it loads into DDP or FSDP shards alike)."""
@@ -478,7 +456,10 @@ class PretrainTrainer(Trainer):
             )
         self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps)
         self.raw_model.to(env.device)
-        self.model = parallelize(self.raw_model, env, config.fsdp)
+        self.model = parallelize(
+            self.raw_model, compile=config.compile, activation_checkpointing=config.activation_checkpointing,
+            activation_checkpointing_every=config.activation_checkpointing_every, fsdp=config.fsdp,
+        )
         self.optimizer = build_optimizer(self.raw_model, config, env.device, ckpt)
         seed_process(config, env, ckpt, start_step)
         self.params, self.grad_clip = list(self.raw_model.parameters()), config.grad_clip

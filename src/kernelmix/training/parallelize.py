@@ -1,0 +1,141 @@
+"""``parallelize(model, mesh, ...)``: what a kernelmix model goes through before it trains, per
+block and then at the root, in torchtitan's order:
+
+1. activation checkpointing per block (:attr:`kernelmix.model.Block.checkpoint`): ``"full"``
+   recomputes every block in the backward, ``"selective"`` every ``activation_checkpointing_every``-th block
+   (blocks ``k-1, 2k-1, ...``), ``"mixers"`` only the mixer (with its norm) of every block;
+2. ``torch.compile`` per block (``nn.Module.compile``: in place, so parameter names and
+   checkpoints keep their keys — no ``_orig_mod.``), ``fullgraph=True`` by default;
+3. data parallelism when a process group (or ``mesh``) spans more than one process: FSDP2's
+   ``fully_shard`` per block, then the root, with ``fsdp=True``; else a DDP wrapper.
+
+:func:`kernelmix.training.train` uses it, and so can any other trainer::
+
+    model = CausalLM(config, seed=0)                       # or meta build + to_empty + init_weights
+    model = parallelize(model, compile=True, activation_checkpointing="selective", activation_checkpointing_every=2)
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import KernelmixError
+from ..model import CausalLM
+
+#: the values of ``activation_checkpointing`` (:class:`~kernelmix.training.TrainConfig` and :func:`parallelize`)
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
+
+
+def block_checkpoints(mode: str, num_blocks: int, every: int = 2) -> list[str]:
+    """What each block recomputes (:data:`kernelmix.model.BLOCK_CHECKPOINTS`) under ``mode``."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise KernelmixError(
+            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {mode!r}"
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise KernelmixError(f"activation_checkpointing_every must be a positive integer (every k-th block), got {every!r}")
+    if mode == "full":
+        return ["block"] * num_blocks
+    if mode == "mixers":
+        return ["mixer"] * num_blocks
+    if mode == "selective":  # as torchtitan's ac_freq: the k-th, 2k-th, ... block (1-based)
+        return ["block" if (index + 1) % every == 0 else "none" for index in range(num_blocks)]
+    return ["none"] * num_blocks
+
+
+def apply_activation_checkpointing(model: CausalLM, mode: str, every: int = 2) -> CausalLM:
+    """Set every block's :attr:`~kernelmix.model.Block.checkpoint` for ``mode`` (in place)."""
+    for block, recompute in zip(model.blocks, block_checkpoints(mode, len(model.blocks), every)):
+        block.checkpoint = recompute
+    return model
+
+
+def apply_compile(model: CausalLM, *, backend: str = "inductor", fullgraph: bool = True, **options: Any) -> CausalLM:
+    """Compile each block in place (``nn.Module.compile``; the model's own forward, with its input
+    checks, stays eager). ``options`` go to ``torch.compile`` (e.g. ``mode``, ``dynamic``)."""
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=fullgraph, **options)
+    return model
+
+
+def data_parallel_size(mesh: Any = None) -> int:
+    """Processes the model is replicated or sharded over: the mesh's, else the default group's (1 without one)."""
+    if mesh is not None:
+        return int(mesh.size())
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def apply_fsdp(model: CausalLM, mesh: Any = None, **options: Any) -> CausalLM:
+    """FSDP2 in place: ``fully_shard`` on each block, then on the root (the embedding, final norm
+    and head); ``model`` stays a CausalLM."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    # FSDP2 warns about views returned by wrapped modules; our blocks return fresh tensors
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: Any = None) -> nn.Module:
+    """A DDP wrapper over the mesh's group (or the default one), on the model's device."""
+    device = next(model.parameters()).device
+    # broadcast_buffers=False: buffers (random-feature projections) are identical on every rank by
+    # construction (same seed, same seeded redraws), so they need no broadcast each step
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+        process_group=None if mesh is None else mesh.get_group(),
+    )
+
+
+def parallelize(
+    model: CausalLM,
+    mesh: Any = None,
+    *,
+    compile: bool = False,
+    activation_checkpointing: str = "none",
+    activation_checkpointing_every: int = 2,
+    fsdp: bool = False,
+    ddp: bool = True,
+    compile_options: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Prepare ``model`` (a :class:`~kernelmix.model.CausalLM` on its training device) for training:
+    activation checkpointing, then ``torch.compile``, then FSDP2 per block and at the root — or DDP
+    — (see the module docstring). Returns what the training forwards go through: ``model`` itself
+    (changed in place) in one process or under FSDP, else a DDP wrapper of it (``ddp=False``:
+    ``model``, for a trainer that syncs gradients itself).
+
+    ``mesh``: a 1-D ``DeviceMesh`` to shard or replicate over (None: the default process group,
+    when one is initialised). With one process ``fsdp`` and ``ddp`` change nothing.
+    ``compile_options``: for ``torch.compile`` (default ``backend="inductor", fullgraph=True``)."""
+    if not isinstance(model, CausalLM):
+        raise KernelmixError(
+            f"parallelize takes a kernelmix CausalLM, got {type(model).__name__}; for a KernelMixForCausalLM "
+            "pass its .model"
+        )
+    for name, value in (("compile", compile), ("fsdp", fsdp), ("ddp", ddp)):
+        if not isinstance(value, bool):
+            raise KernelmixError(f"{name} must be True or False, got {value!r}")
+    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
+    if compile:
+        apply_compile(model, **(compile_options or {}))
+    if data_parallel_size(mesh) <= 1:
+        return model
+    if fsdp:
+        return apply_fsdp(model, mesh)
+    return apply_ddp(model, mesh) if ddp else model
+
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
+    "block_checkpoints", "data_parallel_size", "parallelize",
+]

@@ -1,0 +1,149 @@
+"""kernelmix.training.parallelize and what it applies: activation checkpointing changes no number
+(bitwise, every mixer), the blocks really are recomputed, meta-device build + init_weights equals
+the eager build, torch.compile gives the eager numbers without recompiling per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelmix.errors import KernelmixError
+from kernelmix.model import CausalLM, ModelConfig
+from kernelmix.training import parallelize
+from kernelmix.training.parallelize import block_checkpoints
+
+MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer"]
+MODES = ["full", "selective", "mixers"]
+
+
+def tiny(mixer: str, **overrides) -> ModelConfig:
+    return ModelConfig.preset("tiny", mixer=mixer, **{"num_layers": 3, **overrides})
+
+
+def loss_and_grads(model: CausalLM, length: int = 37, seed: int = 7):
+    """One training forward and backward of a fixed batch (T odd: not a multiple of the chunk size);
+    the RNG is seeded first, so dropout draws the same masks in every run."""
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# activation checkpointing
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_activation_checkpointing_changes_no_number(mixer, dropout):
+    """Bitwise, not within a tolerance: the recomputation runs the same kernels on the same inputs
+    in the same order (the random features read the fixed buffer W, no op draws from the RNG, and
+    checkpoint restores the RNG state, so dropout draws the same masks), so on the CPU every
+    gradient is the same float."""
+    eager_loss, eager_grads = loss_and_grads(CausalLM(tiny(mixer, dropout=dropout), seed=3).train())
+    for mode in MODES:
+        model = parallelize(CausalLM(tiny(mixer, dropout=dropout), seed=3).train(), activation_checkpointing=mode)
+        loss, grads = loss_and_grads(model)
+        assert torch.equal(loss, eager_loss), mode
+        different = [name for name in eager_grads if not torch.equal(grads[name], eager_grads[name])]
+        assert not different, (mode, different)
+
+
+@pytest.mark.parametrize("mode, recomputed", [("none", [1, 1, 1]), ("full", [2, 2, 2]), ("selective", [1, 2, 1]),
+                                              ("mixers", [2, 2, 2])])
+def test_checkpointed_mixers_run_again_in_the_backward(mode, recomputed):
+    model = parallelize(CausalLM(tiny("cubit"), seed=0).train(), activation_checkpointing=mode)
+    calls = [0] * len(model.blocks)
+    for index, block in enumerate(model.blocks):
+        block.mixer.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+    loss_and_grads(model)
+    assert calls == recomputed
+    mlp_calls = []
+    model.blocks[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))  # (a recomputation stops
+    # early, inside the MLP, once it has what the backward needs: a hook after the forward would not run)
+    loss_and_grads(model)
+    # "mixers" keeps the MLP's activations; "full" recomputes the whole block
+    assert len(mlp_calls) == (2 if mode == "full" else 1)
+
+
+def test_block_checkpoints_every_kth_block():
+    assert block_checkpoints("selective", 6, 3) == ["none", "none", "block"] * 2
+    assert block_checkpoints("selective", 4, 1) == ["block"] * 4
+    assert block_checkpoints("mixers", 2) == ["mixer"] * 2
+
+
+def test_no_graph_no_recomputation():
+    model = parallelize(CausalLM(tiny("softmax"), seed=0).eval(), activation_checkpointing="full")
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        out = model(ids)
+    assert out.cache is not None and out.logits.shape == (1, 9, 256)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(activation_checkpointing="some"), "activation_checkpointing must be one of none, full, selective, mixers"),
+    (dict(activation_checkpointing="selective", activation_checkpointing_every=0), "positive integer"),
+    (dict(compile="yes"), "compile must be True or False"),
+])
+def test_bad_options_are_named(kwargs, message):
+    with pytest.raises(KernelmixError, match=message):
+        parallelize(CausalLM(tiny("softmax")), **kwargs)
+
+
+def test_parallelize_takes_a_causal_lm():
+    with pytest.raises(KernelmixError, match="pass its .model"):
+        parallelize(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# meta-device build + init_weights
+
+
+def tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("mixer", MIXERS + ["hybrid"])
+def test_meta_build_then_init_weights_equals_the_eager_build(mixer):
+    config = tiny(mixer) if mixer != "hybrid" else tiny("softmax", mixers=["darkformer", "cubit", "performer"])
+    eager = CausalLM(config, seed=11)
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        model = CausalLM(config)
+    assert torch.equal(torch.get_rng_state(), state)  # a meta build draws nothing
+    model.to_empty(device="cpu")
+    for tensor in tensors(model).values():  # to_empty's memory may hold anything: make reading it fail
+        tensor.data.fill_(float("nan"))
+    state = torch.get_rng_state()
+    assert model.init_weights(seed=11) is model
+    assert torch.equal(torch.get_rng_state(), state)  # init_weights leaves the global RNG alone
+    expected, got = tensors(eager), tensors(model)
+    assert got.keys() == expected.keys()
+    assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
+    assert model.lm_head.weight is model.embed.weight  # tied again after to_empty
+    if mixer in ("performer", "darkformer"):
+        assert "blocks.0.mixer.projection" in got  # the random-feature projections are compared too
+
+
+def test_init_weights_depends_on_the_seed_and_the_global_rng_on_nothing():
+    config = tiny("performer")
+    torch.manual_seed(0)
+    first = CausalLM(config, seed=1)
+    torch.manual_seed(123)
+    again, other = CausalLM(config, seed=1), CausalLM(config, seed=2)
+    for name, tensor in tensors(first).items():
+        assert torch.equal(tensor, tensors(again)[name]), name
+        if "norm" not in name:  # norm gains start at 1 whatever the seed
+            assert not torch.equal(tensor, tensors(other)[name]), name
+    # the projections differ between layers (one generator per layer)
+    assert not torch.equal(first.blocks[0].mixer.projection, first.blocks[1].mixer.projection)
+
+
+def test_init_weights_on_the_meta_device_names_the_fix():
+    with torch.device("meta"):
+        model = CausalLM(tiny("softmax"))
+    with pytest.raises(KernelmixError, match=r"to_empty\(device='cpu'\)"):
+        model.init_weights(0)
+    with pytest.raises(KernelmixError, match="seed must be an integer"):
+        CausalLM(tiny("softmax"), seed=-1)
