@@ -187,6 +187,7 @@ class TestFlopBudget:
         md = (tmp_path / "flops" / "results.md").read_text()
         assert md.splitlines()[2].startswith("Equal budget: **training FLOPs**")
         assert "| performer | 32 | " in md  # the cost table: steps, tokens, FLOPs, seconds per run
+        assert len(results["plots"]) == 4 and all((tmp_path / "flops" / p).read_bytes()[:8] == PNG for p in results["plots"])
 
         # the progress lines: run i of n, elapsed, and the time left once a run has finished
         text = console_text.getvalue()

@@ -82,47 +82,49 @@ def as_bthd(x: torch.Tensor) -> torch.Tensor:
     return x[None, :, None]
 
 
-@pytest.mark.parametrize("length", [1, 2, 7, 12])
-def test_softmax_count_is_the_causal_loop_count(length):
-    x = one_head(length, 4)
-    out, seen = counted(lambda: softmax_loop(x["q"], x["k"], x["v"]))
-    assert seen["Global"] == forward_flops("softmax", length, 4, 0, 4)
-    torch.testing.assert_close(as_bthd(out), ops.softmax_attention(*(as_bthd(x[n]) for n in "qkv")))
+class TestT2OpsCountTheCausalPairs:
+    """Softmax, Cubit and DeltaFormer: the count is that of a float64 per-row loop over the causal pairs."""
 
+    @pytest.mark.parametrize("length", [1, 2, 7, 12])
+    def test_softmax_count_is_the_causal_loop_count(self, length):
+        x = one_head(length, 4)
+        out, seen = counted(lambda: softmax_loop(x["q"], x["k"], x["v"]))
+        assert seen["Global"] == forward_flops("softmax", length, 4, 0, 4)
+        torch.testing.assert_close(as_bthd(out), ops.softmax_attention(*(as_bthd(x[n]) for n in "qkv")))
 
-@pytest.mark.parametrize("length", [1, 2, 7, 12])
-def test_cubit_count_is_the_causal_loop_count(length):
-    x, ridge = one_head(length, 4), 0.5
-    out, seen = counted(lambda: cubit_loop(x["q"], x["k"], x["v"], x["r"], ridge))
-    assert seen["Global"] == forward_flops("cubit", length, 4, 0, 4)
-    fast = ops.cubit_attention(*(as_bthd(x[n]) for n in "qkvr"), ridge=ridge, chunk_size=4)
-    torch.testing.assert_close(as_bthd(out), fast)
+    @pytest.mark.parametrize("length", [1, 2, 7, 12])
+    def test_cubit_count_is_the_causal_loop_count(self, length):
+        x, ridge = one_head(length, 4), 0.5
+        out, seen = counted(lambda: cubit_loop(x["q"], x["k"], x["v"], x["r"], ridge))
+        assert seen["Global"] == forward_flops("cubit", length, 4, 0, 4)
+        fast = ops.cubit_attention(*(as_bthd(x[n]) for n in "qkvr"), ridge=ridge, chunk_size=4)
+        torch.testing.assert_close(as_bthd(out), fast)
 
-
-@pytest.mark.parametrize("length", [1, 2, 7, 12])
-def test_deltaformer_count_is_the_causal_loop_count(length):
-    x = one_head(length, 4)
-    out, seen = counted(lambda: deltaformer_loop(x["q"], x["k"], x["v"], x["beta"]))
-    assert seen["Global"] == forward_flops("deltaformer", length, 4, 0, 4)
-    fast = ops.deltaformer_attention(*(as_bthd(x[n]) for n in "qkv"), beta=x["beta"][None, :, None], chunk_size=4)
-    torch.testing.assert_close(as_bthd(out), fast)
+    @pytest.mark.parametrize("length", [1, 2, 7, 12])
+    def test_deltaformer_count_is_the_causal_loop_count(self, length):
+        x = one_head(length, 4)
+        out, seen = counted(lambda: deltaformer_loop(x["q"], x["k"], x["v"], x["beta"]))
+        assert seen["Global"] == forward_flops("deltaformer", length, 4, 0, 4)
+        fast = ops.deltaformer_attention(*(as_bthd(x[n]) for n in "qkv"), beta=x["beta"][None, :, None], chunk_size=4)
+        torch.testing.assert_close(as_bthd(out), fast)
 
 
 # ---------------------------------------------------------------------------------------------
 # The random-feature ops: all products, counted as they run
 
 
-@pytest.mark.parametrize("mixer", ["performer", "darkformer"])
-@pytest.mark.parametrize("length, chunk", [(5, 16), (16, 16), (37, 16), (40, 8)])  # within one chunk, whole, padded
-def test_random_feature_op_counts_are_exact(mixer, length, chunk):
-    batch, heads, kv_heads, d, m = 2, 4, 2, 8, 12
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(batch, length, heads, d, generator=g)
-    k, v = (torch.randn(batch, length, kv_heads, d, generator=g) for _ in range(2))
-    projection = ops.orthogonal_random_features(m, d, num_heads=heads, generator=g)
-    transform = torch.eye(d) + 0.1 * torch.randn(heads, d, d, generator=g) if mixer == "darkformer" else None
-    _, seen = counted(lambda: ops.random_feature_attention(q, k, v, projection, transform=transform, chunk_size=chunk))
-    assert seen["Global"] == forward_flops(mixer, length, d, m, chunk) * batch * heads  # per query head
+class TestRandomFeatureOpsAreCountedAsTheyRun:
+    @pytest.mark.parametrize("mixer", ["performer", "darkformer"])
+    @pytest.mark.parametrize("length, chunk", [(5, 16), (16, 16), (37, 16), (40, 8)])  # within one chunk, whole, padded
+    def test_random_feature_op_counts_are_exact(self, mixer, length, chunk):
+        batch, heads, kv_heads, d, m = 2, 4, 2, 8, 12
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(batch, length, heads, d, generator=g)
+        k, v = (torch.randn(batch, length, kv_heads, d, generator=g) for _ in range(2))
+        projection = ops.orthogonal_random_features(m, d, num_heads=heads, generator=g)
+        transform = torch.eye(d) + 0.1 * torch.randn(heads, d, d, generator=g) if mixer == "darkformer" else None
+        _, seen = counted(lambda: ops.random_feature_attention(q, k, v, projection, transform=transform, chunk_size=chunk))
+        assert seen["Global"] == forward_flops(mixer, length, d, m, chunk) * batch * heads  # per query head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,97 +147,96 @@ def tiny(mixer: str, options: dict, **overrides) -> ModelConfig:
     return ModelConfig.preset("tiny", mixer=mixer, mixer_options=options, max_seq_len=64, **overrides)
 
 
-@pytest.mark.parametrize("mixer, options", MODELS)
-def test_the_products_around_the_mixer_are_counted_exactly(mixer, options):
-    config = tiny(mixer, options)
-    length, batch = 21, 2
-    torch.manual_seed(0)
-    model = CausalLM(config)
-    _, seen = counted(lambda: model(torch.randint(0, config.vocab_size, (batch, length)), use_cache=False))
-    tokens, per_layer = batch * length, layer_flops(config, mixer, length)
-    assert seen["CausalLM.lm_head"] == model_flops(config, length).lm_head * tokens
-    own_products = ("r_proj", "rho_proj", "beta_proj")
-    for i in range(config.num_layers):
-        layer = f"CausalLM.blocks.{i}"
-        assert seen[f"{layer}.mlp"] == per_layer["mlp"] * tokens
-        projections = sum(seen[f"{layer}.mixer.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        assert projections == per_layer["projections"] * tokens
-        own = sum(seen.get(f"{layer}.mixer.{p}", 0) for p in own_products)
-        if mixer in ("performer", "darkformer"):  # the whole mixer is products: its op (and the fold) too
-            assert seen[f"{layer}.mixer"] - projections == pytest.approx(
-                (per_layer["mixer_layer"] + per_layer["mixer_op"]) * tokens, rel=1e-12)
-        else:
-            assert own == per_layer["mixer_layer"] * tokens
-    if mixer in ("performer", "darkformer"):
-        assert seen["Global"] == pytest.approx(model_flops(config, length).forward * tokens, rel=1e-12)
+class TestARealModelsForward:
+    @pytest.mark.parametrize("mixer, options", MODELS)
+    def test_the_products_around_the_mixer_are_counted_exactly(self, mixer, options):
+        config = tiny(mixer, options)
+        length, batch = 21, 2
+        torch.manual_seed(0)
+        model = CausalLM(config)
+        _, seen = counted(lambda: model(torch.randint(0, config.vocab_size, (batch, length)), use_cache=False))
+        tokens, per_layer = batch * length, layer_flops(config, mixer, length)
+        assert seen["CausalLM.lm_head"] == model_flops(config, length).lm_head * tokens
+        own_products = ("r_proj", "rho_proj", "beta_proj")
+        for i in range(config.num_layers):
+            layer = f"CausalLM.blocks.{i}"
+            assert seen[f"{layer}.mlp"] == per_layer["mlp"] * tokens
+            projections = sum(seen[f"{layer}.mixer.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            assert projections == per_layer["projections"] * tokens
+            own = sum(seen.get(f"{layer}.mixer.{p}", 0) for p in own_products)
+            if mixer in ("performer", "darkformer"):  # the whole mixer is products: its op (and the fold) too
+                assert seen[f"{layer}.mixer"] - projections == pytest.approx(
+                    (per_layer["mixer_layer"] + per_layer["mixer_op"]) * tokens, rel=1e-12)
+            else:
+                assert own == per_layer["mixer_layer"] * tokens
+        if mixer in ("performer", "darkformer"):
+            assert seen["Global"] == pytest.approx(model_flops(config, length).forward * tokens, rel=1e-12)
 
-
-def test_training_is_three_forwards_for_the_linear_layers():
-    # in a softmax model FlopCounterMode sees only the linear layers (not the CPU attention
-    # kernel), so its whole count is theirs; it splits a backward between modules unreliably
-    config, length, batch = tiny("softmax", {}), 16, 2
-    torch.manual_seed(0)
-    model = CausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (batch, length))
-    _, forward = counted(lambda: model(ids, use_cache=False))
-    _, both = counted(lambda: model(ids, labels=ids, use_cache=False).loss.backward())
-    count = model_flops(config, length)
-    assert forward["Global"] == (count.forward - count.mixer_op) * batch * length
-    assert both["Global"] == TRAINING_FACTOR * forward["Global"]
+    def test_training_is_three_forwards_for_the_linear_layers(self):
+        # in a softmax model FlopCounterMode sees only the linear layers (not the CPU attention
+        # kernel), so its whole count is theirs; it splits a backward between modules unreliably
+        config, length, batch = tiny("softmax", {}), 16, 2
+        torch.manual_seed(0)
+        model = CausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (batch, length))
+        _, forward = counted(lambda: model(ids, use_cache=False))
+        _, both = counted(lambda: model(ids, labels=ids, use_cache=False).loss.backward())
+        count = model_flops(config, length)
+        assert forward["Global"] == (count.forward - count.mixer_op) * batch * length
+        assert both["Global"] == TRAINING_FACTOR * forward["Global"]
 
 
 # ---------------------------------------------------------------------------------------------
 # The whole count
 
 
-@pytest.mark.parametrize("mixer, options", MODELS)
-def test_the_model_count_is_the_sum_of_its_parts(mixer, options):
-    config, length = tiny(mixer, options), 48
-    count = model_flops(config, length)
-    per_layer = layer_flops(config, mixer, length)
-    assert count.embedding == 0 and count.lm_head == 2 * config.hidden_size * config.vocab_size
-    for part in ("projections", "mixer_layer", "mixer_op", "mlp"):
-        assert getattr(count, part) == config.num_layers * per_layer[part]
-    parts = count.projections + count.mixer_layer + count.mixer_op + count.mlp + count.lm_head
-    assert count.forward == parts and count.training == 3 * parts == training_flops_per_token(config, length)
-    features = options.get(mixer, {}).get("num_features", 64)  # the layers' default m
-    op = forward_flops(mixer, length, config.head_dim, features, config.chunk_size)
-    assert count.mixer_op == pytest.approx(config.num_layers * config.num_heads * op / length, rel=1e-12)
-    assert count.to_dict()["training"] == count.training
+class TestTheModelCount:
+    @pytest.mark.parametrize("mixer, options", MODELS)
+    def test_the_model_count_is_the_sum_of_its_parts(self, mixer, options):
+        config, length = tiny(mixer, options), 48
+        count = model_flops(config, length)
+        per_layer = layer_flops(config, mixer, length)
+        assert count.embedding == 0 and count.lm_head == 2 * config.hidden_size * config.vocab_size
+        for part in ("projections", "mixer_layer", "mixer_op", "mlp"):
+            assert getattr(count, part) == config.num_layers * per_layer[part]
+        parts = count.projections + count.mixer_layer + count.mixer_op + count.mlp + count.lm_head
+        assert count.forward == parts and count.training == 3 * parts == training_flops_per_token(config, length)
+        features = options.get(mixer, {}).get("num_features", 64)  # the layers' default m
+        op = forward_flops(mixer, length, config.head_dim, features, config.chunk_size)
+        assert count.mixer_op == pytest.approx(config.num_layers * config.num_heads * op / length, rel=1e-12)
+        assert count.to_dict()["training"] == count.training
+
+    def test_a_hybrid_counts_each_layer_with_its_own_mixer(self):
+        config = tiny("softmax", {}, num_layers=3, mixers=["softmax", "cubit", "performer"])
+        count = model_flops(config, 32)
+        parts = [layer_flops(config, m, 32) for m in ("softmax", "cubit", "performer")]
+        assert count.mixer_op == sum(p["mixer_op"] for p in parts)
+        assert count.forward == sum(sum(p.values()) for p in parts) + count.lm_head
+
+    @pytest.mark.parametrize("mixer", ["softmax", "cubit", "deltaformer"])
+    def test_the_t2_mixers_cost_more_per_token_at_every_longer_length(self, mixer):
+        config = tiny(mixer, {})
+        per_token = [model_flops(config, t).training for t in range(1, 65)]
+        assert all(a < b for a, b in zip(per_token, per_token[1:]))
+        ops_per_sequence = [forward_flops(mixer, t, 16, 0, 16) for t in range(1, 65)]
+        # the op grows like T²: per sequence, doubling T more than triples it
+        assert all(ops_per_sequence[2 * t - 1] > 3 * ops_per_sequence[t - 1] for t in range(2, 33))
+
+    def test_the_random_feature_mixers_cost_the_same_per_token_at_every_length_of_whole_chunks(self):
+        config = tiny("performer", {})
+        per_token = [model_flops(config, t).training for t in (64, 128, 256, 1024)]
+        assert all(math.isclose(p, per_token[0], rel_tol=1e-12) for p in per_token)
+
+    def test_bench_reports_the_same_counts(self):
+        assert bench.forward_flops is forward_flops
+
+    def test_bad_arguments_name_the_fix(self):
+        with pytest.raises(ValueError, match=r"unknown mixer 'softmx' \(choose from: softmax, cubit"):
+            forward_flops("softmx", 8, 4, 4, 4)
+        with pytest.raises(ValueError, match="length must be a positive int"):
+            model_flops(tiny("softmax", {}), 0)
+        with pytest.raises(ValueError, match="config must be a ModelConfig"):
+            model_flops({"mixer": "softmax"}, 8)
 
 
-def test_a_hybrid_counts_each_layer_with_its_own_mixer():
-    config = tiny("softmax", {}, num_layers=3, mixers=["softmax", "cubit", "performer"])
-    count = model_flops(config, 32)
-    parts = [layer_flops(config, m, 32) for m in ("softmax", "cubit", "performer")]
-    assert count.mixer_op == sum(p["mixer_op"] for p in parts)
-    assert count.forward == sum(sum(p.values()) for p in parts) + count.lm_head
 
-
-@pytest.mark.parametrize("mixer", ["softmax", "cubit", "deltaformer"])
-def test_the_t2_mixers_cost_more_per_token_at_every_longer_length(mixer):
-    config = tiny(mixer, {})
-    per_token = [model_flops(config, t).training for t in range(1, 65)]
-    assert all(a < b for a, b in zip(per_token, per_token[1:]))
-    ops_per_sequence = [forward_flops(mixer, t, 16, 0, 16) for t in range(1, 65)]
-    # the op grows like T²: per sequence, doubling T more than triples it
-    assert all(ops_per_sequence[2 * t - 1] > 3 * ops_per_sequence[t - 1] for t in range(2, 33))
-
-
-def test_the_random_feature_mixers_cost_the_same_per_token_at_every_length_of_whole_chunks():
-    config = tiny("performer", {})
-    per_token = [model_flops(config, t).training for t in (64, 128, 256, 1024)]
-    assert all(math.isclose(p, per_token[0], rel_tol=1e-12) for p in per_token)
-
-
-def test_bench_reports_the_same_counts():
-    assert bench.forward_flops is forward_flops
-
-
-def test_bad_arguments_name_the_fix():
-    with pytest.raises(ValueError, match=r"unknown mixer 'softmx' \(choose from: softmax, cubit"):
-        forward_flops("softmx", 8, 4, 4, 4)
-    with pytest.raises(ValueError, match="length must be a positive int"):
-        model_flops(tiny("softmax", {}), 0)
-    with pytest.raises(ValueError, match="config must be a ModelConfig"):
-        model_flops({"mixer": "softmax"}, 8)

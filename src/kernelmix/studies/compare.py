@@ -95,6 +95,15 @@ DEFAULT_MIXERS = list(MIXER_VARIANTS)
 RESULT_FORMAT = "kernelmix.compare/1"
 CALIBRATION_FORMAT = "kernelmix.compare.calibration/1"
 BUDGETS = ("tokens", "flops", "time")
+# The TrainConfig fields a run key has always held. A field added to TrainConfig later enters the
+# key only when it is not at its default, so adding one (activation checkpointing, compile, ...)
+# does not change the keys of finished runs, and they stay reusable.
+KEYED_TRAIN_FIELDS = frozenset({
+    "batch_size", "betas", "bf16", "checkpoint_every", "corpus", "cross_documents", "device", "eval_batches",
+    "eval_every", "fsdp", "grad_accum", "grad_clip", "keep_checkpoints", "log_every", "lr", "min_lr", "model",
+    "preset", "redraw_every", "seed", "seq_len", "steps", "tokenizer", "tokens", "val_fraction", "warmup_steps",
+    "weight_decay",
+})
 #: the mixer whose cost for ``steps × tokens_per_step`` tokens is the FLOP and time budgets
 REFERENCE_MIXER = "softmax"
 #: untimed training steps before a calibration's timed ones (first-call allocations, warm caches)
@@ -225,9 +234,11 @@ class CompareConfig:
 
     def run_key(self, mixer: str, length: int, seed: int, steps: int | None = None) -> str:
         """A hash of everything that defines the run and its evaluation (not out_dir)."""
-        settings = self.train_config(mixer, length, seed, "", steps=steps).to_dict()
-        settings.pop("out_dir")
-        settings.pop("max_bad_steps")  # when a run stops; what it computes is the same (and old keys stay valid)
+        train_config = self.train_config(mixer, length, seed, "", steps=steps)
+        defaults = type(train_config)().to_dict()
+        unkeyed = {"out_dir", "max_bad_steps"}  # where a run is, and when it stops: not what it computes
+        settings = {name: value for name, value in train_config.to_dict().items()
+                    if name not in unkeyed and (name in KEYED_TRAIN_FIELDS or value != defaults[name])}
         settings["eval"] = {"docs": self.eval_docs, "doc_tokens": max(self.lengths), "buckets": self.buckets}
         if self.budget != "tokens":  # (the token budget's keys are those of the runs made before budgets existed)
             settings["budget"] = self.budget
