@@ -259,6 +259,13 @@ class TestBudgetErrors:
             cli_main(["compare", "--seconds", "30", "--out", str(tmp_path / "x")])
         assert "add --budget time" in capsys.readouterr().err
 
+    def test_the_budget_options_are_in_the_help(self, capsys):
+        with pytest.raises(SystemExit):
+            cli_main(["compare", "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--budget {tokens,flops,time}" in text and "--seconds SECONDS" in text and "--calibration-steps" in text
+        assert "measured, so noisy" in text
+
     def test_an_unknown_budget_lists_the_budgets(self, tmp_path, capsys):
         with pytest.raises(ValueError, match=r"tokens, flops, time"):
             small(tmp_path, budget="wallclock")
