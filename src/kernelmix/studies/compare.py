@@ -287,7 +287,7 @@ class BudgetPlan:
     seconds_per_step: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def to_dict(self, config: CompareConfig) -> dict[str, Any]:
-        """The ``budget`` record of results.json (the token budget's is the one it always was)."""
+        """The ``budget`` record of results.json (the token budget's has the fields it always had)."""
         tokens = config.tokens_per_run
         if self.budget == "tokens":
             return {"equal": "tokens", "tokens_per_run": tokens, "tokens_per_step": config.tokens_per_step,
