@@ -704,7 +704,7 @@ def _run_plan(config: CompareConfig, plan: list, budget: BudgetPlan, val, env, p
             runs.append(result)
             reused_count += reused
             note(
-                f"      {'reused' if reused else 'done'}: val loss {result['val_loss']:.4f}; {result['tokens']:,} tokens, "
+                f"      {'reused' if reused else 'done'}: eval loss {result['val_loss']:.4f}; {result['tokens']:,} tokens, "
                 f"{_flop_text(result['flops'])}, train {result['train_s']:.1f} s ({result['tokens_per_s']:,.0f} tok/s)"
                 + ("" if reused else f"; total {time.perf_counter() - t0:.0f} s")
             )
@@ -744,7 +744,8 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False)
-    note = console.print if env.is_main else (lambda *a, **k: None)
+    # soft_wrap: a long status line is wrapped by the terminal, never cut mid-sentence at 80 columns
+    note = (lambda text: console.print(text, soft_wrap=True)) if env.is_main else (lambda *a, **k: None)
     started = time.perf_counter()
     out = Path(config.out_dir)
     if not env.is_main:
@@ -759,7 +760,9 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     note(
         f"[bold]kernelmix compare[/]: {len(config.mixers)} mixers × lengths {config.lengths} × seeds {config.seeds} = "
         f"{len(plan)} runs; preset {config.preset}, {config.corpus} / {config.tokenizer}; {_budget_line(config)}; "
-        f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "") + f"; output {out}"
+        f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "") + f"; output {out}. "
+        "Each run's 'eval loss' is its final evaluation on the validation tokens, the figure results.md reports; the "
+        "training log's 'val loss' lines are the run's own periodic check, on its own validation batches"
     )
     speeds = calibrate(config, env, note) if config.budget == "time" else None
     budget = plan_budget(config, dataset.vocab_size, speeds)
@@ -836,6 +839,9 @@ def format_markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         "## Training throughput (tokens/s) and wall time per run (s)",
+        "",
+        "Measured on this machine while it ran: other jobs on the same cores lower every figure, the mixers made of "
+        "many small ops (Cubit, DeltaFormer, the random-feature ones) most; `--threads 1` on a shared machine.",
         "",
         "| mixer | params | " + " | ".join(f"tok/s T={t}" for t in lengths) + " | " + " | ".join(f"s T={t}" for t in lengths) + " |",
         "|---|---:|" + "---:|" * (2 * len(lengths)),
@@ -959,6 +965,8 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
     ax.set_title(f"throughput ({results['machine']['threads']} threads, {settings['device']})")
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
+    ax.set_xlabel("measured on this machine while it ran: other jobs on its cores lower every bar,\n"
+                  "the mixers made of many small ops most (see --threads)", fontsize=7, color="0.35")
     save(fig, "throughput.png")
 
     longest = lengths[-1]
