@@ -44,6 +44,7 @@ def autocast_off(x: Tensor):
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # torch.compile: a constant, not a graph break per call
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs bf16 matrix products natively (oneDNN's own check: AVX512 core /
     AVX512-BF16 / AMX on x86, the bf16 extension on Arm)."""
