@@ -10,7 +10,7 @@ import torch
 from kernelmix.errors import KernelmixError
 from kernelmix.model import CausalLM, ModelConfig
 from kernelmix.training import parallelize
-from kernelmix.training.parallelize import block_checkpoints
+from kernelmix.training.parallelize import FULLGRAPH_MIXERS, block_checkpoints
 
 MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer"]
 MODES = ["full", "selective", "mixers"]
@@ -21,11 +21,14 @@ def tiny(mixer: str, **overrides) -> ModelConfig:
 
 
 def loss_and_grads(model: CausalLM, length: int = 37, seed: int = 7):
-    """One training forward and backward of a fixed batch (T odd: not a multiple of the chunk size);
-    the RNG is seeded first, so dropout draws the same masks in every run."""
+    """One training forward and backward of a fixed batch (T odd: not a multiple of the chunk size)
+    packing two documents per row, as training does; the RNG is seeded first, so dropout draws the
+    same masks in every run."""
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+    split = length // 2 + 1
+    positions = torch.cat([torch.arange(split), torch.arange(length - split)]).expand(2, -1)
     torch.manual_seed(seed)
-    loss = model(ids, labels=ids, use_cache=False).loss
+    loss = model(ids, labels=ids, position_ids=positions, use_cache=False).loss
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -147,3 +150,61 @@ def test_init_weights_on_the_meta_device_names_the_fix():
         model.init_weights(0)
     with pytest.raises(KernelmixError, match="seed must be an integer"):
         CausalLM(tiny("softmax"), seed=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def compiled_matches_eager(mixer: str, backend: str, *, activation_checkpointing: str = "none", lengths=(37,)):
+    """Compiled per block: the loss and gradients of the eager run within fp32 tolerance (a fused
+    kernel may sum in another order), and a second step of the same shape compiles nothing new."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager = loss_and_grads(CausalLM(tiny(mixer, num_layers=2), seed=5).train(), lengths[0])
+    model = parallelize(CausalLM(tiny(mixer, num_layers=2), seed=5).train(), compile=True,
+                        activation_checkpointing=activation_checkpointing, compile_options={"backend": backend})
+    loss, grads = loss_and_grads(model, lengths[0])
+    torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=1e-6)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for parameter in model.parameters():
+        parameter.grad = None
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        loss_and_grads(model, lengths[0])
+    for length in lengths[1:]:  # another length: compiled at most once more (then dynamic), not per step
+        loss_and_grads(model, length)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            loss_and_grads(model, length)
+    return model
+
+
+def test_compiled_blocks_give_the_eager_numbers_and_do_not_recompile():
+    """The default suite's one compile test: Performer (its random-feature op compiles into one graph),
+    aot_eager (dynamo and autograd tracing without inductor's C++ build, seconds instead of a minute)."""
+    model = compiled_matches_eager("performer", "aot_eager")
+    assert "blocks.0.mixer.projection" in dict(model.named_buffers())  # in place: no _orig_mod. in the keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_compiled_with_inductor_gives_the_eager_numbers(mixer):
+    compiled_matches_eager(mixer, "inductor", lengths=(37, 45, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_compiled_and_checkpointed(mixer):
+    compiled_matches_eager(mixer, "aot_eager", activation_checkpointing="selective")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", sorted(FULLGRAPH_MIXERS))
+def test_fullgraph_holds_where_it_is_claimed(mixer):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block = CausalLM(tiny(mixer, num_layers=1), seed=0).blocks[0]
+    explained = torch._dynamo.explain(block)(torch.randn(2, 37, 64, requires_grad=True), None, None, None)
+    assert explained.graph_break_count == 0, explained.break_reasons

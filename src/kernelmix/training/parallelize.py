@@ -5,7 +5,8 @@ block and then at the root, in torchtitan's order:
    recomputes every block in the backward, ``"selective"`` every ``activation_checkpointing_every``-th block
    (blocks ``k-1, 2k-1, ...``), ``"mixers"`` only the mixer (with its norm) of every block;
 2. ``torch.compile`` per block (``nn.Module.compile``: in place, so parameter names and
-   checkpoints keep their keys — no ``_orig_mod.``), ``fullgraph=True`` by default;
+   checkpoints keep their keys — no ``_orig_mod.``), graph breaks allowed where the
+   ops read values (:data:`FULLGRAPH_MIXERS`), nothing recompiled per step;
 3. data parallelism when a process group (or ``mesh``) spans more than one process: FSDP2's
    ``fully_shard`` per block, then the root, with ``fsdp=True``; else a DDP wrapper.
 
@@ -55,9 +56,19 @@ def apply_activation_checkpointing(model: CausalLM, mode: str, every: int = 2) -
     return model
 
 
-def apply_compile(model: CausalLM, *, backend: str = "inductor", fullgraph: bool = True, **options: Any) -> CausalLM:
+#: The mixers whose blocks compile into one graph (``fullgraph=True``) for plain batches — not for
+#: packed documents (``position_ids``), where every op checks its ``doc_start`` by reading it
+#: (``ops._common.check_doc_start``). Cubit's op also checks that its ridge is positive by reading
+#: it (``ops._common.per_head``), DeltaFormer's solve branches on the values of β (rows with
+#: β < BETA_EXACT, ``ops._solve_rectangles``). Those are graph breaks: each piece compiles once and
+#: nothing recompiles per step, so ``fullgraph`` is off by default.
+FULLGRAPH_MIXERS = frozenset({"softmax", "performer", "darkformer"})
+
+
+def apply_compile(model: CausalLM, *, backend: str = "inductor", fullgraph: bool = False, **options: Any) -> CausalLM:
     """Compile each block in place (``nn.Module.compile``; the model's own forward, with its input
-    checks, stays eager). ``options`` go to ``torch.compile`` (e.g. ``mode``, ``dynamic``)."""
+    checks, stays eager). ``fullgraph=True`` refuses graph breaks: it holds for the mixers in
+    :data:`FULLGRAPH_MIXERS` on plain batches. ``options`` go to ``torch.compile`` (e.g. ``mode``)."""
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=fullgraph, **options)
     return model
@@ -116,7 +127,8 @@ def parallelize(
 
     ``mesh``: a 1-D ``DeviceMesh`` to shard or replicate over (None: the default process group,
     when one is initialised). With one process ``fsdp`` and ``ddp`` change nothing.
-    ``compile_options``: for ``torch.compile`` (default ``backend="inductor", fullgraph=True``)."""
+    ``compile_options``: for ``torch.compile`` (default ``backend="inductor", fullgraph=False``:
+    see :data:`FULLGRAPH_MIXERS`)."""
     if not isinstance(model, CausalLM):
         raise KernelmixError(
             f"parallelize takes a kernelmix CausalLM, got {type(model).__name__}; for a KernelMixForCausalLM "
@@ -136,6 +148,6 @@ def parallelize(
 
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
+    "ACTIVATION_CHECKPOINTING", "FULLGRAPH_MIXERS", "apply_activation_checkpointing", "apply_compile", "apply_ddp", "apply_fsdp",
     "block_checkpoints", "data_parallel_size", "parallelize",
 ]
