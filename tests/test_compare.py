@@ -51,6 +51,9 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
     assert {(r["mixer"], r["length"]) for r in data["summary"]} == {(m, t) for m in config.mixers for t in (32, 64)}
     md = (out / "results.md").read_text()
     assert "| softmax |" in md and "| cubit-nolrr |" in md and "T=64" in md and "384 training tokens" in md
+    reference = data["reference"]  # unigram/bigram tables of the same validation tokens
+    assert reference["tokens"] == data["evaluation"]["predicted_tokens"] and reference["unigram"] > 0
+    assert f"unigram {reference['unigram']:.3f}, bigram {reference['bigram']:.3f}" in md
     for name in ("val_loss_vs_length.png", "loss_curves.png", "throughput.png", "loss_by_position.png"):
         assert (out / name).read_bytes()[:8] == PNG
     assert sorted(results["plots"]) == sorted(p.name for p in out.glob("*.png"))

@@ -383,3 +383,30 @@ def test_bad_input_gives_clear_errors(trained_run, tmp_path, capsys):
     assert "max_seq_len 256" in capsys.readouterr().err
     assert cli_main(["eval", str(trained_run), "--data", "no/such/file.txt"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_ngram_losses_match_a_counting_reference():
+    import math
+    from collections import Counter
+
+    from kernelmix.evaluate import ngram_losses
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    train_docs = [list(rng.integers(0, 7, n)) for n in (5, 1, 12, 9)]
+    val_docs = [list(rng.integers(0, 7, n)) for n in (4, 6, 1)] + [[8, 8]]  # a pair never seen in training
+    vocab = 9
+    got = ngram_losses(TokenizedSplit.from_token_lists(train_docs), TokenizedSplit.from_token_lists(val_docs, name="val"),
+                       vocab)
+    unigram = Counter(t for d in train_docs for t in d)
+    total = sum(unigram.values())
+    pairs = Counter((a, b) for d in train_docs for a, b in zip(d, d[1:]))  # inside documents only
+    before = Counter(a for d in train_docs for a in d[:-1])
+    uni = [-math.log((unigram[b] + 1) / (total + vocab)) for d in val_docs for b in d[1:]]
+    bi = [-math.log((pairs[(a, b)] + 1) / (before[a] + vocab)) for d in val_docs for a, b in zip(d, d[1:])]
+    assert got["tokens"] == len(uni) == 9
+    assert got["unigram"] == pytest.approx(sum(uni) / len(uni), rel=1e-12)
+    assert got["bigram"] == pytest.approx(sum(bi) / len(bi), rel=1e-12)
+    with pytest.raises(ValueError, match="vocab_size is 5; pass the tokenizer's vocabulary size"):
+        ngram_losses(TokenizedSplit.from_token_lists(train_docs), TokenizedSplit.from_token_lists(val_docs), 5)

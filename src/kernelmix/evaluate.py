@@ -198,6 +198,48 @@ def scope_split(
 # Loss, perplexity, loss by position
 
 
+def ngram_losses(train: TokenizedSplit, val: TokenizedSplit, vocab_size: int) -> dict[str, float | int]:
+    """Reference lines for a loss table: the mean negative log-likelihood (nats/token) of ``val``'s
+    predicted tokens (every token but each document's first) under a unigram and a bigram model
+    counted on ``train`` with add-one smoothing over ``vocab_size`` tokens. A model below the
+    bigram line has learned more than which token follows which; one above the unigram line, not
+    even the token frequencies. Bigram counts stay inside documents and are kept sparse (pairs as
+    ``prev * V + next``), so a large vocabulary costs memory for the pairs seen, not V²."""
+    if vocab_size < 1:
+        raise KernelmixError(f"vocab_size must be positive, got {vocab_size}")
+    train_tokens = np.asarray(train.tokens, dtype=np.int64)
+    in_doc = np.ones(max(len(train_tokens) - 1, 0), dtype=bool)
+    starts = np.asarray(train.offsets[1:-1], dtype=np.int64)  # a pair never crosses into the next document
+    in_doc[starts[(starts > 0) & (starts < len(train_tokens))] - 1] = False
+    train_prev, train_next = train_tokens[:-1][in_doc], train_tokens[1:][in_doc]
+    unigram = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64)
+    predecessor = np.bincount(train_prev, minlength=vocab_size).astype(np.float64)
+    pairs, pair_counts = np.unique(train_prev * vocab_size + train_next, return_counts=True)
+
+    prev_list, next_list = [], []
+    for i in range(len(val)):
+        doc = np.asarray(val.document(i), dtype=np.int64)
+        prev_list.append(doc[:-1])
+        next_list.append(doc[1:])
+    val_prev = np.concatenate(prev_list) if prev_list else np.zeros(0, dtype=np.int64)
+    val_next = np.concatenate(next_list) if next_list else np.zeros(0, dtype=np.int64)
+    if len(val_next) == 0:
+        raise KernelmixError("the validation split predicts no token (every document has fewer than 2 tokens); "
+                             "give documents of at least 2 tokens")
+    if max(int(val_next.max()), int(train_tokens.max(initial=0))) >= vocab_size:
+        raise KernelmixError(f"token ids reach {max(int(val_next.max()), int(train_tokens.max(initial=0)))} but "
+                             f"vocab_size is {vocab_size}; pass the tokenizer's vocabulary size")
+    unigram_p = (unigram[val_next] + 1.0) / (unigram.sum() + vocab_size)
+    codes = val_prev * vocab_size + val_next
+    pairs = np.append(pairs, np.iinfo(np.int64).max)  # a sentinel above every code: searchsorted stays in range
+    pair_counts = np.append(pair_counts, 0)
+    where = np.searchsorted(pairs, codes)
+    counts = np.where(pairs[where] == codes, pair_counts[where], 0)
+    bigram_p = (counts + 1.0) / (predecessor[val_prev] + vocab_size)
+    return {"unigram": float(-np.log(unigram_p).mean()), "bigram": float(-np.log(bigram_p).mean()),
+            "tokens": int(len(val_next))}
+
+
 def default_buckets(seq_len: int) -> list[tuple[int, int]]:
     """[0, 64), [64, 256), [256, 1024), ... (×4), the last one ending at ``seq_len``."""
     edges = [0, 64]
@@ -838,6 +880,7 @@ def score_with_lm_eval(
 
 
 __all__ = [
+    "ngram_losses",
     "BACKENDS",
     "TASKS",
     "BucketLoss",

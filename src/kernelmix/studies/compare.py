@@ -74,7 +74,7 @@ import torch
 
 from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import Interrupted, KernelmixError
-from ..evaluate import parse_buckets
+from ..evaluate import ngram_losses, parse_buckets
 from ..locks import run_directory_lock
 from ..model import PRESETS
 from ..output import pyplot, write_json_atomic, write_text_atomic
@@ -767,12 +767,15 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     speeds = calibrate(config, env, note) if config.budget == "time" else None
     budget = plan_budget(config, dataset.vocab_size, speeds)
     runs, reused_count = _run_plan(config, plan, budget, val, env, progress, note, started)
+    reference = ngram_losses(dataset.train, val, dataset.vocab_size)
     results = {
         "format": RESULT_FORMAT,
         "settings": config.to_dict(),
         "budget": budget.to_dict(config),
         "evaluation": {"split": "val", "documents": len(val), "tokens_per_document": max(config.lengths),
                        "predicted_tokens": int(val.num_tokens - len(val)), "at": "each run's training length"},
+        # what a table of token frequencies / of which token follows which gets on the same tokens
+        "reference": {**reference, "counted_on": "train split, add-one smoothing"},
         "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
                     "cpus": os.cpu_count(), "device": config.device, "processes": env.world_size},
         "runs": runs,
@@ -836,6 +839,14 @@ def format_markdown(results: dict[str, Any]) -> str:
             text = _fmt(r["val_loss"], r["val_loss_sd"], r["seeds"])
             cells.append(f"**{text}**" if r["val_loss"] == best[t] else text)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    reference = results.get("reference")  # absent from results written before it existed
+    if reference:
+        lines += [
+            "",
+            f"Reference lines on the same validation tokens (counted on the training split, add-one smoothing): "
+            f"unigram {reference['unigram']:.3f}, bigram {reference['bigram']:.3f}. A mixer above the bigram line has "
+            "not yet learned what a table of which token follows which knows, let alone used its context.",
+        ]
     lines += [
         "",
         "## Training throughput (tokens/s) and wall time per run (s)",
@@ -928,6 +939,10 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
                         marker="o", capsize=3, label=m)
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(t) for t in lengths])
+    reference = results.get("reference")
+    if reference:
+        for name, style in (("unigram", ":"), ("bigram", "--")):
+            ax.axhline(reference[name], color="0.4", linestyle=style, linewidth=1, label=f"{name} table")
     ax.set_xlabel("training length (tokens)")
     ax.set_ylabel("validation loss (nats/token)")
     equal = results["budget"]["equal"]
