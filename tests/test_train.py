@@ -562,3 +562,27 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
         train(TrainConfig(**REF, out_dir=str(tmp_path / "run")), progress=False)
     assert signal.getsignal(signal.SIGINT) is before
     assert not list_checkpoints(tmp_path / "run")
+
+
+def test_activation_checkpointing_trains_bitwise_the_same_and_may_change_on_resume(reference, tmp_path):
+    """The trainer goes through parallelize: the reference run (dropout, redraws) with every block
+    recomputed has bitwise the same losses; resumed from a run without it (the setting may change on
+    resume: it changes no number), it continues bitwise too."""
+    run = tmp_path / "ac"
+    result = train(TrainConfig(**REF, out_dir=str(run), activation_checkpointing="full"), progress=False)
+    assert result.losses == reference.losses and result.val_losses == reference.val_losses
+    shutil.rmtree(run)
+    train(TrainConfig(**REF, out_dir=str(run)), stop_at=4, progress=False)
+    resumed = train(TrainConfig(**REF, out_dir=str(run), activation_checkpointing="selective",
+                                activation_checkpointing_every=1), resume=True, progress=False)
+    assert resumed.losses == {s: v for s, v in reference.losses.items() if s > 4}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["activation_checkpointing=some"], "activation_checkpointing"),
+    (["compile=maybe"], "compile"),
+])
+def test_scale_options_through_set(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(None, overrides)
+    assert build_config(None, ["activation_checkpointing=selective", "compile=true"]).compile is True
