@@ -256,7 +256,7 @@ DIST = dict(
 )
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-checkpointed", pytest.param("ddp-compiled", marks=pytest.mark.slow)])
 def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode):
     """2 processes × batch 4 (DDP or FSDP2 over gloo) vs 1 process × batch 4 × grad_accum 2.
 
@@ -265,10 +265,16 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode
     only the order of float32 sums differs (averaging gradients over processes vs accumulating
     them): ~1e-7 relative per step, which Adam's normalised updates carry over a few steps at that
     order. 1e-4 relative is far below what a real mismatch gives (different data, unsynchronised
-    gradients or redraws move the loss by >1e-2 at the second step)."""
+    gradients or redraws move the loss by >1e-2 at the second step). The trainer's parallelize
+    applies activation checkpointing before FSDP2 (fsdp-checkpointed) and compiles the blocks
+    inside DDP (ddp-compiled): the same numbers."""
     sets = [f"{k}={json.dumps(v)}" for k, v in DIST.items() if k != "model"] + ["model.mixer=performer"]
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         sets.append("fsdp=true")
+    if mode == "fsdp-checkpointed":
+        sets.append("activation_checkpointing=full")
+    if mode == "ddp-compiled":
+        sets.append("compile=true")
     out = tmp_path / "two"
     proc = _torchrun(tmp_path, out, sets)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -295,7 +301,7 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode
     # resume from the step-2 checkpoint: FSDP loads the full state into its shards (2 processes
     # again); the DDP checkpoint continues in one process with grad_accum=2 (same global batch)
     shutil.rmtree(latest_checkpoint(out))
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         proc = _torchrun(tmp_path, out, ["--resume"], raw=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         resumed = {r["step"]: r["loss"] for r in metric_lines(out) if r["kind"] == "train"}

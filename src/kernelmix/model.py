@@ -219,19 +219,19 @@ class SwiGLU(nn.Module):
 #: checkpointing, set per block by :func:`kernelmix.training.parallelize`): nothing, the whole block
 #: (only its input is kept), or its mixer with the mixer's norm (the part whose activations grow
 #: with the sequence: attention weights, Cubit's solves, random features).
-BLOCK_CHECKPOINTS = ("none", "block", "mixer")
+BLOCK_RECOMPUTE = ("none", "block", "mixer")
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + SwiGLU(norm(x)).
 
-    ``checkpoint`` (one of :data:`BLOCK_CHECKPOINTS`, default ``"none"``) recomputes the block or
+    ``recompute`` (one of :data:`BLOCK_RECOMPUTE`, default ``"none"``) recomputes the block or
     its mixer in the backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so
     dropout draws the same masks): the same numbers, less memory, one more forward of that part."""
 
     def __init__(self, config: ModelConfig, mixer_name: str) -> None:
         super().__init__()
-        self.checkpoint = "none"
+        self.recompute = "none"
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(
             mixer_name,
@@ -253,10 +253,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None):
         # only a forward that builds a graph has activations to save (not decoding under no_grad)
-        recompute = self.checkpoint if torch.is_grad_enabled() else "none"
-        if recompute == "block":
+        mode = self.recompute if torch.is_grad_enabled() else "none"
+        if mode == "block":
             return checkpoint(self._forward, x, cache, position_ids, doc_start, "none", use_reentrant=False)
-        return self._forward(x, cache, position_ids, doc_start, recompute)
+        return self._forward(x, cache, position_ids, doc_start, mode)
 
     def _forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None,
                  recompute: str):

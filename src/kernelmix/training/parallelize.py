@@ -1,7 +1,7 @@
 """``parallelize(model, mesh, ...)``: what a kernelmix model goes through before it trains, per
 block and then at the root, in torchtitan's order:
 
-1. activation checkpointing per block (:attr:`kernelmix.model.Block.checkpoint`): ``"full"``
+1. activation checkpointing per block (:attr:`kernelmix.model.Block.recompute`): ``"full"``
    recomputes every block in the backward, ``"selective"`` every ``activation_checkpointing_every``-th block
    (blocks ``k-1, 2k-1, ...``), ``"mixers"`` only the mixer (with its norm) of every block;
 2. ``torch.compile`` per block (``nn.Module.compile``: in place, so parameter names and
@@ -33,7 +33,7 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
 
 
 def block_checkpoints(mode: str, num_blocks: int, every: int = 2) -> list[str]:
-    """What each block recomputes (:data:`kernelmix.model.BLOCK_CHECKPOINTS`) under ``mode``."""
+    """What each block recomputes (:data:`kernelmix.model.BLOCK_RECOMPUTE`) under ``mode``."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise KernelmixError(
             f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {mode!r}"
@@ -50,9 +50,9 @@ def block_checkpoints(mode: str, num_blocks: int, every: int = 2) -> list[str]:
 
 
 def apply_activation_checkpointing(model: CausalLM, mode: str, every: int = 2) -> CausalLM:
-    """Set every block's :attr:`~kernelmix.model.Block.checkpoint` for ``mode`` (in place)."""
+    """Set every block's :attr:`~kernelmix.model.Block.recompute` for ``mode`` (in place)."""
     for block, recompute in zip(model.blocks, block_checkpoints(mode, len(model.blocks), every)):
-        block.checkpoint = recompute
+        block.recompute = recompute
     return model
 
 
