@@ -275,3 +275,13 @@ class TestBudgetErrors:
         with pytest.raises(SystemExit):
             cli_main(["compare", "--budget", "wallclock"])
         assert "tokens" in capsys.readouterr().err
+
+
+def test_recompute_options_reach_the_runs_and_keep_their_keys(tmp_path):
+    plain = small(tmp_path / "cmp")
+    recomputed = small(tmp_path / "cmp", activation_checkpointing="selective", activation_checkpointing_every=1)
+    train = recomputed.train_config("cubit", 32, 0, "x")
+    assert (train.activation_checkpointing, train.activation_checkpointing_every) == ("selective", 1)
+    # recomputing changes no number (tests/test_parallelize.py), so finished runs stay reusable
+    assert recomputed.run_key("cubit", 32, 0) == plain.run_key("cubit", 32, 0)
+    assert small(tmp_path / "cmp", compile=True).run_key("cubit", 32, 0) != plain.run_key("cubit", 32, 0)

@@ -79,6 +79,7 @@ from ..locks import run_directory_lock
 from ..model import PRESETS
 from ..output import pyplot, write_json_atomic, write_text_atomic
 from ..training.checkpoint import latest_checkpoint, writing
+from ..training.config import ACTIVATION_CHECKPOINTING
 from ..training.signals import catch_stop_signals, signal_name
 from .flops import training_flops_per_token
 
@@ -150,6 +151,11 @@ class CompareConfig:
     buckets: Annotated[list[NonNegativeInt], Field(description="position-bucket edges, e.g. 0,64,256 (default 0,64,256,1024,…)")] | None = None
     out_dir: Annotated[str, Arg(flag="--out"), Field(description="output directory")] = "runs/compare"
     device: Annotated[str, Choice(("auto", "cpu", "cuda"), "device")] = "cpu"
+    activation_checkpointing: Annotated[str, Choice(ACTIVATION_CHECKPOINTING, "activation_checkpointing"), Field(
+        description="recompute in the backward instead of storing (as kernelmix train's); same numbers, less memory")] = "none"
+    activation_checkpointing_every: Annotated[PositiveInt, Field(
+        description="with activation_checkpointing=selective: every k-th block is recomputed")] = 2
+    compile: Annotated[bool, Field(description="torch.compile each block (as kernelmix train's)")] = False
 
     def __post_init__(self) -> None:
         check(self)
@@ -229,14 +235,16 @@ class CompareConfig:
             seq_len=length, batch_size=windows // world_size, steps=steps, lr=self.lr,
             min_lr=self.min_lr, warmup_steps=self.warmup_for(steps), seed=seed, device=self.device,
             eval_every=0, eval_batches=1, log_every=max(1, steps // 10), checkpoint_every=0,
-            keep_checkpoints=1, out_dir=str(out_dir),
+            keep_checkpoints=1, out_dir=str(out_dir), activation_checkpointing=self.activation_checkpointing,
+            activation_checkpointing_every=self.activation_checkpointing_every, compile=self.compile,
         )
 
     def run_key(self, mixer: str, length: int, seed: int, steps: int | None = None) -> str:
         """A hash of everything that defines the run and its evaluation (not out_dir)."""
         train_config = self.train_config(mixer, length, seed, "", steps=steps)
         defaults = type(train_config)().to_dict()
-        unkeyed = {"out_dir", "max_bad_steps"}  # where a run is, and when it stops: not what it computes
+        # where a run is, when it stops, and what it recomputes (bitwise the same numbers): not what it computes
+        unkeyed = {"out_dir", "max_bad_steps", "activation_checkpointing", "activation_checkpointing_every"}
         settings = {name: value for name, value in train_config.to_dict().items()
                     if name not in unkeyed and (name in KEYED_TRAIN_FIELDS or value != defaults[name])}
         settings["eval"] = {"docs": self.eval_docs, "doc_tokens": max(self.lengths), "buckets": self.buckets}

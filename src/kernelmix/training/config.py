@@ -92,7 +92,8 @@ class TrainConfig:
     activation_checkpointing_every: Annotated[PositiveInt, Field(
         description="with activation_checkpointing=selective: every k-th block is recomputed")] = 2
     compile: Annotated[bool, Field(
-        description="torch.compile each block (inductor, fullgraph); the first steps compile, later ones reuse it")] = False
+        description="torch.compile each block (inductor; graph breaks where an op reads its values); the first "
+                    "steps compile, later ones reuse it")] = False
     seed: NonNegativeInt = 0
     redraw_every: Annotated[NonNegativeInt, Field(
         description="redraw random-feature projections every N steps (0: never)")] = 0
