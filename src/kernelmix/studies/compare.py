@@ -924,21 +924,10 @@ def _costs_markdown(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_plots(results: dict[str, Any], out: Path) -> list[str]:
-    """The PNGs (matplotlib, Agg backend); returns their file names."""
-    plt = pyplot()
-    from matplotlib.ticker import FuncFormatter
-
-    settings, summary, runs = results["settings"], results["summary"], results["runs"]
-    mixers, lengths = settings["mixers"], settings["lengths"]
-    written = []
-
-    def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
-
+def _loss_vs_length(plt, results: dict[str, Any]):
+    """val_loss_vs_length.png's figure: each mixer's validation loss against its training length,
+    with the unigram and bigram tables of the same tokens as reference lines."""
+    summary, mixers, lengths = results["summary"], results["settings"]["mixers"], results["settings"]["lengths"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for m in mixers:
         rows = sorted((r for r in summary if r["mixer"] == m), key=lambda r: r["length"])
@@ -958,7 +947,25 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
                  else f"equal training {'FLOPs' if equal == 'flops' else 'seconds'} per run")
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "val_loss_vs_length.png")
+    return fig
+
+
+def write_plots(results: dict[str, Any], out: Path) -> list[str]:
+    """The PNGs (matplotlib, Agg backend); returns their file names."""
+    plt = pyplot()
+    from matplotlib.ticker import FuncFormatter
+
+    settings, summary, runs = results["settings"], results["summary"], results["runs"]
+    mixers, lengths = settings["mixers"], settings["lengths"]
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    save(_loss_vs_length(plt, results), "val_loss_vs_length.png")
 
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.8), sharey=True, squeeze=False)
     for ax, t in zip(axes[0], lengths):
