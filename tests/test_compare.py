@@ -79,7 +79,7 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
 def test_seeds_give_mean_and_spread_and_cli(tmp_path, capsys):
     out = tmp_path / "cli"
     code = cli_main(["compare", "--mixers", "softmax", "--lengths", "32", "--seeds", "0,1", "--steps", "2",
-                     "--tokens-per-step", "64", "--corpus", CORPUS, "--eval-docs", "2", "--out", str(out),
+                     "--warmup-steps", "1", "--tokens-per-step", "64", "--corpus", CORPUS, "--eval-docs", "2", "--out", str(out),
                      "--set", "hidden_size=32", "--threads", str(torch.get_num_threads())])
     assert code == 0
     data = json.loads((out / "results.json").read_text())

@@ -503,13 +503,14 @@ class TestKilledDuringACheckpointWrite:
     SETTINGS = dict(checkpoint_every=2)  # four saves of eight steps: more moments to die in
 
     @pytest.fixture(scope="class")
-    def moments(self, tmp_path_factory):
+    @classmethod
+    def moments(cls, tmp_path_factory):
         """How many file-system steps the saves of one run take (counted in a child, which is then gone)."""
         out, counted = tmp_path_factory.mktemp("count") / "run", tmp_path_factory.mktemp("count") / "steps"
 
         def body():
             count_checkpoint_io(lambda name, index, call, args: (counted.write_text(str(index)), call())[1])
-            train(config(out, **self.SETTINGS), progress=False)
+            train(config(out, **cls.SETTINGS), progress=False)
 
         assert wait(fork(body)) == 0
         return int(counted.read_text())
