@@ -22,12 +22,12 @@ from typing import Annotated
 from .. import oserror
 from ..config import Field, check
 from ..errors import KernelmixError
-from . import bench, compare, convert, demo, diagnose, finetune, generate_bench, model_info, pretrained, report, train
+from . import bench, compare, convert, demo, diagnose, finetune, generate_bench, model_info, pretrained, recall, report, train
 from . import eval as eval_command
 from ..threads import set_threads
 from .options import Threads, add_options
 
-COMMANDS = (demo, model_info, generate_bench, train, bench, pretrained, convert, diagnose, finetune, report, eval_command, compare)
+COMMANDS = (demo, model_info, generate_bench, train, bench, pretrained, convert, diagnose, finetune, report, eval_command, compare, recall)
 DEBUG_ENV = "KERNELMIX_DEBUG"
 
 

@@ -37,6 +37,7 @@ from .corpus import (
 )
 from .dataset import TokenizedDataset, TokenizedSplit, default_cache_dir, open_dataset, prepare_dataset, token_dtype
 from .sampling import IGNORE_INDEX, Batch, WindowSampler, eval_batches, eval_windows, loader_throughput
+from .recall import mqar_batch, query_accuracy  # synthetic MQAR sequences (kernelmix recall)
 from .windows import load_text_windows, split_texts, text_windows
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
 
@@ -61,9 +62,11 @@ __all__ = [
     "load_text_windows",
     "load_tokenizer",
     "loader_throughput",
+    "mqar_batch",
     "open_dataset",
     "parse_tokenizer_spec",
     "prepare_dataset",
+    "query_accuracy",
     "read_text_file",
     "split_documents",
     "split_texts",
