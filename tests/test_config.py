@@ -166,6 +166,7 @@ def test_every_command_is_built_from_dataclasses():
                     yield from parsers(sub)
 
     fields = {f.name for f in dataclasses.fields(cli.GlobalOptions)}  # --debug, before or after the subcommand
+    fields |= {f.name for f in dataclasses.fields(cli.ThreadOptions)}  # --threads, added to every command
     for module in COMMANDS:
         for value in vars(module).values():
             if isinstance(value, type) and dataclasses.is_dataclass(value):

@@ -8,14 +8,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import torch
 
 from ..config import Arg, Field, check
 from ..errors import Interrupted
 from ..studies.compare import CompareConfig, format_markdown, run_compare
 from ..training import CheckpointError
 from ..training.config import apply_override
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 
 
 @dataclass
@@ -23,7 +22,6 @@ class CompareOptions:
     overrides: Annotated[list[str], Arg(flag="--set", repeat=True, metavar="KEY=VALUE"), Field(
         description="model override for every run, e.g. hidden_size=128 or mixer_options.performer.num_features=64")] = (
         field(default_factory=list))
-    threads: Threads = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -53,8 +51,6 @@ def _cli_compare(args) -> int:
         config = from_args(CompareConfig, args, model=wrapper.get("model", {}))
     except ValueError as error:
         args.parser.error(str(error))
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
     main_process = os.environ.get("RANK", "0") == "0"  # torchrun: rank 0 reports
     try:
         results = run_compare(config)

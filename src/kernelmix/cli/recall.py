@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
-from ..config import check
 from ..errors import Interrupted
 from ..studies.recall import RecallConfig, format_markdown, run_recall
-from .options import Threads, add_options, from_args
+from .options import add_options, from_args
 from .paths import output_dir
-
-
-@dataclass
-class RecallOptions:
-    """What the command adds to the study's config. ``--threads`` is applied by :func:`kernelmix.cli.main`
-    (default: the cores the machine's load leaves idle) before the command runs."""
-
-    threads: Threads = None
-
-    def __post_init__(self) -> None:
-        check(self)
 
 
 def add_command(sub) -> None:
@@ -33,14 +20,13 @@ def add_command(sub) -> None:
         "(accuracy: mixer x difficulty) and accuracy_vs_pairs.png. Finished cells in the output directory are "
         "reused, so an interrupted run continues where it stopped. The defaults take about 10 minutes on 2 CPU cores.",
     )
-    add_options(p, RecallConfig, RecallOptions)
+    add_options(p, RecallConfig)  # --threads: added and applied by kernelmix.cli.main
     p.set_defaults(func=_cli_recall, parser=p)
 
 
 def _cli_recall(args) -> int:
     try:
         config = from_args(RecallConfig, args)
-        from_args(RecallOptions, args)
         output_dir(config.out_dir, "--out")  # a file or an unwritable parent is said now, not after training
     except ValueError as error:
         args.parser.error(str(error))
