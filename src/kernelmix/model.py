@@ -34,6 +34,7 @@ from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt,
 from .errors import KernelmixError
 from .layers import MIXERS, SHARED_OPTIONS, LayerCache, build_mixer, mixer_options
 from .layers.base import check_head_geometry
+from .ops import BACKENDS
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -87,6 +88,9 @@ class ModelConfig:
     mixers: Annotated[list[MixerName] | None, BeforeValidator(_not_a_string)] = None
     mixer_options: Annotated[dict[str, dict[str, Any]], WrapValidator(_options_message)] = field(default_factory=dict)
     chunk_size: PositiveInt = 64
+    backend: Annotated[str, Choice(BACKENDS, "backend"), Field(
+        description="the mixers' kernels: auto (Triton on CUDA where it imports, the PyTorch paths elsewhere), "
+                    "torch, or triton (CUDA; CPU only under TRITON_INTERPRET=1)")] = "auto"
 
     def __post_init__(self) -> None:
         check(self)
@@ -159,7 +163,7 @@ class ModelConfig:
 
 
 # The shared layer arguments that are also config fields (hidden_size, num_heads, head_dim,
-# num_kv_heads, rope_theta, chunk_size) come from the config, for every layer; the others
+# num_kv_heads, rope_theta, chunk_size, backend) come from the config, for every layer; the others
 # (bias) may be set per mixer in mixer_options.
 LAYER_ARGS_FROM_CONFIG: tuple[str, ...] = tuple(
     name for name in SHARED_OPTIONS if name in {f.name for f in dataclasses.fields(ModelConfig)}

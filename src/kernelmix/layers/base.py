@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import KernelmixError
+from ..ops import check_backend
 from .rope import DEFAULT_THETA, apply_rope, rope_positions
 
 
@@ -146,6 +147,9 @@ class MixerLayer(nn.Module):
     * ``rope_theta``: RoPE base θ (default 10000).
     * ``bias``: bias in the q/k/v/o projections (default False).
     * ``chunk_size``: block size of the chunked ops (does not change the result).
+    * ``backend``: the ops' implementation, "auto" (Triton kernels on CUDA where triton imports,
+      the PyTorch paths elsewhere), "torch" or "triton" (see :mod:`kernelmix.ops`); same numbers
+      up to rounding. Softmax attention is PyTorch's fused kernel whatever it says.
 
     Parameters: ``q_proj`` (D → H·d), ``k_proj`` and ``v_proj`` (D → H_kv·d), ``o_proj`` (H·d → D).
     """
@@ -163,6 +167,7 @@ class MixerLayer(nn.Module):
         rope_theta: float = DEFAULT_THETA,
         bias: bool = False,
         chunk_size: int = 64,
+        backend: str = "auto",
     ) -> None:
         # nn.Module's init directly, not super(): the random-feature layers are also a
         # RandomFeatureMap, whose own __init__ they replace by init_feature_map.
@@ -172,6 +177,7 @@ class MixerLayer(nn.Module):
             raise KernelmixError(f"rope_theta must be a positive number, got {rope_theta!r}")
         bias = check_bool("bias", bias)
         chunk_size = check_positive_int("chunk_size", chunk_size)
+        backend = check_backend(backend)
 
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -180,6 +186,7 @@ class MixerLayer(nn.Module):
         self.rope_theta = float(rope_theta)
         self.bias = bias
         self.chunk_size = chunk_size
+        self.backend = backend
 
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -228,7 +235,7 @@ class MixerLayer(nn.Module):
         return (
             f"mixer={self.mixer_name!r}, hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, rope_theta={self.rope_theta:g}, "
-            f"chunk_size={self.chunk_size}"
+            f"chunk_size={self.chunk_size}, backend={self.backend!r}"
         )
 
     # ----------------------------------------------------------------------------------------

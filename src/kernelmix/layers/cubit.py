@@ -126,7 +126,7 @@ class CubitMixer(MixerLayer):
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitState]:
         return cubit_attention(
             q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
-            return_state=True, **self._coefficients(),
+            backend=self.backend, return_state=True, **self._coefficients(),
         )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitState]:

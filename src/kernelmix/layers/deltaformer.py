@@ -51,7 +51,7 @@ class DeltaFormerMixer(MixerLayer):
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:
         return deltaformer_attention(
             q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
-            return_state=True,
+            backend=self.backend, return_state=True,
         )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, DeltaFormerState]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import KernelmixError
+from ..ops import check_backend
 from ..ops.data_aware import data_aware_transform
 from ..ops.random_features import (
     RandomFeatureState,
@@ -52,7 +53,8 @@ class RandomFeatureMap(nn.Module):
     grouped key/value heads are expanded by the ops), ``num_features=64`` (m per head),
     ``projection="orthogonal"`` (blocks of d orthogonal rows with chi(d) norms) or ``"iid"``
     (Gaussian rows), ``data_aware=False`` (True: DARKFormer's M and F), ``chunk_size=64`` (block
-    size of the chunked op; it does not change the result) and ``generator`` (the draw of W;
+    size of the chunked op; it does not change the result), ``backend="auto"`` (the op's
+    implementation, see :mod:`kernelmix.ops`) and ``generator`` (the draw of W;
     None: torch's default RNG).
 
     The ops take queries after the fold (:meth:`fold_queries`): :meth:`attend_causal` (the
@@ -70,6 +72,7 @@ class RandomFeatureMap(nn.Module):
         projection: str = "orthogonal",
         data_aware: bool = False,
         chunk_size: int = 64,
+        backend: str = "auto",
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
@@ -77,6 +80,7 @@ class RandomFeatureMap(nn.Module):
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.backend = check_backend(backend)
         self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware, generator=generator)
 
     def init_feature_map(
@@ -209,7 +213,7 @@ class RandomFeatureMap(nn.Module):
             return (out, new_state) if return_state else out
         return random_feature_attention(
             q, k, v, self.projection, transform=transform, chunk_size=self.chunk_size, doc_start=doc_start,
-            initial_state=state, return_state=return_state,
+            initial_state=state, return_state=return_state, backend=self.backend,
         )
 
     def attend_masked(

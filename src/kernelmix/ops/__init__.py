@@ -7,6 +7,7 @@ is DARKFormer's function-preserving initialisation of the random-feature transfo
 ``expand_heads`` repeats grouped key/value heads to the query heads (what every op does inside).
 """
 
+from ._backend import BACKENDS, check_backend
 from ._common import expand_heads
 from .cubit import CubitState, cubit_attention, cubit_attention_naive, cubit_attention_step, cubit_solve
 from .data_aware import data_aware_transform, regularised_second_moments
@@ -35,6 +36,8 @@ from .softmax import (
 )
 
 __all__ = [
+    "BACKENDS",
+    "check_backend",
     "CubitState",
     "DeltaFormerState",
     "RandomFeatureState",

@@ -87,11 +87,12 @@ def cubit_solve(
     chunk_size: int = 64,
     doc_start: Tensor | None = None,
     solver: str = "auto",
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """The kernel-ridge step alone: returns ``(U, r̂)``, both ``[B, T, H, *]`` in the compute dtype.
 
     ``v`` may have fewer heads than ``r`` (grouped values are shared across query heads).
-    ``solver`` as in :func:`cubit_attention`. A NaN or ±inf in r, v or ρ at token t makes the rows
+    ``solver`` and ``backend`` as in :func:`cubit_attention`. A NaN or ±inf in r, v or ρ at token t makes the rows
     ≥ t of U in its document NaN (and r̂_t, for a non-finite r_t); the other rows are unaffected.
     """
     check_4d("r", r)
@@ -101,7 +102,7 @@ def cubit_solve(
     u, r_hat = _cubit_solve(
         r if guard is None else guard.zeroed("r", r), v if guard is None else guard.zeroed("v", v),
         rho=rho if guard is None else guard.zeroed("rho", rho), ridge=ridge, ref_scale=ref_scale,
-        chunk_size=chunk_size, doc_start=doc_start, solver=solver, want_r_hat=True,
+        chunk_size=chunk_size, doc_start=doc_start, solver=solver, backend=backend, want_r_hat=True,
     )
     return _poisoned_solution(guard, u, r_hat, doc_start)
 
@@ -118,7 +119,7 @@ def _poisoned_solution(guard: NonFinite | None, u: Tensor, r_hat: Tensor | None,
 
 
 def _cubit_solve(
-    r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, solver, want_r_hat
+    r, v, *, rho, ridge, ref_scale, chunk_size, doc_start, solver, backend, want_r_hat
 ) -> tuple[Tensor, Tensor | None]:
     check_4d("r", r)
     check_4d("v", v)
@@ -152,6 +153,7 @@ def _cubit_solve(
         y_scale=factor.transpose(1, 2),
         b_scale=None if rho is None else rho.to(dtype).transpose(1, 2),
         solver=solver,
+        backend=backend,
     ).transpose(1, 2)
     return u, (r * factor[..., None] if want_r_hat else None)
 
@@ -170,6 +172,7 @@ def cubit_attention(
     doc_start: Tensor | None = None,
     return_state: bool = False,
     solver: str = "auto",
+    backend: str = "auto",
 ):
     """Cubit attention, fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
     ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi)) or None for ρ ≡ 1.
@@ -179,6 +182,9 @@ def cubit_attention(
     ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
     on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
     d_r == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
+    ``backend``: "auto" (default: the Triton solve for CUDA tensors when triton imports, the
+    PyTorch solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``);
+    the read-out is PyTorch's fused attention either way.
     Output: ``[B, T, H, d_v]`` in v's dtype. A NaN or ±inf in k, v, r or ρ at token t makes rows
     ≥ t of its document NaN (U is causal); every other row is what the clean input gives.
     """
@@ -189,7 +195,7 @@ def cubit_attention(
     u, r_hat = _cubit_solve(
         r if guard is None else guard.zeroed("r", r), v if guard is None else guard.zeroed("v", v),
         rho=rho if guard is None else guard.zeroed("rho", rho), ridge=ridge, ref_scale=ref_scale,
-        chunk_size=chunk_size, doc_start=doc_start, solver=solver, want_r_hat=return_state,
+        chunk_size=chunk_size, doc_start=doc_start, solver=solver, backend=backend, want_r_hat=return_state,
     )
     out = causal_softmax_attention(q, expand_heads(keys, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
     out = out.to(v.dtype)

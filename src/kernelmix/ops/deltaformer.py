@@ -73,6 +73,7 @@ def deltaformer_attention(
     doc_start: Tensor | None = None,
     return_state: bool = False,
     solver: str = "auto",
+    backend: str = "auto",
 ):
     """DeltaFormer, fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
     ``beta``: ``[B, T, H]`` in (0, 1) (None = ones); ``w`` (default ``k``): the solve's query side.
@@ -81,6 +82,8 @@ def deltaformer_attention(
     ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
     on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
     d == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
+    ``backend``: "auto" (default: the Triton solve for CUDA tensors when triton imports, the
+    PyTorch solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``).
     A NaN or ±inf in k, v, β or w at token t makes rows ≥ t of its document NaN; every other row is
     what the clean input gives."""
     _check_inputs(q, k, v, beta, w)
@@ -104,6 +107,7 @@ def deltaformer_attention(
         chunk_size=chunk_size,
         doc_start=doc_start,
         solver=solver,
+        backend=backend,
     ).transpose(1, 2)
     out = causal_softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
     out = out.to(v_in.dtype)

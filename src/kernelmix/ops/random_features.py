@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import KernelmixError
+from ._backend import resolve_backend
 from ._common import (
     NonFinite,
     autocast_off,
@@ -299,6 +300,7 @@ def random_feature_attention(
     doc_start: Tensor | None = None,
     initial_state: RandomFeatureState | None = None,
     return_state: bool = False,
+    backend: str = "auto",
 ):
     """Causal random-feature attention in chunks (never a T×T matrix): O(T·m·d) time.
 
@@ -315,6 +317,11 @@ def random_feature_attention(
     is a loop over N. Values carry an extra ones column, so one product gives numerator and
     denominator (S and z travel together as ``[m, d_v + 1]``).
 
+    ``backend``: "auto" (default: the Triton kernel of ``_triton_features`` for CUDA tensors when
+    triton imports — same function, features recomputed in its backward instead of stored — and
+    this PyTorch path elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``;
+    no gradient into ``initial_state`` there).
+
     A NaN or ±inf in k or v at token t (or in ``initial_state``) makes the rows that see it NaN —
     rows ≥ t of its document (the rows that continue the state) — and the returned state; every
     other row is what the clean input gives. Rows whose denominator underflows are 0 and raise an
@@ -327,7 +334,10 @@ def random_feature_attention(
         k, v = guard.zeroed("k", k), guard.zeroed("v", v)
     initial_state, state_bad = _finite_state(initial_state, q, v, projection)
     with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
-        out, final, denominator = _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+        if resolve_backend(backend, q.device, compute_dtype(q, k, v, projection)) == "triton":
+            out, final, denominator = _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+        else:
+            out, final, denominator = _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
     UNDERFLOW_CHECK.observe(denominator)
     reached = _reached_rows(guard, state_bad, doc_start, final.length - q.shape[1], q.shape[:3])
     if reached is not None:
@@ -369,6 +379,24 @@ def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, in
     out = safe_ratio(mixed[..., :dv], mixed[..., dv:]).transpose(1, 2).to(v.dtype)
     final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
     return out, final, mixed[..., dv]
+
+
+def _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
+    """:func:`random_feature_attention` by the Triton kernel (float32 inside, as the chunked pass):
+    the output in v's dtype, the final state and the denominators ``[B, H, T]``."""
+    from ._triton_features import triton_random_feature_attention  # imports triton: only when asked for
+
+    start = 0 if initial_state is None else initial_state.length
+    check_doc_start(doc_start, q.shape[0], q.shape[1], offset=start)
+    f32 = torch.float32
+    state = None
+    if initial_state is not None:
+        state = (initial_state.S.to(f32), initial_state.z.to(f32), initial_state.shift.to(f32), initial_state.length)
+    out, denominator, (s, z, shift, length) = triton_random_feature_attention(
+        q.to(f32), k.to(f32), v.to(f32), projection.to(f32), None if transform is None else transform.to(f32),
+        chunk_size=chunk_size, doc_start=doc_start, initial_state=state,
+    )
+    return out.to(v.dtype), RandomFeatureState(S=s, z=z, shift=shift, length=length), denominator
 
 
 def _finite_state(state: RandomFeatureState | None, q: Tensor, v: Tensor, projection: Tensor):

@@ -1,0 +1,84 @@
+"""Which implementation an op runs: the PyTorch paths or the Triton kernels.
+
+``backend="auto"`` (every op's default) takes the Triton kernels for float32/bfloat16/float16
+CUDA tensors when the ``triton`` package imports, and the PyTorch paths everywhere else (the CPU
+fast paths, float64). ``"torch"`` always takes the PyTorch paths. ``"triton"`` insists on the
+kernels: on CUDA, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` in the
+environment before triton is imported: slow, for tests and dry runs); anywhere else it is a
+:class:`~kernelmix.errors.KernelmixError` that says what to do instead.
+
+The kernels compute in float32 (the policy of ``_common``: solves, feature logits and states stay
+fp32 under bf16), so float64 inputs stay on the PyTorch paths under "auto" and are refused by
+"triton".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from ..errors import KernelmixError
+
+BACKENDS = ("auto", "torch", "triton")
+INTERPRETER_ENV = "TRITON_INTERPRET"
+
+
+def check_backend(backend: object) -> str:
+    """``backend`` itself if it is one of :data:`BACKENDS`, else a KernelmixError naming them."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise KernelmixError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
+    return backend
+
+
+@functools.lru_cache(maxsize=1)
+def triton_import_error() -> str | None:
+    """None when ``import triton`` works here, else why not (one attempt per process)."""
+    try:
+        importlib.import_module("triton")
+    except Exception as error:  # an ImportError, or a broken install raising something else
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton's interpreter is requested (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
+    return os.environ.get(INTERPRETER_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"torch" or "triton": what ``backend`` means for inputs on ``device`` computed in ``dtype``
+    (the op's compute dtype: float32 for float32/bf16/fp16 inputs, float64 for float64)."""
+    check_backend(backend)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        usable = device.type == "cuda" and dtype == torch.float32 and triton_import_error() is None
+        return "triton" if usable else "torch"
+    missing = triton_import_error()
+    if missing is not None:
+        raise KernelmixError(
+            f"backend='triton' needs the triton package, which does not import here ({missing}): "
+            "`pip install triton` (PyTorch's CUDA wheels bring it), or use backend='auto' or 'torch'"
+        )
+    if dtype != torch.float32:
+        raise KernelmixError(
+            f"backend='triton': the Triton kernels compute in float32 (from float32, bfloat16 or float16 inputs); "
+            f"these inputs compute in {dtype}. Use backend='auto' or 'torch' for {dtype} inputs"
+        )
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu" and interpreter_enabled():
+        return "triton"
+    if device.type == "cpu":
+        raise KernelmixError(
+            "backend='triton' on CPU tensors runs the kernels under Triton's interpreter, which needs "
+            f"{INTERPRETER_ENV}=1 in the environment before triton is imported (slow: meant for tests and "
+            "dry runs). For speed on CPU use backend='auto' or 'torch' (the CPU fast paths)"
+        )
+    raise KernelmixError(
+        f"backend='triton' runs on CUDA tensors (or on CPU under {INTERPRETER_ENV}=1); these are on {device}. "
+        "Use backend='auto' or 'torch'"
+    )
