@@ -154,13 +154,15 @@ def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:
 
 
 def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, positive: bool) -> Tensor:
-    """Turn a float or a [H] tensor into a [H] tensor in the compute dtype (keeps autograd)."""
+    """Turn a float or a [H] tensor into a [H] tensor in the compute dtype (keeps autograd).
+    A tensor's positivity is checked eagerly only: under torch.compile the check would break the graph."""
     if isinstance(value, Tensor):
         if value.dim() == 0:
             value = value.expand(num_heads)
         if tuple(value.shape) != (num_heads,):
             raise KernelmixError(f"{name} must be a float or a tensor of shape [H] = ({num_heads},), got {tuple(value.shape)}")
-        if positive and bool((value.detach() <= 0).any()):
+        # the value check syncs: under torch.compile it would break the graph, so it runs eagerly only
+        if positive and not torch.compiler.is_compiling() and bool((value.detach() <= 0).any()):
             raise KernelmixError(f"{name} must be > 0 for every head, got min {value.detach().min().item():g}")
         return value.to(dtype=like.dtype, device=like.device)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -76,7 +76,11 @@ def rectangle_solve(x, y, b, *, beta, gamma, y_scale, b_scale, doc_start, scale,
             "the rectangle solve needs CPU tensors, dk == dv and PyTorch's fused CPU attention; "
             "pass solver='auto' (falls back by itself) or solver='blocked'"
         )
-    return _RectangleSolve.apply(
+    # With β (DeltaFormer) the leaves branch on the data (rows with β below BETA_EXACT): under
+    # torch.compile the whole solve runs eagerly, one graph break per call, instead of a break at
+    # every leaf.
+    apply = _apply_outside_graph if beta is not None and torch.compiler.is_compiling() else _RectangleSolve.apply
+    return apply(
         x, y, b, beta, gamma, y_scale, b_scale, doc_start, float(scale), bool(strict),
         max(int(chunk_size), RECT_MIN_LEAF),
     )
@@ -330,3 +334,8 @@ class _RectangleSolve(torch.autograd.Function):
             grad_x, None if fused else grad_y, grad_b, grad_beta, grad_gamma, grad_y_scale, grad_b_scale,
             None, None, None, None,
         )
+
+
+@torch.compiler.disable
+def _apply_outside_graph(*args):
+    return _RectangleSolve.apply(*args)

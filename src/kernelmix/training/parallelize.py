@@ -58,11 +58,11 @@ def apply_activation_checkpointing(model: CausalLM, mode: str, every: int = 2) -
 
 #: The mixers whose blocks compile into one graph (``fullgraph=True``) for plain batches — not for
 #: packed documents (``position_ids``), where every op checks its ``doc_start`` by reading it
-#: (``ops._common.check_doc_start``). Cubit's op also checks that its ridge is positive by reading
-#: it (``ops._common.per_head``), DeltaFormer's solve branches on the values of β (rows with
-#: β < BETA_EXACT, ``ops._solve_rectangles``). Those are graph breaks: each piece compiles once and
-#: nothing recompiles per step, so ``fullgraph`` is off by default.
-FULLGRAPH_MIXERS = frozenset({"softmax", "performer", "darkformer"})
+#: (``ops._common.check_doc_start``). DeltaFormer's CPU solve branches on the values of β (rows with
+#: β < BETA_EXACT, ``ops._solve_rectangles``) and runs outside the graph (one break per layer).
+#: Those are graph breaks: each piece compiles once and nothing recompiles per step, so
+#: ``fullgraph`` is off by default. (Cubit's positivity check of its ridge runs only eagerly.)
+FULLGRAPH_MIXERS = frozenset({"softmax", "cubit", "performer", "darkformer"})
 
 
 def apply_compile(model: CausalLM, *, backend: str = "inductor", fullgraph: bool = False, **options: Any) -> CausalLM:
