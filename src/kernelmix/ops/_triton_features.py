@@ -37,7 +37,6 @@ d ≤ 256 (one register tile each; beyond that use ``backend="torch"``).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -516,10 +515,9 @@ def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_siz
     start = 0 if state is None else int(state[3])
     geometry = _Geometry(q, k, v, projection, chunk_size, start)
     s0, z0, shift0 = _state_tensors(state, geometry, v)
-    if geometry.length == 0:  # nothing to mix: an empty output (a slice, so autograd sees v), the state as it was
-        groups = geometry.heads // geometry.kv_heads
-        out = v[:, :0].repeat_interleave(groups, dim=2)
-        return out, v.new_zeros(geometry.batch, geometry.heads, 0), (s0, z0, shift0, start)
+    if geometry.length == 0 or geometry.batch == 0:  # nothing to mix: no launch, the state as it was
+        out = v.repeat_interleave(geometry.heads // geometry.kv_heads, dim=2)  # empty, and autograd sees v
+        return out, v.new_zeros(geometry.batch, geometry.heads, geometry.length), (s0, z0, shift0, start + geometry.length)
     doc = None if doc_start is None else doc_start.to(device=q.device, dtype=torch.int64).contiguous()
     out, denominator, s, z, shift = _RandomFeatureAttention.apply(
         q, k, v, projection, transform, doc, (s0, z0, shift0), geometry)

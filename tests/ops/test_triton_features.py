@@ -1,0 +1,236 @@
+"""The Triton kernel of causal positive random-feature attention (ops/_triton_features), run on CPU
+under Triton's interpreter, against the dense float64 reference (random_feature_attention_naive):
+values and gradients w.r.t. q, k, v, projection and transform; odd T, chunks that do not divide T,
+documents, grouped heads, Performer and DARKFormer, bf16-rounded inputs, continuation from a
+state, logits that would overflow an unstabilised kernel, underflowing rows and the errors."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py sets it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernelmix.errors import KernelmixError  # noqa: E402
+from kernelmix.ops._triton_features import triton_random_feature_attention  # noqa: E402
+from kernelmix.ops.random_features import (  # noqa: E402
+    orthogonal_random_features,
+    random_feature_attention,
+    random_feature_attention_naive,
+    underflow_floor,
+)
+from tests.utils import rel_rmse  # noqa: E402
+
+KERNELS = triton_random_feature_attention.__module__  # (monkeypatched by name)
+F64 = torch.float64
+F32 = torch.float32
+HEAD_DIM, FEATURES = 6, 12  # neither a power of two: the kernels pad and mask both
+
+
+def _problem(batch, length, heads, kv_heads, *, value_dim=8, darkformer=True, per_head=True, scale=1.0, seed=0):
+    """float64 inputs: [q, k, v, projection] + [transform] (near the identity) for DARKFormer."""
+    gen = torch.Generator().manual_seed(seed)
+    q = scale * torch.randn(batch, length, heads, HEAD_DIM, generator=gen, dtype=F64)
+    k = scale * torch.randn(batch, length, kv_heads, HEAD_DIM, generator=gen, dtype=F64)
+    v = torch.randn(batch, length, kv_heads, value_dim, generator=gen, dtype=F64)
+    projection = orthogonal_random_features(FEATURES, HEAD_DIM, num_heads=heads if per_head else None,
+                                            generator=gen, dtype=F64)
+    inputs = [q, k, v, projection]
+    if darkformer:
+        inputs.append(torch.eye(HEAD_DIM, dtype=F64) + 0.2 * torch.randn(heads, HEAD_DIM, HEAD_DIM, generator=gen,
+                                                                         dtype=F64))
+    return inputs
+
+
+def _documents(length, starts_per_row):
+    """doc_start [B, T] from each batch row's document start positions (the first is 0)."""
+    index = torch.arange(length)
+    rows = []
+    for starts in starts_per_row:
+        starts = torch.tensor(starts)
+        rows.append(starts[(index[:, None] >= starts[None, :]).sum(1) - 1])
+    return torch.stack(rows)
+
+
+def _reference(inputs, doc_start, grad_out):
+    """The dense float64 reference's output and gradients w.r.t. every input."""
+    leaves = [x.detach().to(F64).requires_grad_() for x in inputs]
+    out = random_feature_attention_naive(*leaves[:4], transform=leaves[4] if len(leaves) > 4 else None,
+                                         doc_start=doc_start)
+    return out, torch.autograd.grad(out, leaves, grad_out.to(F64))
+
+
+def _kernel(inputs, doc_start, grad_out, chunk_size, initial_state=None):
+    """The kernel's output, gradients w.r.t. every input, denominator and final state (float32)."""
+    leaves = [x.detach().to(F32).requires_grad_() for x in inputs]
+    out, denominator, state = triton_random_feature_attention(
+        *leaves[:4], leaves[4] if len(leaves) > 4 else None, chunk_size=chunk_size, doc_start=doc_start,
+        initial_state=initial_state)
+    return out, torch.autograd.grad(out, leaves, grad_out.to(F32)), denominator, state
+
+
+NAMES = ["q", "k", "v", "projection", "transform"]
+
+CASES = {
+    # name: (batch, T, H, H_kv, chunk, darkformer, per-head projection, document starts per batch row)
+    "T1-performer-shared": (1, 1, 2, 2, 16, False, False, None),
+    "T37-darkformer-gqa-3docs": (1, 37, 4, 2, 16, True, True, [[0, 10, 30]]),
+    "T37-performer-2batch-docs": (2, 37, 2, 1, 16, False, True, [[0, 20], [0]]),
+    "T130-darkformer-chunk24-2docs": (1, 130, 2, 1, 24, True, False, [[0, 61]]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_and_gradients_match_the_float64_reference(case):
+    batch, length, heads, kv_heads, chunk, darkformer, per_head, starts = CASES[case]
+    inputs = _problem(batch, length, heads, kv_heads, darkformer=darkformer, per_head=per_head)
+    doc_start = None if starts is None else _documents(length, starts)
+    grad_out = torch.randn(batch, length, heads, 8, generator=torch.Generator().manual_seed(5), dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, denominator, state = _kernel(inputs, doc_start, grad_out, chunk)
+    assert out.dtype == F32 and out.shape == ref.shape and denominator.shape == (batch, heads, length)
+    assert state[3] == length and (denominator > 0).all()
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert got.shape == want.shape and rel_rmse(got, want) <= 1e-4, name
+
+
+def test_several_value_blocks(monkeypatch):
+    """d_v = 24 in blocks of 16: two programs per head, each with its part of the state; the
+    denominator's gradient (c_i) is counted once."""
+    monkeypatch.setattr(f"{KERNELS}.VALUE_BLOCK", 16)
+    inputs = _problem(1, 37, 1, 1, value_dim=24)
+    doc_start = _documents(37, [[0, 17]])
+    grad_out = torch.randn(1, 37, 1, 24, generator=torch.Generator().manual_seed(6), dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-4, name
+
+
+def test_bfloat16_inputs():
+    """bf16 inputs cast to float32 (as random_feature_attention does) against the reference on the
+    same bf16-rounded values: the kernel computes in float32, so the float32 bound holds (the CPU
+    fast paths' bf16 bound, 3e-2, would hide a kernel that lost precision on such inputs)."""
+    inputs = [x.to(torch.bfloat16) for x in _problem(1, 37, 2, 1)]
+    doc_start = _documents(37, [[0, 12]])
+    grad_out = torch.randn(1, 37, 2, 8, generator=torch.Generator().manual_seed(7), dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-4, name
+
+
+def _log_domain_reference(q, k, v, projection, transform, doc_start):
+    """Dense float64 attention with the weights formed in the log domain (logsumexp over features):
+    exact where the feature logits leave even float64's exp range, which random_feature_attention_naive
+    (exp of each feature) does not survive at these scales."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+
+    def logits(x):
+        x = torch.einsum("hed,bthd->bthe", transform, x * x.shape[-1] ** -0.25)
+        return torch.einsum("hmd,bthd->bthm", projection, x) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+    index = torch.arange(q.shape[1])
+    seen = (index[None, :] <= index[:, None])[None] & (index[None, None, :] >= doc_start[:, :, None])  # [B, i, j]
+    log_weights = torch.logsumexp(logits(q)[:, :, None] + logits(k)[:, None], dim=-1)  # [B, i, j, H]
+    log_weights = log_weights.masked_fill(~seen[..., None], float("-inf"))
+    return torch.einsum("bijh,bjhd->bihd", torch.softmax(log_weights, dim=2), v)
+
+
+def test_large_logits_stay_finite_and_exact():
+    """q × 16, k × 3: query logits past float32's exp range (≈ 88.7) and key logits below it, so
+    an unstabilised kernel overflows and underflows; the stabilisers keep every exponential ≤ 1."""
+    inputs = _problem(1, 37, 2, 2)
+    inputs[0], inputs[1] = 16 * inputs[0], 3 * inputs[1]
+    q, k, _, projection, transform = inputs
+    x_prime = torch.einsum("hed,bthd->bthe", transform, q * HEAD_DIM ** -0.25)
+    assert torch.isinf(torch.exp(torch.einsum("hmd,bthd->bthm", projection, x_prime).float())).any()
+    doc_start = _documents(37, [[0, 19]])
+    grad_out = torch.randn(1, 37, 2, 8, generator=torch.Generator().manual_seed(8), dtype=F64)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    ref = _log_domain_reference(*leaves, doc_start)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
+    assert torch.isfinite(out).all() and rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert torch.isfinite(got).all() and rel_rmse(got, want) <= 1e-4, name
+
+
+def test_continuation_from_a_state_equals_one_call():
+    """Two calls on a split sequence (the split inside a chunk and inside a document) give the one
+    call's output; the final state is the CPU path's; the second call's gradients w.r.t. its own
+    q, k, v are those of the whole sequence."""
+    length, split = 37, 21
+    inputs = _problem(2, length, 2, 1)
+    doc_start = _documents(length, [[0, 9, 30], [0]])
+    grad_out = torch.randn(2, length, 2, 8, generator=torch.Generator().manual_seed(9), dtype=F64)
+    grad_out[:, :split] = 0  # the loss reads the second part only
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    first = [x[:, :split] for x in inputs[:3]] + inputs[3:]
+    second = [x[:, split:] for x in inputs[:3]] + inputs[3:]
+    out1, _, _, state1 = _kernel(first, doc_start[:, :split], grad_out[:, :split], 16)
+    out2, grads2, _, state2 = _kernel(second, doc_start[:, split:], grad_out[:, split:], 16, initial_state=state1)
+    assert state1[3] == split and state2[3] == length
+    assert rel_rmse(torch.cat([out1, out2], dim=1), ref) <= 1e-4
+    for name, got, want in zip(NAMES[:3], grads2[:3], ref_grads[:3]):
+        assert rel_rmse(got, want[:, split:]) <= 1e-4, name
+    _, cpu_state = random_feature_attention(*[x.to(F32) for x in inputs[:4]], transform=inputs[4].to(F32),
+                                            doc_start=doc_start, chunk_size=16, return_state=True, backend="torch")
+    assert rel_rmse(state2[0], cpu_state.S) <= 1e-4 and rel_rmse(state2[1], cpu_state.z) <= 1e-4
+    torch.testing.assert_close(state2[2], cpu_state.shift, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::kernelmix.ops.random_features.UnderflowWarning")
+def test_underflowing_denominators_give_zero_rows_and_zero_gradients():
+    """Huge, opposed q and k (the construction of test_random_features): the denominators underflow;
+    those rows are 0 with zero gradients, as the CPU path's, and the ordinary rows are exact."""
+    gen = torch.Generator().manual_seed(0)
+    length = 37
+    doc_start = _documents(length, [[0, 5]])  # the degenerate tokens in a document of their own
+    projection = orthogonal_random_features(FEATURES, HEAD_DIM, generator=gen)
+    direction = torch.randn(HEAD_DIM, generator=gen)
+    direction = direction / direction.norm()
+    k = (-400.0 * direction).expand(1, length, 1, HEAD_DIM).clone()
+    q = (400.0 * direction).expand(1, length, 1, HEAD_DIM).clone()
+    q[:, :5] = 0.3 * torch.randn(1, 5, 1, HEAD_DIM, generator=gen)
+    k[:, :5] = 0.3 * torch.randn(1, 5, 1, HEAD_DIM, generator=gen)
+    v = torch.randn(1, length, 1, 8, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, denominator, _ = triton_random_feature_attention(*leaves, projection, None, chunk_size=7, doc_start=doc_start)
+    empty = denominator[0, 0] <= underflow_floor(F32)
+    cpu = random_feature_attention(q, k, v, projection, chunk_size=7, doc_start=doc_start, backend="torch")
+    assert empty[5:].any() and not empty[:5].any()
+    assert torch.equal(out[0, :, 0].abs().sum(-1) == 0, empty) and torch.equal(out == 0, cpu == 0)
+    assert rel_rmse(out[:, :5], cpu[:, :5]) <= 1e-5
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][0, empty] == 0).all()
+
+
+def test_empty_sequence_keeps_the_state():
+    q, k, v, projection = (x.to(F32) for x in _problem(1, 0, 2, 1, darkformer=False))
+    state = (torch.ones(1, 2, FEATURES, 8), torch.ones(1, 2, FEATURES), torch.zeros(1, 2), 5)
+    out, denominator, final = triton_random_feature_attention(q, k, v, projection, None, chunk_size=16,
+                                                              doc_start=None, initial_state=state)
+    assert out.shape == (1, 0, 2, 8) and denominator.shape == (1, 2, 0)
+    assert final[3] == 5 and all(torch.equal(a, b) for a, b in zip(final[:3], state[:3]))
+
+
+def test_errors_name_the_fix(monkeypatch):
+    q, k, v, projection = (x.to(F32) for x in _problem(1, 5, 2, 1, darkformer=False))
+    with pytest.raises(KernelmixError, match="float32 tensors, but v is torch.float64"):
+        triton_random_feature_attention(q, k, v.double(), projection, None, chunk_size=16, doc_start=None)
+    state = (torch.zeros(1, 2, FEATURES, 8, requires_grad=True), torch.zeros(1, 2, FEATURES), torch.zeros(1, 2), 3)
+    with pytest.raises(KernelmixError, match='initial_state.*backend="torch"'):
+        triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None, initial_state=state)
+    with pytest.raises(KernelmixError, match='at most 256 features.*backend="torch"'):
+        triton_random_feature_attention(q, k, v, torch.randn(300, HEAD_DIM), None, chunk_size=16, doc_start=None)
+    monkeypatch.setattr(f"{KERNELS}._interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
+    with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
+        triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None)
