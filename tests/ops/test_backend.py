@@ -78,3 +78,67 @@ def test_unknown_backends_are_refused_by_ops_layers_and_config():
         ModelConfig.preset("tiny", backend="gpu")
     config = ModelConfig.preset("tiny", mixer="cubit", backend="torch")
     assert config.backend == "torch" and ModelConfig.from_dict(config.to_dict()).backend == "torch"
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels through the switch (CPU: Triton's interpreter, which conftest turns on)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.to(torch.float64)
+    return ((actual.to(torch.float64) - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def documents(batch: int, length: int, starts: list[list[int]]) -> torch.Tensor:
+    """doc_start [B, T] for documents beginning at the given token indices (0 first) per row."""
+    out = torch.zeros(batch, length, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for s in row:
+            out[b, s:] = s
+    return out
+
+
+def test_random_feature_attention_by_triton_is_the_reference(monkeypatch):
+    """bf16 inputs, grouped heads, two documents, a transform (DARKFormer): the op with
+    backend="triton" against the float64 dense reference, output and gradients."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernelmix.ops import random_feature_attention_naive
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 37, h, 16, generator=g) for h in (2, 1, 1))  # the interpreter is slow: small
+    w = torch.randn(2, 16, 16, generator=g)
+    transform = torch.eye(16) + 0.1 * torch.randn(2, 16, 16, generator=g)
+    doc = documents(1, 37, [[0, 20]])
+    inputs = [x.clone().requires_grad_(True) for x in (q, k, v, transform)]
+    out = random_feature_attention(*inputs[:3], w, transform=inputs[3], chunk_size=16, doc_start=doc, backend="triton")
+    ref_inputs = [x.double().requires_grad_(True) for x in (q, k, v, transform)]
+    ref = random_feature_attention_naive(*ref_inputs[:3], w.double(), transform=ref_inputs[3], doc_start=doc)
+    assert rel_error(out, ref) <= 1e-4
+    cotangent = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, inputs, cotangent)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, cotangent.double())
+    for name, got, want in zip("q k v transform".split(), grads, ref_grads):
+        assert rel_error(got, want) <= 1e-4, name
+    bf16 = random_feature_attention(*(x.bfloat16() for x in (q, k, v)), w, transform=transform, chunk_size=16,
+                                    doc_start=doc, backend="triton")
+    assert bf16.dtype == torch.bfloat16
+    bf16_ref = random_feature_attention_naive(*(x.bfloat16().double() for x in (q, k, v)), w.double(),
+                                              transform=transform.double(), doc_start=doc)
+    assert rel_error(bf16, bf16_ref) <= 3e-2
+
+
+def test_random_feature_prefill_by_triton_then_decode(monkeypatch):
+    """A Triton prefill's state continues with the decode step exactly as the torch prefill's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernelmix.ops import random_feature_attention_step
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 30, 2, 16, generator=g) for _ in range(3))
+    w = torch.randn(32, 16, generator=g)
+    outs = {}
+    for backend in ("torch", "triton"):
+        prefix, state = random_feature_attention(q[:, :29], k[:, :29], v[:, :29], w, chunk_size=16, return_state=True,
+                                                 backend=backend)
+        last, _ = random_feature_attention_step(q[:, 29:], k[:, 29:], v[:, 29:], w, state)
+        outs[backend] = torch.cat([prefix, last], dim=1)
+    assert rel_error(outs["triton"], outs["torch"]) <= 1e-5
