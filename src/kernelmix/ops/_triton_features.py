@@ -195,7 +195,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_ptr, 
     """One program: one (batch, query head) and one block of value columns, all chunks in order."""
     pid_bh = tl.program_id(0)
     pid_v = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
     h = pid_bh % H
     kv = h // (H // H_KV)
     offs_m = tl.arange(0, BLOCK_M)
@@ -300,7 +300,7 @@ def _query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_pt
     the recomputed state; then through the query feature map to dq (this value block's part)."""
     pid_bh = tl.program_id(0)
     pid_v = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
     h = pid_bh % H
     kv = h // (H // H_KV)
     offs_m = tl.arange(0, BLOCK_M)
@@ -353,7 +353,7 @@ def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
     key feature map to dk (this value block's part)."""
     pid_bh = tl.program_id(0)
     pid_v = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
     h = pid_bh % H
     kv = h // (H // H_KV)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -433,7 +433,11 @@ class _Geometry:
                 self.n_chunks, self.w_head_stride, self.head_dim ** -0.25)
 
     def blocks(self) -> dict:
-        return dict(BLOCK_T=self.block_t, BLOCK_D=self.block_d, BLOCK_M=self.block_m, BLOCK_V=self.block_v)
+        """The block sizes and the warps per program: 8 for tiles of 128 or more (m or d), to spread
+        the registers of the fp32 tiles; untuned (no GPU run yet), the interpreter ignores it."""
+        warps = 8 if max(self.block_m, self.block_d) >= 128 else 4
+        return dict(BLOCK_T=self.block_t, BLOCK_D=self.block_d, BLOCK_M=self.block_m, BLOCK_V=self.block_v,
+                    num_warps=warps)
 
 
 def _interpreted() -> bool:
