@@ -142,3 +142,23 @@ def test_random_feature_prefill_by_triton_then_decode(monkeypatch):
         last, _ = random_feature_attention_step(q[:, 29:], k[:, 29:], v[:, 29:], w, state)
         outs[backend] = torch.cat([prefix, last], dim=1)
     assert rel_error(outs["triton"], outs["torch"]) <= 1e-5
+
+
+@pytest.mark.parametrize("mixer", ["darkformer"])
+def test_a_model_with_the_triton_backend_trains_like_the_torch_one(mixer, monkeypatch):
+    """ModelConfig.backend reaches the ops: the same loss and gradients from both backends."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernelmix.model import CausalLM
+
+    tokens = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("torch", "triton"):
+        config = ModelConfig.preset("tiny", mixer=mixer, num_layers=1, backend=backend)
+        model = CausalLM(config, seed=3)
+        assert all(getattr(m, "backend", backend) == backend for m in model.modules())
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        results[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-6)
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
