@@ -10,11 +10,15 @@ tensors, as the callers pass them."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py also sets it)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():  # before triton is imported (tests/conftest.py does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
@@ -24,22 +28,22 @@ from kernelmix.ops._triton_solve import row_block_size, triton_kernel_solve  # n
 from tests.utils import rel_rmse  # noqa: E402
 
 F64 = torch.float64
-B, H, DK, DV = 2, 2, 8, 12
 TOL = 1e-4
 
 
 def dense_solve(x, y, b, beta, gamma, *, scale, strict, doc_start):
     """(diag(β) K + γ I)⁻¹ b with K the full T×T masked softmax, in the inputs' dtype."""
     batch, heads, length, _ = x.shape
-    i = torch.arange(length)
+    i = torch.arange(length, device=x.device)
     visible = (i[None, :] < i[:, None]) if strict else (i[None, :] <= i[:, None])
     visible = visible.expand(batch, 1, length, length)
     if doc_start is not None:
         visible = visible & (i[None, None, None, :] >= doc_start[:, None, :, None])
     logits = (scale * x @ y.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
     kernel = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with nothing visible is 0
-    rows = torch.ones(batch, heads, length, dtype=x.dtype) if beta is None else beta
-    system = rows[..., None] * kernel + gamma[None, :, None, None] * torch.eye(length, dtype=x.dtype)
+    rows = torch.ones(batch, heads, length, dtype=x.dtype, device=x.device) if beta is None else beta
+    eye = torch.eye(length, dtype=x.dtype, device=x.device)
+    system = rows[..., None] * kernel + gamma[None, :, None, None] * eye
     return torch.linalg.solve_triangular(system, b, upper=False)
 
 
@@ -57,22 +61,30 @@ def bhtd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def make_inputs(length: int, *, seed: int, with_beta: bool, gamma, cubit_like: bool) -> dict:
+def make_inputs(shape, *, seed: int, with_beta: bool, gamma, cubit_like: bool) -> dict:
+    """[B, T, H, d] inputs of ``shape`` = (B, T, H, dk, dv); H = len(gamma)."""
+    batch, length, heads, dk, dv = shape
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, length, H, DK, generator=g, dtype=F64)
+    x = torch.randn(batch, length, heads, dk, generator=g, dtype=F64)
     if cubit_like:  # Cubit's column side: y = x · s / ‖x‖, so x_i·y_i is every row's maximum
-        y = x * (torch.tensor([1.0, 2.5], dtype=F64)[:, None] / x.norm(dim=-1, keepdim=True))
+        ref_scale = torch.linspace(1.0, 2.5, heads, dtype=F64)[:, None]
+        y = x * (ref_scale / x.norm(dim=-1, keepdim=True))
     else:
-        y = torch.randn(B, length, H, DK, generator=g, dtype=F64)
-    b = torch.randn(B, length, H, DV, generator=g, dtype=F64)
-    beta = torch.rand(B, length, H, generator=g, dtype=F64) * 0.9 + 0.05 if with_beta else None
+        y = torch.randn(batch, length, heads, dk, generator=g, dtype=F64)
+    b = torch.randn(batch, length, heads, dv, generator=g, dtype=F64)
+    beta = torch.rand(batch, length, heads, generator=g, dtype=F64) * 0.9 + 0.05 if with_beta else None
     return {"x": x, "y": y, "b": b, "beta": beta, "gamma": torch.tensor(gamma, dtype=F64)}
 
 
-def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cuts, cubit_like=False, seed=0):
-    t = make_inputs(length, seed=seed, with_beta=with_beta, gamma=gamma, cubit_like=cubit_like)
-    doc_start = None if cuts is None else doc_starts(length, cuts)
-    scale = 1.0 if cubit_like else DK**-0.5
+def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cuts, batch=2, dims=(8, 12),
+                            cubit_like=False, seed=0, device="cpu"):
+    """U and every gradient within ``TOL`` of the float64 reference; ``cuts``: document starts per
+    batch element (None: one document), H = len(gamma), ``dims`` = (dk, dv)."""
+    shape = (batch, length, len(gamma), *dims)
+    t = make_inputs(shape, seed=seed, with_beta=with_beta, gamma=gamma, cubit_like=cubit_like)
+    t = {n: None if v is None else v.to(device) for n, v in t.items()}
+    doc_start = None if cuts is None else doc_starts(length, cuts).to(device)
+    scale = 1.0 if cubit_like else dims[0] ** -0.5
     names = [n for n in ("x", "y", "b", "beta", "gamma") if t[n] is not None]
     ours = {n: t[n].float().requires_grad_() for n in names}
     ref = {n: t[n].clone().requires_grad_() for n in names}
@@ -84,9 +96,9 @@ def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cut
 
     u = triton_kernel_solve(**args(ours), chunk_size=chunk_size)
     expected = dense_solve(**args(ref))
-    assert u.shape == (B, H, length, DV) and u.dtype == torch.float32
+    assert u.shape == (batch, len(gamma), length, dims[1]) and u.dtype == torch.float32
     assert rel_rmse(u, expected) <= TOL, rel_rmse(u, expected)
-    grad_u = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
+    grad_u = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64).to(device)
     got = torch.autograd.grad(u, [ours[n] for n in names], grad_u.float())
     want = torch.autograd.grad(expected, [ref[n] for n in names], grad_u)
     errors = {n: rel_rmse(a, e) for n, a, e in zip(names, got, want)}
@@ -94,24 +106,29 @@ def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cut
     return errors
 
 
+# The interpreter's cost grows with the programs (B·H·value slices) times the rows: the long cases
+# use few heads.
 @pytest.mark.parametrize(
-    "length, chunk_size, strict, with_beta, gamma, cuts",
+    "length, chunk_size, strict, with_beta, gamma, cuts, batch, dims",
     [
         # Cubit-shaped (inclusive, β = 1), block 32 not dividing 130, 3 / 2 documents per element
-        (130, 24, False, False, [0.1, 1.0], [[0, 40, 97], [0, 64]]),
-        # DeltaFormer-shaped (strict, β given, γ = 1), block 16 not dividing 37, boundaries mid-block
-        (37, 16, True, True, [1.0, 1.0], [[0, 5, 21], [0, 16, 30]]),
-        (130, 16, True, True, [0.3, 1.0], None),
-        (37, 16, False, True, [0.5, 0.2], None),
+        (130, 24, False, False, [0.1], [[0, 40, 97], [0, 64]], 2, (8, 12)),
+        # DeltaFormer-shaped (strict, β given), one document, block 16 not dividing 130
+        (130, 16, True, True, [0.3], None, 1, (8, 12)),
+        # strict, β given, γ = 1, boundaries mid-block and on a block edge, two heads
+        (37, 16, True, True, [1.0, 0.7], [[0, 5, 21], [0, 16, 30]], 2, (8, 12)),
+        # dk = 20 (padded to 32), dv = 80: two value slices of 64 in the sequential kernels
+        (37, 16, False, True, [0.5], None, 1, (20, 80)),
     ],
 )
-def test_matches_dense_reference(length, chunk_size, strict, with_beta, gamma, cuts):
-    check_against_reference(length, chunk_size, strict=strict, with_beta=with_beta, gamma=gamma, cuts=cuts)
+def test_matches_dense_reference(length, chunk_size, strict, with_beta, gamma, cuts, batch, dims):
+    check_against_reference(length, chunk_size, strict=strict, with_beta=with_beta, gamma=gamma, cuts=cuts,
+                            batch=batch, dims=dims)
 
 
 def test_cubit_tiny_ridge():
     """γ = 1e-6 with the inclusive mask: A ≈ K, whose diagonal K_ii ≥ 1/n_i is the row maximum."""
-    check_against_reference(37, 16, strict=False, with_beta=False, gamma=[1e-6, 1e-6], cuts=[[0, 20], [0]],
+    check_against_reference(37, 16, strict=False, with_beta=False, gamma=[1e-6, 1e-6], cuts=[[0, 20], [0, 9]],
                             cubit_like=True)
 
 
@@ -122,11 +139,11 @@ def test_single_token(strict):
 
 
 def test_empty_sequence():
-    x = torch.zeros(B, H, 0, DK, requires_grad=True)
-    b = torch.zeros(B, H, 0, DV, requires_grad=True)
-    u = triton_kernel_solve(x, x, b, beta=None, gamma=torch.ones(H), scale=1.0, strict=False, chunk_size=16,
+    x = torch.zeros(2, 3, 0, 8, requires_grad=True)
+    b = torch.zeros(2, 3, 0, 5, requires_grad=True)
+    u = triton_kernel_solve(x, x, b, beta=None, gamma=torch.ones(3), scale=1.0, strict=False, chunk_size=16,
                             doc_start=None)
-    assert u.shape == (B, H, 0, DV)
+    assert u.shape == (2, 3, 0, 5)
     u.sum().backward()
     assert x.grad.shape == x.shape and b.grad.shape == b.shape
 
@@ -136,8 +153,8 @@ def test_row_block_sizes():
 
 
 def test_rejects_other_dtypes_and_cpu_without_interpreter(monkeypatch):
-    x = torch.randn(1, 1, 4, DK)
-    b = torch.randn(1, 1, 4, DV)
+    x = torch.randn(1, 1, 4, 8)
+    b = torch.randn(1, 1, 4, 5)
     common = dict(beta=None, gamma=torch.ones(1), scale=1.0, strict=False, chunk_size=16, doc_start=None)
     with pytest.raises(KernelmixError, match="float32"):
         triton_kernel_solve(x.double(), x.double(), b, **common)
@@ -146,3 +163,56 @@ def test_rejects_other_dtypes_and_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(_triton_solve, "interpreter_enabled", lambda: False)
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
         triton_kernel_solve(x, x, b, **common)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the kernels compiled for the GPU")
+@pytest.mark.parametrize(
+    "strict, with_beta, gamma, cuts, cubit_like",
+    [
+        (False, False, [0.1, 1.0, 0.5, 0.2], [[0, 300, 301], [0, 64, 500]], False),
+        (True, True, [1.0, 1.0, 1.0, 1.0], [[0, 100], [0, 640]], False),
+        (False, False, [1e-6, 1e-6, 1e-6, 1e-6], None, True),
+    ],
+)
+def test_on_cuda(strict, with_beta, gamma, cuts, cubit_like):
+    """The compiled kernels at a GPU-sized head (d = 64, blocks of 64, T = 777) vs the float64 reference."""
+    check_against_reference(777, 64, strict=strict, with_beta=with_beta, gamma=gamma, cuts=cuts, dims=(64, 64),
+                            cubit_like=cubit_like, device="cuda")
+
+
+AOT_SCRIPT = textwrap.dedent("""
+    import sys
+    import triton
+    from kernelmix.ops import _triton_solve as solve
+    try:
+        from triton.backends.compiler import GPUTarget
+        source = triton.compiler.ASTSource
+    except (ImportError, AttributeError) as error:
+        sys.exit(f"SKIP: this Triton has no ahead-of-time compile API ({error})")
+    POINTERS = {"ds_ptr": "*i64", "end_ptr": "*i32"}
+    flags = dict(BLOCK_T=16, BLOCK_K=16, STRICT=True, HAS_BETA=True, HAS_DOC=True)
+    for name, block in [("_solve_forward_kernel", {"BLOCK_V": 16}), ("_solve_transposed_kernel", {"BLOCK_V": 16}),
+                        ("_grad_rows_kernel", {"BLOCK_DV": 16}), ("_grad_columns_kernel", {"BLOCK_DV": 16})]:
+        kernel, constexprs = getattr(solve, name), flags | block
+        signature = {
+            arg: "constexpr" if arg in constexprs else POINTERS.get(arg, "*fp32") if arg.endswith("_ptr")
+            else "fp32" if arg.startswith("scale") else "i32"
+            for arg in kernel.arg_names
+        }
+        compiled = triton.compile(source(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], name
+        print(name, "compiled")
+""")
+
+
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
+    type that changes in a loop): compile the four kernels for sm_90 down to a cubin (Triton ships
+    ptxas), in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and "SKIP:" in result.stderr:
+        pytest.skip(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 4, result.stdout

@@ -80,35 +80,39 @@ def interpreter_enabled() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _load_rows(ptr, base, rows, cols, stride_t, stride_d, length, width):
-        """A [rows, cols] tile of a [T, width] matrix at ``base`` (zeros outside)."""
-        offsets = base + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        mask = (rows[:, None] < length) & (cols[None, :] < width)
-        return tl.load(ptr + offsets, mask=mask, other=0.0)
+    def _load_rows(ptr, rows, cols, stride_t, stride_d, length, width):
+        """A [rows, cols] tile of a [T, width] matrix at ``ptr`` (zeros outside)."""
+        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
+        return tl.load(ptr + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
 
     @triton.jit
-    def _store_rows(ptr, base, rows, cols, stride_t, stride_d, length, width, value):
-        offsets = base + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        mask = (rows[:, None] < length) & (cols[None, :] < width)
-        tl.store(ptr + offsets, value, mask=mask)
+    def _store_rows(ptr, rows, cols, stride_t, stride_d, length, width, value):
+        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
+        tl.store(ptr + offsets, value, mask=(rows[:, None] < length) & (cols[None, :] < width))
 
     @triton.jit
-    def _row_vector(ptr, base, rows, stride_t, length, other):
-        return tl.load(ptr + base + rows.to(tl.int64) * stride_t, mask=rows < length, other=other)
+    def _row_vector(ptr, rows, stride_t, length, other):
+        return tl.load(ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=other)
 
     @triton.jit
-    def _doc_starts(ds_ptr, ds_base, rows, stride_t, length, HAS_DOC: tl.constexpr):
+    def _doc_starts(ds_ptr, rows, stride_t, length, HAS_DOC: tl.constexpr):
         """The first visible column of each row: its document's start (0 with one document)."""
         if HAS_DOC:
-            return _row_vector(ds_ptr, ds_base, rows, stride_t, length, 0).to(tl.int32)
+            return tl.load(ds_ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=0).to(tl.int32)
         return tl.zeros(rows.shape, dtype=tl.int32)
 
     @triton.jit
-    def _first_block(ds_ptr, ds_base, i0, stride_t, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
-        """The first column block any row of the block at ``i0`` sees (doc_start is non-decreasing,
-        so the block's first row has the earliest document start)."""
+    def _betas(beta_ptr, rows, stride_t, length, HAS_BETA: tl.constexpr):
+        if HAS_BETA:
+            return tl.load(beta_ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=0.0)
+        return tl.full(rows.shape, 1.0, dtype=tl.float32)
+
+    @triton.jit
+    def _first_column(ds_ptr, i0, stride_t, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+        """The first column block (as a column index) any row of the block at ``i0`` sees: doc_start
+        is non-decreasing, so the block's first row has the earliest document start."""
         if HAS_DOC:
-            return tl.load(ds_ptr + ds_base + i0 * stride_t).to(tl.int32) // BLOCK_T
+            return (tl.load(ds_ptr + i0 * stride_t).to(tl.int32) // BLOCK_T) * BLOCK_T
         return 0
 
     @triton.jit
@@ -124,28 +128,25 @@ if triton is not None:
         return tl.where(visible, logits, float("-inf"))
 
     @triton.jit
-    def _online_update(logits, values, row_max, row_sum, acc):
-        """Fold one column block into the running softmax: max, sum and Σ exp2(s − max) · values."""
-        new_max = tl.maximum(row_max, tl.max(logits, 1))
-        rescale = tl.exp2(row_max - new_max)
-        weights = tl.exp2(logits - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
-        return new_max, row_sum, acc
+    def _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
+        """The normalised kernel tile K_IJ, recomputed from the saved base-2 log-normalisers
+        (hidden entries are −inf, and exp2(−inf − lse) = 0: lse is finite, 0 for an empty row)."""
+        return tl.exp2(_masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT) - lse_rows[:, None])
 
     @triton.jit
     def _unit_substitution(off_diagonal, rhs, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr):
         """Solve (I + N) S = rhs in registers for a strictly triangular N (lower: forward
         substitution; upper, ``REVERSE``: back substitution), column-oriented: once s_c = rhs_c is
         final, N[:, c] s_c leaves the rows not yet solved. Two reductions per row."""
-        index = tl.arange(0, BLOCK_T)
+        row_index = tl.arange(0, BLOCK_T)[:, None]
+        col_index = tl.arange(0, BLOCK_T)[None, :]
         for step in range(0, BLOCK_T):
             if REVERSE:
                 c = BLOCK_T - 1 - step
             else:
                 c = step
-            solved = tl.sum(tl.where(index[:, None] == c, rhs, 0.0), 0)  # s_c
-            column = tl.sum(tl.where(index[None, :] == c, off_diagonal, 0.0), 1)  # N[:, c]
+            solved = tl.sum(tl.where(row_index == c, rhs, 0.0), 0)  # s_c
+            column = tl.sum(tl.where(col_index == c, off_diagonal, 0.0), 1)  # N[:, c]
             rhs -= column[:, None] * solved[None, :]
         return rhs
 
@@ -155,9 +156,8 @@ if triton is not None:
         the rows are first divided by the pivots (A_II's diagonal), so that the system has a unit
         diagonal and the substitution no pivot divisions."""
         index = tl.arange(0, BLOCK_T)
-        eye = index[:, None] == index[None, :]
         system = beta_rows[:, None] * kernel
-        pivots = tl.sum(tl.where(eye, system, 0.0), 1) + gamma
+        pivots = tl.sum(tl.where(index[:, None] == index[None, :], system, 0.0), 1) + gamma
         if TRANSPOSED:  # Aᵀ[k, c] = A[c, k]: row k of Aᵀ divided by its pivot A_kk
             scaled = tl.where(index[None, :] > index[:, None], tl.trans(system) / pivots[:, None], 0.0)
         else:
@@ -165,50 +165,68 @@ if triton is not None:
         return _unit_substitution(scaled, rhs / pivots[:, None], BLOCK_T, TRANSPOSED)
 
     @triton.jit
-    def _forward_block(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-        x_base, y_base, b_base, u_base, beta_base, ds_base, lse_base,
-        s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst,
-        i0, length, dk, dv, scale2, vcols,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+    def _forward_past(
+        x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STRICT: tl.constexpr,
     ):
-        """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns."""
-        index = tl.arange(0, BLOCK_T)
+        """Online softmax of rows I over the past columns [first, i0) (flash-attention style): the
+        running max, the running sum and Σ_j exp2(s_ij − max) u_j, from the U rows stored earlier."""
         kcols = tl.arange(0, BLOCK_K)
-        rows = i0 + index
-        starts = _doc_starts(ds_ptr, ds_base, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr, x_base, rows, kcols, s_xt, s_xd, length, dk)
         row_max = tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
         acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        first = _first_block(ds_ptr, ds_base, i0, s_dst, BLOCK_T, HAS_DOC)
-        j0 = first * BLOCK_T
-        while j0 < i0:  # the past: U rows this program stored (while: see LOOPS)
-            cols = j0 + index
-            y_tile = _load_rows(y_ptr, y_base, cols, kcols, s_yt, s_yd, length, dk)
+        j0 = first
+        while j0 < i0:  # (while, not range: see LOOPS; loads inline: each device call costs the interpreter)
+            cols = j0 + tl.arange(0, BLOCK_T)
+            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
+                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
+            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
+                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             logits = _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT)
-            u_tile = _load_rows(u_ptr, u_base, cols, vcols, s_ut, s_ud, length, dv)
-            row_max, row_sum, acc = _online_update(logits, u_tile, row_max, row_sum, acc)
+            new_max = tl.maximum(row_max, tl.max(logits, 1))
+            rescale = tl.exp2(row_max - new_max)
+            weights = tl.exp2(logits - new_max[:, None])
+            row_sum = row_sum * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(weights, u_tile, input_precision="ieee")
+            row_max = new_max
             j0 += BLOCK_T
-        y_tile = _load_rows(y_ptr, y_base, rows, kcols, s_yt, s_yd, length, dk)
+        return row_max, row_sum, acc
+
+    @triton.jit
+    def _forward_block(
+        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
+        s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst, i0, length, dk, dv, scale2, vcols,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+    ):
+        """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
+        (the pointers are those of this batch element and head)."""
+        rows = i0 + tl.arange(0, BLOCK_T)
+        kcols = tl.arange(0, BLOCK_K)
+        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
+        x_tile = _load_rows(x_ptr, rows, kcols, s_xt, s_xd, length, dk)
+        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
+        row_max, row_sum, acc = _forward_past(
+            x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
+            BLOCK_T, BLOCK_K, BLOCK_V, STRICT,
+        )
+        # the diagonal tile closes the softmax
+        y_tile = _load_rows(y_ptr, rows, kcols, s_yt, s_yd, length, dk)
         logits = _masked_logits(x_tile, y_tile, rows, rows, starts, length, scale2, STRICT)
         new_max = tl.maximum(row_max, tl.max(logits, 1))
-        acc = acc * tl.exp2(row_max - new_max)[:, None]
+        rescale = tl.exp2(row_max - new_max)
         weights = tl.exp2(logits - new_max[:, None])
-        row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(weights, 1)
+        row_sum = row_sum * rescale + tl.sum(weights, 1)
         # a row with no visible column (strict mask, first token of a document) has K row 0
-        inverse = tl.where(row_sum > 0, 1.0 / tl.where(row_sum > 0, row_sum, 1.0), 0.0)
-        lse = tl.where(row_sum > 0, new_max + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)), 0.0)
-        tl.store(lse_ptr + lse_base + rows, lse, mask=rows < length)
-        if HAS_BETA:
-            beta_rows = _row_vector(beta_ptr, beta_base, rows, s_betat, length, 0.0)
-        else:
-            beta_rows = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-        rhs = _load_rows(b_ptr, b_base, rows, vcols, s_bt, s_bd, length, dv)
-        rhs = rhs - beta_rows[:, None] * (acc * inverse[:, None])
+        nonempty = row_sum > 0
+        inverse = tl.where(nonempty, 1.0 / tl.where(nonempty, row_sum, 1.0), 0.0)
+        lse = tl.where(nonempty, new_max + tl.log2(tl.where(nonempty, row_sum, 1.0)), 0.0)
+        tl.store(lse_ptr + rows, lse, mask=rows < length)
+        beta_rows = _betas(beta_ptr, rows, s_betat, length, HAS_BETA)
+        rhs = _load_rows(b_ptr, rows, vcols, s_bt, s_bd, length, dv)
+        rhs = rhs - beta_rows[:, None] * ((acc * rescale[:, None]) * inverse[:, None])
         u_block = _triangular_solve(weights * inverse[:, None], beta_rows, gamma, rhs, BLOCK_T, False)
-        _store_rows(u_ptr, u_base, rows, vcols, s_ut, s_ud, length, dv, u_block)
+        _store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
 
     @triton.jit
     def _solve_forward_kernel(
@@ -225,14 +243,18 @@ if triton is not None:
         hi = (pid % heads).to(tl.int64)
         vcols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         gamma = tl.load(gamma_ptr + hi)
+        x_ptr += bi * s_xb + hi * s_xh
+        y_ptr += bi * s_yb + hi * s_yh
+        b_ptr += bi * s_bb + hi * s_bh
+        u_ptr += bi * s_ub + hi * s_uh
+        beta_ptr += bi * s_betab + hi * s_betah
+        ds_ptr += bi * s_dsb
+        lse_ptr += pid.to(tl.int64) * length
         i0 = 0
         while i0 < length:
             _forward_block(
                 x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-                bi * s_xb + hi * s_xh, bi * s_yb + hi * s_yh, bi * s_bb + hi * s_bh, bi * s_ub + hi * s_uh,
-                bi * s_betab + hi * s_betah, bi * s_dsb, pid.to(tl.int64) * length,
-                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst,
-                i0, length, dk, dv, scale2, vcols,
+                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst, i0, length, dk, dv, scale2, vcols,
                 BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC,
             )
             # later row blocks load this block's U from global memory: make the stores visible
@@ -240,49 +262,35 @@ if triton is not None:
             i0 += BLOCK_T
 
     @triton.jit
-    def _kernel_rows(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
-        """The normalised kernel tile K_IJ, recomputed from the saved base-2 log-normalisers."""
-        # hidden entries are −inf, and exp2(−inf − lse) = 0 (lse is finite: 0 for an empty row)
-        return tl.exp2(_masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT) - lse_rows[:, None])
-
-    @triton.jit
-    def _transposed_block(
-        x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-        x_base, y_base, gu_base, db_base, beta_base, ds_base, lse_base,
-        s_xt, s_xd, s_yt, s_yd, s_gt, s_gd, s_dbt, s_dbd, s_betat, s_dst,
-        j_block, end_block, length, dk, dv, scale2, vcols,
+    def _transposed_later(
+        y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block, end_block,
+        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
     ):
-        """Row block J of Aᵀ db = dU: subtract A_IJᵀ db_I of the later row blocks I (already
-        solved by this program), then back-substitute the diagonal block."""
-        index = tl.arange(0, BLOCK_T)
+        """Σ_{I>J} A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the later row blocks that see column block J
+        (their db already stored by this program)."""
         kcols = tl.arange(0, BLOCK_K)
-        cols = j_block * BLOCK_T + index
-        y_tile = _load_rows(y_ptr, y_base, cols, kcols, s_yt, s_yd, length, dk)
-        rhs = _load_rows(gu_ptr, gu_base, cols, vcols, s_gt, s_gd, length, dv)
+        total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
         i_block = j_block + 1
-        while i_block < end_block:
-            rows = i_block * BLOCK_T + index
-            starts = _doc_starts(ds_ptr, ds_base, rows, s_dst, length, HAS_DOC)
-            x_tile = _load_rows(x_ptr, x_base, rows, kcols, s_xt, s_xd, length, dk)
-            lse_rows = _row_vector(lse_ptr, lse_base, rows, 1, length, 0.0)
-            kernel = _kernel_rows(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            db_rows = _load_rows(db_ptr, db_base, rows, vcols, s_dbt, s_dbd, length, dv)
+        while i_block < end_block:  # loads inline: each device call costs the interpreter
+            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
+            inside = rows < length
+            if HAS_DOC:
+                starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
+            else:
+                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
+            x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
+                             mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
+            lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
+            db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
+                              mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
             if HAS_BETA:
-                db_rows = db_rows * _row_vector(beta_ptr, beta_base, rows, s_betat, length, 0.0)[:, None]
-            rhs -= tl.dot(tl.trans(kernel), db_rows, input_precision="ieee")
+                db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
+            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
+            total += tl.dot(tl.trans(kernel), db_rows, input_precision="ieee")
             i_block += 1
-        starts = _doc_starts(ds_ptr, ds_base, cols, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr, x_base, cols, kcols, s_xt, s_xd, length, dk)
-        lse_rows = _row_vector(lse_ptr, lse_base, cols, 1, length, 0.0)
-        kernel = _kernel_rows(x_tile, y_tile, lse_rows, cols, cols, starts, length, scale2, STRICT)
-        if HAS_BETA:
-            beta_rows = _row_vector(beta_ptr, beta_base, cols, s_betat, length, 0.0)
-        else:
-            beta_rows = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-        db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
-        _store_rows(db_ptr, db_base, cols, vcols, s_dbt, s_dbd, length, dv, db_block)
+        return total
 
     @triton.jit
     def _solve_transposed_kernel(
@@ -293,27 +301,70 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
     ):
-        """Grid (B·H, value slices): db = A^{-T} dU for one slice, row blocks from the last.
+        """Grid (B·H, value slices): db = A^{-T} dU for one slice, row blocks from the last: block J
+        subtracts A_IJᵀ db_I of the later blocks from dU_J, then back-substitutes its diagonal block.
         ``end_ptr`` [B, blocks]: one past the last row block that sees each column block."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         vcols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        kcols = tl.arange(0, BLOCK_K)
         gamma = tl.load(gamma_ptr + hi)
+        x_ptr += bi * s_xb + hi * s_xh
+        y_ptr += bi * s_yb + hi * s_yh
+        gu_ptr += bi * s_gb + hi * s_gh
+        db_ptr += bi * s_dbb + hi * s_dbh
+        beta_ptr += bi * s_betab + hi * s_betah
+        ds_ptr += bi * s_dsb
+        lse_ptr += pid.to(tl.int64) * length
         j_block = blocks - 1
         while j_block >= 0:
+            cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
+            y_tile = _load_rows(y_ptr, cols, kcols, s_yt, s_yd, length, dk)
             end_block = tl.load(end_ptr + bi * blocks + j_block)
-            _transposed_block(
-                x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-                bi * s_xb + hi * s_xh, bi * s_yb + hi * s_yh, bi * s_gb + hi * s_gh, bi * s_dbb + hi * s_dbh,
-                bi * s_betab + hi * s_betah, bi * s_dsb, pid.to(tl.int64) * length,
-                s_xt, s_xd, s_yt, s_yd, s_gt, s_gd, s_dbt, s_dbd, s_betat, s_dst,
-                j_block, end_block, length, dk, dv, scale2, vcols,
+            rhs = _load_rows(gu_ptr, cols, vcols, s_gt, s_gd, length, dv) - _transposed_later(
+                y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block, end_block,
+                s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
                 BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC,
             )
+            starts = _doc_starts(ds_ptr, cols, s_dst, length, HAS_DOC)
+            x_tile = _load_rows(x_ptr, cols, kcols, s_xt, s_xd, length, dk)
+            lse_rows = _row_vector(lse_ptr, cols, 1, length, 0.0)
+            kernel = _kernel_tile(x_tile, y_tile, lse_rows, cols, cols, starts, length, scale2, STRICT)
+            beta_rows = _betas(beta_ptr, cols, s_betat, length, HAS_BETA)
+            db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
+            _store_rows(db_ptr, cols, vcols, s_dbt, s_dbd, length, dv, db_block)
             # earlier row blocks load this block's db from global memory
             tl.debug_barrier()
             j_block -= 1
+
+    @triton.jit
+    def _grad_rows_sums(
+        x_tile, db_rows, lse_rows, starts, y_ptr, u_ptr, rows, first, i0,
+        s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
+    ):
+        """Over the columns rows I see: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and Σ_j K_ij y_j,
+        with S = db uᵀ (one pass; dx follows from the three)."""
+        kcols = tl.arange(0, BLOCK_K)
+        vcols = tl.arange(0, BLOCK_DV)
+        e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
+        weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        j0 = first
+        while j0 <= i0:  # loads inline: each device call costs the interpreter
+            cols = j0 + tl.arange(0, BLOCK_T)
+            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
+                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
+            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
+                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
+            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
+            products = kernel * tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee")  # K ⊙ (db uᵀ)
+            e_rows += tl.sum(products, 1)
+            weighted += tl.dot(products, y_tile, input_precision="ieee")
+            smoothed += tl.dot(kernel, y_tile, input_precision="ieee")
+            j0 += BLOCK_T
+        return e_rows, weighted, smoothed
 
     @triton.jit
     def _grad_rows_kernel(
@@ -325,41 +376,63 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
     ):
-        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j and dx_I, one pass over the columns."""
+        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
+        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         i0 = tl.program_id(1) * BLOCK_T
-        index = tl.arange(0, BLOCK_T)
+        rows = i0 + tl.arange(0, BLOCK_T)
+        kcols = tl.arange(0, BLOCK_K)
+        ds_ptr += bi * s_dsb
+        lse_ptr += pid.to(tl.int64) * length
+        e_ptr += pid.to(tl.int64) * length
+        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
+        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
+        db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
+        lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
+        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
+        e_rows, weighted, smoothed = _grad_rows_sums(
+            x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+        )
+        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
+        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
+        _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
+        tl.store(e_ptr + rows, e_rows, mask=rows < length)
+
+    @triton.jit
+    def _grad_columns_sum(
+        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, cols, j_block, end_block,
+        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+    ):
+        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
-        rows = i0 + index
-        lse_base = pid.to(tl.int64) * length
-        starts = _doc_starts(ds_ptr, bi * s_dsb, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr, bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-        db_rows = _load_rows(db_ptr, bi * s_dbb + hi * s_dbh, rows, vcols, s_dbt, s_dbd, length, dv)
-        lse_rows = _row_vector(lse_ptr, lse_base, rows, 1, length, 0.0)
-        e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
-        weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)  # Σ_j K_ij S_ij y_j
-        smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)  # Σ_j K_ij y_j
-        first = _first_block(ds_ptr, bi * s_dsb, i0, s_dst, BLOCK_T, HAS_DOC)
-        j0 = first * BLOCK_T
-        while j0 <= i0:
-            cols = j0 + index
-            y_tile = _load_rows(y_ptr, bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
-            kernel = _kernel_rows(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            u_tile = _load_rows(u_ptr, bi * s_ub + hi * s_uh, cols, vcols, s_ut, s_ud, length, dv)
-            products = kernel * tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee")  # K ⊙ (db uᵀ)
-            e_rows += tl.sum(products, 1)
-            weighted += tl.dot(products, y_tile, input_precision="ieee")
-            smoothed += tl.dot(kernel, y_tile, input_precision="ieee")
-            j0 += BLOCK_T
-        factor = -scale * tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-        if HAS_BETA:
-            factor = factor * _row_vector(beta_ptr, bi * s_betab + hi * s_betah, rows, s_betat, length, 0.0)
-        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
-        _store_rows(gx_ptr, bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
-        tl.store(e_ptr + lse_base + rows, e_rows, mask=rows < length)
+        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        i_block = j_block
+        while i_block < end_block:  # loads inline: each device call costs the interpreter
+            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
+            inside = rows < length
+            if HAS_DOC:
+                starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
+            else:
+                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
+            x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
+                             mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
+            db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
+                              mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
+            lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
+            e_rows = tl.load(e_ptr + rows, mask=inside, other=0.0)
+            scores = tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee") - e_rows[:, None]
+            if HAS_BETA:
+                scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
+            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
+            total += tl.dot(tl.trans(kernel * scores), x_tile, input_precision="ieee")
+            i_block += 1
+        return total
 
     @triton.jit
     def _grad_columns_kernel(
@@ -371,37 +444,24 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
     ):
-        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i over the row blocks that see J."""
+        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         j_block = tl.program_id(1)
-        index = tl.arange(0, BLOCK_T)
+        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
         kcols = tl.arange(0, BLOCK_K)
-        vcols = tl.arange(0, BLOCK_DV)
-        cols = j_block * BLOCK_T + index
-        lse_base = pid.to(tl.int64) * length
-        y_tile = _load_rows(y_ptr, bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
-        u_tile = _load_rows(u_ptr, bi * s_ub + hi * s_uh, cols, vcols, s_ut, s_ud, length, dv)
-        grad_y = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
+        u_tile = _load_rows(u_ptr + bi * s_ub + hi * s_uh, cols, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv)
         end_block = tl.load(end_ptr + bi * blocks + j_block)
-        i_block = j_block
-        while i_block < end_block:
-            rows = i_block * BLOCK_T + index
-            starts = _doc_starts(ds_ptr, bi * s_dsb, rows, s_dst, length, HAS_DOC)
-            x_tile = _load_rows(x_ptr, bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-            lse_rows = _row_vector(lse_ptr, lse_base, rows, 1, length, 0.0)
-            kernel = _kernel_rows(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            db_rows = _load_rows(db_ptr, bi * s_dbb + hi * s_dbh, rows, vcols, s_dbt, s_dbd, length, dv)
-            e_rows = _row_vector(e_ptr, lse_base, rows, 1, length, 0.0)
-            scores = tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee") - e_rows[:, None]
-            if HAS_BETA:
-                beta_rows = _row_vector(beta_ptr, bi * s_betab + hi * s_betah, rows, s_betat, length, 0.0)
-                scores = scores * beta_rows[:, None]
-            # −dL / scale restricted to these rows: β_i K_ij (db_i·u_j − e_i)
-            grad_y += tl.dot(tl.trans(kernel * scores), x_tile, input_precision="ieee")
-            i_block += 1
-        _store_rows(gy_ptr, bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * grad_y)
+        total = _grad_columns_sum(
+            y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
+            beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
+            e_ptr + pid.to(tl.int64) * length, cols, j_block, end_block,
+            s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
+            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC,
+        )
+        _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)
 
 
 def _strides4(t: Tensor) -> tuple[int, ...]:
