@@ -1,6 +1,13 @@
 """The ``kernelmix`` command line: a thin shell over the library. Each subcommand lives in its own
 module here with an ``add_command(subparsers)``; nothing in the library imports this package.
 
+This package itself is light: the parser with every subcommand is :mod:`kernelmix.cli.app` (which
+needs pydantic, through :mod:`kernelmix.config`), imported by :func:`main` when it is needed;
+``kernelmix gpu-check`` is parsed by :mod:`kernelmix.cli.gpu_check` alone, so that it runs where
+pydantic is missing (the GPU machine; ``python -m kernelmix gpu-check``). Other names of the full
+CLI (``build_parser``, ``COMMANDS``, ``GlobalOptions``, ``ThreadOptions``) are forwarded to ``app``
+(:data:`APP_NAMES`).
+
 :func:`main` is also where a problem the user can fix stops being a traceback: a
 :class:`~kernelmix.errors.KernelmixError` (a bad input, a busy run directory, an interrupted run),
 an operating-system error (disk full, no permission, a missing path), a missing optional package
@@ -12,66 +19,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.metadata
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Annotated
 
 from .. import oserror
-from ..config import Field, check
 from ..errors import KernelmixError
-from . import bench, compare, convert, demo, diagnose, finetune, generate_bench, model_info, pretrained, recall, report, train
-from . import eval as eval_command
 from ..threads import set_threads
-from .options import Threads, add_options
 
-COMMANDS = (demo, model_info, generate_bench, train, bench, pretrained, convert, diagnose, finetune, report, eval_command, compare, recall)
 DEBUG_ENV = "KERNELMIX_DEBUG"
-
-
-@dataclass
-class GlobalOptions:
-    """The options of ``kernelmix`` itself, accepted before or after the subcommand."""
-
-    debug: Annotated[bool, Field(description=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")] = False
-
-    def __post_init__(self) -> None:
-        check(self)
-
-
-@dataclass
-class ThreadOptions:
-    """``--threads`` for every subcommand that does not define its own (the same option)."""
-
-    threads: Threads = None
-
-    def __post_init__(self) -> None:
-        check(self)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kernelmix", description="Kernel-regression token mixers for PyTorch.")
-    add_options(parser, GlobalOptions)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_command(sub)
-    _add_to_subcommands(parser)
-    return parser
-
-
-def _add_to_subcommands(parser: argparse.ArgumentParser) -> None:
-    """``--debug`` after the subcommand too (``kernelmix convert ... --debug``), where users type it
-    (the options are SUPPRESSed when not given, so a subcommand never resets the top-level flag)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in set(action.choices.values()):
-                if not any("--debug" in a.option_strings for a in child._actions):
-                    add_options(child, GlobalOptions)
-                if not any("--threads" in a.option_strings for a in child._actions) and child._subparsers is None:
-                    add_options(child, ThreadOptions)
-                _add_to_subcommands(child)
+STANDALONE_COMMAND = "gpu-check"  # parsed without the full CLI (no pydantic needed)
 
 
 def debug_requested(args: argparse.Namespace | None = None) -> bool:
@@ -79,9 +38,25 @@ def debug_requested(args: argparse.Namespace | None = None) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false")
 
 
+def command_word(argv: list[str]) -> str | None:
+    """The subcommand of ``argv``: its first word that is not an option (``kernelmix`` itself takes
+    only the flag ``--debug``, so no option value comes before the subcommand)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``kernelmix ARGV``; returns the exit status (0: done)."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if command_word(argv) == STANDALONE_COMMAND:
+        from .gpu_check import build_parser
+    else:
+        from .app import build_parser
+    return run_parsed(build_parser().parse_args(argv))
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run parsed arguments (``args.func(args)``) with the threads they ask for, turning the errors a
+    user can fix into one line and an exit status."""
     name = " ".join(["kernelmix"] + [n for n in (args.command, getattr(args, "pretrained_command", None)) if n])
     debug = debug_requested(args)
     note = set_threads(getattr(args, "threads", None))
@@ -161,4 +136,16 @@ def _extras_of(distribution: str) -> set[str]:
     return found
 
 
-__all__ = ["DEBUG_ENV", "GlobalOptions", "build_parser", "debug_requested", "main", "missing_extra"]
+# what :mod:`.app` defines for the full CLI, forwarded on first use (any other unknown name is an
+# AttributeError, so that ``from kernelmix.cli import model_info`` imports that submodule as usual)
+APP_NAMES = frozenset({"COMMANDS", "GlobalOptions", "ThreadOptions", "build_parser"})
+
+
+def __getattr__(name: str):
+    """The full CLI's names (:data:`APP_NAMES`) from :mod:`.app`, imported at their first use."""
+    if name not in APP_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.app"), name)
+
+
+__all__ = ["DEBUG_ENV", "build_parser", "command_word", "debug_requested", "main", "missing_extra", "run_parsed"]
