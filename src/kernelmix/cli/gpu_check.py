@@ -40,7 +40,8 @@ HELP = {
     "device": "cuda (the check itself) or cpu (a dry run: use with --quick) (default: cuda)",
     "quick": "tiny sizes: T in {64, 128}, H=2, d=16, a few compare steps; on CPU the Triton kernels run "
              "under the interpreter (TRITON_INTERPRET=1 is set for it)",
-    "lengths": "part (b)'s sequence lengths, comma-separated (default: 1024,4096,8192,16384,32768; quick: 64,128)",
+    "lengths": "part (b)'s sequence lengths, comma-separated, instead of 1024,4096,8192,16384,32768 and the long "
+               "65536 at the end (quick: 64,128 and 192)",
     "skip": "parts not to run, comma-separated: a (op checks), b (bench), c (compare)",
     "threads": "CPU threads for torch (default: the cores the machine's load leaves idle)",
     "debug": "show the full traceback of an error (also: KERNELMIX_DEBUG=1)",

@@ -183,11 +183,13 @@ class GpuCheckConfig:
 
 
 def sizes_for(config: GpuCheckConfig) -> Sizes:
+    """The full or quick sizes; ``config.lengths`` are then part (b)'s lengths, all of them (the
+    long length is not added: put it in the list to have it)."""
     sizes = quick_sizes() if config.quick else full_sizes()
     if config.lengths is None:
         return sizes
     fields = asdict(sizes)
-    fields.update(lengths=tuple(sorted(set(config.lengths))), check_cases=sizes.check_cases)
+    fields.update(lengths=tuple(sorted(set(config.lengths))), long_length=None, check_cases=sizes.check_cases)
     return Sizes(**fields)
 
 
@@ -633,7 +635,10 @@ def bench_length(length: int, mixers: list[str], context: dict, sizes: Sizes, sa
     """Every mixer at one T: warm-up, interleaved timing rounds, then peak memory. A mixer whose cell
     fails (out of memory, an error) or runs past the cell budget is added to ``context["stopped"]``."""
     device, stopped = context["device"], context["stopped"]
-    x = bench_inputs(sizes, length, device)
+    try:
+        x = bench_inputs(sizes, length, device)
+    except Exception as error:  # the inputs alone do not fit: no mixer runs at this length
+        return [_failed_cell(mixer, length, error, stopped, device) for mixer in mixers]
     cells, records = [], []
     for mixer in mixers:
         say(f"(b) T={length} {mixer}: warm-up")
