@@ -8,7 +8,14 @@ import torch
 
 from kernelmix.errors import KernelmixError
 from kernelmix.model import ModelConfig
-from kernelmix.ops import BACKENDS, cubit_attention, deltaformer_attention, random_feature_attention
+from kernelmix.ops import (
+    BACKENDS,
+    cubit_attention,
+    cubit_attention_naive,
+    deltaformer_attention,
+    deltaformer_attention_naive,
+    random_feature_attention,
+)
 from kernelmix.ops import _backend
 
 CPU = torch.device("cpu")
@@ -144,7 +151,7 @@ def test_random_feature_prefill_by_triton_then_decode(monkeypatch):
     assert rel_error(outs["triton"], outs["torch"]) <= 1e-5
 
 
-@pytest.mark.parametrize("mixer", ["darkformer"])
+@pytest.mark.parametrize("mixer", ["cubit", "darkformer"])
 def test_a_model_with_the_triton_backend_trains_like_the_torch_one(mixer, monkeypatch):
     """ModelConfig.backend reaches the ops: the same loss and gradients from both backends."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -162,3 +169,45 @@ def test_a_model_with_the_triton_backend_trains_like_the_torch_one(mixer, monkey
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-6)
     for name, grad in results["torch"][1].items():
         torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def solve_inputs(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 37, 2, 16, generator=g)
+    k, v = torch.randn(1, 37, 1, 16, generator=g), torch.randn(1, 37, 1, 12, generator=g)  # GQA, d_v ≠ d
+    return {"q": q, "k": k, "v": v, "r": torch.randn(1, 37, 2, 8, generator=g),
+            "rho": 0.5 + 1.5 * torch.rand(1, 37, 2, generator=g), "beta": torch.rand(1, 37, 2, generator=g),
+            "ridge": torch.tensor([1e-6, 0.1]), "ref_scale": torch.tensor([1.0, 2.0]),
+            "cotangent": torch.randn(1, 37, 2, 12, generator=g), "doc_start": documents(1, 37, [[0, 20]])}
+
+
+@pytest.mark.parametrize("op", ["cubit", "deltaformer"])
+def test_the_solves_by_triton_are_the_reference(op, monkeypatch):
+    """Cubit (ρ, per-head ridge and ref_scale) and DeltaFormer (β) with backend="triton" against
+    their float64 references through the ops: two documents, grouped heads, d_v ≠ d, every gradient."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = solve_inputs(4)
+    names = ["q", "k", "v", "r", "rho", "ridge", "ref_scale"] if op == "cubit" else ["q", "k", "v", "beta"]
+
+    def run(tensors: dict, fast: bool):
+        if op == "cubit":
+            fn = cubit_attention if fast else cubit_attention_naive
+            kw = {"chunk_size": 16, "backend": "triton"} if fast else {}
+            return fn(tensors["q"], tensors["k"], tensors["v"], tensors["r"], rho=tensors["rho"], ridge=tensors["ridge"],
+                      ref_scale=tensors["ref_scale"], doc_start=x["doc_start"], **kw)
+        fn = deltaformer_attention if fast else deltaformer_attention_naive
+        kw = {"chunk_size": 16, "backend": "triton"} if fast else {}
+        return fn(tensors["q"], tensors["k"], tensors["v"], beta=tensors["beta"], doc_start=x["doc_start"], **kw)
+
+    fast_in = {n: x[n].clone().requires_grad_(True) for n in names}
+    ref_in = {n: x[n].double().requires_grad_(True) for n in names}
+    out, ref = run(fast_in, True), run(ref_in, False)
+    assert out.dtype == torch.float32 and rel_error(out, ref) <= 1e-4
+    grads = torch.autograd.grad(out, list(fast_in.values()), x["cotangent"])
+    ref_grads = torch.autograd.grad(ref, list(ref_in.values()), x["cotangent"].double())
+    for name, got, want in zip(names, grads, ref_grads):
+        assert rel_error(got, want) <= 1e-4, name
+    bf16_in = {n: x[n].bfloat16() if n in ("q", "k", "v") else x[n] for n in names}
+    bf16_ref = {n: t.double() for n, t in bf16_in.items()}
+    bf16_out = run(bf16_in, True)
+    assert bf16_out.dtype == torch.bfloat16 and rel_error(bf16_out, run(bf16_ref, False)) <= 2e-2
