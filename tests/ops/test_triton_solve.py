@@ -101,7 +101,7 @@ def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cut
     grad_u = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64).to(device)
     got = torch.autograd.grad(u, [ours[n] for n in names], grad_u.float())
     want = torch.autograd.grad(expected, [ref[n] for n in names], grad_u)
-    errors = {n: rel_rmse(a, e) for n, a, e in zip(names, got, want)}
+    errors = {"u": rel_rmse(u, expected)} | {n: rel_rmse(a, e) for n, a, e in zip(names, got, want)}
     assert all(e <= TOL for e in errors.values()), errors
     return errors
 
@@ -152,7 +152,7 @@ def test_row_block_sizes():
     assert [row_block_size(c) for c in (1, 16, 17, 24, 64, 100, 512)] == [16, 16, 32, 32, 64, 64, 64]
 
 
-def test_rejects_other_dtypes_and_cpu_without_interpreter(monkeypatch):
+def test_rejects_bad_inputs_and_cpu_without_interpreter(monkeypatch):
     x = torch.randn(1, 1, 4, 8)
     b = torch.randn(1, 1, 4, 5)
     common = dict(beta=None, gamma=torch.ones(1), scale=1.0, strict=False, chunk_size=16, doc_start=None)
@@ -160,6 +160,10 @@ def test_rejects_other_dtypes_and_cpu_without_interpreter(monkeypatch):
         triton_kernel_solve(x.double(), x.double(), b, **common)
     with pytest.raises(KernelmixError, match="float32"):
         triton_kernel_solve(x, x, b.bfloat16(), **common)
+    with pytest.raises(KernelmixError, match="one device"):
+        triton_kernel_solve(x, x, b.to("meta"), **common)
+    with pytest.raises(KernelmixError, match="integer"):
+        triton_kernel_solve(x, x, b, **(common | {"doc_start": torch.zeros(1, 4)}))
     monkeypatch.setattr(_triton_solve, "interpreter_enabled", lambda: False)
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
         triton_kernel_solve(x, x, b, **common)

@@ -25,7 +25,7 @@ then, in parallel over row blocks, e and dx (``_grad_rows_kernel``; dx_i = −sc
 (``_grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
-Everything (products, softmax, systems) is fp32; the products use ``input_precision="ieee"``
+Everything (products, softmax, systems) is fp32; the products use ``input_precision="ieee"`` (``DOT_PRECISION``)
 (no TF32), since they feed a triangular system.
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
@@ -35,6 +35,7 @@ masks; the value slice of the sequential kernels is ``BLOCK_V = min(64, max(16, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -55,6 +56,9 @@ LOG2E = 1.0 / math.log(2.0)
 # The running maximum starts at a finite floor, not −inf: a row whose visible columns all lie in
 # later blocks then keeps exp2(s − m) = 0 and a rescale factor of 1, with no inf − inf = NaN.
 MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
+# Every product feeds a triangular system: full fp32 ("ieee"), not TF32. One constant, so that a
+# GPU run can measure "tf32" against the accuracy bounds.
+DOT_PRECISION = "ieee" if tl is None else tl.constexpr("ieee")
 # LOOPS: loops with run-time bounds are ``while`` loops, not ``range``: Triton 3.6's interpreter
 # turns a run-time scalar into a 1-element array, which ``range`` cannot take under NumPy ≥ 2.4
 # (int() of a 1-d array is an error there); ``while`` compiles to the same loop on a GPU.
@@ -119,7 +123,7 @@ if triton is not None:
     def _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
         """Base-2 logits scale·log2(e)·x_i·y_j of a tile, −inf where column j is hidden from row i
         (the future, the diagonal when ``STRICT``, other documents, padding)."""
-        logits = tl.dot(x_tile, tl.trans(y_tile), input_precision="ieee") * scale2
+        logits = tl.dot(x_tile, tl.trans(y_tile), input_precision=DOT_PRECISION) * scale2
         visible = (cols[None, :] >= starts[:, None]) & (rows[:, None] < length) & (cols[None, :] < length)
         if STRICT:
             visible = visible & (cols[None, :] < rows[:, None])
@@ -187,7 +191,7 @@ if triton is not None:
             rescale = tl.exp2(row_max - new_max)
             weights = tl.exp2(logits - new_max[:, None])
             row_sum = row_sum * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + tl.dot(weights, u_tile, input_precision="ieee")
+            acc = acc * rescale[:, None] + tl.dot(weights, u_tile, input_precision=DOT_PRECISION)
             row_max = new_max
             j0 += BLOCK_T
         return row_max, row_sum, acc
@@ -288,7 +292,7 @@ if triton is not None:
             if HAS_BETA:
                 db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            total += tl.dot(tl.trans(kernel), db_rows, input_precision="ieee")
+            total += tl.dot(tl.trans(kernel), db_rows, input_precision=DOT_PRECISION)
             i_block += 1
         return total
 
@@ -359,10 +363,10 @@ if triton is not None:
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            products = kernel * tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee")  # K ⊙ (db uᵀ)
+            products = kernel * tl.dot(db_rows, tl.trans(u_tile), input_precision=DOT_PRECISION)  # K ⊙ (db uᵀ)
             e_rows += tl.sum(products, 1)
-            weighted += tl.dot(products, y_tile, input_precision="ieee")
-            smoothed += tl.dot(kernel, y_tile, input_precision="ieee")
+            weighted += tl.dot(products, y_tile, input_precision=DOT_PRECISION)
+            smoothed += tl.dot(kernel, y_tile, input_precision=DOT_PRECISION)
             j0 += BLOCK_T
         return e_rows, weighted, smoothed
 
@@ -426,11 +430,11 @@ if triton is not None:
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
             e_rows = tl.load(e_ptr + rows, mask=inside, other=0.0)
-            scores = tl.dot(db_rows, tl.trans(u_tile), input_precision="ieee") - e_rows[:, None]
+            scores = tl.dot(db_rows, tl.trans(u_tile), input_precision=DOT_PRECISION) - e_rows[:, None]
             if HAS_BETA:
                 scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            total += tl.dot(tl.trans(kernel * scores), x_tile, input_precision="ieee")
+            total += tl.dot(tl.trans(kernel * scores), x_tile, input_precision=DOT_PRECISION)
             i_block += 1
         return total
 
@@ -487,8 +491,13 @@ def _check_inputs(x, y, b, beta, gamma, doc_start) -> None:
     if gamma.shape != (heads,) or (beta is not None and beta.shape != (batch, heads, length)):
         raise KernelmixError(f"the Triton solve needs gamma [H] and beta [B, H, T] (H={heads}); got gamma "
                              f"{tuple(gamma.shape)}, beta {None if beta is None else tuple(beta.shape)}")
-    if doc_start is not None and doc_start.shape != (batch, length):
-        raise KernelmixError(f"doc_start must be [B, T] = {(batch, length)}, got {tuple(doc_start.shape)}")
+    if doc_start is not None and (doc_start.shape != (batch, length) or doc_start.is_floating_point()):
+        raise KernelmixError(f"doc_start must be an integer [B, T] = {(batch, length)} tensor, got "
+                             f"{doc_start.dtype} {tuple(doc_start.shape)}")
+    tensors = [t for t in (x, y, b, beta, gamma, doc_start) if t is not None]
+    if any(t.device != x.device for t in tensors):
+        raise KernelmixError(f"the Triton solve needs all its tensors on one device; got "
+                             f"{sorted({str(t.device) for t in tensors})}: move them with .to({str(x.device)!r})")
 
 
 def _row_block_ends(doc_start: Tensor | None, batch: int, length: int, block: int, device) -> Tensor:
@@ -518,10 +527,13 @@ class _Layout:
         self.has_beta, self.has_doc = beta is not None, doc_start is not None
         self.beta_strides = (0, 0, 0) if beta is None else tuple(beta.stride())
         self.ds_strides = (0, 0) if doc_start is None else tuple(doc_start.stride())
+        # 64-row tiles of 128-wide head dims spill heavily at 4 warps (ptxas, sm_90: 25-37 KB stack
+        # frames per kernel; 6-15 KB at 8 warps): a first guess, for a GPU run to tune
+        self.num_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 128 else 4
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
-                    HAS_DOC=self.has_doc)
+                    HAS_DOC=self.has_doc, num_warps=self.num_warps)
 
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
@@ -568,6 +580,11 @@ def _solve_backward(grad_u, x, y, beta, gamma, doc_start, u, lse, lay: _Layout, 
     return grad_b, (grad_x if need_x else None), grad_y, e
 
 
+def _launch_device(x: Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 class _TritonSolve(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size):
@@ -576,7 +593,8 @@ class _TritonSolve(torch.autograd.Function):
         if lay.length == 0:  # nothing to solve: no launch
             u, lse = b.new_empty(b.shape), x.new_empty(x.shape[:3])
         else:
-            u, lse = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
+            with _launch_device(x):
+                u, lse = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
         ctx.save_for_backward(x, y, beta, gamma, doc_start, u, lse)
         ctx.layout = lay
         return u
@@ -589,10 +607,10 @@ class _TritonSolve(torch.autograd.Function):
         if ctx.layout.length == 0:
             return (torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(u), None if beta is None else
                     torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None)
-        grad_u = grad_u.float()
-        grad_b, grad_x, grad_y, e = _solve_backward(
-            grad_u, x, y, beta, gamma, doc_start, u, lse, ctx.layout, needs[0], needs[1]
-        )
+        with _launch_device(x):
+            grad_b, grad_x, grad_y, e = _solve_backward(
+                grad_u.float(), x, y, beta, gamma, doc_start, u, lse, ctx.layout, needs[0], needs[1]
+            )
         grad_beta = -e if beta is not None and needs[3] else None
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
         return grad_x, grad_y, grad_b if needs[2] else None, grad_beta, grad_gamma, None, None, None, None
