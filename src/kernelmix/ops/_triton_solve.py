@@ -11,7 +11,8 @@ Forward (``_solve_forward_kernel``): for row block I, an online softmax (running
 flash-attention style) over the past column blocks mixes the U rows this same program stored
 earlier; the diagonal tile closes the softmax, which gives K_II, the mix of the past
 Σ_{j<i0} K_ij u_j and the row log-normaliser (base 2, saved for the backward); then the C×C system
-β_I K_II + γ I is solved in registers by forward substitution and U_I stored. The solve is
+β_I K_II + γ I is solved in registers (rows divided by their pivots, then a column-oriented
+forward substitution: two reductions per row) and U_I stored. The solve is
 independent per column of b, so programs split the value columns (``BLOCK_V``); each recomputes the
 logits, which costs dv / BLOCK_V times the logit products and buys that many parallel programs.
 
@@ -25,12 +26,17 @@ then, in parallel over row blocks, e and dx (``_grad_rows_kernel``; dx_i = −sc
 (``_grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
-Everything (products, softmax, systems) is fp32; the products use ``input_precision="ieee"`` (``DOT_PRECISION``)
-(no TF32), since they feed a triangular system.
+Everything (products, softmax, systems) is fp32; the products use ``input_precision="ieee"``
+(``DOT_PRECISION``; no TF32), since they feed a triangular system.
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
-masks; the value slice of the sequential kernels is ``BLOCK_V = min(64, max(16, next_pow2(dv)))``.
+masks; the value slice of the sequential kernels is ``BLOCK_V = min(64, max(16, next_pow2(dv)))``;
+the row and column gradient kernels hold all of dv (``BLOCK_DV``).
+
+On CPU the kernels run under Triton's interpreter (tests, ``TRITON_INTERPRET=1``), where every
+call of a device function re-patches ``triton.language`` (≈1 ms): the loops with many iterations
+load their tiles inline rather than through the small helpers.
 """
 
 from __future__ import annotations
@@ -75,7 +81,15 @@ def padded_dim(d: int) -> int:
 
 
 def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels under its CPU interpreter (TRITON_INTERPRET=1 before import)."""
+    """Whether this module's kernels run under Triton's CPU interpreter. ``triton.jit`` reads
+    TRITON_INTERPRET when a kernel is defined, so what counts is how the kernels were defined (the
+    variable set after the import does not make them interpretable); the knob and the variable are
+    the fallback should Triton rename its interpreter's class."""
+    if triton is None:
+        return False
+    kind = type(_solve_forward_kernel).__name__
+    if kind in ("InterpretedFunction", "JITFunction"):
+        return kind == "InterpretedFunction"
     knobs = getattr(triton, "knobs", None)
     flag = getattr(getattr(knobs, "runtime", None), "interpret", None)
     return bool(flag) or os.environ.get("TRITON_INTERPRET") == "1"
@@ -482,8 +496,8 @@ def _check_inputs(x, y, b, beta, gamma, doc_start) -> None:
                                  "with .float() (the ops run the solve in float32), or use backend='torch'")
     if x.device.type == "cpu" and not interpreter_enabled():
         raise KernelmixError("the Triton solve got CPU tensors but Triton's interpreter is off: set "
-                             "TRITON_INTERPRET=1 before triton is imported, move the tensors to CUDA, "
-                             "or use backend='torch'")
+                             "TRITON_INTERPRET=1 in the environment before triton and kernelmix are imported, "
+                             "move the tensors to CUDA, or use backend='torch'")
     if x.dim() != 4 or y.shape != x.shape or b.dim() != 4 or b.shape[:3] != x.shape[:3]:
         raise KernelmixError(f"the Triton solve needs x, y [B, H, T, dk] and b [B, H, T, dv]; got x "
                              f"{tuple(x.shape)}, y {tuple(y.shape)}, b {tuple(b.shape)}")
