@@ -10,6 +10,8 @@ mean next-token loss, gradients included. torchtitan's Trainer itself needs an a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torchtitan", reason="the [torchtitan] extra is not installed")
@@ -200,3 +202,140 @@ def test_trainer_needs_an_accelerator():
     if torch.cuda.is_available() or utils.device_type != "cuda":
         pytest.skip(f"an accelerator ({utils.device_type}) is available: the Trainer could run here")
     assert utils.device_module is torch.cuda
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes (gloo): FSDP2 through the spec's parallelize_fn, and torchtitan's own Trainer
+
+FSDP_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+dist.init_process_group("gloo")
+import torchtitan.distributed.parallel_dims as parallel_dims_module
+parallel_dims_module.device_type = "cpu"  # torchtitan builds its meshes on "cuda" when no accelerator is found
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.distributed.parallel_dims import ParallelDims
+sys.path.insert(0, sys.argv[2])
+from tests.test_torchtitan import packed_batch, trainer_config
+from tests.utils import rel_rmse
+from kernelmix.model import CausalLM
+
+config = trainer_config(f"kernelmix_tiny_{sys.argv[1]}", "--training.seq_len", "64", "activation_checkpoint:full")
+spec = config.model_spec
+spec.model.update_from_config(config=config)
+with torch.device("meta"):
+    model = spec.model.build()
+dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2, spmd_backend="partial_dtensor")
+model = spec.parallelize_fn(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+                            compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder="")
+model.to_empty(device="cpu")
+with torch.no_grad():
+    model.init_weights(buffer_device=None)
+full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+reference = CausalLM(model.lm.config, seed=0)
+sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+same = all(torch.equal(full(t), reference.state_dict()[name.removeprefix("lm.")]) for name, t in model.state_dict().items())
+tokens, positions, labels = packed_batch(model.lm.config.vocab_size)  # the same batch on both ranks
+loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens, positions=positions), labels, (labels != -100).sum())
+loss.backward()
+expected = reference(tokens, labels=torch.cat([tokens[:, :1], labels[:, :-1]], 1), position_ids=positions).loss
+expected.backward()
+grads = dict(model.lm.named_parameters())
+worst = max(rel_rmse(full(grads[n].grad), p.grad) for n, p in reference.named_parameters())
+print(f"RESULT rank={dist.get_rank()} sharded={sharded} same_init={same} tied={model.lm.lm_head.weight is model.lm.embed.weight} "
+      f"loss_error={abs(loss.item() - expected.item()):.3g} grad_error={worst:.3g}", flush=True)
+'''
+
+# torchtitan 0.3's Trainer on the CPU: its accelerator globals pointed at torch.cpu, a memory
+# monitor that reports nothing, and no post-step barrier (it passes device_ids, which gloo refuses)
+TRAINER_SHIM = r'''
+import os, sys, types, torch
+import torchtitan.train, torchtitan.trainer
+for name, module in list(sys.modules.items()):
+    if name.startswith("torchtitan") and module is not None:
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+        if getattr(module, "device_module", None) is torch.cuda:
+            module.device_module = torch.cpu
+import torchtitan.components.metrics as metrics
+import torchtitan.distributed.utils as distributed_utils
+metrics.device_module = types.SimpleNamespace(
+    get_device_name=lambda device=None: "cpu", current_device=lambda: 0, empty_cache=lambda: None,
+    get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=2**34),
+    reset_peak_memory_stats=lambda *args: None, memory_stats=lambda *args: {},
+)
+distributed_utils.set_pg_timeouts = lambda **kwargs: None
+torchtitan.train.main()
+'''
+
+
+def torchrun(script, processes: int, *args: str, cwd) -> str:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--standalone",
+               str(script), *args]
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_equals_one_model(tmp_path):
+    """FSDP2 over a 2-rank gloo mesh (with full AC): sharded parameters initialised to exactly
+    CausalLM(config, seed)'s, the head still tied, and one step's loss and gradients equal."""
+    from pathlib import Path
+
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    output = torchrun(script, 2, "darkformer", str(Path(__file__).parents[1]), cwd=tmp_path)
+    results = [line for line in output.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, output[-3000:]
+    for line in results:
+        fields = dict(item.split("=") for item in line.split()[1:])
+        assert fields["sharded"] != "0" and fields["same_init"] == "True" and fields["tied"] == "True", line
+        assert float(fields["loss_error"]) <= 1e-5 and float(fields["grad_error"]) <= 1e-5, line
+
+
+def char_tokenizer_and_corpus(folder):
+    """A character-level tokenizer (tokenizer.json + tokenizer_config.json) and a one-file jsonl
+    corpus: what torchtitan's HF tokenizer and c4_test loader read, without a download."""
+    import json
+
+    tokenizers = pytest.importorskip("tokenizers")
+    characters = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(characters)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    (folder / "tok").mkdir()
+    tokenizer.save(str(folder / "tok" / "tokenizer.json"))
+    (folder / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (folder / "data").mkdir()
+    with open(folder / "data" / "train.jsonl", "w") as out:
+        for path in sorted((Path(json.__file__).parent).glob("*.py")):
+            out.write(json.dumps({"text": path.read_text()}) + "\n")
+    return folder / "tok", folder / "data"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mixer", "processes"), [("cubit", 1), ("performer", 2)])
+def test_torchtitan_trainer_runs_steps_on_cpu(mixer, processes, tmp_path):
+    """``torchtitan.train --module kernelmix.training.torchtitan --config kernelmix_tiny_<mixer>``:
+    three steps on a local corpus with a local tokenizer (vocab 99), one process or FSDP over two,
+    under the CPU shim above. The loss starts near ln(99) and goes down."""
+    import math
+    import re
+
+    tokenizer, data = char_tokenizer_and_corpus(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_SHIM)
+    output = torchrun(
+        script, processes, "--module", MODULE, "--config", f"kernelmix_tiny_{mixer}", "--hf_assets_path", str(tokenizer),
+        "--dataloader.dataset_path", str(data), "--training.steps", "3", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.disable_cuda_graphs", "--metrics.log_freq", "1",
+        "--dump_folder", str(tmp_path / "out"), cwd=tmp_path,
+    )
+    assert f"Building kernelmix tiny-{mixer}" in output
+    losses = [float(value) for value in re.findall(r"loss:\s+\S*?([0-9.]+)", output)]
+    assert len(losses) == 3 * processes, output[-3000:]
+    assert abs(losses[0] - math.log(99)) < 0.3 and losses[-1] < losses[0], losses

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols.model import BaseModel
 
 from ...errors import KernelmixError
@@ -55,6 +56,28 @@ def tokenizer_vocab_size(trainer_config: Any) -> int | None:
         return int(tokenizer.build(tokenizer_path=path).get_vocab_size())
     except Exception:  # torchtitan raises several kinds for a missing or partial asset folder
         return None
+
+
+@torch.no_grad()
+def init_sharded_weights(lm: CausalLM, seed: int) -> CausalLM:
+    """``lm.init_weights(seed)`` for a model whose parameters FSDP has made DTensors.
+
+    Drawing into the shards directly would not give the unsharded model's tensors (and on a CPU
+    mesh, where DTensor has no RNG tracker, every rank would draw the same numbers into its own
+    shard). So the full model is initialised once per rank, on the shards' device, and each rank
+    keeps its slice (``distribute_tensor(..., src_data_rank=None)``: no communication, every rank
+    holds the same full tensor). Costs one unsharded copy of the model per rank, transiently."""
+    device = next(t for t in lm.parameters()).device
+    with torch.device(device):
+        full = CausalLM(lm.config, seed=seed)
+    for target, source in ((dict(lm.named_parameters()), dict(full.named_parameters())),
+                           (dict(lm.named_buffers()), dict(full.named_buffers()))):
+        for name, tensor in target.items():
+            value = source[name].to(tensor.dtype)
+            if isinstance(tensor, DTensor):
+                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.copy_(value)
+    return lm
 
 
 class KernelmixTitanModel(BaseModel):
@@ -150,12 +173,15 @@ class KernelmixTitanModel(BaseModel):
             raise KernelmixError(f"KernelmixTitanModel.lm must be a kernelmix CausalLM, got {type(self.lm).__name__}")
 
     def init_states(self, *, buffer_device: torch.device | None = None) -> None:
-        """Every parameter and buffer from ``config.seed`` (``CausalLM.init_weights``: the same
-        tensors as ``CausalLM(model_config, seed=seed)``). The buffers (random-feature
-        projections, RoPE tables) stay where ``to_empty`` put them: ``buffer_device`` (for
-        torchtitan's CPU offload) is not used."""
+        """Every parameter and buffer from ``config.seed``: the same tensors as
+        ``CausalLM(model_config, seed=seed)`` on this device, sharded or not (see
+        :func:`init_sharded_weights`). The buffers (random-feature projections, RoPE tables) stay
+        where ``to_empty`` put them: ``buffer_device`` (for torchtitan's CPU offload) is not used."""
         del buffer_device
-        self.lm.init_weights(self.config.seed)
+        if any(isinstance(t, DTensor) for t in (*self.lm.parameters(), *self.lm.buffers())):
+            init_sharded_weights(self.lm, self.config.seed)
+        else:
+            self.lm.init_weights(self.config.seed)
 
     @property
     def lm_head(self) -> torch.nn.Module:
@@ -182,4 +208,4 @@ class KernelmixTitanModel(BaseModel):
         return self.lm(tokens, position_ids=positions, use_cache=False).logits
 
 
-__all__ = ["KernelmixTitanModel", "UNSUPPORTED_DEGREES", "check_parallelism", "tokenizer_vocab_size"]
+__all__ = ["KernelmixTitanModel", "UNSUPPORTED_DEGREES", "check_parallelism", "init_sharded_weights", "tokenizer_vocab_size"]
