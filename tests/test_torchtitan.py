@@ -102,6 +102,8 @@ def test_registry_has_a_config_per_preset_and_mixer():
         config_registry.kernelmix_tiny(mixer="cubt")
     with pytest.raises(KernelmixError, match="mixer_options"):
         config_registry.kernelmix_tiny(mixer="softmax", mixer_options={"cubit": {"lrr": False}})
+    with pytest.raises(KernelmixError, match="selective_ac must be one of selective, mixers"):
+        config_registry.kernelmix_tiny(selective_ac="op")
 
 
 def test_torchtitan_cli_finds_the_spec(tmp_path):
@@ -190,6 +192,13 @@ def test_parameters_and_flops():
     # softmax mixes over the 256 tokens, Cubit within two chunks of 16
     assert flops == 6 * nparams + 6 * width * 256 + 6 * width * 32
     assert spec.model.get_nparams_and_flops(model, 512)[1] - flops == 6 * width * 256
+    untied = config_registry.kernelmix_tiny(overrides={"tie_embeddings": False}).model_spec
+    with torch.device("meta"):
+        untied_model = untied.model.build()
+    untied_params, untied_flops = untied.model.get_nparams_and_flops(untied_model, 256)
+    embedding = untied_model.lm.embed.weight.numel()
+    assert untied_params == untied_model.lm.num_parameters() and untied_model.lm.lm_head.weight.numel() == embedding
+    assert untied_flops == 6 * (untied_params - embedding) + 2 * 6 * width * 256  # the lookup is no matmul
 
 
 def test_trainer_needs_an_accelerator():

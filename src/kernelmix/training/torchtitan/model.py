@@ -33,6 +33,10 @@ UNSUPPORTED_DEGREES = {
 }
 
 
+#: what ``selective_ac`` in the model config may name: kernelmix's per-block checkpointing modes
+SELECTIVE_AC_MODES = ("selective", "mixers")
+
+
 def check_parallelism(parallelism: Any) -> None:
     """Refuse the torchtitan parallelisms kernelmix cannot apply (only data parallelism is mapped)."""
     for name, what in UNSUPPORTED_DEGREES.items():
@@ -106,6 +110,11 @@ class KernelmixTitanModel(BaseModel):
         selective_ac_every: int = 2
 
         def __post_init__(self) -> None:
+            if self.selective_ac not in SELECTIVE_AC_MODES:
+                raise KernelmixError(
+                    f"selective_ac must be one of {', '.join(SELECTIVE_AC_MODES)} (what torchtitan's SelectiveAC maps to), "
+                    f"got {self.selective_ac!r}"
+                )
             self.model_config()  # a typo'd preset, mixer or option fails here, not at build time
 
         def model_config(self) -> ModelConfig:
@@ -141,8 +150,8 @@ class KernelmixTitanModel(BaseModel):
 
         def get_nparams_and_flops(self, model: Any, seq_len: int) -> tuple[int, int]:
             """Parameters (a tied embedding once) and training FLOPs per token: ``6 · N`` for the
-            matmuls with the weights (forward 2, backward 4 per weight and token; the tied LM head
-            is one) plus the token mixing. Softmax layers mix over the whole prefix, ``6 · 2 ·
+            matmuls with the weights (forward 2, backward 4 per weight and token; a tied LM head
+            counts once, an untied embedding, a lookup, not at all) plus the token mixing. Softmax layers mix over the whole prefix, ``6 · 2 ·
             heads · head_dim · seq_len`` as torchtitan counts attention (no causal discount);
             the chunked mixers mix inside a chunk of ``chunk_size`` tokens the same way and
             carry a state between chunks, counted as one more chunk. An estimate for MFU, not
@@ -150,12 +159,13 @@ class KernelmixTitanModel(BaseModel):
             lm = model.lm if isinstance(model, KernelmixTitanModel) else model
             config = lm.config
             nparams = sum(p.numel() for p in lm.parameters())
+            matmul_params = nparams if config.tie_embeddings else nparams - lm.embed.weight.numel()
             per_layer_width = 2 * config.num_heads * config.head_dim
             mixing = 0
             for mixer in config.layer_mixers():
                 span = seq_len if mixer == "softmax" else min(seq_len, 2 * config.chunk_size)
                 mixing += 6 * per_layer_width * span
-            return nparams, 6 * nparams + mixing
+            return nparams, 6 * matmul_params + mixing
 
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -208,4 +218,4 @@ class KernelmixTitanModel(BaseModel):
         return self.lm(tokens, position_ids=positions, use_cache=False).logits
 
 
-__all__ = ["KernelmixTitanModel", "UNSUPPORTED_DEGREES", "check_parallelism", "init_sharded_weights", "tokenizer_vocab_size"]
+__all__ = ["KernelmixTitanModel", "SELECTIVE_AC_MODES", "UNSUPPORTED_DEGREES", "check_parallelism", "init_sharded_weights", "tokenizer_vocab_size"]

@@ -34,10 +34,6 @@ from ...errors import KernelmixError
 from ..parallelize import ACTIVATION_CHECKPOINTING, parallelize
 from .model import KernelmixTitanModel, check_parallelism
 
-#: what ``selective_ac`` in the model config may name: kernelmix's per-block checkpointing modes
-SELECTIVE_AC_MODES = ("selective", "mixers")
-
-
 def activation_checkpointing_mode(ac_config: Any, model_config: KernelmixTitanModel.Config) -> tuple[str, int]:
     """kernelmix's ``(activation_checkpointing, every)`` for torchtitan's ``activation_checkpoint`` config."""
     every = model_config.selective_ac_every
@@ -45,12 +41,7 @@ def activation_checkpointing_mode(ac_config: Any, model_config: KernelmixTitanMo
         return "none", every
     if isinstance(ac_config, FullAC.Config):
         return "full", every
-    if isinstance(ac_config, SelectiveAC.Config):
-        if model_config.selective_ac not in SELECTIVE_AC_MODES:
-            raise KernelmixError(
-                f"selective_ac must be one of {', '.join(SELECTIVE_AC_MODES)} (what torchtitan's SelectiveAC maps to), "
-                f"got {model_config.selective_ac!r}"
-            )
+    if isinstance(ac_config, SelectiveAC.Config):  # Config checks selective_ac names a kernelmix mode
         return model_config.selective_ac, every
     if isinstance(ac_config, MemoryBudgetAC.Config):  # the compiler's partitioner trades, no block is wrapped
         return "none", every
@@ -108,4 +99,4 @@ def parallelize_kernelmix(
     return model
 
 
-__all__ = ["SELECTIVE_AC_MODES", "activation_checkpointing_mode", "data_parallel_mesh", "parallelize_kernelmix"]
+__all__ = ["activation_checkpointing_mode", "data_parallel_mesh", "parallelize_kernelmix"]
