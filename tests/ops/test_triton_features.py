@@ -7,6 +7,9 @@ state, logits that would overflow an unstabilised kernel, underflowing rows and 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py sets it too)
 
@@ -236,3 +239,42 @@ def test_errors_name_the_fix(monkeypatch):
     monkeypatch.setattr(f"{KERNELS}._interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
         triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None)
+
+
+AOT_SCRIPT = textwrap.dedent("""
+    import sys
+    import triton
+    from kernelmix.ops import _triton_features as features
+    try:
+        from triton.backends.compiler import GPUTarget
+        source = triton.compiler.ASTSource
+    except (ImportError, AttributeError) as error:
+        sys.exit(f"SKIP: this Triton has no ahead-of-time compile API ({error})")
+    FLOATS = {"scale", "floor"}
+    # the tests' block sizes only: at gpu-check's d = m = 128 ptxas takes minutes per kernel here
+    for blocks in (dict(BLOCK_T=16, BLOCK_D=16, BLOCK_M=16, BLOCK_V=16),):
+        constexprs = dict(HAS_TRANSFORM=True, HAS_DOC=True) | blocks
+        for name in ("_forward_kernel", "_query_grad_kernel", "_key_grad_kernel"):
+            kernel = getattr(features, name)
+            signature = {
+                arg: "constexpr" if arg in constexprs else ("*i64" if arg == "doc_ptr" else "*fp32")
+                if arg.endswith("_ptr") else "fp32" if arg in FLOATS else "i32"
+                for arg in kernel.arg_names
+            }
+            compiled = triton.compile(source(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"], name
+            print(name, blocks["BLOCK_M"], "compiled", compiled.metadata.shared, "bytes shared")
+""")
+
+
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter accepts code the GPU compiler rejects: compile the three kernels for sm_90
+    down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
+    first run does not fail on it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and "SKIP:" in result.stderr:
+        pytest.skip(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 3, result.stdout
