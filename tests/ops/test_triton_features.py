@@ -278,3 +278,26 @@ def test_kernels_compile_for_a_gpu(tmp_path):
         pytest.skip(result.stderr.strip().splitlines()[-1])
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("compiled") == 3, result.stdout
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
+    """At d = m = 128 (gpu-check's head), where the kernels take blocks of 32 rows and 32 value
+    columns: about 2 minutes of ptxas on this CPU (64 and 64 took minutes per kernel)."""
+    script = AOT_SCRIPT.replace("dict(BLOCK_T=16, BLOCK_D=16, BLOCK_M=16, BLOCK_V=16),",
+                                "dict(BLOCK_T=32, BLOCK_D=128, BLOCK_M=128, BLOCK_V=32),")
+    assert script != AOT_SCRIPT
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 3, result.stdout
+
+
+def test_large_heads_take_smaller_blocks():
+    """The block sizes of gpu-check's head (d = m = d_v = 128): 32 rows, 32 value columns."""
+    import importlib
+
+    kernels = importlib.import_module("kernelmix.ops._triton_features")
+    q = torch.zeros(1, 5, 1, 128)
+    geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0)
+    assert kernels.LARGE_TILE == 128 and (geometry.block_t, geometry.block_v, geometry.value_blocks) == (32, 32, 4)

@@ -47,6 +47,8 @@ from ..errors import KernelmixError
 
 #: Largest block of value columns one program holds (its state is m × VALUE_BLOCK fp32).
 VALUE_BLOCK = 64
+#: From this padded m or d on, the kernels take blocks of 32 rows and 32 value columns (compile time, registers).
+LARGE_TILE = 128
 #: Largest number of random features (and head dim) the kernels hold in one register tile.
 MAX_FEATURES = 256
 MAX_HEAD_DIM = 256
@@ -415,10 +417,13 @@ class _Geometry:
         self.kv_heads, self.value_dim = k.shape[2], v.shape[3]
         self.features = projection.shape[-2]
         self.start = start
-        self.block_t = min(64, max(16, triton.next_power_of_2(chunk_size)))
         self.block_d = max(16, triton.next_power_of_2(self.head_dim))
         self.block_m = max(16, triton.next_power_of_2(self.features))
-        self.block_v = min(max(16, triton.next_power_of_2(self.value_dim)), max(16, VALUE_BLOCK))
+        # At d or m ≥ 128, chunks of 64 rows and 64 value columns made ptxas take minutes per kernel
+        # (sm_90, compiled ahead of time here: 182 s for the forward); 32 and 32 took 22–59 s.
+        large = max(self.block_m, self.block_d) >= LARGE_TILE
+        self.block_t = min(32 if large else 64, max(16, triton.next_power_of_2(chunk_size)))
+        self.block_v = min(max(16, triton.next_power_of_2(self.value_dim)), max(16, min(VALUE_BLOCK, 32 if large else 64)))
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
         # a shared projection [m, d] is read by every head: a head stride of 0
