@@ -29,7 +29,7 @@ data_cache = pytest.fixture(scope="module", autouse=True, name="data_cache")(iso
 
 
 def small(out: Path, **overrides) -> CompareConfig:
-    settings = dict(mixers=["softmax", "cubit-nolrr"], lengths=[32, 64], steps=3, tokens_per_step=128,
+    settings = dict(preset="tiny", mixers=["softmax", "cubit-nolrr"], lengths=[32, 64], steps=3, tokens_per_step=128,
                     corpus=CORPUS, out_dir=str(out), eval_docs=2, warmup_steps=1)
     return CompareConfig(**{**settings, **overrides})
 
@@ -115,7 +115,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     import subprocess
     import sys
 
-    args = ["--mixers", "softmax,performer", "--lengths", "32", "--steps", "3", "--tokens-per-step", "128",
+    args = ["--preset", "tiny", "--mixers", "softmax,performer", "--lengths", "32", "--steps", "3", "--tokens-per-step", "128",
             "--corpus", CORPUS, "--eval-docs", "2", "--warmup-steps", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "kernelmix.cli",
@@ -230,7 +230,7 @@ class TestTimeBudget:
         assert again["reused_runs"] == 2 and again["budget"] == budget
 
     def test_without_seconds_softmax_trains_steps_and_the_others_its_seconds(self):
-        config = CompareConfig(mixers=["cubit", "softmax"], lengths=[256, 512], budget="time")
+        config = CompareConfig(mixers=["cubit", "softmax"], lengths=[256, 512], steps=40, budget="time")
         speeds = {("softmax", 256): 0.10, ("cubit", 256): 0.25, ("softmax", 512): 0.2, ("cubit", 512): 0.7}
         plan = plan_budget(config, 256, speeds)
         assert plan.reference == {256: 40 * 0.10, 512: 40 * 0.2}
@@ -251,7 +251,7 @@ class TestTokenBudget:
     def test_the_plan_is_steps_for_every_mixer(self):
         config = CompareConfig()
         plan = plan_budget(config, 256)
-        assert set(plan.steps.values()) == {40} and plan.to_dict(config)["tokens_per_run"] == 40 * 4096
+        assert set(plan.steps.values()) == {300} and plan.to_dict(config)["tokens_per_run"] == 300 * 2048
 
 
 class TestBudgetErrors:

@@ -283,7 +283,7 @@ def test_generate_bench_cli(tmp_path, capsys):
     "argv,message",
     [
         (["--mixers", "softmax,cubt"], "unknown mixer(s) 'cubt' (choose from: softmax, cubit"),
-        (["--preset", "huge"], "invalid choice: 'huge' (choose from 'tiny', 'small'"),
+        (["--preset", "huge"], "invalid choice: 'huge' (choose from 'tiny', 'mini', 'small'"),
         (["--new-tokens", "0"], "must be a positive integer"),
         (["--preset", "tiny", "--prompt-length", "200", "--new-tokens", "100"], "max_seq_len = 256"),
         (["--preset", "tiny", "--prompt-length", "256"], "leaves no room for new tokens within the preset's max_seq_len"),

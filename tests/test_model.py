@@ -200,7 +200,7 @@ def test_model_info_cli(capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["model-info", "125M"], "invalid choice: '125M' (choose from 'tiny', 'small', '125m'"),
+        (["model-info", "125M"], "invalid choice: '125M' (choose from 'tiny', 'mini', 'small', '125m'"),
         (["model-info", "tiny", "--mixer", "cubt"], "invalid choice: 'cubt' (choose from 'softmax', 'cubit'"),
         (["model-info", "tiny", "--mixers", "cubit,cubt"], "unknown mixer(s) 'cubt' (choose from: softmax, cubit"),
         (["model-info", "tiny", "--mixers", "cubit,softmax,cubit"], "mixers lists 3 names but num_layers is 2"),
@@ -249,7 +249,7 @@ def _error_cases():
         ("mask gap", _forward(model, input_ids=ids, attention_mask=gap), "padding between real tokens"),
         ("mask shape", _forward(model, input_ids=ids, attention_mask=gap[:, :4]), "attention_mask must have shape"),
         ("1-D ids", _forward(model, input_ids=ids[0]), "input_ids must be a [B, T] tensor"),
-        ("unknown preset", lambda: ModelConfig.preset("tinyy"), "unknown preset 'tinyy' (choose from: tiny, small"),
+        ("unknown preset", lambda: ModelConfig.preset("tinyy"), "unknown preset 'tinyy' (choose from: tiny, mini, small"),
         ("unknown mixer", lambda: ModelConfig.preset("tiny", mixer="cubt"), "unknown mixer 'cubt' (choose from:"),
         ("unknown mixer in list", lambda: ModelConfig.preset("tiny", mixers=["softmax", "perf"]), "unknown mixer 'perf'"),
         ("unknown option", lambda: ModelConfig.preset("tiny", mixer_options={"cubit": {"lrrr": False}}), "'lrrr'"),

@@ -19,7 +19,7 @@ names the field, the value and what it should be::
 
     steps must be a positive integer, got 0
     betas must be two numbers, e.g. betas=[0.9,0.95], got 0.9
-    unknown preset 'huge' (choose from: tiny, small, 125m, ...)
+    unknown preset 'huge' (choose from: tiny, mini, small, 125m, ...)
 
 The annotations use pydantic's own vocabulary (``Field(gt=0, description=..., title=...,
 examples=[...])``); ``title`` names the field in messages, ``examples[0]`` is the fix they show.

@@ -174,6 +174,9 @@ LAYER_ARGS_FROM_CONFIG: tuple[str, ...] = tuple(
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256,
                  chunk_size=16),
+    # the main job's (kernelmix compare): the smallest model that gets past byte statistics in minutes on a CPU
+    "mini": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_seq_len=1024,
+                 chunk_size=16),
     "small": dict(vocab_size=256, hidden_size=256, num_layers=6, num_heads=4, max_seq_len=2048),
     "125m": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=2048),
     "350m": dict(vocab_size=50257, hidden_size=1024, num_layers=24, num_heads=16, max_seq_len=2048),

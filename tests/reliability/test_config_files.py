@@ -31,5 +31,5 @@ class TestResolvedConfigWithADamagedTrainSection:
 
 class TestPresetGivenAsAList:
     def test_one_name_not_a_list(self):
-        with pytest.raises(KernelmixError, match=r"unknown preset \['tiny'\] \(choose from: tiny, small"):
+        with pytest.raises(KernelmixError, match=r"unknown preset \['tiny'\] \(choose from: tiny, mini, small"):
             ModelConfig.preset(["tiny"])
