@@ -383,7 +383,7 @@ def test_a_fresh_run_never_overwrites_and_resume_needs_a_checkpoint(finished_run
         (["model.mixr=cubit"], r"unknown config field\(s\) \['mixr'\]; fields are: .*mixer"),
         (["model.mixer=cubt"], r"unknown mixer 'cubt' \(choose from: softmax, cubit"),
         (["model.mixer_options.cubit.lrx=false"], r"unknown option\(s\) \['lrx'\]; accepted: .*lrr"),
-        (["preset=huge"], r"unknown preset 'huge' \(choose from: tiny, small"),
+        (["preset=huge"], r"unknown preset 'huge' \(choose from: tiny, mini, small"),
         (["lr=fast"], r"lr must be a number, got 'fast'"),
         (["betas=0.9"], r"betas must be two numbers, e.g. betas=\[0.9,0.95\]"),
         (["seq_len=512", "preset=tiny"], r"seq_len 512 exceeds the model's max_seq_len 256 .*model.max_seq_len=512"),
@@ -592,3 +592,14 @@ def test_scale_options_through_set(overrides, message):
     with pytest.raises(ValueError, match=message):
         build_config(None, overrides)
     assert build_config(None, ["activation_checkpointing=selective", "compile=true"]).compile is True
+
+
+def test_resume_may_change_the_backend_but_not_the_model(tmp_path):
+    """`backend` says which kernels compute the same numbers (a CPU run resumed on a GPU): a resume
+    may change it; any other model field is still refused."""
+    settings = {**REF, "steps": 4, "eval_every": 0, "checkpoint_every": 2, "out_dir": str(tmp_path / "run")}
+    train(TrainConfig(**{**settings, "steps": 2}), progress=False)
+    resumed = train(TrainConfig(**{**settings, "model": {**REF["model"], "backend": "torch"}}), resume=True, progress=False)
+    assert resumed.start_step == 2
+    with pytest.raises(CheckpointError, match="dropout: 0.1 in the checkpoint, 0.0 now"):
+        train(TrainConfig(**{**settings, "steps": 6, "model": {"mixer": "performer"}}), resume=True, progress=False)

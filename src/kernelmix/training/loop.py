@@ -50,7 +50,7 @@ from torch import nn
 from ..errors import Interrupted, KernelmixError
 from ..evaluate import sum_token_losses
 from ..locks import run_directory_lock
-from ..model import CausalLM
+from ..model import CausalLM, ModelConfig
 from ..output import write_json_atomic
 from . import distributed as distrib
 from .checkpoint import (
@@ -70,6 +70,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
      # how the same numbers are computed: recomputed activations, compiled blocks
      "activation_checkpointing", "activation_checkpointing_every", "compile"}
 )
+#: Model fields that say only which kernels compute the same numbers (a CPU run resumed on a GPU).
+MODEL_MAY_CHANGE_ON_RESUME = frozenset({"backend"})
 
 
 @dataclass
@@ -228,7 +230,9 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) 
         keys = sorted((set(a) | set(b)) - skip)
         return [f"{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
 
-    model_diff = diff(saved["model"], current["model"])
+    # a field added to ModelConfig after the checkpoint was written has its default there
+    saved_model = {**ModelConfig.from_dict(saved["model"]).to_dict(), **saved["model"]}
+    model_diff = diff(saved_model, current["model"], MODEL_MAY_CHANGE_ON_RESUME)
     if model_diff:
         raise CheckpointError(f"checkpoint {str(path)!r} is from another model config ({'; '.join(model_diff)}); {fix}")
     # the model overrides are compared through the resolved model above
