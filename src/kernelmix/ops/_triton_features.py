@@ -239,16 +239,18 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_ptr, 
         out = tl.where(empty[:, None], 0.0, numerator / tl.where(empty, 1.0, denominator)[:, None])
         tl.store(out_ptr + (b * T + t)[:, None] * H * dv + h * dv + cols[None, :], out,
                  mask=row_ok[:, None] & cols_ok[None, :])
-        row_mask = row_ok & (pid_v == 0)
-        tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_mask)
-        tl.store(shift_ptr + pid_bh * T + t, shift, mask=row_mask)
-        tl.store(qmax_ptr + pid_bh * T + t, q_max, mask=row_mask)
+        if pid_v == 0:  # the per-row scalars: one value block writes them (a branch, not `row_ok & (pid_v == 0)`,
+            # whose dtype Triton 3.9's interpreter turns into int32, which a mask may not be)
+            tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_ok)
+            tl.store(shift_ptr + pid_bh * T + t, shift, mask=row_ok)
+            tl.store(qmax_ptr + pid_bh * T + t, q_max, mask=row_ok)
         state_s, state_z, carried = _state_update(state_s, state_z, key_feat, v, shift, carried, t, pos, doc, row_ok,
                                                   c, T, chunk_start, BLOCK_T)
         c += 1
     tl.store(s_out_ptr + state_rows[:, None] * dv + cols[None, :], state_s, mask=state_mask)
-    tl.store(z_out_ptr + state_rows, state_z, mask=feat_ok & (pid_v == 0))
-    tl.store(shift_out_ptr + pid_bh, carried, mask=pid_v == 0)
+    if pid_v == 0:
+        tl.store(z_out_ptr + state_rows, state_z, mask=feat_ok)
+        tl.store(shift_out_ptr + pid_bh, carried)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def _recompute_chunk(q_head, k_head, v_head, g_head, c_ptr, shift_ptr, qmax_ptr,
     v = _load_value_block(v_head, t, row_ok, H_KV * dv, cols, cols_ok)
     g_hat = _load_value_block(g_head, t, row_ok, H * dv, cols, cols_ok)
     # c_i (the denominator's gradient) belongs to no value block: block 0 carries it
-    c_row = tl.load(c_ptr + pid_bh * T + t, mask=row_ok & (pid_v == 0), other=0.0)
+    c_row = tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0) * (pid_v == 0).to(tl.float32)  # block 0 only
     return (t, row_ok, pos, doc, chunk_start, x_tilde_q, x_prime_q, x_tilde_k, x_prime_k, q_feat, key_feat, shift,
             continuing, decay, v, g_hat, c_row)
 
