@@ -239,7 +239,7 @@ class TestTimeBudget:
 
 
 class TestTokenBudget:
-    @pytest.mark.parametrize("folder", ["compare", "compare-long"])
+    @pytest.mark.parametrize("folder", ["compare", "compare-tiny", "compare-long"])
     def test_committed_runs_keep_their_keys(self, folder):
         # the default budget computes what it did before budgets existed, so finished runs stay reusable
         committed = json.loads((Path(__file__).parents[1] / "results" / folder / "results.json").read_text())
