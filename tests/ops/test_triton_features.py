@@ -7,8 +7,6 @@ state, logits that would overflow an unstabilised kernel, underflowing rows and 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py sets it too)
@@ -26,7 +24,7 @@ from kernelmix.ops.random_features import (  # noqa: E402
     random_feature_attention_naive,
     underflow_floor,
 )
-from tests.utils import rel_rmse  # noqa: E402
+from tests.utils import compile_ahead_of_time, rel_rmse  # noqa: E402
 
 KERNELS = triton_random_feature_attention.__module__  # (monkeypatched by name)
 F64 = torch.float64
@@ -272,12 +270,7 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter accepts code the GPU compiler rejects: compile the three kernels for sm_90
     down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0 and "SKIP:" in result.stderr:
-        pytest.skip(result.stderr.strip().splitlines()[-1])
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3, result.stdout
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=3)
 
 
 @pytest.mark.slow
@@ -287,10 +280,7 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("dict(BLOCK_T=16, BLOCK_D=16, BLOCK_M=16, BLOCK_V=16),",
                                 "dict(BLOCK_T=32, BLOCK_D=128, BLOCK_M=128, BLOCK_V=32),")
     assert script != AOT_SCRIPT
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3, result.stdout
+    compile_ahead_of_time(script, tmp_path, kernels=3, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():

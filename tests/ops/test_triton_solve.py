@@ -10,8 +10,6 @@ tensors, as the callers pass them."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,7 +23,7 @@ pytest.importorskip("triton")
 from kernelmix.errors import KernelmixError  # noqa: E402
 from kernelmix.ops import _triton_solve  # noqa: E402
 from kernelmix.ops._triton_solve import row_block_size, triton_kernel_solve  # noqa: E402
-from tests.utils import rel_rmse  # noqa: E402
+from tests.utils import compile_ahead_of_time, rel_rmse  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-4
@@ -214,9 +212,4 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
     type that changes in a loop): compile the four kernels for sm_90 down to a cubin (Triton ships
     ptxas), in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0 and "SKIP:" in result.stderr:
-        pytest.skip(result.stderr.strip().splitlines()[-1])
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 4, result.stdout
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=4)
