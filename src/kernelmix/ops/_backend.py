@@ -48,6 +48,18 @@ def interpreter_enabled() -> bool:
     return os.environ.get(INTERPRETER_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
+def defined_for_the_interpreter(kernel: object) -> bool:
+    """Whether the ``@triton.jit`` ``kernel`` was defined under Triton's interpreter, i.e. runs on
+    CPU tensors: ``triton.jit`` reads TRITON_INTERPRET when a kernel is defined, so the variable
+    set after its module was imported does not count. The knob and the variable are the fallback
+    should Triton rename its interpreter's class."""
+    kind = type(kernel).__name__
+    if kind in ("InterpretedFunction", "JITFunction"):
+        return kind == "InterpretedFunction"
+    knobs = getattr(importlib.import_module("triton"), "knobs", None)
+    return bool(getattr(getattr(knobs, "runtime", None), "interpret", None)) or interpreter_enabled()
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """"torch" or "triton": what ``backend`` means for inputs on ``device`` computed in ``dtype``
     (the op's compute dtype: float32 for float32/bf16/fp16 inputs, float64 for float64)."""

@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..errors import KernelmixError
+from ._backend import defined_for_the_interpreter
 
 #: Largest block of value columns one program holds (its state is m × VALUE_BLOCK fp32).
 VALUE_BLOCK = 64
@@ -449,7 +450,7 @@ class _Geometry:
 
 def _interpreted() -> bool:
     """Whether the kernels were defined under the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(_forward_kernel).__name__ == "InterpretedFunction"
+    return defined_for_the_interpreter(_forward_kernel)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, transform: Tensor | None, state) -> None:

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..errors import KernelmixError
+from ._backend import defined_for_the_interpreter
 
 try:
     import triton
@@ -81,18 +81,8 @@ def padded_dim(d: int) -> int:
 
 
 def interpreter_enabled() -> bool:
-    """Whether this module's kernels run under Triton's CPU interpreter. ``triton.jit`` reads
-    TRITON_INTERPRET when a kernel is defined, so what counts is how the kernels were defined (the
-    variable set after the import does not make them interpretable); the knob and the variable are
-    the fallback should Triton rename its interpreter's class."""
-    if triton is None:
-        return False
-    kind = type(_solve_forward_kernel).__name__
-    if kind in ("InterpretedFunction", "JITFunction"):
-        return kind == "InterpretedFunction"
-    knobs = getattr(triton, "knobs", None)
-    flag = getattr(getattr(knobs, "runtime", None), "interpret", None)
-    return bool(flag) or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether this module's kernels run under Triton's CPU interpreter (how they were defined)."""
+    return triton is not None and defined_for_the_interpreter(_solve_forward_kernel)
 
 
 if triton is not None:
