@@ -55,10 +55,13 @@ def readme_steps(readme: Path = README) -> list[str]:
     return steps
 
 
-def _files(root: Path) -> dict[str, int]:
-    """Sizes of the files under root that are not the repository's own (git, caches)."""
+def _files(root: Path, label: str = "") -> dict[str, int]:
+    """Sizes of the files under root (named ``label`` + their path in it) that are not the
+    repository's own (git, caches)."""
     skip = {".git", "__pycache__", ".pytest_cache"}
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")
+    if not root.exists():
+        return {}
+    return {label + str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")
             if p.is_file() and not skip.intersection(p.relative_to(root).parts) and ".egg-info" not in str(p)}
 
 
@@ -68,10 +71,11 @@ def _written(before: dict[str, int], after: dict[str, int]) -> str:
     for path, size in after.items():
         if path not in before:
             parts = Path(path).parts
-            key = "/".join(parts[:2]) + ("/" if len(parts) > 2 else "")
+            depth = 2 if len(parts) > 2 else 1  # runs/compare/..., gemma-dark/...
+            key = "/".join(parts[:depth]) + ("/" if len(parts) > depth else "")
             sizes[key] = sizes.get(key, 0) + size
     if not sizes:
-        return "nothing in the clone"
+        return "nothing"
     shown = sorted(sizes.items())[:4]
     more = f" and {len(sizes) - 4} more" if len(sizes) > 4 else ""
     return ", ".join(f"`{k}` ({v / 2**20:.1f} MiB)" for k, v in shown) + more
@@ -81,24 +85,48 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
+def _table(rows, args, commit, only) -> str:
+    lines = [
+        "# The README's commands, timed on a fresh clone",
+        "",
+        f"`python3 results/readme-times/measure.py{' --full' if args.full else ''}"
+        f"{f' --only {args.only}' if args.only else ''}` with the clone at commit {commit}: a fresh "
+        "`git clone`, a fresh virtual environment, then each command in the README's order, as written "
+        "(`--threads` at auto), one after another" + (" (reusing an earlier invocation's clone, venv and "
+        "prepared models)" if only else "") + ". Output of each: `log/`.",
+        "",
+        "| command | wall time | exit | wrote (in the clone or the model cache) |",
+        "|---|---:|---:|---|",
+        *[f"| `{c}` | {t} | {rc} | {w} |" for c, t, rc, w in rows],
+        "",
+    ]
+    (HERE / args.table).write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None, help="where the clone and venv go (default: a temp dir)")
     parser.add_argument("--full", action="store_true", help="also the examples that take > 10 minutes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before a command is stopped")
+    parser.add_argument("--only", default=None, help="comma-separated: run only the commands containing one of "
+                        "these (with --work of an earlier invocation, whose clone, venv and cache it reuses)")
+    parser.add_argument("--table", default="results.md", help="the table's file name next to this script")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="readme-times-"))
     work.mkdir(parents=True, exist_ok=True)
     clone, venv, logs = work / "kernelmix", work / "venv", HERE / "log"
     logs.mkdir(exist_ok=True)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+    only = args.only.split(",") if args.only else None
+    if not (only and clone.exists()):
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env_setup = (f"source {shlex.quote(str(venv / 'bin/activate'))} && export KERNELMIX_CACHE="
                  f"{shlex.quote(str(work / 'cache'))} PIP_DISABLE_PIP_VERSION_CHECK=1 && cd {shlex.quote(str(clone))}")
     rows = []
-    steps = readme_steps()
+    steps = readme_steps(clone / "README.md")
     first_pretrained = next(i for i, c in enumerate(steps) if c.startswith(("kernelmix pretrained", "kernelmix convert")))
     steps.insert(first_pretrained, PRETRAINED_INSTALL)
     for index, command in enumerate(steps):
@@ -106,10 +134,13 @@ def main() -> None:
         if command.startswith(NEVER):
             rows.append((command, "not run here (see the README)", "", ""))
             continue
-        if command.startswith(LONG) and not args.full:
+        if only is not None and not any(part in command for part in only):
+            rows.append((command, "not run in this invocation", "", ""))
+            continue
+        if command.startswith(LONG) and not args.full and only is None:
             rows.append((command, "not run (--full)", "", ""))
             continue
-        before = _files(clone)
+        before = _files(clone) | _files(work / "cache", "$KERNELMIX_CACHE/")
         start = time.perf_counter()
         log = logs / f"{name}.txt"
         with log.open("w") as out:
@@ -119,22 +150,11 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         seconds = time.perf_counter() - start
-        rows.append((command, _minutes(seconds), str(rc), _written(before, _files(clone))))
+        rows.append((command, _minutes(seconds), str(rc),
+                     _written(before, _files(clone) | _files(work / "cache", "$KERNELMIX_CACHE/"))))
         print(f"{name}: {seconds:.1f} s, exit {rc}", flush=True)
-    lines = [
-        "# The README's commands, timed on a fresh clone",
-        "",
-        f"`python3 results/readme-times/measure.py{' --full' if args.full else ''}` at commit {commit}: a fresh "
-        "`git clone`, a fresh virtual environment, then each command in the README's order, as written "
-        "(`--threads` at auto), one after another. Output of each: `log/`.",
-        "",
-        "| command | wall time | exit | wrote (in the clone) |",
-        "|---|---:|---:|---|",
-        *[f"| `{c}` | {t} | {rc} | {w} |" for c, t, rc, w in rows],
-        "",
-    ]
-    (HERE / "results.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+        _table(rows, args, commit, only)
+    print(_table(rows, args, commit, only))
 
 
 if __name__ == "__main__":
