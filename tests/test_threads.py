@@ -78,7 +78,7 @@ def test_busy_cores_reads_the_ticks_of_the_usable_cpus(tmp_path, monkeypatch):
     assert threads.cpu_times({0}) is None and threads.busy_cores({0}) is None
 
 
-def test_set_threads_explains_a_lower_choice_and_obeys_an_explicit_one(machine):
+def test_set_threads_explains_a_lower_choice_and_obeys_an_explicit_one(machine, monkeypatch):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -88,7 +88,9 @@ def test_set_threads_explains_a_lower_choice_and_obeys_an_explicit_one(machine):
         assert "computing with 1 CPU thread, not 2 (1.2 of 2 cores busy leaves 1 idle" in note and "--threads 2" in note
         torch.set_num_threads(2)
         machine(2, load=0.0, busy=0.0)
-        assert threads.set_threads(None) is None and torch.get_num_threads() == 2
+        calls = []  # auto sets the count it keeps too: set and unset defaults round differently
+        monkeypatch.setattr(torch, "set_num_threads", lambda n, real=torch.set_num_threads: (calls.append(n), real(n)))
+        assert threads.set_threads(None) is None and torch.get_num_threads() == 2 and calls == [2]
         assert threads.set_threads(1) is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -92,7 +92,12 @@ def auto_threads(default: int) -> tuple[int, str]:
 
 def set_threads(requested: int | None) -> str | None:
     """Set torch's CPU threads: ``requested``, or :func:`auto_threads` when None. Returns a one-line
-    note when auto chose fewer threads than torch would have (else None)."""
+    note when auto chose fewer threads than torch would have (else None).
+
+    The count is always *set*, also when auto keeps torch's default: torch computes some results
+    (e.g. an in-place ``exp_``) with other rounding after ``torch.set_num_threads(2)`` than under
+    its own default of 2 threads, and the solve mixers' training turns that rounding into final
+    losses ~0.05 apart — so ``--threads 2`` and auto choosing 2 must be the same computation."""
     import torch
 
     if requested is not None:
@@ -100,9 +105,9 @@ def set_threads(requested: int | None) -> str | None:
         return None
     default = torch.get_num_threads()
     threads, why = auto_threads(default)
+    torch.set_num_threads(threads)
     if threads == default:
         return None
-    torch.set_num_threads(threads)
     return (f"note: computing with {threads} CPU thread{'s' if threads > 1 else ''}, not {default} ({why}; a busy "
             f"core stalls every parallel step); --threads {default} to use them all")
 
