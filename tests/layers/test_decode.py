@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernelmix.layers import MIXERS, LayerCache
+from kernelmix.layers.rope import RopeTables
 
 from .common import CASE_IDS, CASES, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LENGTH, PREFILL, inputs, make_layer, rel_err
 
@@ -51,6 +52,28 @@ def test_decode_equals_full_forward(name, options, setup):
         after_full, _ = layer(x_next, full_cache)
         after_steps, _ = _token_by_token(layer, x_next, cache)
         assert rel_err(after_steps, after_full) <= TOL
+
+
+@pytest.mark.parametrize("name,options,setup", [c[1:] for c in CASES], ids=CASE_IDS)
+def test_a_stepped_cache_continued_twice_keeps_each_continuation(name, options, setup):
+    """Decode caches grow in spare rows of a buffer; continuing one state a second time (two
+    generations from one point) must not write over the first continuation's tokens."""
+    layer = make_layer(name, options, setup)
+    x = inputs()
+    other = inputs(seed=11)
+    with torch.no_grad():
+        full, _ = layer(x)
+        full_other, _ = layer(torch.cat([x[:, :PREFILL], other[:, PREFILL:]], dim=1))
+        _, cache = _token_by_token(layer, x[:, :PREFILL])
+        first, first_cache = _token_by_token(layer, x[:, PREFILL:], cache)
+        second, _ = _token_by_token(layer, other[:, PREFILL:], cache)
+        last, _ = layer(inputs(length=1, seed=3), first_cache)  # the first branch still continues, after the second
+        first_again, _ = _token_by_token(layer, x[:, LENGTH - 1 :], _token_by_token(layer, x[:, PREFILL:-1], cache)[1])
+        expected_last, _ = layer(torch.cat([x, inputs(length=1, seed=3)], dim=1))
+    assert rel_err(first, full[:, PREFILL:]) <= TOL
+    assert rel_err(second, full_other[:, PREFILL:]) <= TOL
+    assert rel_err(first_again, full[:, LENGTH - 1 :]) <= TOL
+    assert rel_err(last, expected_last[:, LENGTH:]) <= TOL
 
 
 @pytest.mark.parametrize("name,options,setup", [c[1:] for c in CASES], ids=CASE_IDS)
@@ -168,6 +191,7 @@ def test_cubit_lrr_range_bounds_rho():
     with torch.no_grad():
         layer.rho_proj.weight.mul_(100.0)
         x = inputs()
-        extras = layer._extras(x, q=None, k=None, k_raw=None, positions=torch.arange(x.shape[1]))
+        extras = layer._extras(x, q=None, k=None, k_raw=None,
+                                rotary=RopeTables.at(torch.arange(x.shape[1]), layer.head_dim))
     assert extras["rho"].min() >= 0.5 and extras["rho"].max() <= 2.0
     assert extras["rho"].shape == (2, LENGTH, HEADS)

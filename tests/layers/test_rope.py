@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernelmix.layers.rope import apply_rope, rope_cos_sin, rotate_half
+from kernelmix.layers.rope import RopeTables, apply_rope, rope_cos_sin, rotate_half
 
 F64 = torch.float64
 
@@ -41,6 +41,19 @@ def test_rope_matches_complex_rotation():
         None, :, None
     ]
     assert torch.allclose(out, torch.cat([z.real, z.imag], dim=-1), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_rope_tables_give_the_rotate_half_formula_bit_for_bit(dtype):
+    """The shared tables (roll and a signed sine) compute what x ⊙ cos + rotate_half(x) ⊙ sin does,
+    to the bit, for [T] and [B, T] positions."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, 3, 8, generator=g, dtype=F64).to(dtype)
+    for positions in (torch.arange(5, 12), torch.randint(0, 300, (2, 7), generator=g)):
+        cos, sin = rope_cos_sin(positions, 8, dtype=dtype)
+        expected = x * cos[..., None, :] + rotate_half(x) * sin[..., None, :]
+        assert torch.equal(RopeTables.at(positions, 8, dtype=dtype).apply(x), expected)
+        assert torch.equal(apply_rope(x, positions), expected)
 
 
 def test_rope_errors():

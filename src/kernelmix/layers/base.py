@@ -16,7 +16,7 @@ Subclasses (one per mixer, see :mod:`kernelmix.layers`) take the shared keyword 
 (their ``__init__`` signature then lists both, see :meth:`MixerLayer.__init_subclass__`), own the
 initialisation of their parameters (:meth:`MixerLayer.reset_parameters`), and implement
 
-* ``_extras(hidden_states, q=..., k=..., k_raw=..., positions=...)`` → dict of per-token tensors
+* ``_extras(hidden_states, q=..., k=..., k_raw=..., rotary=...)`` → dict of per-token tensors
   ``[B, T, ...]`` the op needs besides q, k, v (Cubit's r and ρ, DeltaFormer's β and w);
 * ``_parallel(q, k, v, extras)`` → ``(o, state)``: the whole sequence at once, no cache;
 * ``_step(q, k, v, extras, state)`` → ``(o, state)``: one token (T = 1) from a cache.
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..errors import KernelmixError
 from ..ops import check_backend
-from .rope import DEFAULT_THETA, apply_rope, rope_positions
+from .rope import DEFAULT_THETA, RopeTables, apply_rope, rope_positions
 
 
 @dataclass
@@ -332,9 +332,10 @@ class MixerLayer(nn.Module):
         q = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
         k_raw = self.k_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
-        q = self.rope(q, positions)
-        k = self.rope(k_raw, positions)
-        extras = self._extras(hidden_states, q=q, k=k, k_raw=k_raw, positions=positions)
+        rotary = RopeTables.at(positions, self.head_dim, theta=self.rope_theta, dtype=q.dtype)  # once for q, k (and r)
+        q = rotary.apply(q)
+        k = rotary.apply(k_raw)
+        extras = self._extras(hidden_states, q=q, k=k, k_raw=k_raw, rotary=rotary)
         extras["doc_start"] = doc_start
         out, state = self._mix(q, k, v, extras, None if cache is None else cache.state)
         out = self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
@@ -348,8 +349,9 @@ class MixerLayer(nn.Module):
         )
         return out, new_cache
 
-    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
-        """Per-token tensors ``[B, T, ...]`` (or None) the op needs besides q, k, v."""
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, rotary: RopeTables) -> dict:
+        """Per-token tensors ``[B, T, ...]`` (or None) the op needs besides q, k, v (``rotary``: the
+        rotation q and k got, for anything else rotated at their positions)."""
         return {}
 
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:

@@ -12,6 +12,7 @@ from ..errors import KernelmixError
 from ..ops import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
 from .base import MixerLayer, check_bool, check_choice, init_linear
+from .rope import RopeTables
 
 REFERENCES = ("separate", "key")
 
@@ -106,12 +107,12 @@ class CubitMixer(MixerLayer):
             f"lrr={self.lrr}, lrr_range={self.lrr_range}"
         )
 
-    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, rotary: RopeTables) -> dict:
         batch, length, _ = hidden_states.shape
         if self.reference == "separate":
             r = self.r_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
             if self.reference_rope:
-                r = self.rope(r, positions)
+                r = rotary.apply(r)
         else:
             r = expand_heads(k if self.reference_rope else k_raw, self.num_heads)
         rho = None

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ..errors import KernelmixError
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
 from .base import MixerLayer, check_choice, init_linear
+from .rope import RopeTables
 
 W_CHOICES = ("k", "q")
 
@@ -45,7 +46,7 @@ class DeltaFormerMixer(MixerLayer):
         super().reset_parameters(std, out_std)
         init_linear(self.beta_proj, std)
 
-    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, positions: Tensor) -> dict:
+    def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, rotary: RopeTables) -> dict:
         return {"beta": torch.sigmoid(self.beta_proj(hidden_states)), "w": q if self.w == "q" else None}
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:

@@ -16,6 +16,8 @@ inputs), then cast to the input dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -50,9 +52,31 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) -> Tensor:
-    """Rotate ``x`` ``[B, T, H, d]`` by its token positions: ``[T]`` (shared by the batch) or
-    ``[B, T]`` (per row: left padding, packed documents whose positions restart)."""
+@dataclass(frozen=True)
+class RopeTables:
+    """The rotation of one set of positions, ready to apply to every tensor rotated at them (a
+    layer's q, k and Cubit's r share one): ``cos`` and ``signed_sin`` ``[..., T, 1, d]`` broadcast
+    over heads, ``signed_sin = [−sin₁, sin₂]`` so that rotate_half(x) ⊙ sin = roll(x, d/2) ⊙ signed_sin
+    — one kernel fewer per rotation than rotate_half's negate-and-concatenate, the same bits."""
+
+    cos: Tensor
+    signed_sin: Tensor
+
+    @classmethod
+    def at(cls, positions: Tensor, head_dim: int, *, theta: float = DEFAULT_THETA,
+           dtype: torch.dtype = torch.float32) -> "RopeTables":
+        """The tables for integer ``positions`` ``[T]`` or ``[B, T]`` (see :func:`rope_cos_sin`)."""
+        cos, sin = rope_cos_sin(positions, head_dim, theta=theta, dtype=dtype)
+        half = head_dim // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cls(cos[..., None, :], signed_sin[..., None, :])
+
+    def apply(self, x: Tensor) -> Tensor:
+        """Rotate ``x`` ``[B, T, H, d]``."""
+        return x * self.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * self.signed_sin
+
+
+def check_rope_input(x: Tensor, positions: Tensor) -> None:
     if x.dim() != 4:
         raise KernelmixError(f"apply_rope expects [B, T, H, d], got shape {tuple(x.shape)}")
     if tuple(positions.shape) not in ((x.shape[1],), (x.shape[0], x.shape[1])):
@@ -60,9 +84,14 @@ def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) ->
             f"positions must have shape [T] = ({x.shape[1]},) or [B, T] = {tuple(x.shape[:2])}, "
             f"got {tuple(positions.shape)}"
         )
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta=theta, dtype=x.dtype)
-    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads (and batch for [T])
-    return x * cos + rotate_half(x) * sin
 
 
-__all__ = ["DEFAULT_THETA", "apply_rope", "rope_cos_sin", "rope_positions", "rotate_half"]
+def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) -> Tensor:
+    """Rotate ``x`` ``[B, T, H, d]`` by its token positions: ``[T]`` (shared by the batch) or
+    ``[B, T]`` (per row: left padding, packed documents whose positions restart). To rotate several
+    tensors at the same positions, build :class:`RopeTables` once and ``apply`` them to each."""
+    check_rope_input(x, positions)
+    return RopeTables.at(positions, x.shape[-1], theta=theta, dtype=x.dtype).apply(x)
+
+
+__all__ = ["DEFAULT_THETA", "RopeTables", "apply_rope", "check_rope_input", "rope_cos_sin", "rope_positions", "rotate_half"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -211,6 +212,81 @@ def expand_heads(x: Tensor, num_heads: int, dim: int = 2) -> Tensor:
     if h == num_heads:
         return x
     return x.repeat_interleave(num_heads // h, dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode caches that grow in amortised O(1) per token
+#
+# A decode step appends one token to the cached keys (values, u, r̂). ``torch.cat`` copies the
+# whole cache to do it: O(t) per token, O(T²) for a generation, and at long positions the copy
+# costs as much as the attention read itself. ``append_rows`` instead writes into spare rows of a
+# buffer the cache is a prefix view of, and reallocates (× 1.5) only when it is full. A state stays
+# a value: its tensors are never written where it can see — the rows past a view's end are written
+# only while that view is the newest one handed out from its buffer (``_ROWS_HANDED_OUT``), so a
+# cache continued twice (two generations from one prompt) copies on the second continuation.
+
+#: id(buffer) → (a weak reference to it, how many of its rows views have been handed out for)
+_ROWS_HANDED_OUT: dict[int, tuple[weakref.ref, int]] = {}
+#: rows a fresh buffer holds beyond what is needed now: at least this many, or half as many again
+MIN_SPARE_ROWS = 64
+
+
+def _handed_out(buffer: Tensor) -> int | None:
+    entry = _ROWS_HANDED_OUT.get(id(buffer))
+    return entry[1] if entry is not None and entry[0]() is buffer else None
+
+
+def _hand_out(buffer: Tensor, rows: int) -> Tensor:
+    key = id(buffer)
+    if key not in _ROWS_HANDED_OUT or _ROWS_HANDED_OUT[key][0]() is not buffer:
+        _ROWS_HANDED_OUT[key] = (weakref.ref(buffer, lambda _ref, key=key: _ROWS_HANDED_OUT.pop(key, None)), rows)
+    else:
+        _ROWS_HANDED_OUT[key] = (_ROWS_HANDED_OUT[key][0], rows)
+    return buffer[:, :rows]
+
+
+def append_rows(cached: Tensor | None, new: Tensor) -> Tensor:
+    """``torch.cat([cached, new], dim=1)`` (``new`` alone when ``cached`` is None), as a prefix
+    view of a buffer with spare rows: amortised O(new) instead of O(cached + new). The result has
+    the values, dtype and shape of the concatenation; the inputs are not modified."""
+    if cached is None:
+        cached = new[:, :0]
+    t, n = cached.shape[1], new.shape[1]
+    buffer = cached._base
+    grows_in_place = (
+        buffer is not None and _handed_out(buffer) == t and t + n <= buffer.shape[1]
+        and buffer.dim() == cached.dim() and buffer.shape[0] == cached.shape[0] and buffer.shape[2:] == cached.shape[2:]
+        and cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
+        and new.dtype == buffer.dtype and new.device == buffer.device
+        and not (new.requires_grad or buffer.requires_grad)  # autograd would see an in-place write
+        and (torch.is_inference_mode_enabled() or not buffer.is_inference())
+    )
+    if not grows_in_place:
+        dtype = torch.promote_types(cached.dtype, new.dtype)
+        if new.requires_grad or cached.requires_grad:  # keep the graph: a plain concatenation
+            return torch.cat([cached.to(dtype), new.to(dtype)], dim=1)
+        rows = t + n + max(MIN_SPARE_ROWS, (t + n) // 2)
+        buffer = new.new_empty((new.shape[0], rows, *new.shape[2:]), dtype=dtype)
+        buffer[:, :t] = cached
+    buffer[:, t : t + n] = new
+    return _hand_out(buffer, t + n)
+
+
+def query_rows_per_kv_head(q_t: Tensor, kv_heads: int) -> Tensor:
+    """One token's queries ``[B, H, d]`` as ``[B, H_kv, G, d]``: the G = H / H_kv query heads that
+    share a key/value head become G query rows of that head (the order :func:`expand_heads`
+    pairs them in), so a decode step reads the cached keys and values once as they are instead of
+    copying them G times over."""
+    batch, heads, dim = q_t.shape
+    return q_t.reshape(batch, kv_heads, heads // kv_heads, dim)
+
+
+def decode_logits(q_t: Tensor, keys: Tensor, dtype: torch.dtype) -> Tensor:
+    """One token's query–key products: ``q_t`` ``[B, H, d]`` against the cached ``keys``
+    ``[B, t, H_kv, d]``, ``[B, H, t]`` in ``dtype``; each cached key is read once for the query
+    heads that share it (:func:`query_rows_per_kv_head`), not repeated per head."""
+    rows = query_rows_per_kv_head(q_t.to(dtype), keys.shape[2])
+    return torch.einsum("bkgd,bjkd->bkgj", rows, keys.to(dtype)).flatten(1, 2)
 
 
 def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: int = 0) -> None:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
+    append_rows,
     NonFinite,
     autocast_off,
     check_4d,
@@ -29,6 +30,7 @@ from ._common import (
     check_qkv,
     check_state,
     compute_dtype,
+    decode_logits,
     expand_heads,
     find_nonfinite,
     per_head,
@@ -285,7 +287,7 @@ def cubit_attention_step(
         lam = per_head("ridge", ridge, heads, r_t, positive=True)
         s = per_head("ref_scale", ref_scale, heads, r_t, positive=True)
         r_hat_t = normalize_reference(r_t, s)
-        r_hat = r_hat_t if state is None else torch.cat([state.r_hat, r_hat_t], dim=1)
+        r_hat = append_rows(None if state is None else state.r_hat, r_hat_t)
         gram_logits = torch.einsum("bhd,bjhd->bhj", r_t[:, 0], r_hat)  # [B, H, t+1]
         if hidden is not None:
             gram_logits = gram_logits.masked_fill(hidden, float("-inf"))
@@ -296,10 +298,9 @@ def cubit_attention_step(
         if state is not None:
             b_t = b_t - torch.einsum("bhj,bjhd->bhd", gram_row[..., :-1], state.u)
         u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
-        u = u_t if state is None else torch.cat([state.u, u_t], dim=1)
-        k_all = k if state is None else torch.cat([state.k, k], dim=1)
-        weights = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype))
-        weights = weights * softmax_scale(q, scale)
+        u = append_rows(None if state is None else state.u, u_t)
+        k_all = append_rows(None if state is None else state.k, k)
+        weights = decode_logits(q[:, 0], k_all, dtype) * softmax_scale(q, scale)
         if hidden is not None:
             weights = weights.masked_fill(hidden, float("-inf"))
         weights = weights.softmax(dim=-1)

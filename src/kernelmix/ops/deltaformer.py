@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
+    append_rows,
     autocast_off,
     check_4d,
     check_chunk_size,
@@ -25,6 +26,7 @@ from ._common import (
     check_qkv,
     check_state,
     compute_dtype,
+    decode_logits,
     expand_heads,
     find_nonfinite,
     masked_softmax,
@@ -198,15 +200,15 @@ def deltaformer_attention_step(
         sc = softmax_scale(q, scale)
         u_t = expand_heads(v, heads).to(dtype)[:, 0]
         if state is not None:
-            w_t = expand_heads(k if w is None else w, heads).to(dtype)[:, 0]
-            logits = torch.einsum("bhd,bjhd->bhj", w_t, expand_heads(state.k, heads).to(dtype)) * sc
+            w_t = expand_heads(k if w is None else w, heads)[:, 0]
+            logits = decode_logits(w_t, state.k, dtype) * sc
             # a document's first token has no visible past: its row is empty (0), not NaN
             weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
             b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
             u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
-        u = u_t[:, None] if state is None else torch.cat([state.u, u_t[:, None]], dim=1)
-        k_all = k if state is None else torch.cat([state.k, k], dim=1)
-        logits = torch.einsum("bhd,bjhd->bhj", q[:, 0].to(dtype), expand_heads(k_all, heads).to(dtype)) * sc
+        u = append_rows(None if state is None else state.u, u_t[:, None])
+        k_all = append_rows(None if state is None else state.k, k)
+        logits = decode_logits(q[:, 0], k_all, dtype) * sc
         if hidden is not None:
             logits = logits.masked_fill(hidden, float("-inf"))
         weights = logits.softmax(-1)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
+    append_rows,
     autocast_off,
     bf16_attention_in_fp32,
     check_doc_start,
@@ -25,6 +26,7 @@ from ._common import (
     expand_heads,
     find_nonfinite,
     masked_softmax,
+    query_rows_per_kv_head,
     softmax_scale,
     visible,
 )
@@ -174,21 +176,22 @@ def softmax_attention_step(
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     if state is not None:
-        k = torch.cat([state.k, k], dim=1)
-        v = torch.cat([state.v, v], dim=1)
-    h = q.shape[2]
+        k = append_rows(state.k, k)  # amortised O(1) per token, not cat's O(t) copy
+        v = append_rows(state.v, v)
+    batch, _, heads, _ = q.shape
     mask = None
     if doc_start is not None:
         idx = torch.arange(position + 1, device=q.device)
-        mask = visible(idx[-1:], idx, doc_start)
+        mask = visible(idx[-1:], idx, doc_start)  # [B, 1, 1, t]: the same for every head and query row
+    # one SDPA call over the cache as it is: a kv head's G query heads are its G query rows
     out = _sdpa(
-        q.transpose(1, 2),
-        expand_heads(k, h).transpose(1, 2),
-        expand_heads(v, h).transpose(1, 2),
+        query_rows_per_kv_head(q[:, 0], k.shape[2]),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         attn_mask=mask,
         scale=softmax_scale(q, scale),
-    ).transpose(1, 2)
-    return out, SoftmaxState(k=k, v=v)
+    )  # [B, H_kv, G, d_v]
+    return out.reshape(batch, 1, heads, v.shape[-1]), SoftmaxState(k=k, v=v)
 
 
 __all__ = [
