@@ -202,3 +202,19 @@ def test_bad_doc_start_is_rejected(bad):
     for name, (fast, *_rest) in MIXERS.items():
         with pytest.raises(ValueError, match="doc_start"):
             _call(fast, name, t, doc_start=doc_start)
+
+
+def test_a_checked_doc_start_changed_in_place_is_checked_again():
+    """The check remembers the doc_start it passed (every layer of a model gets the same one), but
+    only while that tensor is unchanged and used for the same shape and offset."""
+    from kernelmix.ops._common import check_doc_start
+
+    doc_start = torch.tensor([[0, 0, 2, 2, 2, 5]])
+    check_doc_start(doc_start, 1, 6)
+    check_doc_start(doc_start, 1, 6)  # remembered
+    with pytest.raises(ValueError, match="must lie in"):
+        check_doc_start(doc_start, 1, 6, offset=-3)  # another offset: checked again
+    check_doc_start(doc_start, 1, 6)
+    doc_start[0, 4] = 0  # back to an earlier document, in place
+    with pytest.raises(ValueError, match="contiguous documents"):
+        check_doc_start(doc_start, 1, 6)

@@ -296,8 +296,24 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
     ``doc_start[b, i]`` is the absolute index of the first token of token i's document (token i sits
     at absolute index ``offset + i``); token i reads token j only if doc_start[b, i] ≤ j ≤ i.
     Packed documents and left padding are both expressed this way."""
-    if doc_start is None:
+    if doc_start is None or _checked_already(doc_start, (batch, length, offset)):
         return
+    _check_doc_start(doc_start, batch, length, offset)
+    _LAST_CHECKED_DOC_START[:] = [weakref.ref(doc_start), doc_start._version, (batch, length, offset)]
+
+
+#: the doc_start checked last — a model hands one tensor to every layer, so layers 2…L of a forward
+#: skip the check and its device sync: [weak reference, its version counter (bumped by any in-place
+#: change), (batch, length, offset)]
+_LAST_CHECKED_DOC_START: list = [None, None, None]
+
+
+def _checked_already(doc_start: Tensor, key: tuple[int, int, int]) -> bool:
+    ref, version, checked_key = _LAST_CHECKED_DOC_START
+    return ref is not None and ref() is doc_start and version == doc_start._version and checked_key == key
+
+
+def _check_doc_start(doc_start: Tensor, batch: int, length: int, offset: int) -> None:
     check_tensor("doc_start", doc_start, f"[B, T] = {(batch, length)}", "torch.long")
     if tuple(doc_start.shape) != (batch, length):
         raise KernelmixError(f"doc_start must have shape [B, T] = {(batch, length)}, got {tuple(doc_start.shape)}")
