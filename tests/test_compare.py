@@ -44,6 +44,7 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
     for run in data["runs"]:
         assert run["tokens"] == 384 and run["batch_size"] == 128 // run["length"]
         assert run["val_loss"] > 0 and run["tokens_per_s"] > 0 and len(run["curve"]) == 3
+        assert run["threads"] == torch.get_num_threads()
         assert run["flops"] == 384 * run["flops_per_token"] > 0 and run["train_s"] > 0  # every budget reports all three
         assert sum(b["tokens"] for b in run["buckets"]) == run["val_tokens"]
     # both lengths are evaluated on the same held-out tokens
@@ -285,3 +286,11 @@ def test_recompute_options_reach_the_runs_and_keep_their_keys(tmp_path):
     # recomputing changes no number (tests/test_parallelize.py), so finished runs stay reusable
     assert recomputed.run_key("cubit", 32, 0) == plain.run_key("cubit", 32, 0)
     assert small(tmp_path / "cmp", compile=True).run_key("cubit", 32, 0) != plain.run_key("cubit", 32, 0)
+
+
+def test_results_md_says_when_reused_runs_trained_with_other_threads():
+    from kernelmix.studies.compare import _threads_text
+
+    runs = [{"threads": 1}, {"threads": 2}, {}]  # {}: a run saved before threads were recorded
+    assert _threads_text({"machine": {"threads": 2}, "runs": runs}) == "2 torch threads now; the runs trained with 1 / 2"
+    assert _threads_text({"machine": {"threads": 2}, "runs": runs[1:]}) == "2 torch threads"

@@ -508,6 +508,9 @@ def run_one(config: CompareConfig, mixer: str, length: int, seed: int, *, steps:
         "tokens_per_s": tokens_per_s,
         "train_wall_s": train_wall,
         "eval_s": eval_s,
+        # not in the run's key (the settings are the same), but the rounding differs with the thread
+        # count and the solve mixers' final loss moves with it (results/rounding)
+        "threads": torch.get_num_threads(),
         "curve": curve,
         "run_dir": str(run_dir),
     }
@@ -833,7 +836,7 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"(first {results['evaluation']['tokens_per_document']} tokens of {results['evaluation']['documents']} held-out "
         f"documents) at each run's training length. Wall time {results['wall_s'] / 60:.1f} min for this invocation "
         f"({results['reused_runs']} of {len(results['runs'])} runs reused), {results['runs_wall_s'] / 60:.1f} min of "
-        f"training + evaluation over all runs; {results['machine']['threads']} torch threads.",
+        f"training + evaluation over all runs; {_threads_text(results)}.",
         "",
         f"## Validation loss (nats/token){spread}",
         "",
@@ -891,6 +894,16 @@ def format_markdown(results: dict[str, Any]) -> str:
         for r in at_longest:
             lines.append(f"| {r['mixer']} | " + " | ".join(_fmt(b["loss"], b["loss_sd"], r["seeds"]) for b in r["buckets"]) + " |")
     return "\n".join(lines + _costs_markdown(results)) + "\n"
+
+
+def _threads_text(results: dict[str, Any]) -> str:
+    """The torch threads of this invocation, and those reused runs trained with where they differ
+    (the solve mixers' losses move with the rounding a thread count brings: results/rounding)."""
+    now = results["machine"]["threads"]
+    counts = sorted({run["threads"] for run in results["runs"] if run.get("threads") is not None})
+    if counts in ([], [now]):
+        return f"{now} torch threads"
+    return f"{now} torch threads now; the runs trained with {' / '.join(map(str, counts))}"
 
 
 def _budget_markdown(results: dict[str, Any]) -> str:
