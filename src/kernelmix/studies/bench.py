@@ -261,33 +261,37 @@ def _decode_step(
     mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
     device: torch.device, dtype: torch.dtype, autocast: str | None = None,
 ) -> Callable[[], object]:
-    """One decode step (a no-argument call) after a prefill of ``position`` tokens."""
+    """One decode step (a no-argument call) after a prefill of ``position`` tokens. Each call
+    continues the state the previous one returned, as generation does: a cache that grows in spare
+    buffer rows (``append_rows``) is timed appending a row, not re-copying the prefill every call
+    (the position drifts by the number of calls, a few dozen)."""
     inputs = _inputs(batch, position + 1, heads, head_dim, num_features, device, dtype, requires_grad=False)
     prefix = {key: (val[:, :position] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
     last = {key: (val[:, position:] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
     with torch.no_grad(), _autocast(device, autocast):
         if mixer == "softmax":
             _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
-            step = lambda: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
+            step = lambda state: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
         elif mixer == "cubit":
             _, state = ops.cubit_attention(prefix["q"], prefix["k"], prefix["v"], prefix["r"], rho=prefix["rho"],
                                            chunk_size=chunk_size, return_state=True)
-            step = lambda: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
+            step = lambda state: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
         elif mixer == "deltaformer":
             _, state = ops.deltaformer_attention(prefix["q"], prefix["k"], prefix["v"], beta=prefix["beta"],
                                                  chunk_size=chunk_size, return_state=True)
-            step = lambda: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
+            step = lambda state: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
         else:
             transform = inputs["transform"] if mixer == "darkformer" else None
             _, state = ops.random_feature_attention(prefix["q"], prefix["k"], prefix["v"], inputs["projection"],
                                                     transform=transform, chunk_size=chunk_size, return_state=True)
-            step = lambda: ops.random_feature_attention_step(  # noqa: E731
+            step = lambda state: ops.random_feature_attention_step(  # noqa: E731
                 last["q"], last["k"], last["v"], inputs["projection"], state, transform=transform
             )
+    newest = [state]
 
     def run():
         with torch.no_grad(), _autocast(device, autocast):
-            step()
+            _, newest[0] = step(newest[0])
 
     return run
 

@@ -751,28 +751,35 @@ def fla_deltaformer(device: torch.device) -> tuple[Callable | None, str]:
 
 def decode_step(mixer: str, x: dict, position: int, backend: str) -> Callable[[], None]:
     """One decode token at ``position``: the state of a prefill of ``position`` tokens (the fast op
-    with ``return_state``), then the mixer's ``*_step`` on the next token (O(1) for random features)."""
+    with ``return_state``), then the mixer's ``*_step`` on the next token (O(1) for random features).
+    Each call continues the state the previous one returned, as generation does (a growing cache
+    appends a row; the position drifts by the number of calls)."""
     prefix = {n: t[:, :position] if t.dim() == 4 or n in ("rho", "beta") else t for n, t in x.items()}
     last = {n: t[:, position:position + 1] if t.dim() == 4 or n in ("rho", "beta") else t for n, t in x.items()}
     with torch.no_grad():
         if mixer == "softmax":
             _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
-            step = lambda: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
+            step = lambda state: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
         elif mixer == "cubit":
             _, state = ops.cubit_attention(prefix["q"], prefix["k"], prefix["v"], prefix["r"], rho=prefix["rho"],
                                            return_state=True, backend=backend)
-            step = lambda: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
+            step = lambda state: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
         elif mixer == "deltaformer":
             _, state = ops.deltaformer_attention(prefix["q"], prefix["k"], prefix["v"], beta=prefix["beta"],
                                                  return_state=True, backend=backend)
-            step = lambda: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
+            step = lambda state: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
         else:
             transform = x["transform"] if mixer == "darkformer" else None
             _, state = ops.random_feature_attention(prefix["q"], prefix["k"], prefix["v"], x["projection"],
                                                     transform=transform, return_state=True, backend=backend)
-            step = lambda: ops.random_feature_attention_step(  # noqa: E731
+            step = lambda state: ops.random_feature_attention_step(  # noqa: E731
                 last["q"], last["k"], last["v"], x["projection"], state, transform=transform)
-    return forward_only(step)
+    newest = [state]
+
+    def advance() -> None:
+        _, newest[0] = step(newest[0])
+
+    return forward_only(advance)
 
 
 def bench_decode(mixer: str, context: dict, sizes: Sizes, say) -> list[dict]:
