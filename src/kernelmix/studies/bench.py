@@ -49,6 +49,7 @@ from .. import ops
 from ..config import Choice, Field, PositiveInt, check
 from ..errors import KernelmixError
 from ..output import pyplot, write_json_atomic
+from .decode_timing import decode_step_after_prefill
 from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 from .flops import forward_flops
 
@@ -261,39 +262,11 @@ def _decode_step(
     mixer: str, position: int, *, batch: int, heads: int, head_dim: int, num_features: int, chunk_size: int,
     device: torch.device, dtype: torch.dtype, autocast: str | None = None,
 ) -> Callable[[], object]:
-    """One decode step (a no-argument call) after a prefill of ``position`` tokens. Each call
-    continues the state the previous one returned, as generation does: a cache that grows in spare
-    buffer rows (``append_rows``) is timed appending a row, not re-copying the prefill every call
-    (the position drifts by the number of calls, a few dozen)."""
+    """One decode step (a no-argument call) after a prefill of ``position`` tokens
+    (:func:`decode_step_after_prefill` on this bench's inputs, under its autocast setting)."""
     inputs = _inputs(batch, position + 1, heads, head_dim, num_features, device, dtype, requires_grad=False)
-    prefix = {key: (val[:, :position] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
-    last = {key: (val[:, position:] if key in ("q", "k", "v", "r", "rho", "beta") else val) for key, val in inputs.items()}
-    with torch.no_grad(), _autocast(device, autocast):
-        if mixer == "softmax":
-            _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
-            step = lambda state: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
-        elif mixer == "cubit":
-            _, state = ops.cubit_attention(prefix["q"], prefix["k"], prefix["v"], prefix["r"], rho=prefix["rho"],
-                                           chunk_size=chunk_size, return_state=True)
-            step = lambda state: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
-        elif mixer == "deltaformer":
-            _, state = ops.deltaformer_attention(prefix["q"], prefix["k"], prefix["v"], beta=prefix["beta"],
-                                                 chunk_size=chunk_size, return_state=True)
-            step = lambda state: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
-        else:
-            transform = inputs["transform"] if mixer == "darkformer" else None
-            _, state = ops.random_feature_attention(prefix["q"], prefix["k"], prefix["v"], inputs["projection"],
-                                                    transform=transform, chunk_size=chunk_size, return_state=True)
-            step = lambda state: ops.random_feature_attention_step(  # noqa: E731
-                last["q"], last["k"], last["v"], inputs["projection"], state, transform=transform
-            )
-    newest = [state]
-
-    def run():
-        with torch.no_grad(), _autocast(device, autocast):
-            _, newest[0] = step(newest[0])
-
-    return run
+    return decode_step_after_prefill(mixer, inputs, position, chunk_size=chunk_size,
+                                     context=lambda: _autocast(device, autocast))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ import torch
 from .. import ops
 from ..errors import Interrupted, KernelmixError
 from ..output import pyplot, write_json_atomic, write_text_atomic
+from .decode_timing import decode_step_after_prefill
 
 FORMAT = "kernelmix.gpu_check/1"
 PARTS = ("a", "b", "c")
@@ -750,36 +751,9 @@ def fla_deltaformer(device: torch.device) -> tuple[Callable | None, str]:
 
 
 def decode_step(mixer: str, x: dict, position: int, backend: str) -> Callable[[], None]:
-    """One decode token at ``position``: the state of a prefill of ``position`` tokens (the fast op
-    with ``return_state``), then the mixer's ``*_step`` on the next token (O(1) for random features).
-    Each call continues the state the previous one returned, as generation does (a growing cache
-    appends a row; the position drifts by the number of calls)."""
-    prefix = {n: t[:, :position] if t.dim() == 4 or n in ("rho", "beta") else t for n, t in x.items()}
-    last = {n: t[:, position:position + 1] if t.dim() == 4 or n in ("rho", "beta") else t for n, t in x.items()}
-    with torch.no_grad():
-        if mixer == "softmax":
-            _, state = ops.softmax_attention(prefix["q"], prefix["k"], prefix["v"], return_state=True)
-            step = lambda state: ops.softmax_attention_step(last["q"], last["k"], last["v"], state)  # noqa: E731
-        elif mixer == "cubit":
-            _, state = ops.cubit_attention(prefix["q"], prefix["k"], prefix["v"], prefix["r"], rho=prefix["rho"],
-                                           return_state=True, backend=backend)
-            step = lambda state: ops.cubit_attention_step(last["q"], last["k"], last["v"], last["r"], state, rho=last["rho"])  # noqa: E731
-        elif mixer == "deltaformer":
-            _, state = ops.deltaformer_attention(prefix["q"], prefix["k"], prefix["v"], beta=prefix["beta"],
-                                                 return_state=True, backend=backend)
-            step = lambda state: ops.deltaformer_attention_step(last["q"], last["k"], last["v"], state, beta=last["beta"])  # noqa: E731
-        else:
-            transform = x["transform"] if mixer == "darkformer" else None
-            _, state = ops.random_feature_attention(prefix["q"], prefix["k"], prefix["v"], x["projection"],
-                                                    transform=transform, return_state=True, backend=backend)
-            step = lambda state: ops.random_feature_attention_step(  # noqa: E731
-                last["q"], last["k"], last["v"], x["projection"], state, transform=transform)
-    newest = [state]
-
-    def advance() -> None:
-        _, newest[0] = step(newest[0])
-
-    return forward_only(advance)
+    """One decode token at ``position`` after a prefill of ``position`` tokens, continuing its newest
+    state call after call (:func:`kernelmix.studies.decode_timing.decode_step_after_prefill`)."""
+    return decode_step_after_prefill(mixer, x, position, backend=backend)
 
 
 def bench_decode(mixer: str, context: dict, sizes: Sizes, say) -> list[dict]:
