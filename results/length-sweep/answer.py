@@ -50,6 +50,25 @@ def _loss(values: list[float]) -> str:
     return f"{mean:.3f} ± {sd:.3f}"
 
 
+def _longer_budget_lines() -> list[str]:
+    """T=4096 again with twice the steps (``tokens-4096-300/``, when it has been run): does the gap
+    change once the models are past the bigram line?"""
+    path = HERE / "tokens-4096-300" / "results.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    runs = {(r["mixer"], r["seed"]): r["val_loss"] for r in data["runs"]}
+    seeds = sorted(s for m, s in runs if m == "softmax" and ("cubit", s) in runs)
+    soft, cubit = [runs["softmax", s] for s in seeds], [runs["cubit", s] for s in seeds]
+    steps, bigram = data["settings"]["steps"], data["reference"]["bigram"]
+    return ["", f"T=4096 with {steps} steps ({data['budget']['tokens_per_run']:,} tokens per run, equal tokens; "
+            f"`tokens-4096-300/results.json`; the bigram line of these validation tokens: {bigram:.3f}):", "",
+            "| T | softmax | Cubit | gap | seeds |", "|---:|---:|---:|---:|---|",
+            f"| 4096 | {_loss(soft)} | {_loss(cubit)} | {_cell([c - s for c, s in zip(cubit, soft)])} "
+            f"| {','.join(map(str, seeds))} |", "",
+            "Per seed: " + ", ".join(f"seed {s}: {c - f:+.3f}" for s, c, f in zip(seeds, cubit, soft))]
+
+
 def main() -> None:
     results = {budget: gaps(budget) for budget in BUDGETS}
     lines = ["# Does the Cubit − softmax gap grow with training length?", "",
@@ -69,6 +88,7 @@ def main() -> None:
         per_seed = ", ".join(f"seed {s}: {g:+.3f} / {f:+.3f}" for s, g, f in
                              zip(tok["seeds"], tok["gap"], results["flops"][length]["gap"]))
         lines.append(f"- T={length}: {per_seed}")
+    lines += _longer_budget_lines()
     (HERE / "answer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -10,3 +10,7 @@ common=(--mixers softmax,cubit --lengths 256,1024,4096 --seeds 0,1 --tokens-per-
         --threads 2)
 kernelmix compare "${common[@]}" --budget tokens --out results/length-sweep/tokens
 kernelmix compare "${common[@]}" --budget flops --out results/length-sweep/flops
+# T=4096 again with twice the steps (300 x 4,096 tokens), once the first two showed both models
+# still above the bigram line there at 150 steps
+kernelmix compare --mixers softmax,cubit --lengths 4096 --seeds 0,1 --tokens-per-step 4096 --steps 300 --threads 2 \
+  --budget tokens --out results/length-sweep/tokens-4096-300

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
-    append_rows,
     NonFinite,
+    append_rows,
     autocast_off,
     check_4d,
     check_chunk_size,
