@@ -296,7 +296,12 @@ def check_doc_start(doc_start: Tensor | None, batch: int, length: int, offset: i
     ``doc_start[b, i]`` is the absolute index of the first token of token i's document (token i sits
     at absolute index ``offset + i``); token i reads token j only if doc_start[b, i] ≤ j ≤ i.
     Packed documents and left padding are both expressed this way."""
-    if doc_start is None or _checked_already(doc_start, (batch, length, offset)):
+    if doc_start is None:
+        return
+    if torch.compiler.is_compiling():  # a traced memo would guard on module state and recompile every call
+        _check_doc_start(doc_start, batch, length, offset)
+        return
+    if _checked_already(doc_start, (batch, length, offset)):
         return
     _check_doc_start(doc_start, batch, length, offset)
     _LAST_CHECKED_DOC_START[:] = [weakref.ref(doc_start), doc_start._version, (batch, length, offset)]
