@@ -76,7 +76,7 @@ class RopeTables:
         return x * self.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * self.signed_sin
 
 
-def check_rope_input(x: Tensor, positions: Tensor) -> None:
+def _check_rope_input(x: Tensor, positions: Tensor) -> None:
     if x.dim() != 4:
         raise KernelmixError(f"apply_rope expects [B, T, H, d], got shape {tuple(x.shape)}")
     if tuple(positions.shape) not in ((x.shape[1],), (x.shape[0], x.shape[1])):
@@ -90,8 +90,8 @@ def apply_rope(x: Tensor, positions: Tensor, *, theta: float = DEFAULT_THETA) ->
     """Rotate ``x`` ``[B, T, H, d]`` by its token positions: ``[T]`` (shared by the batch) or
     ``[B, T]`` (per row: left padding, packed documents whose positions restart). To rotate several
     tensors at the same positions, build :class:`RopeTables` once and ``apply`` them to each."""
-    check_rope_input(x, positions)
+    _check_rope_input(x, positions)
     return RopeTables.at(positions, x.shape[-1], theta=theta, dtype=x.dtype).apply(x)
 
 
-__all__ = ["DEFAULT_THETA", "RopeTables", "apply_rope", "check_rope_input", "rope_cos_sin", "rope_positions", "rotate_half"]
+__all__ = ["DEFAULT_THETA", "RopeTables", "apply_rope", "rope_cos_sin", "rope_positions", "rotate_half"]

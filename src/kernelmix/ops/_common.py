@@ -238,10 +238,9 @@ def _handed_out(buffer: Tensor) -> int | None:
 
 def _hand_out(buffer: Tensor, rows: int) -> Tensor:
     key = id(buffer)
-    if key not in _ROWS_HANDED_OUT or _ROWS_HANDED_OUT[key][0]() is not buffer:
-        _ROWS_HANDED_OUT[key] = (weakref.ref(buffer, lambda _ref, key=key: _ROWS_HANDED_OUT.pop(key, None)), rows)
-    else:
-        _ROWS_HANDED_OUT[key] = (_ROWS_HANDED_OUT[key][0], rows)
+    ref = _ROWS_HANDED_OUT[key][0] if _handed_out(buffer) is not None else (
+        weakref.ref(buffer, lambda _ref, key=key: _ROWS_HANDED_OUT.pop(key, None)))
+    _ROWS_HANDED_OUT[key] = (ref, rows)
     return buffer[:, :rows]
 
 
@@ -255,7 +254,7 @@ def append_rows(cached: Tensor | None, new: Tensor) -> Tensor:
     buffer = cached._base
     grows_in_place = (
         buffer is not None and _handed_out(buffer) == t and t + n <= buffer.shape[1]
-        and buffer.dim() == cached.dim() and buffer.shape[0] == cached.shape[0] and buffer.shape[2:] == cached.shape[2:]
+        and buffer.shape[0] == cached.shape[0] and buffer.shape[2:] == cached.shape[2:]
         and cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
         and new.dtype == buffer.dtype and new.device == buffer.device
         and not (new.requires_grad or buffer.requires_grad)  # autograd would see an in-place write

@@ -750,12 +750,6 @@ def fla_deltaformer(device: torch.device) -> tuple[Callable | None, str]:
     return deltaformer_attn, f"{FLA_PEER}: fla.ops.deltaformer.deltaformer_attn"
 
 
-def decode_step(mixer: str, x: dict, position: int, backend: str) -> Callable[[], None]:
-    """One decode token at ``position`` after a prefill of ``position`` tokens, continuing its newest
-    state call after call (:func:`kernelmix.studies.decode_timing.decode_step_after_prefill`)."""
-    return decode_step_after_prefill(mixer, x, position, backend=backend)
-
-
 def bench_decode(mixer: str, context: dict, sizes: Sizes, say) -> list[dict]:
     """Decode latency of one mixer at every position, the positions interleaved round by round (a
     step after another mixer's long cache finds the caches cold: not across mixers)."""
@@ -763,7 +757,7 @@ def bench_decode(mixer: str, context: dict, sizes: Sizes, say) -> list[dict]:
     say(f"(b) decode {mixer} at positions {', '.join(map(str, positions))}")
     try:
         x = bench_inputs(sizes, max(positions) + 1, device, requires_grad=False)
-        steps = [decode_step(mixer, x, position, context["backend"]) for position in positions]
+        steps = [decode_step_after_prefill(mixer, x, position, backend=context["backend"]) for position in positions]
         for step in steps:  # warm-up
             step()
         times: list[list[float]] = [[] for _ in steps]
