@@ -350,22 +350,66 @@ def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, in
     """The chunked pass of :func:`random_feature_attention` on checked, finite inputs: returns the
     output ``[B, T, H, d_v]`` (v's dtype), the final state and the denominators ``[B, H, T]``."""
     q_logits, k_logits, values, _ = _prepare(q, k, v, projection, transform)
+    dv = values.shape[-1]
+    mixed, _, final = _chunked_sums(q_logits, k_logits, values, chunk_size, doc_start, initial_state)
+    out = safe_ratio(mixed[..., :dv], mixed[..., dv:]).transpose(1, 2).to(v.dtype)
+    return out, final, mixed[..., dv]
+
+
+def causal_feature_sums(
+    q_logits: Tensor,
+    k_logits: Tensor,
+    values: Tensor,
+    *,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    initial_state: RandomFeatureState | None = None,
+) -> tuple[Tensor, Tensor, RandomFeatureState]:
+    """The causal sums of linear attention on *log-features*, in chunks (the engine of
+    :func:`random_feature_attention`, for any positive feature map φ = exp(logits)).
+
+    ``q_logits`` ``[B, T, H, m]``, ``k_logits`` ``[B, T, H, m]`` (keys on the query heads), ``values``
+    ``[B, T, H, d_v]``, all in one floating dtype (computed as given: the callers pass ≥ fp32).
+    Returns ``(sums, log_scale, state)``: ``sums`` ``[B, T, H, d_v + 1]`` with
+
+        sums_i · exp(log_scale_i) = Σ_{doc_i ≤ j ≤ i} exp(q_logits_i)·exp(k_logits_j) [v_j, 1]  (+ the carried state),
+
+    ``log_scale`` ``[B, T, H]`` = a_i + s_i (a_i the query's own max logit, s_i the causal running
+    max of the key logits, both detached), and the final state. The stabilised sums never overflow;
+    ``initial_state`` and ``doc_start`` (absolute indices) work as in :func:`random_feature_attention`."""
+    check_chunk_size(chunk_size)
+    for name, x in (("q_logits", q_logits), ("k_logits", k_logits), ("values", values)):
+        check_4d(name, x)
+    if q_logits.shape != k_logits.shape or values.shape[:3] != q_logits.shape[:3]:
+        raise KernelmixError(
+            f"causal_feature_sums: q_logits {tuple(q_logits.shape)} and k_logits {tuple(k_logits.shape)} must be "
+            f"[B, T, H, m] alike and values {tuple(values.shape)} [B, T, H, d_v]"
+        )
+    mixed, log_scale, final = _chunked_sums(q_logits, k_logits, values, chunk_size, doc_start, initial_state)
+    return mixed.transpose(1, 2), log_scale, final
+
+
+def _chunked_sums(q_logits, k_logits, values, chunk_size, doc_start, initial_state):
+    """(the stabilised sums ``[B, H, T, d_v + 1]``, their log scale ``[B, T, H]``, the final state):
+    see :func:`causal_feature_sums`."""
     batch, length, heads, m = k_logits.shape
     dv = values.shape[-1]
     state, shift, start = _starting_state(initial_state, values, m)
     check_doc_start(doc_start, batch, length, offset=start)
     if length == 0:  # nothing to mix: an empty output, the state as it was
         final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start)
-        return values[:, :0].to(v.dtype), final, values.new_zeros(batch, heads, 0)  # (a slice: autograd sees v)
+        empty = values[:, :0].transpose(1, 2)
+        return torch.cat([empty, empty[..., :1]], dim=-1), values.new_zeros(batch, 0, heads), final
     running = _running_key_shift(k_logits, doc_start, start, shift)  # [B, H, T]
     chunk = min(chunk_size, length)
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
-    pos = (start + torch.arange(n_chunks * chunk, device=q.device)).view(n_chunks, chunk)  # absolute
+    pos = (start + torch.arange(n_chunks * chunk, device=values.device)).view(n_chunks, chunk)  # absolute
     # padding tokens continue the last document and repeat the last shift (their features are 0)
     rows_doc = None if doc_start is None else _repeat_last(doc_start, pad).view(batch, n_chunks, chunk)
     sc = _repeat_last(running, pad).view(batch, heads, n_chunks, chunk)
-    q_feat = _chunked(_normalised_queries(q_logits), n_chunks, chunk)
+    q_max = q_logits.detach().amax(dim=-1, keepdim=True)
+    q_feat = _chunked(torch.exp(q_logits - q_max), n_chunks, chunk)
     k_feat = _chunked(torch.exp(k_logits - running.transpose(1, 2)[..., None]), n_chunks, chunk)  # ≤ 1; padding: 0
     ones = values.new_ones(()).expand(*values.shape[:-1], 1)
     values = _chunked(torch.cat([values, ones], dim=-1), n_chunks, chunk)  # [V, 1]: numerator and denominator
@@ -376,9 +420,8 @@ def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, in
     shift_before = torch.cat([_initial_shift(initial_state, batch, heads, values), last_shift[..., :-1]], dim=-1)
     mixed = _read_out(scores, values, q_feat, before, sc, shift_before, pos, rows_doc)
     mixed = mixed.reshape(batch, heads, n_chunks * chunk, dv + 1)[:, :, :length]
-    out = safe_ratio(mixed[..., :dv], mixed[..., dv:]).transpose(1, 2).to(v.dtype)
     final = RandomFeatureState(S=state[..., :dv], z=state[..., dv], shift=shift, length=start + length)
-    return out, final, mixed[..., dv]
+    return mixed, q_max[..., 0] + running.transpose(1, 2), final
 
 
 def _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
