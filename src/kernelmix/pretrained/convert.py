@@ -24,14 +24,15 @@ from typing import Annotated, Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..config import Arg, Choice, Field, PositiveFloat, PositiveInt, check
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
 from ..layers import PROJECTIONS
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
-from .layer_kernels import CubitKernel, RandomFeatureKernel
+from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel
+from .window_cache import install_decode_cache
 
-MIXERS = ("performer", "darkformer", "cubit")  # cubit: experimental (see CubitKernel)
+MIXERS = ("performer", "darkformer", "hedgehog", "cubit")  # hedgehog: LoLCATs' learned map; cubit: experimental
 LAYER_CHOICES = ("all", "global", "local")
 INITS = ("identity", "whiten", "distill", "whiten+distill")
 # which layers: a name from LAYER_CHOICES or a list of layer indices (a field type of the configs that take layers)
@@ -40,7 +41,8 @@ LayerSelection = Annotated[
     Field(description="all | global | local | comma-separated indices"),
 ]
 CONFIG_KEY = "kernelmix_conversion"
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: the window (records without one are version 1: window 0, features only)
+DEFAULT_WINDOW = 64
 
 
 @dataclass
@@ -52,6 +54,8 @@ class ConversionConfig:
       their window), ``local`` (sliding-window layers only) or a list of layer indices.
     * ``num_features``: m per head. ``projection``: ``orthogonal`` or ``iid``. ``seed``: the draw of W
       (one generator, layers in order).
+    * ``window``: exact softmax over the last w tokens beside the features (0: features only); a
+      converted global layer then decodes from the window and the feature state (constant memory).
     * ``chunk_size``: chunk of the linear-time op.
     * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
     """
@@ -61,6 +65,8 @@ class ConversionConfig:
     num_features: Annotated[PositiveInt, Field(description="random features m per head")] = 256
     projection: Annotated[str, Choice(PROJECTIONS, "projection")] = "orthogonal"
     seed: int = 0
+    window: Annotated[NonNegativeInt, Field(description="exact softmax over the last W tokens, features before "
+                                                         "them (0: features only)")] = DEFAULT_WINDOW
     chunk_size: PositiveInt = 64
     ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
     # the initialisation (convert() records the one it used) and, filled in by convert(), the resolved layer indices
@@ -114,6 +120,12 @@ def convert(model, config: ConversionConfig | None = None, *, calibration: Tenso
     if hasattr(model.config, CONFIG_KEY) and any(hasattr(l.self_attn, "kernelmix_rf") for l in decoder_layers(model)):
         raise KernelmixError("the model is already converted; load the original to convert it again")
     indices = resolve_layers(model, config.layers)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and config.window > context:
+        raise KernelmixError(f"window {config.window} is longer than the host's context ({context} tokens): choose a "
+                             f"window ≤ {context} (the default is {DEFAULT_WINDOW}; 0 = features only)")
+    if config.mixer == "cubit" and config.window:
+        config.window = 0  # the cubit conversion has no feature part to put beside a window
     config.layer_indices = indices
     attach_kernels(model, config)
     if init != "identity":
@@ -134,10 +146,14 @@ def attach_kernels(model, config: ConversionConfig) -> None:
         if config.mixer == "cubit":
             kernel = CubitKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, ridge=config.ridge,
                                  chunk_size=config.chunk_size)
+        elif config.mixer == "hedgehog":
+            kernel = HedgehogKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
+                                    num_features=config.num_features, window=config.window,
+                                    chunk_size=config.chunk_size, generator=generator)
         else:
             kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
                                          num_features=config.num_features, projection=config.projection,
-                                         chunk_size=config.chunk_size, generator=generator)
+                                         chunk_size=config.chunk_size, window=config.window, generator=generator)
         attn.kernelmix_rf = kernel.to(device=param.device)  # float32 whatever the host dtype
     model.config._attn_implementation = ATTENTION_NAME
     for sub in model.modules():  # sub-configs (some models keep their own) follow
@@ -145,19 +161,26 @@ def attach_kernels(model, config: ConversionConfig) -> None:
         if sub_cfg is not None and sub_cfg is not cfg and hasattr(sub_cfg, "_attn_implementation"):
             sub_cfg._attn_implementation = ATTENTION_NAME
     setattr(model.config, CONFIG_KEY, {k: v for k, v in asdict(config).items()})
+    install_decode_cache(model)
+
+
+def legacy_defaults(raw: dict) -> dict:
+    """A recorded conversion with the settings that did not exist when it was written filled in as
+    they then were (version 1 had no window: features only)."""
+    return {"window": 0, **raw} if "window" not in raw else raw
 
 
 def conversion_config(model) -> ConversionConfig | None:
     raw = getattr(model.config, CONFIG_KEY, None)
-    return None if raw is None else ConversionConfig(**raw)
+    return None if raw is None else ConversionConfig(**legacy_defaults(raw))
 
 
 def set_num_features(model, num_features: int, seed: int = 0) -> None:
     """Redraw every converted layer's W with ``num_features`` rows (M and F are kept)."""
     generator = torch.Generator().manual_seed(seed)
     for kernel in kernels(model).values():
-        if kernel.mixer == "cubit":
-            raise KernelmixError("a cubit conversion has no random features to redraw")
+        if kernel.mixer in ("cubit", "hedgehog"):
+            raise KernelmixError(f"a {kernel.mixer} conversion has no random features to redraw")
         kernel.redraw_(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)
     raw.update(num_features=int(num_features), seed=int(seed))

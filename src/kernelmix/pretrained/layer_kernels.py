@@ -7,10 +7,18 @@ the one the Performer/DARKFormer layers use; its tensors live on the attention m
 ``save_pretrained`` saves them: ``projection`` W ``[H, m, d]`` (buffer) and, for DARKFormer,
 ``transform`` M ``[H, d, d]`` (parameter) and ``query_fold`` F ``[H, d, d]`` (buffer).
 
-Decoding uses the host's KV cache; each new token recomputes random-feature attention over the
-cached keys, O(t·m·d) per token (not the O(m·d) recurrent state of
-:func:`kernelmix.ops.random_features.random_feature_attention_step`; wiring that state into HF's
-cache is future work). :class:`CubitKernel` is the experimental Cubit conversion.
+With ``window`` w > 0 a converted layer attends exactly (the host's own softmax) to the last w
+tokens and through the features to the tokens before them, in one normalisation
+(:func:`kernelmix.ops.window_features.window_feature_attention`); w = 0 is features only.
+:class:`HedgehogKernel` is LoLCATs' learned feature map (softmax over a learned projection and its
+negation) in the same place, a peer for attention transfer (:mod:`.transfer`).
+
+Decoding: a converted global layer keeps the window's keys/values and the feature state in its
+own cache layer (:mod:`.window_cache`), O(w·d + m·d) whatever the length; the cache layer hands
+itself to the kernel in ``update`` (:attr:`WindowedAttention.active_cache`), just before the
+attention call of the same layer. Without it (a host's sliding-window layer, or a plain HF cache
+that already holds tokens) the kernel reads the host's cached keys densely.
+:class:`CubitKernel` is the experimental Cubit conversion.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from ..layers import RandomFeatureMap
 from ..layers.base import check_choice
 from ..ops import expand_heads
+from ..ops.random_features import feature_logits, orthogonal_random_features
+from ..ops.window_features import window_feature_attention, window_feature_attention_masked
 from .attention import left_padding_doc_start, visible_from_mask
 
 
@@ -34,7 +45,117 @@ def pad_queries_left(q: Tensor, length: int) -> Tensor:
 
 
 
-class RandomFeatureKernel(RandomFeatureMap):
+class WindowedAttention:
+    """What a converted layer with a window needs besides its feature map (a mixin of the kernels):
+    ``window`` w, ``relative_features`` (LoLCATs' normalisation, for maps that do not estimate
+    exp(q·k)), the handshake with its decode cache (``active_cache``) and :meth:`attend_window`.
+    The kernel class provides ``log_features(q, k, **overrides)``: the op's log-features of the
+    (scaled) queries and of the keys, both ``[B, T, H, m]``."""
+
+    window: int = 0
+    relative_features: bool = False
+    active_cache = None  # set by the layer's WindowFeatureCacheLayer.update, taken by the next attention call
+
+    def take_cache(self):
+        cache, self.active_cache = self.active_cache, None
+        return cache
+
+    def attend_window(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      scaling: float | None, **overrides) -> Tensor:
+        """Window + features on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
+        ``[B, H_kv, L, d]``) → ``[B, T, H, d_v]``; continues the layer's decode cache when one is active."""
+        scaling = self.head_dim**-0.5 if scaling is None else scaling
+        q = query.transpose(1, 2) * (scaling * math.sqrt(self.head_dim))  # the op's exact logits: q·k/√d
+        k, v = key.transpose(1, 2), value.transpose(1, 2)
+        q_features, k_features = self.log_features(q, k, **overrides)
+        options = dict(window=self.window, relative_features=self.relative_features)
+        length_q, length_k = q.shape[1], k.shape[1]
+        cache = self.take_cache()
+        if cache is not None:  # our own cache: only the new tokens come in, the window and features are in its state
+            doc_start = None
+            if attention_mask is not None and cache.state is None:
+                visible = _visible(attention_mask, q.shape[0])[..., -length_k:]
+                doc_start = left_padding_doc_start(visible, 0)
+                if doc_start is None:
+                    raise KernelmixError("a converted layer's decode cache takes causal masks with left padding only (what "
+                                         "generate builds); run other masks without a cache (use_cache=False)")
+            out, cache.state = window_feature_attention(q, k, v, q_features, k_features, doc_start=doc_start,
+                                                        chunk_size=self.chunk_size, initial_state=cache.state,
+                                                        return_state=True, **options)
+            return out.to(v.dtype)
+        if attention_mask is None and length_q == length_k:
+            return window_feature_attention(q, k, v, q_features, k_features, chunk_size=self.chunk_size, **options).to(v.dtype)
+        if attention_mask is None:
+            if length_q > 1:  # SDPA's upper-left causal convention (prefill into an empty static cache)
+                return self.attend_window(query, key[:, :, :length_q], value[:, :, :length_q], None, scaling, **overrides)
+            visible = torch.ones(1, 1, length_k, dtype=torch.bool, device=q.device)  # decode: every cached key
+        else:
+            visible = _visible(attention_mask, q.shape[0])
+            if length_q == length_k:
+                doc_start = left_padding_doc_start(visible, 0)
+                if doc_start is not None:
+                    return window_feature_attention(q, k, v, q_features, k_features, doc_start=doc_start,
+                                                    chunk_size=self.chunk_size, **options).to(v.dtype)
+        return window_feature_attention_masked(q, k, v, q_features, k_features, visible, **options).to(v.dtype)
+
+
+def _visible(attention_mask: Tensor, batch: int) -> Tensor:
+    visible = visible_from_mask(attention_mask)
+    return visible.expand(batch, -1, -1) if visible.shape[0] != batch else visible
+
+
+class HedgehogKernel(WindowedAttention, nn.Module):
+    """LoLCATs' learned feature map (Hedgehog) for one converted layer, attached as
+    ``self_attn.kernelmix_rf``: φ(x) = [softmax(x P), softmax(−x P)] ∈ R^m per head, with separate
+    learned projections for queries (``query_map`` ``[H, d, m/2]``) and keys (``key_map``), trained
+    by attention transfer. Its φ(q)·φ(k) ≤ 2 estimates nothing, so beside a window it is scaled
+    relative to the window's largest weight (``relative_features``), as in LoLCATs; w = 0 is plain
+    Hedgehog linear attention. Initialised with orthonormal random columns."""
+
+    mixer = "hedgehog"
+    transform = None
+    query_fold = None
+    relative_features = True
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, num_features: int, window: int = 0,
+                 chunk_size: int = 64, generator: torch.Generator | None = None):
+        super().__init__()
+        if num_features < 2 or num_features % 2:
+            raise KernelmixError(f"a hedgehog conversion needs an even num_features ≥ 2 (m/2 per softmax), got {num_features}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_features, self.window, self.chunk_size = num_features, window, chunk_size
+        half = num_features // 2
+
+        def draw():  # [H, d, m/2]: orthonormal directions (unit norm: softmax of O(‖x‖) logits at first)
+            rows = orthogonal_random_features(half, head_dim, num_heads=num_heads, generator=generator, dtype=torch.float64)
+            return (rows / rows.norm(dim=-1, keepdim=True)).transpose(1, 2).float()
+
+        self.query_map = nn.Parameter(draw())
+        self.key_map = nn.Parameter(draw())
+
+    def extra_repr(self) -> str:
+        return (f"mixer='hedgehog', num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"num_features={self.num_features}, window={self.window}")
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.query_map, self.key_map]
+
+    def log_features(self, q: Tensor, k: Tensor, *, query_map: Tensor | None = None, key_map: Tensor | None = None):
+        """log φ of the scaled queries ``[B, T, H, d]`` and the keys ``[B, L, H_kv, d]`` → ``[B, *, H, m]`` (float32)."""
+        query_map = self.query_map if query_map is None else query_map
+        key_map = self.key_map if key_map is None else key_map
+
+        def log_phi(x, projection):
+            z = torch.einsum("bthd,hdm->bthm", x.float(), projection.float())
+            return torch.cat([torch.log_softmax(z, -1), torch.log_softmax(-z, -1)], dim=-1)
+
+        return log_phi(q, query_map), log_phi(expand_heads(k, self.num_heads), key_map)
+
+    def attend(self, query, key, value, attention_mask, scaling, **overrides) -> Tensor:
+        return self.attend_window(query, key, value, attention_mask, scaling, **overrides)
+
+
+class RandomFeatureKernel(WindowedAttention, RandomFeatureMap):
     """Random-feature attention of one converted layer (attached as ``self_attn.kernelmix_rf``):
     a :class:`~kernelmix.layers.RandomFeatureMap` — buffer ``projection`` W ``[H, m, d]``; for
     DARKFormer parameter ``transform`` M ``[H, d, d]`` and buffer ``query_fold`` F ``[H, d, d]``
@@ -42,16 +163,19 @@ class RandomFeatureKernel(RandomFeatureMap):
     scaling (:meth:`feature_queries`), its masks and its KV cache (:meth:`attend`)."""
 
     def __init__(self, *, mixer: str, num_heads: int, num_kv_heads: int, head_dim: int, num_features: int,
-                 projection: str = "orthogonal", chunk_size: int = 64, generator: torch.Generator | None = None):
+                 projection: str = "orthogonal", chunk_size: int = 64, window: int = 0,
+                 generator: torch.Generator | None = None):
         check_choice("mixer", mixer, ("performer", "darkformer"))
         super().__init__(num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads, num_features=num_features,
                          projection=projection, data_aware=mixer == "darkformer", chunk_size=chunk_size,
                          generator=generator)
         self.mixer = mixer
+        self.window = window
 
     def extra_repr(self) -> str:
         return (f"mixer={self.mixer!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, num_features={self.num_features}, projection={self.projection_kind!r}")
+                f"head_dim={self.head_dim}, num_features={self.num_features}, projection={self.projection_kind!r}, "
+                f"window={self.window}")
 
     def trainable(self) -> list[nn.Parameter]:
         """The kernel's own finetunable parameters: M for DARKFormer, none for Performer (W is fixed)."""
@@ -64,11 +188,25 @@ class RandomFeatureKernel(RandomFeatureMap):
         q = query.transpose(1, 2) * (scaling * math.sqrt(self.head_dim))
         return self.fold_queries(q, fold)
 
+    def log_features(self, q: Tensor, k: Tensor, *, transform: Tensor | None = None, fold: Tensor | None = None):
+        """log φ of the scaled queries ``[B, T, H, d]`` (folded here) and of the keys ``[B, L, H_kv, d]``
+        → ``[B, *, H, m]``: W(M x̃) − ½‖M x̃‖² − ½ log m, in float32 (E[φ(q)·φ(k)] = exp((Fq)ᵀMᵀMk/√d))."""
+        transform = self.transform if transform is None else transform
+        projection = self.projection.float()
+        m = None if transform is None else transform.float()
+        offset = 0.5 * math.log(self.num_features)
+        q_logits = feature_logits(self.fold_queries(q, fold).float(), projection, m) - offset
+        k_logits = feature_logits(expand_heads(k, self.num_heads).float(), projection, m) - offset
+        return q_logits, k_logits
+
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float | None,
                *, transform: Tensor | None = None, fold: Tensor | None = None) -> Tensor:
         """Random-feature attention on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
         ``[B, H_kv, L, d]``, HF mask or None) → ``[B, T, H, d_v]`` (HF's attention output layout).
-        ``transform`` and ``fold`` override M and F (e.g. while training copies of them)."""
+        ``transform`` and ``fold`` override M and F (e.g. while training copies of them). With a
+        window, or a decode cache of this layer's own, :meth:`attend_window`."""
+        if self.window > 0 or self.active_cache is not None:
+            return self.attend_window(query, key, value, attention_mask, scaling, transform=transform, fold=fold)
         q = self.feature_queries(query, scaling, fold)
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         length_q, length_k = q.shape[1], k.shape[1]

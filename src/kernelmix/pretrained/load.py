@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import oserror
 from ..errors import KernelmixError
 from ..locks import HOLDER_NAME, LOCK_NAME, run_directory_lock
-from .convert import CONFIG_KEY, ConversionConfig, attach_kernels, conversion_config
+from .convert import CONFIG_KEY, ConversionConfig, attach_kernels, conversion_config, legacy_defaults
 from .hosts import check_model_dir, require, resolve
 
 STAGING_PREFIX = ".kernelmix-partial-"
@@ -177,7 +177,7 @@ def recorded_conversion(raw: Any, directory: str | Path) -> ConversionConfig:
         raise KernelmixError(f"{where} has unknown setting(s) {unknown} (known: {', '.join(sorted(known))}): was it written "
                              "by a newer kernelmix? Upgrade kernelmix, or convert the host again")
     try:
-        config = ConversionConfig(**raw)
+        config = ConversionConfig(**legacy_defaults(raw))
         config.validate()
     except ValueError as error:
         raise KernelmixError(f"{where}: {error}; save the model again with save_converted") from None
