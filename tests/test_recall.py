@@ -218,7 +218,7 @@ class TestErrors:
         (dict(pairs=[40]), "use --vocab-size 81 or more"),
         (dict(lengths=[8], pairs=[4]), "use longer lengths or fewer pairs"),
         (dict(widths=[30], heads=4), "width 30 is not a multiple of heads 4"),
-        (dict(pairs=[2, 2]), "pairs lists a value twice"),
+        (dict(pairs=[2, 2]), r"\[2, 2\] repeats 2: list each pair count once"),
         (dict(min_lr=1.0), "lower min_lr"),
     ])
     def test_configs_that_cannot_run_name_the_fix(self, overrides, words):

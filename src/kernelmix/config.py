@@ -23,8 +23,9 @@ names the field, the value and what it should be::
 
 The annotations use pydantic's own vocabulary (``Field(gt=0, description=..., title=...,
 examples=[...])``); ``title`` names the field in messages, ``examples[0]`` is the fix they show.
-Two markers are ours: :class:`Choice` (the value, or every item of a list, is one of a set of
-names) and :class:`Arg` (how the field appears on the command line). This module imports neither
+Three markers are ours: :class:`Choice` (the value, or every item of a list, is one of a set of
+names), :class:`Distinct` (no item of a list is given twice) and :class:`Arg` (how the field appears
+on the command line). This module imports neither
 torch nor the command line, so every tier can use it.
 """
 
@@ -77,6 +78,31 @@ class Choice:
             what = self.what if isinstance(value, str) else f"{self.what}(s)"
             more = self.more if self.more.startswith(";") else f", {self.more}" if self.more else ""
             raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))} (choose from: {', '.join(self.options)}{more})")
+        return value
+
+
+@dataclass(frozen=True)
+class Distinct:
+    """Annotation marker: no item of the list is given twice; ``what`` names one item in the error,
+    ``[0, 0] repeats 0: list each seed once``. One rule for every list option: a
+    repeated item is refused, never run twice nor dropped in silence (either would make a result
+    claim what was not asked: one run reported as two seeds, a length evaluated twice)."""
+
+    what: str
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def check(self, value: Any) -> Any:
+        if value is None:  # a field ``list[X] | None`` left unset
+            return value
+        items = list(value)
+        repeated = []  # each item given more than once, once, in the order of the list
+        for i, item in enumerate(items):
+            if item in items[:i] and item not in repeated:
+                repeated.append(item)
+        if repeated:
+            raise ValueError(f"{items} repeats {', '.join(map(repr, repeated))}: list each {self.what} once")
         return value
 
 
@@ -378,6 +404,6 @@ def _bounds(meta: list[Any], noun: str) -> str:
 
 
 __all__ = [
-    "Arg", "Choice", "Field", "FieldError", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Spec",
+    "Arg", "Choice", "Distinct", "Field", "FieldError", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Spec",
     "accepts", "check", "check_value", "choice_of", "expectation", "item_type", "specs", "union_members", "unwrap",
 ]

@@ -400,3 +400,41 @@ class TestOutputPathsCheckedBeforeTheWork:
         assert main(["bench", "--lengths", "16", "--out", str(tmp_path / "new" / "bench")]) == 1
         err = capsys.readouterr().err
         assert f"{tmp_path} is not writable by you: check its permissions" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# List options: one rule for a repeated item
+
+
+class TestRepeatedItemsInListOptions:
+    """Issue 25: a repeated item was run twice (eval), dropped in silence (compare's lengths; its
+    seeds reported one run as two, "± 0.000") or refused (recall). Now every list option refuses it,
+    naming the option, the repeated item and the fix, before any work."""
+
+    @pytest.mark.parametrize("argv, message", [
+        (["compare", "--seeds", "0,0"], "--seeds: [0, 0] repeats 0: list each seed once"),
+        (["compare", "--lengths", "256,512,256"], "--lengths: [256, 512, 256] repeats 256: list each length once"),
+        (["compare", "--mixers", "softmax,cubit,softmax"], "--mixers: ['softmax', 'cubit', 'softmax'] repeats 'softmax'"),
+        (["recall", "--pairs", "2,2", "--widths", "32"], "--pairs: [2, 2] repeats 2: list each pair count once"),
+        (["eval", "{run}", "--lengths", "64,64"], "--lengths: [64, 64] repeats 64: list each length once"),
+        (["eval", "{run}", "--tasks", "cloze,cloze"], "--tasks: ['cloze', 'cloze'] repeats 'cloze'"),
+        (["bench", "--lengths", "16,16"], "--lengths: [16, 16] repeats 16: list each length once"),
+        (["generate-bench", "--mixers", "cubit,cubit"], "--mixers: ['cubit', 'cubit'] repeats 'cubit'"),
+    ])
+    def test_refused_naming_the_option_the_item_and_the_fix(self, argv, message, tmp_path, monkeypatch, capsys):
+        for work in ("kernelmix.cli.compare.run_compare", "kernelmix.cli.recall.run_recall", "kernelmix.cli.eval.load_run",
+                     "kernelmix.cli.bench.run_bench", "kernelmix.studies.generate_bench.benchmark_generation"):
+            monkeypatch.setattr(work, _never)
+        with pytest.raises(SystemExit) as exit_:
+            main([a.format(run=tmp_path) for a in argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+
+    def test_the_library_configs_refuse_it_too(self):
+        from kernelmix.studies.compare import CompareConfig
+        from kernelmix.studies.recall import RecallConfig
+
+        with pytest.raises(KernelmixError, match=r"\[0, 1, 0, 1\] repeats 0, 1: list each seed once"):
+            CompareConfig(seeds=[0, 1, 0, 1])
+        with pytest.raises(KernelmixError, match="list each width once"):
+            RecallConfig(widths=[32, 32])

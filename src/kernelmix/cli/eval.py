@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from ..config import Arg, Choice, Field, NonNegativeInt, PositiveInt, check
+from ..config import Arg, Choice, Distinct, Field, NonNegativeInt, PositiveInt, check
 from ..evaluate import (
     BACKENDS, DEFAULT_DOC_TOKENS, DEFAULT_MAX_DOCS, TASKS, LossReport, build_tasks, check_backend, check_lengths,
     evaluate_loss, parse_buckets, predicted_tokens, scope_split, score_tasks, task_requests,
@@ -30,7 +30,7 @@ All = Annotated[str, Choice(("all",), "value", more="or a positive integer")]
 class EvalOptions:
     run: Annotated[str, Arg(positional=True), Field(description="a run directory (kernelmix train --out) or a checkpoint directory")]
     data: Annotated[str, Field(description="val (default) or train: the run's own split; or a text file/dir/glob/.jsonl")] = "val"
-    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1, description=(
+    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Distinct("length"), Field(min_length=1, description=(
         "context lengths, e.g. 128,256,512,1024 (default: the training length)"))] | None = None
     buckets: Annotated[list[NonNegativeInt], Field(description=(
         "position-bucket edges, e.g. 0,64,256,1024 (default ×4 from 64)"))] | None = None
@@ -42,7 +42,7 @@ class EvalOptions:
     doc_tokens: Annotated[PositiveInt | All | None, Field(description=(
         f"evaluate the first N tokens of each document, or all (default: {DEFAULT_DOC_TOKENS:,} or the longest "
         "--lengths if longer; whole documents with --max-docs all)"))] = None
-    tasks: Annotated[list[str], Choice((*TASKS, "all", "none"), "task"), Field(
+    tasks: Annotated[list[str], Choice((*TASKS, "all", "none"), "task"), Distinct("task"), Field(
         description=f"zero-shot tasks: {','.join(TASKS)} | all | none (default)")] = field(default_factory=lambda: ["none"])
     items: Annotated[PositiveInt, Field(description="items per zero-shot task")] = 100
     context_tokens: Annotated[PositiveInt, Field(description="context of a zero-shot item (tokens)")] = 256

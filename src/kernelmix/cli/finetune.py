@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 from .. import pretrained as cv
-from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..config import Arg, Choice, Distinct, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_text_windows
 from ..errors import Interrupted
 from ..locks import run_directory_lock
@@ -29,7 +29,7 @@ class FinetuneOptions:
     model: Annotated[str, Arg(positional=True), Field(
         description="a prepared name (gemma3-270m, smollm2-135m), a local HF causal-LM directory, or a converted one")]
     out: Annotated[str, Field(description="output directory")]
-    variants: Annotated[list[str], Choice(VARIANTS, "variant"), Field(
+    variants: Annotated[list[str], Choice(VARIANTS, "variant"), Distinct("variant"), Field(
         min_length=1, description="softmax,performer,darkformer (and cubit, experimental)")] = (
         field(default_factory=lambda: list(DEFAULT_VARIANTS)))
     num_features: Annotated[PositiveInt, Field(description="m for performer and darkformer (equal m)")] = 64
@@ -37,7 +37,7 @@ class FinetuneOptions:
     init: Annotated[str, Choice(INITS, "init"), Field(description="DARKFormer initialisation")] = "whiten"
     text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
     val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
-    lrs: Annotated[list[PositiveFloat], Arg(flag="--lr"), Field(
+    lrs: Annotated[list[PositiveFloat], Arg(flag="--lr"), Distinct("learning rate"), Field(
         min_length=1, title="learning rates", description="learning rate, or several (comma-separated) for a sweep")] = (
         field(default_factory=lambda: [1e-4]))
     calib_seqs: Annotated[PositiveInt, Field(description="training windows used to whiten/distill")] = 2

@@ -46,7 +46,7 @@ from typing import Annotated, Callable
 import torch
 
 from .. import ops
-from ..config import Choice, Field, PositiveInt, check
+from ..config import Choice, Distinct, Field, PositiveInt, check
 from ..errors import KernelmixError
 from ..output import pyplot, write_json_atomic
 from .decode_timing import decode_step_after_prefill
@@ -318,11 +318,11 @@ def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
 class BenchConfig:
     """What :func:`run_bench` measures (``kernelmix bench``'s options)."""
 
-    mixers: Annotated[list[str], Choice(MIXER_NAMES, "mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+    mixers: Annotated[list[str], Choice(MIXER_NAMES, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
         field(default_factory=lambda: list(MIXER_NAMES)))
-    lengths: Annotated[list[PositiveInt], Field(min_length=1, description="e.g. 256,1024,4096")] = (
+    lengths: Annotated[list[PositiveInt], Distinct("length"), Field(min_length=1, description="e.g. 256,1024,4096")] = (
         field(default_factory=lambda: [256, 512, 1024, 2048, 4096]))
-    decode_positions: list[PositiveInt] = field(default_factory=lambda: [256, 1024, 4096])
+    decode_positions: Annotated[list[PositiveInt], Distinct("position")] = field(default_factory=lambda: [256, 1024, 4096])
     batch: PositiveInt = 1
     heads: PositiveInt = 8
     head_dim: PositiveInt = 64
@@ -334,7 +334,7 @@ class BenchConfig:
     device: str = "cpu"
     repeats: PositiveInt = 3
     memory: Annotated[bool, Field(description="measure peak memory, each op in a fresh process (--no-memory skips it)")] = True
-    peers: Annotated[list[str], Choice(PEERS, "peer"), Field(
+    peers: Annotated[list[str], Choice(PEERS, "peer"), Distinct("peer"), Field(
         description="comma-separated peers measured in the same run: performer-pytorch, fla-deltaformer-naive, "
         "cubit-dense (skipped with a note when not installed)")] = field(default_factory=list)
     peer_max_length: Annotated[PositiveInt, Field(description="largest T for the peers")] = 2048

@@ -72,7 +72,7 @@ from typing import Annotated, Any, Callable
 
 import torch
 
-from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..config import Arg, Choice, Distinct, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import Interrupted, KernelmixError
 from ..evaluate import ngram_losses, parse_buckets
 from ..locks import run_directory_lock
@@ -120,11 +120,11 @@ class CompareConfig:
     bigram line at every length, i.e. past the regime where only byte statistics are learned
     (results/compare-frontier); the README states how long they take."""
 
-    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Field(min_length=1, description="comma-separated")] = (
+    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
         field(default_factory=lambda: list(DEFAULT_MIXERS)))
-    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1, description="training lengths")] = (
+    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Distinct("length"), Field(min_length=1, description="training lengths")] = (
         field(default_factory=lambda: [256, 512]))
-    seeds: Annotated[list[NonNegativeInt], Field(min_length=1, description="seeds, e.g. 0,1,2 (mean ± spread over them)")] = (
+    seeds: Annotated[list[NonNegativeInt], Distinct("seed"), Field(min_length=1, description="seeds, e.g. 0,1,2 (mean ± spread over them)")] = (
         field(default_factory=lambda: [0]))
     # "mini", not "tiny": tiny's 2 × 64 stayed between the unigram and bigram lines in any budget of
     # minutes (results/compare-frontier)
@@ -163,8 +163,6 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        if len(set(self.mixers)) != len(self.mixers):
-            raise ValueError(f"mixers lists a name twice: {self.mixers}")
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         if self.buckets is not None:  # now, not after the first run has trained
@@ -177,7 +175,7 @@ class CompareConfig:
                     f"tokens_per_step {self.tokens_per_step} is not a multiple of length {length}: every length must get "
                     f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
                 )
-        self.lengths = sorted(set(self.lengths))
+        self.lengths = sorted(self.lengths)
         if self.seconds is not None and self.budget != "time":
             raise KernelmixError(f"--seconds sets the time budget, but the budget is {self.budget!r}: add --budget time, "
                                  "or drop --seconds")

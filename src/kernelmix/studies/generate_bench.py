@@ -20,7 +20,7 @@ from typing import Annotated
 
 import torch
 
-from ..config import Choice, Field, NonNegativeInt, PositiveInt, check
+from ..config import Choice, Distinct, Field, NonNegativeInt, PositiveInt, check
 from ..generate import generate
 from ..layers import MIXERS
 from ..layers.base import check_positive_int
@@ -36,7 +36,7 @@ class GenerateBenchConfig:
     """What ``kernelmix generate-bench`` measures (and :func:`benchmark_generation` takes)."""
 
     preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
-    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
         field(default_factory=lambda: list(MIXERS)))
     prompt_length: PositiveInt = 32
     new_tokens: Annotated[PositiveInt | None, Field(description=(

@@ -44,7 +44,7 @@ from typing import Annotated, Any, Callable
 
 import torch
 
-from ..config import Arg, Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..config import Arg, Choice, Distinct, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data.recall import POWER_A, key_range, mqar_batch, query_accuracy, value_range
 from ..errors import Interrupted, KernelmixError
 from ..locks import run_directory_lock
@@ -65,13 +65,13 @@ class RecallConfig:
     600 steps × 32 sequences per cell) finish in under 10 minutes on 2 CPU cores (measured: see
     results/recall/README.md); docs/recall.md says why each setting is what it is."""
 
-    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Field(min_length=1, description="comma-separated")] = (
+    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
         field(default_factory=lambda: list(DEFAULT_MIXERS)))
-    widths: Annotated[list[PositiveInt], Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
+    widths: Annotated[list[PositiveInt], Distinct("width"), Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
         field(default_factory=lambda: [64]))
-    lengths: Annotated[list[Annotated[int, Field(ge=4)]], Field(min_length=1, description="sequence lengths T")] = (
+    lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"), Field(min_length=1, description="sequence lengths T")] = (
         field(default_factory=lambda: [64]))
-    pairs: Annotated[list[PositiveInt], Field(min_length=1, description=(
+    pairs: Annotated[list[PositiveInt], Distinct("pair count"), Field(min_length=1, description=(
         "numbers of key-value pairs (a cell with 4 x pairs > T is skipped)"))] = field(default_factory=lambda: [4, 8, 16])
     vocab_size: Annotated[int, Field(ge=3, description="vocabulary: a filler token, then keys and values, half each")] = 128
     layers: Annotated[PositiveInt, Field(description="blocks of the model (recall needs at least 2)")] = 2
@@ -97,10 +97,6 @@ class RecallConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        for name in ("mixers", "widths", "lengths", "pairs"):
-            values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise KernelmixError(f"{name} lists a value twice: {values}; give each once")
         if self.min_lr is None:  # held: a decay lowers the rate before the jump to recall has come
             self.min_lr = self.lr
         if self.min_lr > self.lr:
