@@ -112,7 +112,9 @@ class Arg:
     (default ``--field-name``; a bool that defaults to true gets ``--no-field-name``);
     ``positional``: an argument without a flag; ``group``: fields of one group exclude each other;
     ``repeat``: the option may be given several times (a list of the values); ``cli=False``: not
-    an option at all (set by the program, not the user)."""
+    an option at all (set by the program, not the user); ``parse_bounds``: the field's bounds are
+    checked when the option is parsed, for an option that no config is built from (``--threads``)
+    and whose value is used before any config's check would see it."""
 
     flag: str | None = None
     positional: bool = False
@@ -120,6 +122,7 @@ class Arg:
     group: str | None = None
     repeat: bool = False
     cli: bool = True
+    parse_bounds: bool = False
 
 
 @dataclass(frozen=True)

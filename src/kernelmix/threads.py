@@ -20,6 +20,8 @@ import os
 import time
 from pathlib import Path
 
+from .errors import KernelmixError
+
 #: how long auto watches the CPUs before choosing (short: every command pays it once)
 SAMPLE_SECONDS = 0.25
 PROC_STAT = Path("/proc/stat")
@@ -101,6 +103,8 @@ def set_threads(requested: int | None) -> str | None:
     import torch
 
     if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise KernelmixError(f"threads must be a positive integer (a CPU thread count, e.g. 1), got {requested!r}")
         torch.set_num_threads(requested)
         return None
     default = torch.get_num_threads()

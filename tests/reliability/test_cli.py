@@ -9,6 +9,7 @@ saves all or nothing under the run-directory lock. Tiny models built offline, as
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import signal
@@ -438,3 +439,38 @@ class TestRepeatedItemsInListOptions:
             CompareConfig(seeds=[0, 1, 0, 1])
         with pytest.raises(KernelmixError, match="list each width once"):
             RecallConfig(widths=[32, 32])
+
+
+class TestThreadsNotPositive:
+    """Issue 25: ``--threads 0`` / ``--threads -2`` reached torch's ``RuntimeError: set_num_threads
+    expects a positive integer`` as a traceback. Refused when the option is parsed, for every command."""
+
+    @pytest.mark.parametrize("value", ["0", "-2"])
+    @pytest.mark.parametrize("command", [["train"], ["recall"], ["compare"], ["eval", "run"], ["model-info", "tiny"],
+                                         ["gpu-check", "--out", "unused"]])
+    def test_refused_at_parsing_naming_the_option(self, command, value, monkeypatch, capsys):
+        monkeypatch.setattr("torch.set_num_threads", _never)
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, f"--threads={value}"])
+        assert exit_.value.code == 2
+        assert "argument --threads: must be a positive integer" in capsys.readouterr().err
+
+    def test_every_command_that_takes_threads_checks_it(self):
+        from kernelmix.cli.app import build_parser
+
+        checked = []
+        for action in build_parser()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    for a in child._actions:
+                        if "--threads" in a.option_strings:
+                            with pytest.raises(Exception, match="positive integer"):
+                                a.type("0")
+                            checked.append(name)
+        assert {"train", "recall", "compare", "eval", "bench", "gpu-check"} <= set(checked)
+
+    def test_the_library_names_the_fix_too(self):
+        from kernelmix.threads import set_threads
+
+        with pytest.raises(KernelmixError, match="threads must be a positive integer"):
+            set_threads(0)

@@ -56,8 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", default=hidden, help=HELP["quick"])
     parser.add_argument("--lengths", default=hidden, metavar="T,T,...", help=HELP["lengths"])
     parser.add_argument("--skip", default=hidden, metavar="PARTS", help=HELP["skip"])
-    parser.add_argument("--threads", type=int, default=hidden, metavar="N", help=HELP["threads"])
+    parser.add_argument("--threads", type=thread_count, default=hidden, metavar="N", help=HELP["threads"])
     parser.add_argument("--debug", action="store_true", default=hidden, help=HELP["debug"])
+
+
+def thread_count(text: str) -> int:
+    """``--threads``' value: a positive integer, refused here rather than as torch's RuntimeError."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (a CPU thread count, e.g. 1), got {text!r}")
+    return value
 
 
 def add_command(sub) -> None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 from typing import Annotated, Any
 
-from ..config import Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
+from ..config import Arg, Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
 from ..errors import KernelmixError
 
 
 # the --threads option of the commands that compute (one spelling, one help text)
-Threads = Annotated[PositiveInt | None, Field(description=(
+Threads = Annotated[PositiveInt | None, Arg(metavar="N", parse_bounds=True), Field(description=(
     "torch CPU threads (default: auto, the cores the machine's load leaves idle at the start, at most torch's "
     "default; on a shared machine 1 is often fastest)"))]
 
@@ -116,9 +116,12 @@ def _help(s: Spec) -> str:
 def _parser(s: Spec, annotation: Any):
     def parse(text: str) -> Any:
         try:
-            return parse_text(annotation, text)
+            value = parse_text(annotation, text)
         except ValueError:
             raise OptionError(f"must be {_words(annotation)}, got {text!r}") from None
+        if s.arg.parse_bounds and not accepts(annotation, value):
+            raise OptionError(f"must be {expectation(annotation)}, got {text!r}")
+        return value
 
     parse.__name__ = s.name
     return parse
