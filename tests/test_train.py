@@ -446,9 +446,9 @@ def test_cli_train_resume_and_errors(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli_main(["train", "--config", str(toml), "--set", "model.mixer=cubit", "--out", str(out)]) == 0
     assert "step 3/3" in capsys.readouterr().out
-    # --resume alone reuses the run's settings (the cubit mixer included); --set extends the run
+    # --resume alone reuses the run's settings (the cubit mixer included); --set with --reschedule extends the run
     assert run_config(None, ["steps=5"], out_dir=out, resume=True).model == {"mixer": "cubit"}
-    assert cli_main(["train", "--resume", "--out", str(out), "--set", "steps=5"]) == 0
+    assert cli_main(["train", "--resume", "--reschedule", "--out", str(out), "--set", "steps=5"]) == 0
     assert [r["step"] for r in metric_lines(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
     assert json.loads((out / "config.json").read_text())["model"]["mixer"] == "cubit"
     capsys.readouterr()
@@ -606,7 +606,8 @@ def test_resume_may_change_the_backend_but_not_the_model(tmp_path):
     may change it; any other model field is still refused."""
     settings = {**REF, "steps": 4, "eval_every": 0, "checkpoint_every": 2, "out_dir": str(tmp_path / "run")}
     train(TrainConfig(**{**settings, "steps": 2}), progress=False)
-    resumed = train(TrainConfig(**{**settings, "model": {**REF["model"], "backend": "torch"}}), resume=True, progress=False)
+    resumed = train(TrainConfig(**{**settings, "model": {**REF["model"], "backend": "torch"}}), resume=True, progress=False,
+                    reschedule=True)
     assert resumed.start_step == 2
     with pytest.raises(CheckpointError, match="dropout: 0.1 in the checkpoint, 0.0 now"):
         train(TrainConfig(**{**settings, "steps": 6, "model": {"mixer": "performer"}}), resume=True, progress=False)

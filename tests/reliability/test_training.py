@@ -760,3 +760,40 @@ class TestResumingAFinishedRun:
         capsys.readouterr()
         assert cli_main(["train", "--resume", "--out", str(out)]) == 0
         assert f"checkpoint {out / 'checkpoints' / 'step_00000008'}" in capsys.readouterr().out
+
+
+class TestResumeOnAnotherSchedule:
+    """Issue 25: ``train --resume --set steps=10`` on a finished 6-step run rewrote the schedule in
+    silence (the learning rate went from min_lr back up at the resumed step). Another total is now
+    refused, naming both totals, both rates and the fixes; ``--reschedule`` accepts it on purpose."""
+
+    def test_refused_naming_the_steps_the_rates_and_the_fixes(self, reference, tmp_path, capsys):
+        import shutil
+
+        out = tmp_path / "run"
+        shutil.copytree(reference.out_dir, out)
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(KernelmixError) as error:
+            train(config(out, steps=12), resume=True, progress=False)
+        message = str(error.value)
+        assert "from a run of 8 steps, this one asks for 12" in message
+        # the 8-step run ended at min_lr 1e-4; laid over 12 steps, update 9 would be at 8.25e-4
+        assert "update 9 would use lr 0.000825 where the run's own schedule is at 0.0001" in message
+        assert "another --out" in message and "--reschedule" in message
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+        capsys.readouterr()
+        assert cli_main(["train", "--resume", "--out", str(out), "--set", "steps=12"]) == 2
+        assert "this one asks for 12" in capsys.readouterr().err
+
+    def test_reschedule_accepts_it(self, reference, tmp_path, capsys):
+        import shutil
+
+        out = tmp_path / "run"
+        shutil.copytree(reference.out_dir, out)
+        assert cli_main(["train", "--resume", "--reschedule", "--out", str(out), "--set", "steps=10"]) == 0
+        assert "step 10/10" in capsys.readouterr().out
+
+    def test_reschedule_without_resume_is_refused(self, tmp_path, capsys):
+        assert cli_main(["train", "--reschedule", "--out", str(tmp_path / "run")]) == 1
+        assert "add --resume, or drop --reschedule" in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()

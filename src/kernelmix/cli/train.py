@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from ..config import Arg, Field, check, expectation, specs
+from ..errors import KernelmixError
 from ..training.config import TrainConfig
 from .options import add_options, from_args
 
@@ -24,9 +25,14 @@ class TrainOptions:
         description="override one setting (repeatable)")] = field(default_factory=list)
     resume: Annotated[bool, Field(description="continue the run in --out from its newest checkpoint")] = False
     out: Annotated[str | None, Field(description="the run directory (sets out_dir)")] = None
+    reschedule: Annotated[bool, Field(description=(
+        "with --resume and another steps/tokens: lay the learning-rate schedule over the new total (the rate jumps "
+        "at the resumed step); without it such a resume is refused"))] = False
 
     def __post_init__(self) -> None:
         check(self)
+        if self.reschedule and not self.resume:
+            raise KernelmixError("--reschedule changes the schedule of a resumed run: add --resume, or drop --reschedule")
 
 
 def settings_help(cls: type = TrainConfig) -> str:
@@ -50,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:  # unknown key, bad value, unknown preset/mixer/option
         args.parser.error(str(err))
     try:
-        result = train(config, resume=opts.resume)
+        result = train(config, resume=opts.resume, reschedule=opts.reschedule)
     except Interrupted as err:  # SIGINT/SIGTERM: saved; the message says where and how to resume
         if main_process:
             print(f"kernelmix train: {err}", file=sys.stderr)

@@ -297,7 +297,7 @@ def run_config(
 ) -> TrainConfig:
     """The config ``kernelmix train`` runs: defaults ← (with ``resume``) the settings saved in the
     run's newest checkpoint ← the file ← the overrides ← ``out_dir``. So ``--resume --out DIR``
-    alone continues a run as it was configured, and ``--set steps=N`` extends it."""
+    alone continues a run as it was configured, and ``--set steps=N --reschedule`` extends it."""
     update: dict[str, Any] = read_config_file(config_file) if config_file is not None else {}
     for assignment in overrides:
         apply_override(update, assignment)

@@ -268,25 +268,30 @@ def train(
     resume: bool = False,
     stop_at: int | None = None,
     progress: bool | None = None,
+    reschedule: bool = False,
 ) -> TrainResult:
     """Train (or, with ``resume``, continue from the newest checkpoint in ``config.out_dir``).
 
     ``stop_at``: checkpoint and return after this step although the schedule runs to the last
     step (for time-sliced jobs; continue later with ``resume=True``). ``progress``: a rich bar
-    (True), nothing printed (False), or plain lines unless stderr is a terminal (None)."""
+    (True), nothing printed (False), or plain lines unless stderr is a terminal (None).
+    ``reschedule``: a resumed run may have another number of steps (``steps`` / ``tokens``) than
+    its checkpoint's run; the warmup + cosine schedule is then laid over the new total, so the
+    learning rate jumps at the resumed step. Without it such a resume is refused, naming both."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise ValueError(f"stop_at must be a step >= 1 (or None to train to the end), got {stop_at!r}")
     env = distrib.setup(config.device)
     try:
-        return run_training(config, env, resume=resume, stop_at=stop_at, progress=progress)
+        return run_training(config, env, resume=resume, stop_at=stop_at, progress=progress, reschedule=reschedule)
     finally:
         distrib.teardown(env)
 
 
 def run_training(
     config: TrainConfig, env: distrib.DistEnv, *, resume: bool, stop_at: int | None, progress: bool | None,
+    reschedule: bool = False,
 ) -> TrainResult:
     """:func:`train` in a process group that is already set up. Rank 0 holds the run directory's
     lock throughout: a second writer is refused at once, naming this one."""
@@ -300,7 +305,7 @@ def run_training(
                 stack.enter_context(run_directory_lock(out_dir, "kernelmix train"))
         ckpt = open_run(out_dir, resume, main=env.is_main)
         dataset = load_dataset(config, env)
-        return PretrainTrainer(config, env, dataset, ckpt, stop_at=stop_at).train(progress)
+        return PretrainTrainer(config, env, dataset, ckpt, stop_at=stop_at, reschedule=reschedule).train(progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +361,8 @@ def load_dataset(config: TrainConfig, env: distrib.DistEnv):
     return dataset
 
 
-def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, total_steps: int):
+def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, total_steps: int,
+                reschedule: bool = False):
     """``(model, record, start_step)``: the model with the same initial weights on every process
     (or the checkpoint's, once it is known to fit), the run's record (``config.json``) and the
     step the run starts from."""
@@ -367,6 +373,8 @@ def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkp
     if ckpt is None:
         return model, record, 0
     check_resumable(ckpt.config, record, ckpt.path)
+    if not reschedule:
+        check_same_schedule(ckpt, config, total_steps)
     if ckpt.config["run"]["data"]["key"] != record["run"]["data"]["key"] and env.is_main:
         warnings.warn(
             f"the tokenized corpus changed since {str(ckpt.path)!r} was written (the files or the tokenizer "
@@ -376,9 +384,29 @@ def build_model(config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkp
     if ckpt.step > total_steps:
         raise CheckpointError(
             f"checkpoint {str(ckpt.path)!r} is at step {ckpt.step}, beyond this run's {total_steps} steps; "
-            f"raise steps (e.g. --set steps={ckpt.step + config.steps}) to train further"
+            f"raise steps (e.g. --set steps={ckpt.step + config.steps} --reschedule) to train further"
         )
     return model, record, ckpt.step
+
+
+def check_same_schedule(ckpt: Checkpoint, config: TrainConfig, total_steps: int) -> None:
+    """Refuse resuming ``ckpt`` on another number of steps than its run had: the learning rate
+    (warmup, then cosine to ``min_lr`` at the last step) is laid over the run's steps, so another
+    total would silently move it at the resumed step (a finished run extended from 6 to 10 steps
+    went from min_lr back up to 3.8× it). The message names both totals, both rates and the fixes."""
+    before = ckpt.config.get("run", {}).get("total_steps")
+    if not isinstance(before, int) or before == total_steps:
+        return
+    step = ckpt.step
+    was = lr_at(min(step, before - 1), config, before)
+    now = lr_at(min(step, total_steps - 1), config, total_steps)
+    raise CheckpointError(
+        f"checkpoint {str(ckpt.path)!r} is from a run of {before} steps, this one asks for {total_steps} (steps / "
+        f"tokens changed): the learning-rate schedule (warmup + cosine to min_lr at the last step) would be laid over "
+        f"{total_steps} steps, so update {step + 1} would use lr {now:.3g} where the run's own schedule is at {was:.3g}; "
+        f"resume without changing steps/tokens, start a new run with another --out, or accept the new schedule with "
+        f"--reschedule (train(..., reschedule=True))"
+    )
 
 
 def build_optimizer(model: CausalLM, config: TrainConfig, device: torch.device, ckpt: Checkpoint | None):
@@ -447,7 +475,8 @@ class PretrainTrainer(Trainer):
 
     skip_non_finite = True
 
-    def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *, stop_at: int | None):
+    def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *, stop_at: int | None,
+                 reschedule: bool = False):
         self.config, self.env, self.ckpt, self.out_dir = config, env, ckpt, Path(config.out_dir)
         self.global_batch = config.batch_size * config.grad_accum * env.world_size
         self.tokens_per_step = self.global_batch * config.seq_len
@@ -458,7 +487,7 @@ class PretrainTrainer(Trainer):
                 f"reaches lr={config.lr:g} (its last step uses {lr_at(total_steps - 1, config, total_steps):.2g}); "
                 f"set fewer warmup steps, e.g. --set warmup_steps={max(1, total_steps // 10)}", stacklevel=3,
             )
-        self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps)
+        self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps, reschedule)
         self.raw_model.to(env.device)
         self.model = parallelize(
             self.raw_model, compile=config.compile, activation_checkpointing=config.activation_checkpointing,
