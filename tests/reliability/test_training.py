@@ -797,3 +797,24 @@ class TestResumeOnAnotherSchedule:
         assert cli_main(["train", "--reschedule", "--out", str(tmp_path / "run")]) == 1
         assert "add --resume, or drop --reschedule" in capsys.readouterr().err
         assert not (tmp_path / "run").exists()
+
+
+class TestOneDocumentCorpus:
+    """Issue 25: a one-document corpus put everything in the train split (the split is by document)
+    and the run went without validation in silence, though eval_every asked for it. Now a warning
+    says so and names the fixes (a warning, not an error: the training itself is sound)."""
+
+    def test_a_warning_names_the_corpus_and_the_fixes(self, tmp_path):
+        corpus = tmp_path / "one.txt"
+        corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+        settings = {**REF, "corpus": str(corpus), "steps": 2, "warmup_steps": 1, "eval_every": 1, "checkpoint_every": 0}
+        with pytest.warns(UserWarning, match=r"no validation: the corpus .*one\.txt' has 1 document .* none was "
+                                             r"held out .*eval_every=1 included.*--set val_fraction=0") as caught:
+            result = train(config(tmp_path / "run", **settings), progress=False)
+        assert result.val_losses == {} and len([w for w in caught if "no validation" in str(w.message)]) == 1
+
+    def test_none_when_validation_is_switched_off(self, tmp_path, recwarn):
+        corpus = tmp_path / "one.txt"
+        corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+        train(config(tmp_path / "run", corpus=str(corpus), steps=2, warmup_steps=1, val_fraction=0.0, checkpoint_every=0), progress=False)
+        assert not [w for w in recwarn if "no validation" in str(w.message)]

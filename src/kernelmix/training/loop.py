@@ -461,6 +461,22 @@ def validation_batches(dataset, config: TrainConfig) -> list:
     return list(eval_batches(dataset.val, config.seq_len, config.batch_size, config.eval_batches or None))
 
 
+def warn_no_validation(dataset, config: TrainConfig) -> None:
+    """Say that a run asked for validation (``val_fraction`` > 0) gets none: the split by document
+    held nothing out (one document) or only documents without a token to predict. A warning, not an
+    error: the training itself is sound (a smoke test, one book), only the validation loss is missing."""
+    total = len(dataset.train) + len(dataset.val)
+    why = (f"the corpus {config.corpus!r} has {total} document{'s' if total != 1 else ''} and the split is by "
+           "document, so none was held out" if len(dataset.val) == 0 else
+           f"the {len(dataset.val)} held-out document(s) have no token to predict")
+    warnings.warn(
+        f"no validation: {why} (val_fraction={config.val_fraction:g}); this run reports no validation loss, "
+        f"eval_every={config.eval_every} included. Split the text into several documents (files of a directory, "
+        "or lines of a .jsonl), or set --set val_fraction=0 to train without validation on purpose",
+        stacklevel=3,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -498,6 +514,8 @@ class PretrainTrainer(Trainer):
         self.params, self.grad_clip = list(self.raw_model.parameters()), config.grad_clip
         self.samplers = build_samplers(dataset, config, env)
         self.val_batches = validation_batches(dataset, config)
+        if not self.val_batches and config.val_fraction > 0 and env.is_main:
+            warn_no_validation(dataset, config)
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.bf16)
         self.schedule = Schedule(
             total_steps=total_steps, start_step=start_step, resumed=ckpt is not None, eval_every=config.eval_every,
