@@ -437,3 +437,26 @@ class TestCalibrationRefusesNonFinite:
         layer = build_mixer("darkformer", hidden_size=32, num_heads=H, num_kv_heads=HKV, num_features=M)
         with pytest.raises(KernelmixError, match="q_samples holds NaN"):
             layer.whiten_(q, k)
+
+
+class TestMixedDtypesNamed:
+    """Issue 25: a float16 q with float32 k/v reached SDPA's own error ("Expected query, key, and
+    value to have the same dtype ... c10::Half"). The ops that need one dtype now say so in our words."""
+
+    @pytest.mark.parametrize("op", ["softmax", "cubit", "deltaformer"])
+    def test_refused_naming_the_dtypes_and_the_fix(self, op):
+        q = torch.randn(1, 4, 2, 8, dtype=torch.float16)
+        k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+        call = {"softmax": lambda: ops.softmax_attention(q, k, v),
+                "cubit": lambda: ops.cubit_attention(q, k, v, torch.randn(1, 4, 2, 8)),
+                "deltaformer": lambda: ops.deltaformer_attention(q, k, v)}[op]
+        with pytest.raises(KernelmixError, match=r"dtypes differ: q float16, k float32, v float32; give q, k, v one "
+                                                 r"dtype, e.g. k.to\(q.dtype\) and v.to\(q.dtype\)"):
+            call()
+
+    def test_the_masked_form_too(self):
+        q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+        k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+        mask = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+        with pytest.raises(KernelmixError, match="dtypes differ: q bfloat16"):
+            ops.softmax_attention_masked(q, k, v, mask)

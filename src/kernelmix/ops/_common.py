@@ -105,11 +105,27 @@ def check_4d(name: str, x: Tensor) -> None:
         raise KernelmixError(f"{name} must be a floating tensor (float64, float32 or bfloat16), got {x.dtype}")
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False, same_length: bool = True) -> None:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float16`` for ``torch.float16``: how a user writes it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, v_heads_follow_q: bool = False, same_length: bool = True,
+              same_dtype: bool = False) -> None:
     """Check q, k, v agree on batch, length and head grouping; raise KernelmixError naming the fix.
-    ``same_length=False`` (masked attention over a cache): only k and v need the same length."""
+    ``same_length=False`` (masked attention over a cache): only k and v need the same length.
+    ``same_dtype=True``: q, k, v must share a dtype (the ops that hand them to SDPA or a solve, which
+    would fail naming internal tensors); the random-feature ops take a float32 query fold beside
+    bf16 keys, so the check is the caller's choice. Devices must always agree."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_4d(name, x)
+    if same_dtype and not (q.dtype == k.dtype == v.dtype):
+        raise KernelmixError(
+            f"dtypes differ: q {dtype_name(q.dtype)}, k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}; give q, k, v "
+            "one dtype, e.g. k.to(q.dtype) and v.to(q.dtype)")
+    if not (q.device == k.device == v.device):
+        raise KernelmixError(f"devices differ: q on {q.device}, k on {k.device}, v on {v.device}; move them to one "
+                             f"device (e.g. k.to(q.device))")
     bq, tq, hq, dq = q.shape
     bk, tk, hk, dk = k.shape
     bv, tv, hv, _ = v.shape

@@ -59,7 +59,7 @@ class CubitState:
 
 
 def _check_cubit_inputs(q, k, v, r, rho) -> None:
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_dtype=True)
     check_4d("r", r)
     if tuple(r.shape[:3]) != tuple(q.shape[:3]):
         raise KernelmixError(

@@ -51,7 +51,7 @@ class DeltaFormerState:
 
 
 def _check_inputs(q, k, v, beta, w) -> None:
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_dtype=True)
     check_per_token_heads("beta", beta, q)
     if w is not None:
         check_4d("w", w)

@@ -74,7 +74,7 @@ def softmax_attention(
     ``bf16_attention_in_fp32``) and returns bf16. A NaN or ±inf in k or v at token t makes rows ≥ t
     of its document NaN and leaves every other row as it is (see ``_common``, non-finite inputs).
     """
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_dtype=True)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     guard = find_nonfinite({"k": k, "v": v}, q.shape[2])
     if guard is None:
@@ -111,7 +111,7 @@ def softmax_attention_naive(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, doc_start: Tensor | None = None
 ) -> Tensor:
     """Dense reference: explicit T×T scores, causal (+ document) mask, softmax (float64-friendly)."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_dtype=True)
     h, t = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], t)
     guard = find_nonfinite({"k": k, "v": v}, h, always=True)
@@ -135,7 +135,7 @@ def softmax_attention_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> t
     both computed in float32 (float64 for float64 queries); ``out`` is cast to v's dtype. A row
     with no visible key gives 0; a row that shows a non-finite key or value gives NaN (rows that
     do not show it are unaffected). Runs with autocast off (the precision policy, ``_common``)."""
-    check_qkv(q, k, v, same_length=False)
+    check_qkv(q, k, v, same_length=False, same_dtype=True)
     check_mask(mask, q, k)
     heads, d = q.shape[2], q.shape[3]
     guard = find_nonfinite({"k": k, "v": v}, heads)
@@ -163,7 +163,7 @@ def softmax_attention_step(
 ) -> tuple[Tensor, SoftmaxState]:
     """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself
     (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given)."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_dtype=True)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
     if state is not None:
