@@ -818,3 +818,42 @@ class TestOneDocumentCorpus:
         corpus.write_text("def f(x):\n    return x + 1\n" * 200)
         train(config(tmp_path / "run", corpus=str(corpus), steps=2, warmup_steps=1, val_fraction=0.0, checkpoint_every=0), progress=False)
         assert not [w for w in recwarn if "no validation" in str(w.message)]
+
+
+class _Foreign:
+    """A pickled object that would run a command when unpickled (it never is)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class TestForeignPickleCheckpoint:
+    """Issue 25: a state.pt that is a foreign pickle (matching its manifest) was called "damaged",
+    with torch's advice to retry with weights_only=False passed on. Now it is refused for safety,
+    naming the global it asks for and the fix, and unpickling is never suggested."""
+
+    def test_refused_for_safety_never_suggesting_unpickling(self, reference, tmp_path):
+        import hashlib
+        import pickle
+        import shutil
+
+        out = tmp_path / "run"
+        shutil.copytree(reference.out_dir, out)
+        newest = latest_checkpoint(out)
+        state = newest / "state.pt"
+        marker = tmp_path / "ran"
+        state.write_bytes(pickle.dumps({"step": 8, "payload": _Foreign(marker)}, protocol=2))
+        manifest = json.loads((newest / "manifest.json").read_text())
+        manifest["files"]["state.pt"] = {"bytes": state.stat().st_size, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+        (newest / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(KernelmixError) as error:
+            train(config(out), resume=True, progress=False)
+        message = str(error.value)
+        assert "is refused for safety" in message and "never unpickles" in message
+        assert "'posix.system'" in message or "'os.system'" in message
+        assert f"delete {str(newest)!r} and --resume continues from" in message
+        assert "weights_only" not in message and "damaged" not in message and "Weights only" not in message
+        assert not marker.exists()

@@ -30,6 +30,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -319,11 +320,29 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         weights = load_file(str(path / "model.safetensors"))
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():  # bytes that are no pickle at all: damaged
+            raise damaged(f"checkpoint {str(path)!r} cannot be read ({error})") from error
+        # weights_only refused a Python object: not what kernelmix writes, and never unpickled
+        instead = (f"delete {str(path)!r} and --resume continues from {str(others[-1])!r}" if others
+                   else "start a fresh run with another --out")
+        raise CheckpointError(unsafe_pickle_message(path / "state.pt", error, instead)) from None
     except Exception as error:  # a file that matches its manifest but still does not parse
         raise damaged(f"checkpoint {str(path)!r} cannot be read ({error})") from error
     if state.get("step") != step:
         raise damaged(f"checkpoint {str(path)!r}: state.pt is for step {state.get('step')}, the manifest says {step}")
     return Checkpoint(path=path, step=step, weights=weights, state=state, config=config)
+
+
+def unsafe_pickle_message(file: Path, error: Exception, instead: str) -> str:
+    """Why a pickle that ``torch.load(weights_only=True)`` refused is not loaded: it holds Python
+    objects beyond tensors and plain data, and unpickling them could run code. torch's own text
+    advises ``weights_only=False``; that advice is never passed on."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error)) or re.search(r"global ['\"]?([\w.]+)", str(error))
+    what = f" (it names {found.group(1)!r})" if found else ""
+    return (f"{str(file)!r} is refused for safety: it is a pickle holding Python objects other than tensors and plain "
+            f"data{what}, which kernelmix never unpickles since loading them could run code; kernelmix does not write "
+            f"such files, so it came from elsewhere: {instead}")
 
 
 def _file_problem(path: Path, files: dict[str, Any]) -> str | None:
