@@ -857,3 +857,36 @@ class TestForeignPickleCheckpoint:
         assert f"delete {str(newest)!r} and --resume continues from" in message
         assert "weights_only" not in message and "damaged" not in message and "Weights only" not in message
         assert not marker.exists()
+
+
+class TestCompareBudgetBelowOneStep:
+    """Issue 25: ``compare --budget time --seconds 0.001`` gave every run one step, 8-14x over the
+    budget and unequal between mixers, while results.md said each run got 0.001 s. A budget that
+    buys some mixer less than one step is now refused after the calibration, naming the mixers,
+    their step cost and the budget to give."""
+
+    def test_seconds_below_one_step(self):
+        from kernelmix.studies.compare import CompareConfig, plan_budget
+
+        config = CompareConfig(mixers=["softmax", "cubit"], lengths=[256], budget="time", seconds=0.001)
+        speeds = {("softmax", 256): 0.008, ("cubit", 256): 0.014}
+        with pytest.raises(KernelmixError, match=r"the time budget at length 256, --seconds 0.001, is less than one "
+                                                 r"training step of softmax, cubit \(one step: softmax 0.008s, cubit "
+                                                 r"0.014s\).*over the budget.*give --seconds 0.028 or more"):
+            plan_budget(config, 256, speeds)
+
+    def test_flops_below_one_step(self):
+        from kernelmix.studies.compare import CompareConfig, plan_budget
+
+        config = CompareConfig(mixers=["softmax", "performer"], lengths=[256], budget="flops", steps=1,
+                               model={"mixer_options": {"performer": {"num_features": 4096}}})
+        with pytest.raises(KernelmixError, match=r"the flops budget at length 256, --steps 1 of softmax .* is less "
+                                                 r"than one training step of performer .*give --steps [0-9]+ or more"):
+            plan_budget(config, 256)
+
+    def test_a_budget_of_one_step_or_more_is_kept(self):
+        from kernelmix.studies.compare import CompareConfig, plan_budget
+
+        config = CompareConfig(mixers=["softmax", "cubit"], lengths=[256], budget="time", seconds=0.02)
+        plan = plan_budget(config, 256, {("softmax", 256): 0.008, ("cubit", 256): 0.014})
+        assert plan.steps == {("softmax", 256): 2, ("cubit", 256): 1}

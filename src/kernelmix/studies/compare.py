@@ -11,7 +11,8 @@ says what is equal between the mixers at one length:
 * ``"tokens"`` (default): every run trains ``steps`` steps, the same tokens.
 * ``"flops"``: every run gets the training FLOPs softmax spends on ``steps × tokens_per_step``
   tokens at that length (analytic counts, :mod:`kernelmix.studies.flops`, the ones ``kernelmix
-  bench`` reports): ``round(those FLOPs / (its FLOPs per token × tokens_per_step))`` steps, at least 1.
+  bench`` reports): ``round(those FLOPs / (its FLOPs per token × tokens_per_step))`` steps. A budget
+  that rounds to no step for some mixer is refused (one step would exceed it, under either budget).
 * ``"time"``: every run gets the same seconds of training on this machine: ``seconds``, or by
   default the seconds softmax takes for ``steps`` steps at that length. Each mixer's seconds per
   step are measured first (a calibration: ``calibration_steps`` timed steps after
@@ -323,7 +324,7 @@ class BudgetPlan:
 
 def plan_budget(config: CompareConfig, vocab_size: int, seconds_per_step: dict[tuple[str, int], float] | None = None) -> BudgetPlan:
     """The steps of every (mixer, length) under ``config.budget``: ``config.steps`` for tokens; for
-    FLOPs and time ``round(reference / cost of one step)`` (at least 1), the reference being what
+    FLOPs and time ``round(reference / cost of one step)`` (a KernelmixError where that is 0), the reference being what
     :data:`REFERENCE_MIXER` spends on ``steps × tokens_per_step`` tokens (time: ``config.seconds``
     when given). ``seconds_per_step``: the time budget's calibration, per (mixer, length)."""
     if config.budget == "time" and seconds_per_step is None:
@@ -345,9 +346,26 @@ def plan_budget(config: CompareConfig, vocab_size: int, seconds_per_step: dict[t
             reference[length] = (config.seconds if config.seconds is not None
                                  else config.steps * seconds_per_step[REFERENCE_MIXER, length])
             step_cost = {m: seconds_per_step[m, length] for m in config.mixers}
-        for mixer in config.mixers:  # round() ties to even; never fewer than one step
-            steps[mixer, length] = max(1, round(reference[length] / step_cost[mixer]))
+        short = {m: step_cost[m] for m in config.mixers if round(reference[length] / step_cost[m]) < 1}
+        if short:  # one step would be over the budget, and the results would claim the budget
+            raise KernelmixError(_budget_below_one_step(config, length, reference[length], short))
+        for mixer in config.mixers:  # round() ties to even
+            steps[mixer, length] = round(reference[length] / step_cost[mixer])
     return BudgetPlan(config.budget, steps, flops, reference, dict(seconds_per_step or {}))
+
+
+def _budget_below_one_step(config: CompareConfig, length: int, budget: float, cost: dict[str, float]) -> str:
+    """The message for a budget that buys some mixer less than half a training step at ``length``."""
+    unit = "s" if config.budget == "time" else " FLOPs"
+    worst = max(cost, key=cost.get)
+    given = f"--seconds {config.seconds:g}" if config.seconds is not None else (
+        f"--steps {config.steps} of {REFERENCE_MIXER} ({budget:.3g}{unit})")
+    needed = f"--seconds {2 * cost[worst]:.2g} or more" if config.seconds is not None else (
+        f"--steps {math.ceil(config.steps * cost[worst] / budget)} or more")
+    each = ", ".join(f"{m} {c:.3g}{unit}" for m, c in cost.items())
+    return (f"the {config.budget} budget at length {length}, {given}, is less than one training step of "
+            f"{', '.join(cost)} (one step: {each}): each would train one step, over the budget, while the results "
+            f"claim the budget; give {needed}")
 
 
 def calibrate(config: CompareConfig, env, note: Callable[[str], None] = print) -> dict[tuple[str, int], float]:
