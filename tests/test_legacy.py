@@ -43,7 +43,7 @@ def test_a_saved_training_run_resumes(repo_root, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(LEGACY / "run", out, ignore=shutil.ignore_patterns("expected.pt"))
     config = run_config(None, ["steps=4"], out_dir=out, resume=True)
-    result = train(config, resume=True, progress=False)
+    result = train(config, resume=True, progress=False, reschedule=True)  # extends the saved 3-step run on purpose
     assert (result.start_step, result.final_step) == (3, 4)
     assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
 
