@@ -31,12 +31,13 @@ def _inputs(length, *, batch=2, heads=4, kv_heads=2, head_dim=6, m=5, dv=3, seed
     return [x.to(dtype) for x in (q, k, v, qf, kf)]
 
 
-def _steps(inputs, window, relative=False, doc_start=None):
+def _steps(inputs, window, relative=False, doc_start=None, sinks=0):
     state, outs = None, []
     for t in range(inputs[0].shape[1]):
         token = [x[:, t:t + 1] for x in inputs]
         ds = None if doc_start is None else doc_start[:, t:t + 1]
-        out, state = window_feature_attention_step(*token, state, window=window, relative_features=relative, doc_start=ds)
+        out, state = window_feature_attention_step(*token, state, window=window, sinks=sinks, relative_features=relative,
+                                                   doc_start=ds)
         outs.append(out)
     return torch.cat(outs, 1), state
 
@@ -44,50 +45,55 @@ def _steps(inputs, window, relative=False, doc_start=None):
 @pytest.mark.parametrize("length,chunk", [(1, 4), (5, 3), (13, 4), (40, 7), (67, 16)])
 @pytest.mark.parametrize("window", [0, 1, 3, 8, 64])
 @pytest.mark.parametrize("relative", [False, True])
-def test_chunked_step_and_continued_equal_the_reference(length, chunk, window, relative):
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_chunked_step_and_continued_equal_the_reference(length, chunk, window, relative, sinks):
     inputs = _inputs(length)
-    ref = window_feature_attention_naive(*inputs, window=window, relative_features=relative)
-    out = window_feature_attention(*inputs, window=window, chunk_size=chunk, relative_features=relative)
+    options = dict(window=window, sinks=sinks, relative_features=relative)
+    ref = window_feature_attention_naive(*inputs, **options)
+    out = window_feature_attention(*inputs, chunk_size=chunk, **options)
     assert rel_rmse(out, ref) < 1e-12
     split = length // 3
-    first, state = window_feature_attention(*[x[:, :split] for x in inputs], window=window, chunk_size=chunk,
-                                            relative_features=relative, return_state=True)
-    second = window_feature_attention(*[x[:, split:] for x in inputs], window=window, chunk_size=chunk,
-                                      relative_features=relative, initial_state=state)
+    first, state = window_feature_attention(*[x[:, :split] for x in inputs], chunk_size=chunk, return_state=True, **options)
+    second = window_feature_attention(*[x[:, split:] for x in inputs], chunk_size=chunk, initial_state=state, **options)
     assert rel_rmse(torch.cat([first, second], 1), ref) < 1e-12
-    stepped, _ = _steps(inputs, window, relative)
+    stepped, _ = _steps(inputs, window, relative, sinks=sinks)
     assert rel_rmse(stepped, ref) < 1e-12
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None].expand(2, -1, -1)
-    masked = window_feature_attention_masked(*inputs, causal, window=window, relative_features=relative)
+    positions = torch.arange(length).expand(2, -1)
+    masked = window_feature_attention_masked(*inputs, causal, key_positions=positions, **options)
     assert rel_rmse(masked, ref) < 1e-12
 
 
 @pytest.mark.parametrize("window", [0, 1, 4, 9])
-def test_documents_are_kept_apart_in_every_form(window):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_documents_are_kept_apart_in_every_form(window, sinks):
     inputs = _inputs(23)
     doc_start = torch.tensor([[0] * 5 + [5] * 10 + [15] * 8, [0] * 3 + [3] * 20])
-    ref = window_feature_attention_naive(*inputs, window=window, doc_start=doc_start)
-    assert rel_rmse(window_feature_attention(*inputs, window=window, chunk_size=4, doc_start=doc_start), ref) < 1e-12
-    first, state = window_feature_attention(*[x[:, :7] for x in inputs], window=window, chunk_size=3,
-                                            doc_start=doc_start[:, :7], return_state=True)
-    second = window_feature_attention(*[x[:, 7:] for x in inputs], window=window, chunk_size=3,
-                                      doc_start=doc_start[:, 7:], initial_state=state)
-    assert rel_rmse(torch.cat([first, second], 1), ref) < 1e-12
-    stepped, _ = _steps(inputs, window, doc_start=doc_start)
+    ref = window_feature_attention_naive(*inputs, window=window, sinks=sinks, doc_start=doc_start)
+    out = window_feature_attention(*inputs, window=window, sinks=sinks, chunk_size=4, doc_start=doc_start)
+    assert rel_rmse(out, ref) < 1e-12
+    for split in (4, 7, 16):  # inside a document, at a boundary's first tokens (its sinks split), …
+        first, state = window_feature_attention(*[x[:, :split] for x in inputs], window=window, sinks=sinks, chunk_size=3,
+                                                doc_start=doc_start[:, :split], return_state=True)
+        second = window_feature_attention(*[x[:, split:] for x in inputs], window=window, sinks=sinks, chunk_size=3,
+                                          doc_start=doc_start[:, split:], initial_state=state)
+        assert rel_rmse(torch.cat([first, second], 1), ref) < 1e-12
+    stepped, _ = _steps(inputs, window, doc_start=doc_start, sinks=sinks)
     assert rel_rmse(stepped, ref) < 1e-12
     # each document alone gives the same rows (nothing crosses a boundary)
-    alone = window_feature_attention(*[x[:1, 5:15] for x in inputs], window=window)
+    alone = window_feature_attention(*[x[:1, 5:15] for x in inputs], window=window, sinks=sinks)
     assert rel_rmse(ref[:1, 5:15], alone) < 1e-12
 
 
 @pytest.mark.parametrize("window", [0, 3, 8])
 @pytest.mark.parametrize("relative", [False, True])
-def test_gradients_of_every_input_equal_the_reference(window, relative):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_gradients_of_every_input_equal_the_reference(window, relative, sinks):
     inputs = [x.requires_grad_(True) for x in _inputs(19, seed=1)]
     weights = torch.randn(2, 19, 4, 3, dtype=F64)
     grads = []
     for fn in (window_feature_attention_naive, lambda *a, **kw: window_feature_attention(*a, chunk_size=4, **kw)):
-        out = fn(*inputs, window=window, relative_features=relative)
+        out = fn(*inputs, window=window, sinks=sinks, relative_features=relative)
         got = torch.autograd.grad((out * weights).sum(), inputs, allow_unused=True)
         grads.append([torch.zeros_like(x) if g is None else g for g, x in zip(got, inputs)])
     for name, fast, ref in zip(("q", "k", "v", "q_features", "k_features"), grads[1], grads[0]):
@@ -122,12 +128,12 @@ def test_the_state_does_not_grow_with_the_length():
 
     def nbytes(state: WindowFeatureState) -> int:
         tensors = [state.keys, state.values, state.key_features, state.features.S, state.features.z,
-                   state.features.shift, state.doc_start]
+                   state.features.shift, state.doc_start, state.sink_keys, state.sink_values]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     sizes = {}
     for length in (10, 40, 90):
-        _, state = window_feature_attention(*[x[:, :length] for x in inputs], window=8, return_state=True)
+        _, state = window_feature_attention(*[x[:, :length] for x in inputs], window=8, sinks=2, return_state=True)
         sizes[length] = nbytes(state)
         assert state.keys.shape[1] == 7 and state.features.length == length - 7 and state.length == length
     assert sizes[10] == sizes[40] == sizes[90]

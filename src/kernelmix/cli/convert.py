@@ -6,19 +6,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from ..config import Arg, Field, NonNegativeInt, PositiveInt, check
+import shutil
+
+from ..config import Arg, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_corpus, text_windows
+from ..data.windows import split_texts
 from ..errors import KernelmixError
 from ..pretrained import ConversionConfig, convert, load_pretrained, resolve, save_converted
 from ..pretrained.load import directory_entries
+from ..pretrained.transfer import TRANSFER_FILES, TransferConfig, transfer
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
 
 
 @dataclass
 class ConvertOptions:
-    """The model, where to save it, and the calibration text of ``--init whiten|distill``
-    (what to convert and how: :class:`~kernelmix.pretrained.ConversionConfig`)."""
+    """The model, where to save it, the calibration text of ``--init whiten|distill`` and of
+    ``--transfer`` (what to convert and how: :class:`~kernelmix.pretrained.ConversionConfig`).
+    Calibration reads the training split of ``--calib-text`` (90% of its documents, split by
+    document with seed 0): the other 10% are the held-out documents that ``kernelmix finetune`` and
+    the conversion report evaluate on, never seen in calibration."""
 
     model: Annotated[str, Arg(positional=True), Field(
         description="a prepared name (gemma3-270m, smollm2-135m) or a local HF causal-LM directory")]
@@ -30,9 +37,17 @@ class ConvertOptions:
     seq_len: PositiveInt = 512
     calib_seqs: PositiveInt = 2
     steps: Annotated[NonNegativeInt, Field(description="distillation steps per layer")] = 200
+    transfer: Annotated[bool, Field(description="attention transfer: train the converted layers' kernels (DARKFormer's "
+                                                "M, Hedgehog's maps) to match the host's attention on the calibration "
+                                                "text, host frozen")] = False
+    transfer_steps: Annotated[PositiveInt, Field(description="attention-transfer steps per layer")] = 200
+    transfer_lr: PositiveFloat = 1e-2
+    resume: Annotated[bool, Field(description="continue an interrupted --transfer saved in --out")] = False
 
     def __post_init__(self) -> None:
         check(self)
+        if self.resume and not self.transfer:
+            raise ValueError("--resume continues an interrupted --transfer: pass --transfer as well")
 
 
 def check_out(opts: ConvertOptions) -> Path:
@@ -40,6 +55,13 @@ def check_out(opts: ConvertOptions) -> Path:
     ``--overwrite``, and never the model being converted (the host would be lost)."""
     out = output_dir(opts.out, "--out")
     existing = directory_entries(out)
+    if opts.resume:
+        if not (out / "transfer").is_dir():
+            raise KernelmixError(f"--resume: {out} holds no interrupted attention transfer; run without --resume")
+        existing = [name for name in existing if name not in TRANSFER_FILES]
+    elif (out / "transfer").is_dir():
+        raise KernelmixError(f"--out {out} holds an interrupted attention transfer: pass --resume to continue it, or "
+                             "choose a new directory")
     if existing and not opts.overwrite:
         shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
         raise KernelmixError(f"--out {out} is not empty ({shown}): choose a new directory, or pass --overwrite to "
@@ -60,17 +82,25 @@ def _cli_convert(args) -> int:
     with user_errors():  # the library's ValueErrors about the input (an unknown corpus, a layer out of range, ...)
         model, tok = load_pretrained(opts.model)
         calibration = None
-        if config.init != "identity":
+        if config.init != "identity" or opts.transfer:
             if tok is None:
-                raise KernelmixError(f"--init {config.init} needs the model's tokenizer, and {opts.model} has no tokenizer "
-                                     "files: copy them in, or use --init identity")
-            docs = [d.text for d in load_corpus(opts.calib_text).documents()]
-            calibration = text_windows(tok, docs, opts.seq_len, opts.calib_seqs, min_windows=opts.calib_seqs)
-        convert(model, config, calibration=calibration, init=config.init, steps=opts.steps, progress=True,
-                log=lambda msg: print(f"  {msg}", flush=True))
-    save_converted(model, out, tok, overwrite=opts.overwrite)
-    print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, init={config.init}); "
-          f"saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
+                raise KernelmixError(f"--init {config.init} / --transfer need the model's tokenizer, and {opts.model} has "
+                                     "no tokenizer files: copy them in, or use --init identity without --transfer")
+            train_docs, _ = split_texts(load_corpus(opts.calib_text).documents())
+            calibration = text_windows(tok, train_docs, opts.seq_len, opts.calib_seqs, min_windows=opts.calib_seqs)
+        log = lambda msg: print(f"  {msg}", flush=True)  # noqa: E731
+        convert(model, config, calibration=calibration, init=config.init, steps=opts.steps, progress=True, log=log)
+        if opts.transfer:
+            record = transfer(model, calibration, TransferConfig(steps=opts.transfer_steps, lr=opts.transfer_lr),
+                              out_dir=out, resume=opts.resume, progress=True, log=log)
+            for layer, entry in record["layers"].items():
+                print(f"  transfer layer {layer}: relative error {entry['first']:.3f} → {entry['last']:.3f}")
+    save_converted(model, out, tok, overwrite=opts.overwrite or opts.transfer)
+    if opts.transfer:  # the checkpoints have served; transfer.json (the losses) stays beside the model
+        shutil.rmtree(out / "transfer", ignore_errors=True)
+    done = " after attention transfer" if opts.transfer else ""
+    print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, window={config.window}, "
+          f"init={config.init}){done}; saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
     return 0
 
 

@@ -1,12 +1,17 @@
 """Exact softmax over a sliding window beside positive features for the tokens before it
 (docs/math.md §11): the attention a converted pretrained layer runs, with a constant-size state.
 
-Per batch element and query head, with the window w ≥ 0, token i's document start δ_i, the exact
-logits ℓ_ij = scale · q_i·k_j and log-features (log φ(q_i), log φ(k_j) ∈ R^m, any positive map):
+Per batch element and query head, with the window w ≥ 0, the sinks s ≥ 0, token i's document
+start δ_i, the exact logits ℓ_ij = scale · q_i·k_j and log-features (log φ(q_i), log φ(k_j) ∈ R^m,
+any positive map), for δ_i ≤ j ≤ i:
 
-    κ_ij = exp(ℓ_ij)                    for max(δ_i, i − w + 1) ≤ j ≤ i     (the window, exact)
-    κ_ij = φ(q_i)·φ(k_j) · c_i          for δ_i ≤ j ≤ i − w                  (the features)
-    o_i  = Σ_j κ_ij v_j / Σ_j κ_ij                                             (one normalisation)
+    κ_ij = exp(ℓ_ij)                    if i − j < w or j − δ_i < s     (the window and the sinks, exact)
+    κ_ij = φ(q_i)·φ(k_j) · c_i          otherwise                        (the features)
+    o_i  = Σ_j κ_ij v_j / Σ_j κ_ij                                      (one normalisation)
+
+The sinks are a document's first s tokens: pretrained models put much of their attention on the
+first token (Gemma 3 270M's global layers about 40% on BOS), a single key that random features
+estimate badly, so it is kept exact (StreamingLLM's attention sinks).
 
 c_i = 1 for a feature map that estimates exp(ℓ) (Performer, DARKFormer: the two parts are on one
 scale); with ``relative_features`` c_i = exp(max_window ℓ_ij), LoLCATs' normalisation for a map
@@ -53,7 +58,9 @@ class WindowFeatureState:
     """What decoding needs after ``length`` tokens: the last ``P = min(w − 1, length)`` keys
     ``[B, P, H_kv, d]``, values ``[B, P, H_kv, d_v]`` and key log-features ``[B, P, H, m]`` (the
     window), the feature sums of the tokens before them (``features``, whose ``length`` is
-    ``length − P``) and the start of the last token's document ``doc_start`` ``[B]`` (absolute)."""
+    ``length − P``), the start of the last token's document ``doc_start`` ``[B]`` (absolute) and
+    that document's first s keys and values (``sink_keys`` ``[B, s, H_kv, d]``, ``sink_values``;
+    zeros where it has fewer tokens)."""
 
     keys: Tensor
     values: Tensor
@@ -61,11 +68,20 @@ class WindowFeatureState:
     features: RandomFeatureState
     doc_start: Tensor
     length: int
+    sink_keys: Tensor
+    sink_values: Tensor
 
 
-def _check_window(window) -> int:
+#: the log-feature of a key the features must not count (a sink): exp of it is 0 beside any real key,
+#: and, unlike −inf, a running max over such keys alone stays finite
+ABSENT = -1e4
+
+
+def _check_window(window, sinks=0) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise KernelmixError(f"window must be an int ≥ 0 (exact softmax over the last w tokens; 0: features only), got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise KernelmixError(f"sinks must be an int ≥ 0 (a document's first tokens, kept exact; 0: none), got {sinks!r}")
     return window
 
 
@@ -90,6 +106,7 @@ def window_feature_attention(
     k_features: Tensor,
     *,
     window: int,
+    sinks: int = 0,
     scale: float | None = None,
     relative_features: bool = False,
     doc_start: Tensor | None = None,
@@ -108,7 +125,7 @@ def window_feature_attention(
     continues a previous call, ``return_state`` also returns the state after the last token.
     Computed in float32 (float64 for float64 inputs) with autocast off; the output has v's dtype.
     A NaN or ±inf key, value or key feature makes the rows that see it NaN, the others exact."""
-    window = _check_window(window)
+    window = _check_window(window, sinks)
     check_chunk_size(chunk_size)
     check_qkv(q, k, v)
     _check_features(q, k, q_features, k_features)
@@ -122,7 +139,7 @@ def window_feature_attention(
     with autocast_off(q):
         dtype = compute_dtype(q, k, v, q_features, k_features)
         out, state = _attend(q.to(dtype), k.to(dtype), v.to(dtype), q_features.to(dtype), k_features.to(dtype),
-                             window, scale, relative_features, doc_start, chunk_size, initial_state)
+                             window, sinks, scale, relative_features, doc_start, chunk_size, initial_state)
     if guard is not None:
         out = guard.poison_causal(out, None if doc_start is None else _continuing(doc_start, start, initial_state), offset=start)
     out = out.to(v.dtype)
@@ -136,7 +153,7 @@ def _continuing(doc_start: Tensor, start: int, state: WindowFeatureState | None)
     return torch.where(doc_start < start, state.doc_start[:, None].to(doc_start), doc_start)
 
 
-def _attend(q, k, v, q_features, k_features, window, scale, relative, doc_start, chunk_size, state):
+def _attend(q, k, v, q_features, k_features, window, sinks, scale, relative, doc_start, chunk_size, state):
     batch, length, heads, _ = q.shape
     kept = max(window - 1, 0)  # keys the window still needs after the last token
     if state is None:
@@ -146,7 +163,7 @@ def _attend(q, k, v, q_features, k_features, window, scale, relative, doc_start,
         held_doc = torch.zeros(batch, 0, dtype=torch.long, device=q.device)
         last_doc = torch.zeros(batch, dtype=torch.long, device=q.device)
     else:
-        _check_state(state, q, k, v, q_features, window)
+        _check_state(state, q, k, v, q_features, window, sinks)
         held, start = state.keys.shape[1], state.length
         features = state.features
         keys = torch.cat([state.keys.to(k), k], dim=1)
@@ -161,14 +178,24 @@ def _attend(q, k, v, q_features, k_features, window, scale, relative, doc_start,
     total = held + length
     positions = start - held + torch.arange(total, device=q.device)
     values_h = expand_heads(values, heads)
+    if state is None:
+        bank_keys = k.new_zeros(batch, sinks, *k.shape[2:])
+        bank_values = v.new_zeros(batch, sinks, *v.shape[2:])
+    else:
+        bank_keys, bank_values = state.sink_keys.to(k), state.sink_values.to(v)
 
     if length == 0:  # nothing to mix: an empty output, the state as it was (a slice: autograd sees v)
         return values_h[:, :0], state if state is not None else WindowFeatureState(
             keys=k, values=v, key_features=k_features, features=_empty_features(batch, heads, q_features.shape[3],
                                                                                  v.shape[3], 0, v),
-            doc_start=last_doc, length=0)
-    win_sums, win_scale, win_max = _window_part(q, expand_heads(keys, heads), values_h, window, scale, docs, positions,
-                                                held, relative)
+            doc_start=last_doc, length=0, sink_keys=bank_keys, sink_values=bank_values)
+    if sinks:  # a sink is exact: the features leave it out
+        is_sink = (positions[None] - docs < sinks)[..., None, None]
+        key_features = key_features.masked_fill(is_sink, ABSENT)
+    parts = [_window_part(q, expand_heads(keys, heads), values_h, window, scale, docs, positions, held, relative)]
+    win_max = parts[0][2]
+    if sinks:
+        parts.append(_sink_part(q, keys, values, bank_keys, bank_values, sinks, window, scale, docs, positions, held))
     feat_sums, feat_scale, features = _feature_part(q_features, key_features, values_h, window, docs, positions,
                                                     held, start, features, chunk_size)
     if relative and window > 0:  # c_i = exp(max of the window's logits), differentiated as a max
@@ -178,22 +205,76 @@ def _attend(q, k, v, q_features, k_features, window, scale, relative, doc_start,
     # largest features need not coincide), so exp(b − a − s) could underflow the window beside a
     # feature sum that is itself tiny. Each part enters as sums · exp(magnitude − top) / denominator
     # (the factor detached), which is sums · exp(scale − top) without its overflow.
-    win_mag, feat_mag = _magnitude(win_sums, win_scale), _magnitude(feat_sums, feat_scale)
-    top = torch.maximum(win_mag, feat_mag)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     if relative and window > 0:  # 1 in value; carries the gradient of c_i's max
         live = torch.where(torch.isfinite(feat_scale), feat_scale, torch.zeros_like(feat_scale))
         feat_sums = feat_sums * torch.exp(live - live.detach())[..., None]
-    sums = win_sums * _weight(win_sums, win_mag, top) + feat_sums * _weight(feat_sums, feat_mag, top)
+    parts = [(sums, scale) for sums, scale, *_ in parts] + [(feat_sums, feat_scale)]
+    magnitudes = [_magnitude(sums, scale) for sums, scale in parts]
+    top = torch.stack(magnitudes).amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    sums = sum(part * _weight(part, magnitude, top) for (part, _), magnitude in zip(parts, magnitudes))
     out = safe_ratio(sums[..., :-1], sums[..., -1:])
 
     new_held = min(kept, total)
+    last = docs[:, -1]
+    bank_keys, bank_values = _sink_bank(bank_keys, bank_values, keys, values, last, positions, sinks)
     new_state = WindowFeatureState(
         keys=keys[:, total - new_held:], values=values[:, total - new_held:],
         key_features=key_features[:, total - new_held:], features=features,
-        doc_start=docs[:, -1] if total else last_doc, length=start + length,
+        doc_start=last, length=start + length, sink_keys=bank_keys, sink_values=bank_values,
     )
     return out, new_state
+
+
+def _sink_index(bank_size: int, sink_pos: Tensor, origin: int, total: int) -> Tensor:
+    """Where sink position ``sink_pos`` is in [the bank of the state's sinks ++ this call's keys]:
+    bank slot r for a position before this call's first key (the state's document), else its key."""
+    slot = torch.arange(bank_size, device=sink_pos.device)
+    slot = slot.view(*([1] * (sink_pos.dim() - 1)), bank_size).expand_as(sink_pos)
+    return torch.where(sink_pos < origin, slot, bank_size + sink_pos - origin).clamp(0, bank_size + total - 1)
+
+
+def _sink_part(q, keys, values, bank_keys, bank_values, sinks, window, scale, docs, positions, held):
+    """The exact part over each new query's sinks outside its window (j − δ_i < s, i − j ≥ w):
+    (Σ e^{ℓ−b}[v, 1] ``[B, T, H, d_v + 1]``, b ``[B, T, H]``). Each query gathers its own s sink keys."""
+    batch, length, heads, head_dim = q.shape
+    total = keys.shape[1]
+    origin = int(positions[0])
+    ext_keys = expand_heads(torch.cat([bank_keys, keys], 1), heads)
+    ones = values.new_ones(()).expand(*values.shape[:-1], 1)
+    ext_values = expand_heads(torch.cat([torch.cat([bank_values, values], 1),
+                                         torch.cat([bank_values.new_ones(()).expand(*bank_values.shape[:-1], 1), ones], 1)],
+                                        -1), heads)
+    query_docs, query_pos = docs[:, held:], positions[held:]
+    sink_pos = query_docs[..., None] + torch.arange(sinks, device=q.device)  # [B, T, s]
+    index = _sink_index(sinks, sink_pos, origin, total).reshape(batch, length * sinks)
+
+    def gather(x):  # [B, S + L, H, e] → [B, T, s, H, e]
+        return x.gather(1, index[..., None, None].expand(-1, -1, heads, x.shape[-1])).view(batch, length, sinks, heads, -1)
+
+    logits = scale * torch.einsum("bthd,btshd->bths", q, gather(ext_keys))
+    outside = (sink_pos <= query_pos[None, :, None] - window)[:, :, None, :]  # [B, T, 1, s]: not in the window
+    row_max = logits.detach().masked_fill(~outside, float("-inf")).amax(-1, keepdim=True)
+    weights = torch.exp((logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
+                        .masked_fill(~outside, float("-inf")))
+    return torch.einsum("bths,btshe->bthe", weights, gather(ext_values)), row_max[..., 0]
+
+
+def _sink_bank(bank_keys, bank_values, keys, values, last_doc, positions, sinks):
+    """The first ``sinks`` keys and values of each row's last document (zeros where it has fewer)."""
+    if not sinks:
+        return bank_keys, bank_values
+    total = keys.shape[1]
+    sink_pos = last_doc[:, None] + torch.arange(sinks, device=keys.device)  # [B, s]
+    index = _sink_index(sinks, sink_pos, int(positions[0]), total)
+    seen = (sink_pos <= positions[-1])[..., None, None]
+
+    def pick(bank, x):
+        ext = torch.cat([bank, x], 1)
+        got = ext.gather(1, index[..., None, None].expand(-1, -1, *x.shape[2:]))
+        return torch.where(seen, got, torch.zeros_like(got))
+
+    return pick(bank_keys, keys), pick(bank_values, values)
 
 
 def _magnitude(sums: Tensor, scale: Tensor) -> Tensor:
@@ -310,18 +391,19 @@ def _empty_features(batch, heads, m, dv, length, like) -> RandomFeatureState:
                               shift=like.new_full((batch, heads), float("-inf")), length=length)
 
 
-def _check_state(state, q, k, v, q_features, window) -> None:
+def _check_state(state, q, k, v, q_features, window, sinks) -> None:
     if not isinstance(state, WindowFeatureState):
         raise KernelmixError(f"initial_state must be a WindowFeatureState (from return_state=True), got {type(state).__name__}")
     batch, _, heads, _ = q.shape
     held = state.keys.shape[1]
     expected = {"keys": (batch, held, k.shape[2], k.shape[3]), "values": (batch, held, v.shape[2], v.shape[3]),
-                "key_features": (batch, held, heads, q_features.shape[3])}
+                "key_features": (batch, held, heads, q_features.shape[3]),
+                "sink_keys": (batch, sinks, k.shape[2], k.shape[3]), "sink_values": (batch, sinks, v.shape[2], v.shape[3])}
     for name, shape in expected.items():
         got = tuple(getattr(state, name).shape)
         if got != shape:
-            raise KernelmixError(f"initial_state.{name} has shape {got}, expected {shape}: the state is from another layer "
-                                 "or batch")
+            raise KernelmixError(f"initial_state.{name} has shape {got}, expected {shape}: the state is from another layer, "
+                                 "batch or number of sinks")
     if held != min(max(window - 1, 0), state.length) or state.features.length != state.length - held:
         raise KernelmixError(f"initial_state holds {held} window keys after {state.length} tokens, which does not fit "
                              f"window={window}: continue a state with the window it was made with")
@@ -336,6 +418,7 @@ def window_feature_attention_step(
     state: WindowFeatureState | None,
     *,
     window: int,
+    sinks: int = 0,
     scale: float | None = None,
     relative_features: bool = False,
     doc_start: Tensor | None = None,
@@ -345,7 +428,7 @@ def window_feature_attention_step(
     check_qkv(q, k, v)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use window_feature_attention for prefill")
-    return window_feature_attention(q, k, v, q_features, k_features, window=window, scale=scale,
+    return window_feature_attention(q, k, v, q_features, k_features, window=window, sinks=sinks, scale=scale,
                                     relative_features=relative_features, doc_start=doc_start, chunk_size=1,
                                     initial_state=state, return_state=True)
 
@@ -359,14 +442,18 @@ def window_feature_attention_masked(
     mask: Tensor,
     *,
     window: int,
+    sinks: int = 0,
+    key_positions: Tensor | None = None,
     scale: float | None = None,
     relative_features: bool = False,
 ) -> Tensor:
     """The same attention under any bool ``mask`` ``[B, T, L]`` (True: query t reads key l), densely,
     O(T·L·(m + d)): for a host's own sliding-window layers and irregular masks. The keys end at the
     last query (query t sits at key index L − T + t, as in a KV cache), which gives each pair's
-    distance. Rows with no visible key are 0."""
-    window = _check_window(window)
+    distance. ``key_positions`` ``[B, L]``: each key's position in its document, for the sinks
+    (0 ≤ position < ``sinks``; without it there are none). Every weight is formed in log space and
+    the row normalised by its own maximum, so nothing overflows. Rows with no visible key are 0."""
+    window = _check_window(window, sinks)
     check_qkv(q, k, v, same_length=False)
     _check_features(q, k, q_features, k_features)
     heads, head_dim = q.shape[2], q.shape[3]
@@ -380,23 +467,20 @@ def window_feature_attention_masked(
         lq, lk = q_features.to(dtype).transpose(1, 2), k_features.to(dtype).transpose(1, 2)
         q_max, k_max = lq.detach().amax(-1, keepdim=True), lk.detach().amax(-1, keepdim=True)
         products = torch.exp(lq - q_max) @ torch.exp(lk - k_max).transpose(-1, -2)  # × e^{q_max + k_max}
+        floor = underflow_floor(dtype)
+        log_products = torch.where(products > floor, torch.log(products.clamp_min(floor)), torch.full_like(products, -torch.inf))
+        feature_logits = log_products + q_max + k_max.transpose(-1, -2)
         distance = (length_k - length_q) + torch.arange(length_q, device=q.device)[:, None] - torch.arange(length_k, device=q.device)
         seen = mask[:, None] if mask.dim() == 3 else mask
         exact = seen & (distance < window)
-        featured = seen & (distance >= window)
-        win_max = logits.detach().masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
-        key_shift = k_max.transpose(-1, -2).masked_fill(~featured, float("-inf"))  # [B, H, T, L]
-        row_shift = key_shift.amax(-1, keepdim=True)
-        feat_scale = q_max + row_shift
-        if relative_features and window > 0:  # c_i = exp(max of the window's logits), differentiated as a max
-            feat_scale = feat_scale + logits.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
-        top = torch.maximum(win_max, feat_scale.detach())
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        exact_w = torch.exp((logits - top).masked_fill(~exact, float("-inf")))
-        feat_w = products * torch.exp((key_shift - row_shift.where(torch.isfinite(row_shift), torch.zeros_like(row_shift))
-                                       ).masked_fill(~featured, float("-inf")))
-        feat_w = feat_w * torch.exp(feat_scale - top).nan_to_num(nan=0.0)
-        weights = exact_w + feat_w
+        if sinks and key_positions is not None:
+            exact = exact | (seen & ((key_positions >= 0) & (key_positions < sinks))[:, None, None, :])
+        if relative_features and window > 0:  # c_i = exp(max of the window's logits)
+            in_window = seen & (distance < window)
+            feature_logits = feature_logits + logits.masked_fill(~in_window, float("-inf")).amax(-1, keepdim=True)
+        combined = torch.where(exact, logits, feature_logits).masked_fill(~seen, float("-inf"))
+        row_max = combined.detach().amax(-1, keepdim=True)
+        weights = torch.exp(combined - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
         out = safe_ratio(weights @ values, weights.sum(-1, keepdim=True))
     return out.transpose(1, 2).to(v.dtype)
 
@@ -409,13 +493,14 @@ def window_feature_attention_naive(
     k_features: Tensor,
     *,
     window: int,
+    sinks: int = 0,
     scale: float | None = None,
     relative_features: bool = False,
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference, written from the definition (module docstring): every κ_ij in float64,
     T×T, unstabilised. For tests on moderate logits."""
-    window = _check_window(window)
+    window = _check_window(window, sinks)
     check_qkv(q, k, v)
     _check_features(q, k, q_features, k_features)
     heads, head_dim = q.shape[2], q.shape[3]
@@ -435,7 +520,9 @@ def window_feature_attention_naive(
     if relative_features and window > 0:
         row_max = (scale * torch.einsum("bihd,bjhd->bhij", q.to(f64), keys)).masked_fill(~(in_window & doc_ok), -math.inf)
         features = features * row_max.amax(-1, keepdim=True).exp()
-    kernel = torch.where(in_window, exact, features)
+    first = torch.zeros(q.shape[0], length, dtype=torch.long, device=q.device) if doc_start is None else doc_start
+    is_sink = (j[None] - first[:, :, None] < sinks)[:, None]  # [B, 1, T, T]: key j is among its row's document's first s
+    kernel = torch.where(in_window | is_sink, exact, features)
     kernel = torch.where(causal & doc_ok, kernel, torch.zeros_like(kernel))
     return torch.einsum("bhij,bjhd->bihd", kernel, values) / kernel.sum(-1).transpose(1, 2)[..., None]
 

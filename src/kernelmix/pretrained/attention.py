@@ -109,6 +109,8 @@ def kernelmix_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit soft-capping is not supported by random-feature attention")
+    if hasattr(rf, "attend_window"):  # the positions place a windowed kernel's sinks on its dense path
+        return rf.attend(query, key, value, attention_mask, scaling, kwargs.get("position_ids")), None
     return rf.attend(query, key, value, attention_mask, scaling), None
 
 

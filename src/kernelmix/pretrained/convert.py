@@ -29,10 +29,11 @@ from ..errors import KernelmixError
 from ..layers import PROJECTIONS
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
-from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel
+from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel, WindowOnlyKernel
 from .window_cache import install_decode_cache
 
-MIXERS = ("performer", "darkformer", "hedgehog", "cubit")  # hedgehog: LoLCATs' learned map; cubit: experimental
+# hedgehog: LoLCATs' learned map; window: the window alone (a peer); cubit: experimental
+MIXERS = ("performer", "darkformer", "hedgehog", "window", "cubit")
 LAYER_CHOICES = ("all", "global", "local")
 INITS = ("identity", "whiten", "distill", "whiten+distill")
 # which layers: a name from LAYER_CHOICES or a list of layer indices (a field type of the configs that take layers)
@@ -43,19 +44,22 @@ LayerSelection = Annotated[
 CONFIG_KEY = "kernelmix_conversion"
 CONVERSION_VERSION = 2  # 2: the window (records without one are version 1: window 0, features only)
 DEFAULT_WINDOW = 64
+DEFAULT_SINKS = 4
 
 
 @dataclass
 class ConversionConfig:
     """What to convert and how.
 
-    * ``mixer``: ``performer`` or ``darkformer``.
+    * ``mixer``: ``performer``, ``darkformer``, ``hedgehog`` (LoLCATs' learned feature map, trained by
+      attention transfer), ``window`` (the window alone: a peer) or ``cubit`` (experimental).
     * ``layers``: ``all``, ``global`` (non-windowed layers; local ones keep exact softmax within
       their window), ``local`` (sliding-window layers only) or a list of layer indices.
     * ``num_features``: m per head. ``projection``: ``orthogonal`` or ``iid``. ``seed``: the draw of W
       (one generator, layers in order).
     * ``window``: exact softmax over the last w tokens beside the features (0: features only); a
       converted global layer then decodes from the window and the feature state (constant memory).
+    * ``sinks``: a document's first s tokens are exact as well (attention sinks).
     * ``chunk_size``: chunk of the linear-time op.
     * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
     """
@@ -67,6 +71,8 @@ class ConversionConfig:
     seed: int = 0
     window: Annotated[NonNegativeInt, Field(description="exact softmax over the last W tokens, features before "
                                                          "them (0: features only)")] = DEFAULT_WINDOW
+    sinks: Annotated[NonNegativeInt, Field(description="a document's first S tokens kept exact too (attention "
+                                                        "sinks: BOS draws much of a pretrained model's attention)")] = DEFAULT_SINKS
     chunk_size: PositiveInt = 64
     ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
     # the initialisation (convert() records the one it used) and, filled in by convert(), the resolved layer indices
@@ -124,8 +130,8 @@ def convert(model, config: ConversionConfig | None = None, *, calibration: Tenso
     if context is not None and config.window > context:
         raise KernelmixError(f"window {config.window} is longer than the host's context ({context} tokens): choose a "
                              f"window ≤ {context} (the default is {DEFAULT_WINDOW}; 0 = features only)")
-    if config.mixer == "cubit" and config.window:
-        config.window = 0  # the cubit conversion has no feature part to put beside a window
+    if config.mixer == "cubit":
+        config.window = config.sinks = 0  # the cubit conversion has no feature part to put beside a window
     config.layer_indices = indices
     attach_kernels(model, config)
     if init != "identity":
@@ -146,14 +152,18 @@ def attach_kernels(model, config: ConversionConfig) -> None:
         if config.mixer == "cubit":
             kernel = CubitKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, ridge=config.ridge,
                                  chunk_size=config.chunk_size)
+        elif config.mixer == "window":
+            kernel = WindowOnlyKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, window=config.window,
+                                      sinks=config.sinks, chunk_size=config.chunk_size)
         elif config.mixer == "hedgehog":
             kernel = HedgehogKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
-                                    num_features=config.num_features, window=config.window,
+                                    num_features=config.num_features, window=config.window, sinks=config.sinks,
                                     chunk_size=config.chunk_size, generator=generator)
         else:
             kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
                                          num_features=config.num_features, projection=config.projection,
-                                         chunk_size=config.chunk_size, window=config.window, generator=generator)
+                                         chunk_size=config.chunk_size, window=config.window, sinks=config.sinks,
+                                         generator=generator)
         attn.kernelmix_rf = kernel.to(device=param.device)  # float32 whatever the host dtype
     model.config._attn_implementation = ATTENTION_NAME
     for sub in model.modules():  # sub-configs (some models keep their own) follow
@@ -167,7 +177,7 @@ def attach_kernels(model, config: ConversionConfig) -> None:
 def legacy_defaults(raw: dict) -> dict:
     """A recorded conversion with the settings that did not exist when it was written filled in as
     they then were (version 1 had no window: features only)."""
-    return {"window": 0, **raw} if "window" not in raw else raw
+    return {"window": 0, "sinks": 0, **raw} if "window" not in raw else raw
 
 
 def conversion_config(model) -> ConversionConfig | None:
@@ -179,7 +189,7 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
     """Redraw every converted layer's W with ``num_features`` rows (M and F are kept)."""
     generator = torch.Generator().manual_seed(seed)
     for kernel in kernels(model).values():
-        if kernel.mixer in ("cubit", "hedgehog"):
+        if kernel.mixer in ("cubit", "hedgehog", "window"):
             raise KernelmixError(f"a {kernel.mixer} conversion has no random features to redraw")
         kernel.redraw_(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)

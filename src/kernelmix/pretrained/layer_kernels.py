@@ -33,7 +33,7 @@ from ..layers import RandomFeatureMap
 from ..layers.base import check_choice
 from ..ops import expand_heads
 from ..ops.random_features import feature_logits, orthogonal_random_features
-from ..ops.window_features import window_feature_attention, window_feature_attention_masked
+from ..ops.window_features import ABSENT, window_feature_attention, window_feature_attention_masked
 from .attention import left_padding_doc_start, visible_from_mask
 
 
@@ -53,6 +53,7 @@ class WindowedAttention:
     (scaled) queries and of the keys, both ``[B, T, H, m]``."""
 
     window: int = 0
+    sinks: int = 0
     relative_features: bool = False
     active_cache = None  # set by the layer's WindowFeatureCacheLayer.update, taken by the next attention call
 
@@ -61,14 +62,15 @@ class WindowedAttention:
         return cache
 
     def attend_window(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      scaling: float | None, **overrides) -> Tensor:
+                      scaling: float | None, position_ids: Tensor | None = None, **overrides) -> Tensor:
         """Window + features on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
-        ``[B, H_kv, L, d]``) → ``[B, T, H, d_v]``; continues the layer's decode cache when one is active."""
+        ``[B, H_kv, L, d]``) → ``[B, T, H, d_v]``; continues the layer's decode cache when one is active.
+        ``position_ids`` (the queries' positions, as HF passes them) place the sinks on a dense path."""
         scaling = self.head_dim**-0.5 if scaling is None else scaling
         q = query.transpose(1, 2) * (scaling * math.sqrt(self.head_dim))  # the op's exact logits: q·k/√d
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         q_features, k_features = self.log_features(q, k, **overrides)
-        options = dict(window=self.window, relative_features=self.relative_features)
+        options = dict(window=self.window, sinks=self.sinks, relative_features=self.relative_features)
         length_q, length_k = q.shape[1], k.shape[1]
         cache = self.take_cache()
         if cache is not None:  # our own cache: only the new tokens come in, the window and features are in its state
@@ -87,7 +89,8 @@ class WindowedAttention:
             return window_feature_attention(q, k, v, q_features, k_features, chunk_size=self.chunk_size, **options).to(v.dtype)
         if attention_mask is None:
             if length_q > 1:  # SDPA's upper-left causal convention (prefill into an empty static cache)
-                return self.attend_window(query, key[:, :, :length_q], value[:, :, :length_q], None, scaling, **overrides)
+                return self.attend_window(query, key[:, :, :length_q], value[:, :, :length_q], None, scaling,
+                                          position_ids, **overrides)
             visible = torch.ones(1, 1, length_k, dtype=torch.bool, device=q.device)  # decode: every cached key
         else:
             visible = _visible(attention_mask, q.shape[0])
@@ -96,7 +99,19 @@ class WindowedAttention:
                 if doc_start is not None:
                     return window_feature_attention(q, k, v, q_features, k_features, doc_start=doc_start,
                                                     chunk_size=self.chunk_size, **options).to(v.dtype)
-        return window_feature_attention_masked(q, k, v, q_features, k_features, visible, **options).to(v.dtype)
+        key_positions = _key_positions(position_ids, length_q, length_k, q.device)
+        return window_feature_attention_masked(q, k, v, q_features, k_features, visible, key_positions=key_positions,
+                                               **options).to(v.dtype)
+
+
+def _key_positions(position_ids: Tensor | None, length_q: int, length_k: int, device) -> Tensor | None:
+    """The keys' positions in their document, ``[B or 1, L]``: the keys end at the last query, one
+    position each (a KV cache); from the queries' ``position_ids``, or 0 … L − 1 when the queries are
+    the keys and no positions were given."""
+    offsets = torch.arange(length_k, device=device) - (length_k - 1)
+    if position_ids is not None:
+        return position_ids[:, -1:].to(device) + offsets
+    return offsets + (length_k - 1) if length_q == length_k else None
 
 
 def _visible(attention_mask: Tensor, batch: int) -> Tensor:
@@ -118,8 +133,9 @@ class HedgehogKernel(WindowedAttention, nn.Module):
     relative_features = True
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, num_features: int, window: int = 0,
-                 chunk_size: int = 64, generator: torch.Generator | None = None):
+                 sinks: int = 0, chunk_size: int = 64, generator: torch.Generator | None = None):
         super().__init__()
+        self.sinks = sinks
         if num_features < 2 or num_features % 2:
             raise KernelmixError(f"a hedgehog conversion needs an even num_features ≥ 2 (m/2 per softmax), got {num_features}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -151,8 +167,42 @@ class HedgehogKernel(WindowedAttention, nn.Module):
 
         return log_phi(q, query_map), log_phi(expand_heads(k, self.num_heads), key_map)
 
-    def attend(self, query, key, value, attention_mask, scaling, **overrides) -> Tensor:
-        return self.attend_window(query, key, value, attention_mask, scaling, **overrides)
+    def attend(self, query, key, value, attention_mask, scaling, position_ids=None, **overrides) -> Tensor:
+        return self.attend_window(query, key, value, attention_mask, scaling, position_ids, **overrides)
+
+
+class WindowOnlyKernel(WindowedAttention, nn.Module):
+    """The window alone (a peer, not a conversion to keep): exact softmax over the last w tokens and
+    nothing before them — what the window gives by itself, the bar a feature map has to clear. Its
+    one "feature" is absent on every key (log-feature ``ABSENT``), so the feature part is exactly 0
+    beside the window; nothing is trained."""
+
+    mixer = "window"
+    transform = None
+    query_fold = None
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, window: int, sinks: int = 0,
+                 chunk_size: int = 64):
+        super().__init__()
+        self.sinks = sinks
+        if window < 1:
+            raise KernelmixError("the window-only peer needs window ≥ 1 (with 0 it would attend to nothing)")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_features, self.window, self.chunk_size = 1, window, chunk_size
+
+    def extra_repr(self) -> str:
+        return f"mixer='window', num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}"
+
+    def trainable(self) -> list[nn.Parameter]:
+        return []
+
+    def log_features(self, q: Tensor, k: Tensor):
+        keys = expand_heads(k, self.num_heads)
+        return q.new_zeros(*q.shape[:3], 1, dtype=torch.float32), keys.new_full((*keys.shape[:3], 1), ABSENT,
+                                                                                 dtype=torch.float32)
+
+    def attend(self, query, key, value, attention_mask, scaling, position_ids=None, **overrides) -> Tensor:
+        return self.attend_window(query, key, value, attention_mask, scaling, position_ids)
 
 
 class RandomFeatureKernel(WindowedAttention, RandomFeatureMap):
@@ -163,19 +213,19 @@ class RandomFeatureKernel(WindowedAttention, RandomFeatureMap):
     scaling (:meth:`feature_queries`), its masks and its KV cache (:meth:`attend`)."""
 
     def __init__(self, *, mixer: str, num_heads: int, num_kv_heads: int, head_dim: int, num_features: int,
-                 projection: str = "orthogonal", chunk_size: int = 64, window: int = 0,
+                 projection: str = "orthogonal", chunk_size: int = 64, window: int = 0, sinks: int = 0,
                  generator: torch.Generator | None = None):
         check_choice("mixer", mixer, ("performer", "darkformer"))
         super().__init__(num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads, num_features=num_features,
                          projection=projection, data_aware=mixer == "darkformer", chunk_size=chunk_size,
                          generator=generator)
         self.mixer = mixer
-        self.window = window
+        self.window, self.sinks = window, sinks
 
     def extra_repr(self) -> str:
         return (f"mixer={self.mixer!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_features={self.num_features}, projection={self.projection_kind!r}, "
-                f"window={self.window}")
+                f"window={self.window}, sinks={self.sinks}")
 
     def trainable(self) -> list[nn.Parameter]:
         """The kernel's own finetunable parameters: M for DARKFormer, none for Performer (W is fixed)."""
@@ -200,13 +250,14 @@ class RandomFeatureKernel(WindowedAttention, RandomFeatureMap):
         return q_logits, k_logits
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float | None,
-               *, transform: Tensor | None = None, fold: Tensor | None = None) -> Tensor:
+               position_ids: Tensor | None = None, *, transform: Tensor | None = None, fold: Tensor | None = None) -> Tensor:
         """Random-feature attention on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
         ``[B, H_kv, L, d]``, HF mask or None) → ``[B, T, H, d_v]`` (HF's attention output layout).
         ``transform`` and ``fold`` override M and F (e.g. while training copies of them). With a
         window, or a decode cache of this layer's own, :meth:`attend_window`."""
-        if self.window > 0 or self.active_cache is not None:
-            return self.attend_window(query, key, value, attention_mask, scaling, transform=transform, fold=fold)
+        if self.window > 0 or self.sinks > 0 or self.active_cache is not None:
+            return self.attend_window(query, key, value, attention_mask, scaling, position_ids, transform=transform,
+                                      fold=fold)
         q = self.feature_queries(query, scaling, fold)
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         length_q, length_k = q.shape[1], k.shape[1]

@@ -165,7 +165,7 @@ def diagnose(model, tokenizer, texts: Sequence[str], out_dir: str | Path | None 
     t_all = time.perf_counter()
     ids = text_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs, min_windows=calib_seqs + eval_seqs)
     calib, held = ids[:calib_seqs], ids[calib_seqs:]
-    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=c.distill_m, seed=seed, window=0))
+    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=c.distill_m, seed=seed, window=0, sinks=0))
     kernels = cv.kernels(probe)
     t = time.perf_counter()
     cal = cv.capture(probe, calib)
@@ -312,7 +312,7 @@ def _end_to_end(model, held, transforms, variants, e2e_m, *, layers, seed, say) 
     for v in variants:
         e2e[v] = {}
         for m in e2e_m:
-            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed, window=0))
+            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed, window=0, sinks=0))
             with torch.no_grad():
                 for i, kernel in cv.kernels(conv).items():
                     if transforms[v][i] is not None:

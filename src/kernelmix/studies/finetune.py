@@ -50,7 +50,7 @@ def build_variant(host, variant: str, *, num_features: int, layers: Any, init: s
     model = copy.deepcopy(host)
     if variant == "softmax":
         return model
-    config = ConversionConfig(mixer=variant, layers=layers, num_features=num_features, seed=seed, window=0)  # features alone, as the study reports
+    config = ConversionConfig(mixer=variant, layers=layers, num_features=num_features, seed=seed, window=0, sinks=0)  # features alone, as the study reports
     use_init = init if variant == "darkformer" else "identity"
     return convert(model, config, calibration=calibration if use_init != "identity" else None, init=use_init,
                       steps=distill_steps, log=log)

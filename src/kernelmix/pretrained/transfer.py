@@ -1,0 +1,211 @@
+"""Attention transfer (LoLCATs' first stage): train each converted layer's kernel so that its
+output matches the host's exact attention output, with the host frozen.
+
+One pass of the host (exact attention) over the calibration windows records every converted
+layer's q, k and v (:func:`~.calibration.capture`): each layer is then trained on the host's own
+inputs, independently of the others, so nothing the earlier layers' kernels do reaches a later
+layer's data. The target is exact causal softmax attention on those q, k, v, over pieces of
+``min(seq_len, sliding window)`` tokens for a host's sliding-window layers (inside such a piece the
+host's window sees every earlier token, so the chunked op runs) and the whole window for global
+layers. The loss is the relative MSE ‖out − target‖² / ‖target‖² of the attention output (before
+o_proj), minimised with Adam on the kernel's own parameters (:meth:`trainable`: DARKFormer's M,
+Hedgehog's query and key maps; Performer has none, and is skipped). W stays the layer's own: it is
+the feature map the converted model keeps, so fitting M to it is the point, not overfitting.
+
+Interruption: with ``out_dir`` an atomic checkpoint (every kernel's trained tensors, Adam's state,
+where the run is, the losses so far; :mod:`kernelmix.training.checkpoint`) is written every
+``checkpoint_every`` steps and after each layer, and ``resume=True`` continues from the newest valid
+one exactly (the steps are deterministic: step s of a layer uses piece s mod N). A non-finite loss
+or gradient undoes the step and halves the learning rate of that layer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Callable
+
+import torch
+from torch import Tensor
+
+from ..config import Field, PositiveFloat, PositiveInt, check
+from ..errors import KernelmixError
+from ..output import progress_bar, write_json_atomic
+from ..training import checkpoint as ckpt
+from .attention import decoder_layers, is_local, kernels
+from .calibration import Captured, capture
+
+
+#: what a transfer writes in its output directory (the checkpoints, the record of its losses)
+TRANSFER_FILES = ("transfer", "transfer.json")
+
+
+@dataclass
+class TransferConfig:
+    """The attention-transfer budget (the same for every layer)."""
+
+    steps: Annotated[PositiveInt, Field(description="optimizer steps per converted layer")] = 200
+    lr: Annotated[PositiveFloat, Field(description="Adam's learning rate (cosine-decayed to 10%)")] = 1e-2
+    grad_clip: PositiveFloat = 1.0
+    checkpoint_every: Annotated[PositiveInt, Field(description="steps between checkpoints (with out_dir)")] = 50
+
+    def validate(self) -> None:
+        check(self)
+
+
+@dataclass
+class Piece:
+    """One training piece of a layer: the host's q ``[1, H, T, d]``, k, v ``[1, H_kv, T, d]`` and the
+    exact attention output ``[1, T, H, d_v]`` on them."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    target: Tensor
+    scaling: float
+
+
+def layer_pieces(items: list[Captured], length: int) -> list[Piece]:
+    """Cut a layer's captured windows into pieces of ``length`` tokens (the last shorter piece of a
+    window is dropped unless it is the only one) with their exact causal attention as targets."""
+    pieces = []
+    for c in items:
+        total = c.query.shape[2]
+        starts = list(range(0, max(total - length, 0) + 1, length)) if total >= length else [0]
+        for b in range(c.query.shape[0]):
+            for s in starts:
+                q, k, v = (x[b:b + 1, :, s:s + length].float() for x in (c.query, c.key, c.value))
+                groups = q.shape[1] // k.shape[1]
+                target = torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=c.scaling)
+                pieces.append(Piece(q, k, v, target.transpose(1, 2), c.scaling))
+    return pieces
+
+
+def relative_error(kernel, piece: Piece) -> Tensor:
+    """‖kernel(q, k, v) − exact‖² / ‖exact‖² on one piece (the transfer loss)."""
+    out = kernel.attend(piece.query, piece.key, piece.value, None, piece.scaling)
+    return (out.float() - piece.target).pow(2).mean() / piece.target.pow(2).mean()
+
+
+def transfer(model, calibration: Tensor, config: TransferConfig | None = None, *, attention_mask: Tensor | None = None,
+             out_dir: str | Path | None = None, resume: bool = False, progress: bool = False,
+             log: Callable[[str], None] | None = None) -> dict:
+    """Train every converted layer's kernel to reproduce the host's attention on ``calibration``
+    token ids ``[N, T]`` (module docstring). Returns ``{"layers": {i: {"losses": [...], "first":
+    float, "last": float}}, "seconds": float}``; the kernels are trained in place."""
+    config = TransferConfig() if config is None else config
+    config.validate()
+    todo = {i: k for i, k in kernels(model).items()}
+    if not todo:
+        raise KernelmixError("attention transfer needs a converted model (no layer has a kernel): convert it first "
+                             "(kernelmix convert ... --transfer, or kernelmix.pretrained.convert)")
+    if calibration.dim() != 2 or calibration.numel() == 0:
+        raise KernelmixError(f"calibration must be token ids [N, T] with N, T ≥ 1, got shape {tuple(calibration.shape)}: "
+                             "give some calibration text")
+    trained = {i: k for i, k in todo.items() if k.trainable() and hasattr(k, "attend_window")}
+    started = time.perf_counter()
+    record = {"layers": {}, "skipped": sorted(set(todo) - set(trained)), "config": asdict(config)}
+    position = _resume(out_dir, resume, trained, record)
+    total_steps = len(trained) * config.steps
+    bar = progress_bar(progress, "transfer", total_steps, completed=position["done"], fields={"loss": "rel. error {}"})
+    captured = capture(model, calibration, attention_mask, layers=list(trained), batch_size=1) if trained else {}
+    decoder = decoder_layers(model)
+    try:
+        for i, kernel in trained.items():
+            entry = record["layers"].setdefault(str(i), {"losses": []})
+            if entry.get("done"):
+                continue
+            attn = decoder[i].self_attn
+            window = getattr(attn, "sliding_window", None) if is_local(attn) else None
+            pieces = layer_pieces(captured[i], min(calibration.shape[1], window or calibration.shape[1]))
+            _train_layer(i, kernel, pieces, config, entry, position, out_dir, trained, record, bar, log)
+    finally:
+        bar.close()
+    record["seconds"] = record.get("seconds", 0.0) + time.perf_counter() - started
+    if out_dir is not None:
+        write_json_atomic(Path(out_dir) / "transfer.json", record)
+    return record
+
+
+def _train_layer(i, kernel, pieces, config, entry, position, out_dir, trained, record, bar, log) -> None:
+    params = kernel.trainable()
+    optimizer = torch.optim.Adam(params, lr=config.lr)
+    start = 0
+    if position.get("layer") == i and position.get("optimizer") is not None:
+        optimizer.load_state_dict(position["optimizer"])
+        start = position["step"]
+    last_good = [p.detach().clone() for p in params]
+    for step in range(start, config.steps):
+        for group in optimizer.param_groups:  # cosine from lr to lr/10 (halved after a non-finite step)
+            group["lr"] = config.lr * entry.get("lr_factor", 1.0) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / config.steps)))
+        loss = relative_error(kernel, pieces[step % len(pieces)])
+        value = float(loss.detach())
+        optimizer.zero_grad()
+        if math.isfinite(value):
+            loss.backward()
+        grads_ok = math.isfinite(value) and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        if grads_ok:
+            last_good = [p.detach().clone() for p in params]
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+        else:  # undo: back to the last finite parameters, at half the rate
+            with torch.no_grad():
+                for p, good in zip(params, last_good):
+                    p.copy_(good)
+            optimizer.state.clear()
+            entry["lr_factor"] = entry.get("lr_factor", 1.0) * 0.5
+        entry["losses"].append(value)
+        position["done"] += 1
+        bar.advance()
+        bar.update(loss=f"{value:.3f}")
+        if log is not None and (step % 50 == 0 or step == config.steps - 1):
+            log(f"layer {i} step {step}: relative error {value:.4f}")
+        finished = step == config.steps - 1
+        if finished:
+            entry.update(done=True, first=entry["losses"][0], last=float(sum(entry["losses"][-10:]) / len(entry["losses"][-10:])))
+        if out_dir is not None and (finished or (step + 1) % config.checkpoint_every == 0):
+            _save(out_dir, position["done"], trained, record, i, step + 1, None if finished else optimizer.state_dict())
+
+
+def _save(out_dir, done, trained, record, layer, step, optimizer_state) -> None:
+    weights = {f"{i}.{n}": p.detach().clone() for i, k in trained.items() for n, p in _named_trainable(k)}
+    state = {"step": done, "layer": layer, "layer_step": step, "optimizer": optimizer_state}
+    ckpt.save_checkpoint(Path(out_dir) / "transfer", done, weights, state, {"record": record})
+
+
+def _named_trainable(kernel) -> list[tuple[str, Tensor]]:
+    ids = {id(p) for p in kernel.trainable()}
+    return [(n, p) for n, p in kernel.named_parameters() if id(p) in ids]
+
+
+def _resume(out_dir, resume: bool, trained: dict, record: dict) -> dict:
+    """Where to start: ``{"done": steps done in all, "layer", "step", "optimizer"}``; with ``resume``
+    the newest valid checkpoint's kernels, record and position are loaded."""
+    position = {"done": 0, "layer": None, "step": 0, "optimizer": None}
+    if out_dir is None:
+        if resume:
+            raise KernelmixError("resume=True needs the out_dir of the interrupted transfer")
+        return position
+    root = Path(out_dir) / "transfer"
+    found = ckpt.load_latest_valid(root) if root.exists() else None
+    if found is None:
+        if resume:
+            raise KernelmixError(f"nothing to resume in {root}: run the transfer without resume")
+        return position
+    if not resume:
+        raise KernelmixError(f"{root} holds an interrupted attention transfer: pass resume=True (--resume) to continue it, "
+                             "or choose another output directory")
+    with torch.no_grad():
+        for i, kernel in trained.items():
+            for n, p in _named_trainable(kernel):
+                p.copy_(found.weights[f"{i}.{n}"])
+    record.update(found.config["record"])
+    state = found.state
+    layer = state["layer"] if state["optimizer"] is not None else None
+    return {"done": state["step"], "layer": layer, "step": state["layer_step"], "optimizer": state["optimizer"]}
+
+
+__all__ = ["TRANSFER_FILES", "Piece", "TransferConfig", "layer_pieces", "relative_error", "transfer"]

@@ -1,0 +1,116 @@
+"""Attention transfer (kernelmix.pretrained.transfer, kernelmix convert --transfer) on tiny random
+Gemma 3 / Llama hosts: the relative error falls, the host is untouched, an interrupted transfer
+resumes exactly, bad input is refused before work, and the command saves a transferred model."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernelmix import pretrained as cv  # noqa: E402
+from kernelmix.errors import KernelmixError  # noqa: E402
+from kernelmix.pretrained.calibration import capture  # noqa: E402
+from kernelmix.pretrained.transfer import TransferConfig, layer_pieces, relative_error, transfer  # noqa: E402
+
+from .test_convert import ids, tiny_gemma, tiny_llama  # noqa: E402
+from .test_finetune import TEXT, SavableByteTokenizer  # noqa: E402
+
+
+def _held_out_error(model, layer, held):
+    pieces = layer_pieces(capture(model, held, layers=[layer])[layer], held.shape[1])
+    with torch.no_grad():
+        return sum(relative_error(cv.kernels(model)[layer], p).item() for p in pieces) / len(pieces)
+
+
+@pytest.mark.parametrize("mixer", ["darkformer", "hedgehog"])
+def test_transfer_lowers_the_held_out_error_and_leaves_the_host(mixer):
+    host = tiny_gemma(qk_scale=1.0)  # sharper attention than a random init's near-uniform one: something to learn
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer=mixer, num_features=16, window=1, sinks=0, layers="all"))
+    before_host = {k: v.clone() for k, v in model.state_dict().items() if ".kernelmix_rf." not in k}
+    held = ids(2, 24, seed=7)
+    before = _held_out_error(model, 1, held)
+    record = transfer(model, ids(4, 24, seed=3), TransferConfig(steps=40, lr=3e-2))
+    after = _held_out_error(model, 1, held)
+    assert after < 0.95 * before, (before, after)
+    assert record["layers"]["1"]["last"] < record["layers"]["1"]["first"]
+    for k, v in model.state_dict().items():
+        if ".kernelmix_rf." not in k:
+            assert torch.equal(v, before_host[k]), k
+
+
+def test_performer_and_the_window_have_nothing_to_train_and_are_skipped():
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="performer", num_features=8, window=2))
+    record = transfer(model, ids(2, 16), TransferConfig(steps=3))
+    assert record["skipped"] == [0, 1] and record["layers"] == {}
+
+
+def test_an_interrupted_transfer_resumes_exactly(tmp_path, monkeypatch):
+    def fresh():
+        return cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2, layers="all"))
+
+    calibration = ids(3, 20, seed=4)
+    config = TransferConfig(steps=10, lr=1e-2, checkpoint_every=3)
+    whole = fresh()
+    transfer(whole, calibration, config)
+
+    import kernelmix.pretrained.transfer as tr
+
+    calls = {"n": 0}
+    real = tr.relative_error
+
+    def interrupted(kernel, piece):
+        calls["n"] += 1
+        if calls["n"] == 14:  # layer 1, step 4 (after layer 0's 10 steps): past the checkpoint at its step 3
+            raise KeyboardInterrupt
+        return real(kernel, piece)
+
+    monkeypatch.setattr(tr, "relative_error", interrupted)
+    first = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        transfer(first, calibration, config, out_dir=tmp_path)
+    monkeypatch.setattr(tr, "relative_error", real)
+    with pytest.raises(KernelmixError, match="resume"):
+        transfer(fresh(), calibration, config, out_dir=tmp_path)
+    resumed = fresh()
+    record = transfer(resumed, calibration, config, out_dir=tmp_path, resume=True)
+    for i, kernel in cv.kernels(whole).items():
+        assert torch.equal(kernel.transform, cv.kernels(resumed)[i].transform), i
+    assert len(record["layers"]["1"]["losses"]) == 10
+    assert json.loads((tmp_path / "transfer.json").read_text())["layers"]["0"]["done"]
+
+
+def test_bad_input_is_refused_before_work():
+    with pytest.raises(KernelmixError, match="needs a converted model"):
+        transfer(tiny_llama(), ids(2, 8))
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2))
+    with pytest.raises(KernelmixError, match="calibration must be token ids"):
+        transfer(model, torch.zeros(0, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="steps"):
+        transfer(model, ids(2, 8), TransferConfig(steps=0))
+
+
+def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
+    from kernelmix.cli import main
+
+    host = tiny_gemma()
+    host.save_pretrained(tmp_path / "host")
+    monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(TEXT * 2)
+    out = tmp_path / "out"
+    args = ["convert", str(tmp_path / "host"), "--out", str(out), "--mixer", "hedgehog", "--num-features", "8",
+            "--window", "4", "--calib-text", str(corpus), "--seq-len", "32", "--calib-seqs", "2", "--transfer",
+            "--transfer-steps", "5"]
+    assert main(args) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "transfer layer 1: relative error" in printed and "after attention transfer" in printed
+    loaded = cv.load_converted(out)
+    assert cv.kernels(loaded)[1].mixer == "hedgehog" and (out / "transfer.json").is_file() and not (out / "transfer").exists()
+    with pytest.raises(SystemExit):  # --resume without --transfer
+        main(args[:-3] + ["--resume"])
+    assert "pass --transfer" in capsys.readouterr().err
