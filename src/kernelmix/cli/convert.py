@@ -41,7 +41,8 @@ class ConvertOptions:
                                                 "M, Hedgehog's maps) to match the host's attention on the calibration "
                                                 "text, host frozen")] = False
     transfer_steps: Annotated[PositiveInt, Field(description="attention-transfer steps per layer")] = 200
-    transfer_lr: PositiveFloat = 1e-2
+    transfer_lr: Annotated[PositiveFloat | None, Field(description="attention-transfer learning rate (default: per "
+                                                                   "mixer, darkformer 3e-4, hedgehog 1e-2)")] = None
     resume: Annotated[bool, Field(description="continue an interrupted --transfer saved in --out")] = False
 
     def __post_init__(self) -> None:
