@@ -8,6 +8,7 @@ from typing import Annotated
 
 from ..config import Field, check
 from ..errors import Interrupted
+from ..studies.conversion_report import ConversionReportSettings, conversion_report
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
 from .options import add_options, from_args
 
@@ -44,6 +45,39 @@ def _cli_report(args) -> int:
     return 0
 
 
+@dataclass
+class ConversionReportOptions:
+    """Where the conversion report goes and how big it is (what it measures: ConversionReportSettings)."""
+
+    out: Annotated[str, Field(description="output directory (the committed report: results/conversion)")] = (
+        "runs/conversion-report")
+    work: Annotated[str | None, Field(description="transfers, finetuning runs and finished rows (default "
+                                                    "runs/report-conversion)")] = None
+    quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def _cli_conversion(args) -> int:
+    try:
+        opts = from_args(ConversionReportOptions, args)
+        quick = ConversionReportSettings.quick if opts.quick else None
+        settings = from_args(ConversionReportSettings, args, factory=quick)
+    except ValueError as error:
+        args.parser.error(str(error))
+    try:
+        conversion_report(settings, opts.out, opts.work, progress=True, log=lambda msg: print(msg, flush=True))
+    except Interrupted as stop:
+        print(f"kernelmix report conversion: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("kernelmix report conversion: stopped by Ctrl-C; finished rows, transfers and finetuning checkpoints are "
+              "kept and the same command continues", file=sys.stderr)
+        return 130
+    return 0
+
+
 def add_command(sub) -> None:
     """Register ``kernelmix report``."""
     p = sub.add_parser("report", help="reproduce a study end to end (darkformer); writes under runs/ unless --out says otherwise")
@@ -58,3 +92,12 @@ def add_command(sub) -> None:
     )
     add_options(d, ReportOptions, DarkformerReportSettings)
     d.set_defaults(func=_cli_report, parser=d)
+    c = reports.add_parser(
+        "conversion",
+        help="conversion that keeps the host: window + sinks + features, attention transfer, LoRA, constant-memory decode",
+        description="Gemma 3 270M converted on its global or all layers (window, Performer, whitened and transferred "
+                    "DARKFormer, transferred Hedgehog), before and after LoRA: held-out loss, per-layer attention error, "
+                    "and decode memory and time at 1k/8k/32k tokens of context against the host. Resumable.",
+    )
+    add_options(c, ConversionReportOptions, ConversionReportSettings)
+    c.set_defaults(func=_cli_conversion, parser=c)

@@ -1,0 +1,252 @@
+"""``kernelmix report conversion``: how close a converted pretrained model stays to its host.
+
+One command, resumable: Gemma 3 270M (by default) converted with a window of exact softmax, sinks
+and features beyond them, on the ``global`` (3 of 18) or ``all`` layers, for each variant:
+
+* ``window`` — the window and sinks alone, the features dropped: what they give by themselves;
+* ``performer`` — Performer features (M = I), untrained;
+* ``whiten`` — DARKFormer with the function-preserving whitened M, untrained;
+* ``darkformer`` — DARKFormer after attention transfer (from the whitened M, :mod:`kernelmix.pretrained.transfer`);
+* ``hedgehog`` — LoLCATs' learned feature map after the same transfer;
+
+each measured as it is (stage ``none`` or ``transfer``) and after a short LoRA finetuning (stage
+``lora``): the held-out loss (nats/token on documents no calibration or finetuning saw) and the
+per-layer attention error on held-out text. Then decoding: the cache's bytes and the time per token
+of the host and of the converted global-layer model at 1k, 8k and 32k tokens of context.
+
+Text: the corpus split by document (``val_fraction`` held out, ``seed``): calibration (transfer) and
+finetuning windows come from the training documents only, held-out loss and attention errors from
+the held-out ones. Finished rows, transfers and finetuning runs are kept in the work directory and
+reused when the same settings run again; an interrupted transfer or finetuning run continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Callable
+
+import torch
+
+from ..config import Choice, Distinct, Field, PositiveFloat, PositiveInt, check
+from ..data import load_corpus, split_texts, text_windows
+from ..data.windows import WINDOW_RULE
+from ..errors import KernelmixError
+from ..evaluate import evaluate_windows
+from ..locks import run_directory_lock
+from ..output import write_json_atomic, write_text_atomic
+from ..pretrained import ConversionConfig, FinetuneConfig, convert, finetune, kernels, load_pretrained
+from ..pretrained.calibration import capture
+from ..pretrained.transfer import TransferConfig, layer_pieces, relative_error, transfer
+from .conversion_decode import decode_costs
+from .conversion_markdown import plot_report, report_markdown
+
+VARIANTS = ("window", "performer", "whiten", "darkformer", "hedgehog")
+TRANSFERRED = ("darkformer", "hedgehog")
+LAYER_SETS = ("global", "all")
+
+
+@dataclass
+class ConversionReportSettings:
+    """What the conversion report measures (the defaults: the committed results/conversion)."""
+
+    model: Annotated[str, Field(description="a prepared name or a local HF causal-LM directory")] = "gemma3-270m"
+    text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
+    val_fraction: Annotated[float, Field(gt=0, lt=1, description="share of documents held out")] = 0.1
+    seed: int = 0
+    layers: Annotated[list[str], Choice(LAYER_SETS, "layer set"), Distinct("layer set"),
+                      Field(min_length=1, description="layer sets to convert: global, all")] = LAYER_SETS
+    variants: Annotated[list[str], Choice(VARIANTS, "variant"), Distinct("variant"),
+                        Field(min_length=1, description="rows: window, performer, whiten, darkformer, hedgehog")] = VARIANTS
+    num_features: PositiveInt = 64
+    window: PositiveInt = 64
+    sinks: int = 4
+    calib_seqs: Annotated[PositiveInt, Field(description="calibration windows (training documents)")] = 8
+    calib_len: PositiveInt = 1024
+    eval_seqs: Annotated[PositiveInt, Field(description="held-out windows for the loss")] = 2
+    eval_len: PositiveInt = 2048
+    error_len: Annotated[PositiveInt, Field(description="held-out window for the per-layer attention error")] = 1024
+    transfer_steps: PositiveInt = 200
+    lora_variants: Annotated[list[str], Choice(VARIANTS, "variant"), Distinct("variant"),
+                             Field(description="variants finetuned with LoRA after their first stage")] = (
+        "window", "darkformer", "hedgehog")
+    lora_steps: PositiveInt = 20
+    lora_seq_len: PositiveInt = 512
+    lora_lr: PositiveFloat = 1e-3
+    decode_contexts: Annotated[list[PositiveInt], Distinct("context"),
+                               Field(description="context lengths of the decode measurement")] = (1024, 8192, 32768)
+    decode_tokens: PositiveInt = 16
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @classmethod
+    def quick(cls, **overrides) -> "ConversionReportSettings":
+        """A smoke-sized run of the whole pipeline (minutes on a real model, seconds on a tiny one)."""
+        base = dict(calib_seqs=2, calib_len=256, eval_seqs=1, eval_len=256, error_len=256, transfer_steps=5,
+                    lora_steps=2, lora_seq_len=128, decode_contexts=(256, 1024), decode_tokens=2)
+        base.update(overrides)
+        return cls(**base)
+
+
+def conversion_report(settings: ConversionReportSettings, out_dir: str | Path = "runs/conversion-report",
+                      work_dir: str | Path | None = None, *, model=None, tokenizer=None, progress: bool = False,
+                      log: Callable[[str], None] = print) -> dict:
+    """Run the report (module docstring); writes ``results.json``, ``README.md`` and plots to
+    ``out_dir``. ``model``/``tokenizer`` override ``settings.model`` (tests pass tiny ones)."""
+    out = Path(out_dir)
+    work = Path(work_dir) if work_dir is not None else Path("runs") / "report-conversion"
+    with contextlib.ExitStack() as stack:
+        for directory in (out, work):
+            directory.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(run_directory_lock(directory, "kernelmix report conversion"))
+        return _report(settings, out, work, model, tokenizer, progress, log)
+
+
+def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) -> dict:
+    started = time.perf_counter()
+    if model is None:
+        model, tokenizer = load_pretrained(settings.model)
+    if tokenizer is None:
+        raise KernelmixError(f"the report needs {settings.model}'s tokenizer to cut text windows")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    train_texts, val_texts = split_texts(load_corpus(settings.text).documents(), settings.val_fraction, settings.seed)
+    data = {
+        "calibration": text_windows(tokenizer, train_texts, settings.calib_len, settings.calib_seqs),
+        "finetune": text_windows(tokenizer, train_texts, settings.lora_seq_len),
+        "held_out": text_windows(tokenizer, val_texts, settings.eval_len, settings.eval_seqs),
+        "error": text_windows(tokenizer, val_texts, settings.error_len, 1),
+    }
+    _check_apart(data)
+    key = {**asdict(settings), "window_rule": WINDOW_RULE}
+    rows_file = work / "rows.json"
+    done = _load_rows(rows_file, key)
+    host_loss = _cached(done, "host", lambda: _loss(model, data["held_out"]), log)
+    rows = []
+    for layers in settings.layers:
+        for variant in settings.variants:
+            rows.extend(_variant_rows(settings, model, data, layers, variant, work, done, progress, log))
+            write_json_atomic(rows_file, {"key": key, "rows": done})
+    decode = _cached(done, "decode", lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
+    write_json_atomic(rows_file, {"key": key, "rows": done})
+    result = {"host_loss": host_loss, "rows": rows, "decode": decode, "settings": asdict(settings),
+              "tokens": {name: int(x.numel()) for name, x in data.items()}, "machine": _machine(),
+              "seconds": time.perf_counter() - started}
+    write_json_atomic(out / "results.json", result)
+    plot_report(result, out)
+    write_text_atomic(out / "README.md", report_markdown(result))
+    log(f"wrote {out / 'README.md'}")
+    return result
+
+
+def _check_apart(data: dict) -> None:
+    """Calibration and finetuning windows share no window with the held-out ones (they are cut from
+    disjoint documents; this checks it, and that there is text at all)."""
+    held = {tuple(w.tolist()) for name in ("held_out", "error") for w in data[name]}
+    for name in ("calibration", "finetune"):
+        if data[name].numel() == 0:
+            raise KernelmixError(f"no {name} text: give a corpus with more training documents")
+        if any(tuple(w.tolist()) in held for w in data[name]):
+            raise KernelmixError(f"{name} windows overlap the held-out windows: the corpus repeats documents; "
+                                 "deduplicate it or choose another seed")
+
+
+def _load_rows(path: Path, key: dict) -> dict:
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    return saved["rows"] if saved.get("key") == key else {}
+
+
+def _cached(done: dict, name: str, compute, log):
+    if name not in done:
+        t = time.perf_counter()
+        done[name] = compute()
+        log(f"{name}: {done[name] if not isinstance(done[name], dict) else 'measured'} ({time.perf_counter() - t:.0f} s)")
+    return done[name]
+
+
+def _loss(model, windows) -> float:
+    with torch.no_grad():
+        return float(evaluate_windows(model, windows, batch_size=1)["loss"])
+
+
+def _converted(settings, host, data, layers: str, variant: str, work: Path, progress, log):
+    """A fresh copy of ``host`` converted as ``variant`` (transferred for darkformer/hedgehog)."""
+    mixer = {"window": "window", "performer": "performer", "whiten": "darkformer", "darkformer": "darkformer",
+             "hedgehog": "hedgehog"}[variant]
+    config = ConversionConfig(mixer=mixer, layers=layers, num_features=settings.num_features, window=settings.window,
+                              sinks=settings.sinks, seed=settings.seed)
+    init = "whiten" if variant in ("whiten", "darkformer") else "identity"
+    calibration = data["calibration"][:2, :512] if init == "whiten" else None
+    model = convert(copy.deepcopy(host), config, calibration=calibration, init=init)
+    record = None
+    if variant in TRANSFERRED:
+        record = transfer(model, data["calibration"], TransferConfig(steps=settings.transfer_steps),
+                          out_dir=work / f"transfer-{layers}-{variant}", resume=(work / f"transfer-{layers}-{variant}" / "transfer").is_dir(),
+                          progress=progress, log=None)
+    return model, record
+
+
+def _variant_rows(settings, host, data, layers, variant, work, done, progress, log) -> list[dict]:
+    first = "transfer" if variant in TRANSFERRED else "none"
+    names = [f"{layers}/{variant}/{first}"] + ([f"{layers}/{variant}/lora"] if variant in settings.lora_variants else [])
+    if all(n in done for n in names):
+        return [done[n] for n in names]
+    model, record = _converted(settings, host, data, layers, variant, work, progress, log)
+    if names[0] not in done:
+        errors = _attention_errors(host, model, data["error"])
+        done[names[0]] = {"layers": layers, "variant": variant, "stage": first, "loss": _loss(model, data["held_out"]),
+                          "attention_error": statistics.median(errors.values()),
+                          "per_layer_error": {str(i): e for i, e in errors.items()},
+                          "transfer": None if record is None else {i: {"first": v["first"], "last": v["last"]}
+                                                                    for i, v in record["layers"].items()}}
+        log(f"{names[0]}: loss {done[names[0]]['loss']:.3f}, median attention error {done[names[0]]['attention_error']:.3f}")
+    if len(names) > 1 and names[1] not in done:
+        config = FinetuneConfig(mode="lora", steps=settings.lora_steps, seq_len=settings.lora_seq_len,
+                                lr=settings.lora_lr, warmup_steps=2, eval_every=settings.lora_steps, eval_seqs=1,
+                                seed=settings.seed)
+        tuned, result = finetune(model, data["finetune"], data["held_out"][:1, :settings.lora_seq_len], config,
+                                 out_dir=work / f"lora-{layers}-{variant}", resume=(work / f"lora-{layers}-{variant}" / "checkpoints").is_dir(),
+                                 progress=progress, label=f"lora {layers}/{variant}")
+        done[names[1]] = {"layers": layers, "variant": variant, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
+                          "attention_error": None, "lora_seconds": result.get("wall_s")}
+        log(f"{names[1]}: loss {done[names[1]]['loss']:.3f}")
+    return [done[n] for n in names]
+
+
+def _attention_errors(host, model, windows) -> dict[int, float]:
+    """Relative error of every converted layer against the host's exact attention, on the host's own
+    q/k/v of held-out ``windows`` (pieces as in transfer: the sliding window for local layers)."""
+    layers = list(kernels(model))
+    captured = capture(model, windows, layers=layers)
+    out = {}
+    for i in layers:
+        attn = model.model.layers[i].self_attn
+        length = min(windows.shape[1], getattr(attn, "sliding_window", None) or windows.shape[1])
+        pieces = layer_pieces(captured[i], length)
+        with torch.no_grad():
+            out[i] = sum(relative_error(kernels(model)[i], p).item() for p in pieces) / len(pieces)
+    return out
+
+
+def _decode_model(settings, host, data, work, log):
+    """The model whose decoding is measured: DARKFormer after transfer on the global layers (its
+    transfer is reused from the rows when they ran it)."""
+    model, _ = _converted(settings, host, data, "global", "darkformer", work, False, log)
+    return model
+
+
+def _machine() -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+__all__ = ["LAYER_SETS", "VARIANTS", "ConversionReportSettings", "conversion_report"]

@@ -1,0 +1,72 @@
+"""kernelmix report conversion on a tiny random Gemma 3 host and a local corpus: every row, the
+decode measurement (flat for the converted model, growing for the host), the files, reuse of
+finished rows, and the command line."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernelmix import pretrained as cv  # noqa: E402
+from kernelmix.studies.conversion_report import ConversionReportSettings, conversion_report  # noqa: E402
+
+from .test_convert import tiny_gemma  # noqa: E402
+from .test_finetune import TEXT, SavableByteTokenizer  # noqa: E402
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    directory = tmp_path / "text"
+    directory.mkdir()
+    for i in range(10):
+        (directory / f"doc{i}.txt").write_text(f"document {i}: " + TEXT * 3)
+    return directory
+
+
+def _settings(corpus, **overrides):
+    base = dict(text=str(corpus), num_features=8, window=4, sinks=1, calib_seqs=2, calib_len=48, eval_seqs=1,
+                eval_len=64, error_len=32, transfer_steps=3, lora_steps=2, lora_seq_len=32, decode_contexts=(40, 160),
+                decode_tokens=2, val_fraction=0.3)
+    base.update(overrides)
+    return ConversionReportSettings(**base)
+
+
+def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):
+    host = tiny_gemma(layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    logs = []
+    result = conversion_report(_settings(corpus), tmp_path / "out", tmp_path / "work", model=host,
+                               tokenizer=SavableByteTokenizer(), log=logs.append)
+    rows = {(r["layers"], r["variant"], r["stage"]): r for r in result["rows"]}
+    for layers in ("global", "all"):
+        for variant, stage in (("window", "none"), ("performer", "none"), ("whiten", "none"),
+                               ("darkformer", "transfer"), ("hedgehog", "transfer")):
+            row = rows[(layers, variant, stage)]
+            assert torch.isfinite(torch.tensor(row["loss"])) and row["attention_error"] >= 0
+        for variant in ("window", "darkformer", "hedgehog"):
+            assert rows[(layers, variant, "lora")]["attention_error"] is None
+    assert set(rows[("all", "darkformer", "transfer")]["per_layer_error"]) == {"0", "1", "2"}
+    decode = result["decode"]
+    assert decode["converted"]["bytes"][0] == decode["converted"]["bytes"][1]  # flat
+    assert decode["host"]["bytes"][0] < decode["host"]["bytes"][1]  # the host's global layer grows
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["host_loss"] == result["host_loss"] and len(saved["rows"]) == len(result["rows"])
+    for name in ("README.md", "loss.png", "attention_error.png", "decode.png"):
+        assert (tmp_path / "out" / name).is_file()
+    assert "targets" in (tmp_path / "out" / "README.md").read_text()
+    # a second run reuses every finished row (nothing is trained or measured again)
+    logs.clear()
+    again = conversion_report(_settings(corpus), tmp_path / "out", tmp_path / "work", model=host,
+                              tokenizer=SavableByteTokenizer(), log=logs.append)
+    assert again["rows"] == result["rows"] and all("loss" not in line for line in logs[:-1])
+
+
+def test_cli_report_conversion_refuses_bad_settings(capsys):
+    from kernelmix.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["report", "conversion", "--variants", "window,window"])
+    assert "repeats 'window'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", "conversion", "--variants", "softmax"])
