@@ -460,3 +460,89 @@ class TestMixedDtypesNamed:
         mask = torch.ones(1, 4, 4, dtype=torch.bool).tril()
         with pytest.raises(KernelmixError, match="dtypes differ: q bfloat16"):
             ops.softmax_attention_masked(q, k, v, mask)
+
+
+def _factor_calls(rho=None, beta=None) -> dict:
+    """Every op that takes ρ (Cubit) or β (DeltaFormer): the fast path, the solve alone, the
+    reference and the decode step, each a zero-argument call."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, r = (torch.randn(1, 5, 2, 8, generator=g) for _ in range(4))
+    last = slice(4, 5)
+    if rho is not None:
+        return {
+            "cubit_attention": lambda: ops.cubit_attention(q, k, v, r, rho=rho, chunk_size=2),
+            "cubit_solve": lambda: ops.cubit_solve(r, v, rho=rho, chunk_size=2),
+            "cubit_attention_naive": lambda: ops.cubit_attention_naive(q, k, v, r, rho=rho),
+            "cubit_attention_step": lambda: ops.cubit_attention_step(q[:, last], k[:, last], v[:, last], r[:, last],
+                                                                     None, rho=rho[:, last]),
+        }
+    return {
+        "deltaformer_attention": lambda: ops.deltaformer_attention(q, k, v, beta=beta, chunk_size=2),
+        "deltaformer_attention_naive": lambda: ops.deltaformer_attention_naive(q, k, v, beta=beta),
+        "deltaformer_attention_step": lambda: ops.deltaformer_attention_step(q[:, last], k[:, last], v[:, last], None,
+                                                                             beta=beta[:, last]),
+    }
+
+
+class TestRhoOutsideItsRangeRefused:
+    """Issue 25: ρ outside (0, ∞) was taken as it came — ``rho=0`` gave an all-zero output, a negative
+    ρ flipped the values' sign. Every op that takes ρ refuses it on the CPU, naming the value, where it
+    is, the range and the fix; in range (and non-finite: the NaN guard's business) it runs as before."""
+
+    @pytest.mark.parametrize("value", [0.0, -0.5])
+    @pytest.mark.parametrize("op", list(_factor_calls(rho=torch.ones(1, 5, 2))))
+    def test_refused_naming_value_range_and_fix(self, op, value):
+        rho = torch.ones(1, 5, 2)
+        rho[0, 4, 1] = value
+        with pytest.raises(KernelmixError, match=rf"rho must lie in \(0, ∞\) for every token and head, got "
+                                                 rf"{value:g} at \[b, t, h\] = \[0, (4|0), 1\].*rho = lo \+ \(hi - lo\) "
+                                                 r"\* torch.sigmoid\(x\).*rho=None"):
+            _factor_calls(rho=rho)[op]()
+
+    def test_in_range_and_non_finite_still_run(self):
+        rho = torch.full((1, 5, 2), 1e-3)
+        rho[0, 2, 0] = 50.0
+        for call in _factor_calls(rho=rho).values():
+            call()
+        rho[0, 1, 0] = float("-inf")  # non-finite: the rows that see it come out NaN, as for any input
+        out = _factor_calls(rho=rho)["cubit_attention"]()
+        assert torch.isfinite(out[:, 0]).all() and not torch.isfinite(out[:, 1:, 0]).any()
+
+    def test_skipped_where_a_check_would_sync(self, monkeypatch):
+        """Off the CPU (or under torch.compile) the check would wait for the device on every layer of every
+        step: it is skipped exactly where the non-finite scan skips its sync (scan_syncs)."""
+        from kernelmix.ops import _common
+        monkeypatch.setattr(_common, "scan_syncs", lambda device: False)
+        out = _factor_calls(rho=torch.zeros(1, 5, 2))["cubit_attention"]()
+        assert torch.equal(out, torch.zeros_like(out))  # what ρ = 0 gives when nobody checks
+
+
+class TestBetaOutsideItsRangeRefused:
+    """Issue 25: β outside [0, 1] was taken as it came (β = 2 over-subtracts, β < 0 turns the delta rule
+    around). Every op that takes β refuses it on the CPU, naming the value, the range and the fix. β = 0
+    is accepted: the layer's sigmoid gate gives it exactly (logits below ~-88 in float32, a -inf hidden
+    state), and it is well-defined (the delta rule off for that token, u = v)."""
+
+    @pytest.mark.parametrize("value", [-0.1, -1e-30, 1.5])
+    @pytest.mark.parametrize("op", list(_factor_calls(beta=torch.ones(1, 5, 2))))
+    def test_refused_naming_value_range_and_fix(self, op, value):
+        beta = torch.full((1, 5, 2), 0.5)
+        beta[0, 4, 1] = value
+        with pytest.raises(KernelmixError, match=rf"beta must lie in \[0, 1\] for every token and head, got "
+                                                 rf"{value:g} at \[b, t, h\] = \[0, (4|0), 1\].*beta = "
+                                                 r"torch.sigmoid\(x\).*beta=None"):
+            _factor_calls(beta=beta)[op]()
+
+    def test_zero_one_and_non_finite_still_run(self):
+        beta = torch.ones(1, 5, 2)  # β = 1 (the default's value) and β = 0 (u = v) are in range
+        beta[0, 3] = 0.0
+        for call in _factor_calls(beta=beta).values():
+            call()
+        beta[0, 1, 0] = float("inf")
+        out = _factor_calls(beta=beta)["deltaformer_attention"]()
+        assert torch.isfinite(out[:, 0]).all() and not torch.isfinite(out[:, 1:, 0]).any()
+
+    def test_skipped_where_a_check_would_sync(self, monkeypatch):
+        from kernelmix.ops import _common
+        monkeypatch.setattr(_common, "scan_syncs", lambda device: False)
+        _factor_calls(beta=torch.full((1, 5, 2), 2.0))["deltaformer_attention"]()

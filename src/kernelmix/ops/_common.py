@@ -170,6 +170,29 @@ def check_per_token_heads(name: str, x: Tensor | None, q: Tensor) -> None:
         raise KernelmixError(f"{name} must have shape [B, T, H] = {expected}, got {got}")
 
 
+def check_per_token_range(name: str, x: Tensor | None, *, upper: float | None, zero: bool, fix: str) -> None:
+    """Check a per-token, per-head factor ``x`` ``[B, T, H]`` lies in (0, upper] — [0, upper] with
+    ``zero``, (0, ∞) when ``upper`` is None: a KernelmixError naming the first value outside, the range
+    and ``fix``. Non-finite entries are left to the non-finite guard (they make the rows that see them
+    NaN). The check syncs, so it runs only where :func:`scan_syncs` allows one (the CPU, eagerly): on
+    an accelerator or under ``torch.compile`` every layer of every step would wait for it."""
+    if x is None or not scan_syncs(x.device):
+        return
+    values = x.detach()
+    outside = values < 0 if zero else values <= 0
+    if upper is not None:
+        outside = outside | (values > upper)
+    outside = outside & torch.isfinite(values)
+    if not bool(outside.any()):
+        return
+    b, t, h = (int(i) for i in outside.nonzero()[0])
+    valid = ("[0, " if zero else "(0, ") + ("∞)" if upper is None else f"{upper:g}]")
+    raise KernelmixError(
+        f"{name} must lie in {valid} for every token and head, got {float(values[b, t, h]):g} at "
+        f"[b, t, h] = [{b}, {t}, {h}] ({int(outside.sum())} of {values.numel()} values outside); {fix}"
+    )
+
+
 def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, positive: bool) -> Tensor:
     """Turn a float or a [H] tensor into a [H] tensor in the compute dtype (keeps autograd).
     A tensor's positivity is checked eagerly only: under torch.compile the check would break the graph."""

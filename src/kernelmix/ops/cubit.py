@@ -27,6 +27,7 @@ from ._common import (
     check_chunk_size,
     check_doc_start,
     check_per_token_heads,
+    check_per_token_range,
     check_qkv,
     check_state,
     compute_dtype,
@@ -67,6 +68,16 @@ def _check_cubit_inputs(q, k, v, r, rho) -> None:
             f"got {tuple(r.shape)}"
         )
     check_per_token_heads("rho", rho, q)
+    check_rho(rho)
+
+
+RHO_FIX = ("map it into a positive range, e.g. rho = lo + (hi - lo) * torch.sigmoid(x) with 0 < lo < hi (the "
+           "Cubit layer's LRR), or pass rho=None for rho = 1")
+
+
+def check_rho(rho: Tensor | None) -> None:
+    """ρ ∈ (0, ∞) per token and head (docs/math.md §3): ρ = 0 zeroes the values, ρ < 0 flips them."""
+    check_per_token_range("rho", rho, upper=None, zero=False, fix=RHO_FIX)
 
 
 def reference_factor(r: Tensor, ref_scale: Tensor) -> Tensor:
@@ -100,6 +111,7 @@ def cubit_solve(
     check_4d("r", r)
     check_4d("v", v)
     check_per_token_heads("rho", rho, r)
+    check_rho(rho)
     guard = find_nonfinite({"v": v, "r": r, "rho": rho}, r.shape[2])
     u, r_hat = _cubit_solve(
         r if guard is None else guard.zeroed("r", r), v if guard is None else guard.zeroed("v", v),
@@ -177,7 +189,8 @@ def cubit_attention(
     backend: str = "auto",
 ):
     """Cubit attention, fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
-    ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi)) or None for ρ ≡ 1.
+    ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi); any value in (0, ∞), else a
+    KernelmixError on the CPU) or None for ρ ≡ 1.
     ``ridge`` (λ) and ``ref_scale`` (s) are floats or ``[H]`` tensors and receive gradients.
     ``scale`` is the read-out attention's scale (default 1/√d). ``doc_start`` ``[B, T]`` (optional)
     keeps packed documents / left padding apart in both the solve and the read-out.

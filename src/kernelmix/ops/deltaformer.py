@@ -23,6 +23,7 @@ from ._common import (
     check_chunk_size,
     check_doc_start,
     check_per_token_heads,
+    check_per_token_range,
     check_qkv,
     check_state,
     compute_dtype,
@@ -50,9 +51,17 @@ class DeltaFormerState:
         return self.k.shape[1]
 
 
+BETA_FIX = ("gate it into [0, 1], e.g. beta = torch.sigmoid(x) (the DeltaFormer layer's gate), or pass beta=None "
+            "for beta = 1")
+
+
 def _check_inputs(q, k, v, beta, w) -> None:
     check_qkv(q, k, v, same_dtype=True)
     check_per_token_heads("beta", beta, q)
+    # β ∈ (0, 1) by the math (docs/math.md §4), but the layer's sigmoid gives exactly 1 (logits above
+    # ~17) and exactly 0 (below ~-88, or a -inf hidden state) in float32: both are well-defined (β = 0
+    # turns the delta rule off for the token, u = v). β < 0 turns it around, β > 1 over-subtracts.
+    check_per_token_range("beta", beta, upper=1.0, zero=True, fix=BETA_FIX)
     if w is not None:
         check_4d("w", w)
         heads = q.shape[2]
@@ -78,7 +87,8 @@ def deltaformer_attention(
     backend: str = "auto",
 ):
     """DeltaFormer, fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
-    ``beta``: ``[B, T, H]`` in (0, 1) (None = ones); ``w`` (default ``k``): the solve's query side.
+    ``beta``: ``[B, T, H]`` in [0, 1] (None = ones; outside: a KernelmixError on the CPU); ``w`` (default
+    ``k``): the solve's query side.
     ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out. ``doc_start``
     ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document).
     ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
