@@ -6,7 +6,10 @@ advisory lock (``filelock``: ``flock`` on POSIX) on ``<dir>/.kernelmix.lock``: i
 kernel when its process dies, however it dies, so a crash never leaves a lock behind. Beside it,
 ``<dir>/.kernelmix.lock.json`` says who holds it (pid, host, command, since when) so that a second
 writer is refused with a message naming the holder; a holder file whose lock is free is what a dead
-process left, and the next writer takes over with a note.
+process left, and the next writer takes over with a note. A directory the lock created (and the
+parents it created with it) is removed again when the command leaves nothing in it but the lock
+file — a run that failed on its corpus leaves no empty ``--out`` behind; a directory that existed
+before is never removed.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def run_directory_lock(directory: str | os.PathLike, command: str) -> Iterator[P
     if directory.exists() and not directory.is_dir():
         raise KernelmixError(f"{directory} is a file, not a run directory: pass an --out that is a directory "
                              "(or does not exist yet)")
+    created = _missing_directories(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -76,10 +80,44 @@ def run_directory_lock(directory: str | os.PathLike, command: str) -> Iterator[P
     try:
         yield directory
     finally:
+        unused = False
         if not outer:
             with contextlib.suppress(OSError):
                 (directory / HOLDER_NAME).unlink()
+            # unlinked while still held: a writer that opens the path after this creates a fresh lock
+            unused = bool(created) and _only_the_lock(directory)
+            if unused:
+                with contextlib.suppress(OSError):
+                    (directory / LOCK_NAME).unlink()
         lock.release()
+        if unused:
+            _remove_empty(created)
+
+
+def _missing_directories(directory: Path) -> list[Path]:
+    """``directory`` and those of its parents that do not exist yet, innermost first."""
+    missing, path = [], directory
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _only_the_lock(directory: Path) -> bool:
+    try:
+        return [entry.name for entry in directory.iterdir()] == [LOCK_NAME]
+    except OSError:
+        return False
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (innermost first) while they are empty: rmdir refuses a directory that
+    another process wrote to meanwhile, which is then kept with everything above it."""
+    for path in directories:
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 __all__ = ["HOLDER_NAME", "LOCK_NAME", "run_directory_lock"]

@@ -890,3 +890,37 @@ class TestCompareBudgetBelowOneStep:
         config = CompareConfig(mixers=["softmax", "cubit"], lengths=[256], budget="time", seconds=0.02)
         plan = plan_budget(config, 256, {("softmax", 256): 0.008, ("cubit", 256): 0.014})
         assert plan.steps == {("softmax", 256): 2, ("cubit", 256): 1}
+
+
+class TestFailedTrainLeavesNoDirectory:
+    """Issue 25: a ``kernelmix train`` that failed on its corpus left its --out behind, holding only the
+    lock file. A directory the command created (with the parents it created) and never wrote anything
+    else to is removed; a directory that existed before is never removed."""
+
+    @pytest.fixture
+    def empty_corpus(self, tmp_path):
+        corpus = tmp_path / "corpus"
+        corpus.mkdir()
+        return ["--set", f"corpus={corpus}", "--set", "preset=tiny", "--set", "steps=2"]
+
+    def test_a_directory_it_created_is_removed(self, tmp_path, empty_corpus, capsys):
+        out = tmp_path / "runs" / "new"
+        assert cli_main(["train", "--out", str(out), *empty_corpus]) == 2
+        assert "no documents found" in capsys.readouterr().err
+        assert not (tmp_path / "runs").exists()  # the parent it created goes too
+
+    def test_a_directory_that_existed_is_kept(self, tmp_path, empty_corpus):
+        out = tmp_path / "mine"
+        out.mkdir()
+        assert cli_main(["train", "--out", str(out / "new"), *empty_corpus]) == 2
+        assert out.is_dir() and list(out.iterdir()) == []  # its own --out went, the existing parent stays
+        assert cli_main(["train", "--out", str(out), *empty_corpus]) == 2
+        assert out.is_dir()
+
+    def test_a_directory_written_to_is_kept(self, tmp_path):
+        out = tmp_path / "run"
+        with pytest.raises(KernelmixError, match="boom"):
+            with run_directory_lock(out, "kernelmix train"):
+                (out / "config.json").write_text("{}")
+                raise KernelmixError("boom")
+        assert sorted(p.name for p in out.iterdir()) == [".kernelmix.lock", "config.json"]
