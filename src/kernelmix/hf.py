@@ -30,8 +30,9 @@ this module only translates::
   silently re-initialised layer; a different vocabulary is ``model.resize_token_embeddings(n)``
   after loading.
 * ``generate`` refuses, before the first token, what transformers lets through: a right-padded
-  ``attention_mask``, an empty prompt, special token ids outside the vocabulary and a run past
-  ``max_seq_len``.
+  ``attention_mask``, an empty prompt, special token ids outside the vocabulary, length options
+  (``max_new_tokens``, ...) that are not ints or leave nothing to generate, and a run past
+  ``max_seq_len`` (a prompt that alone fills it is told how to shorten it).
 
 Registration: ``import kernelmix`` registers these classes with ``AutoConfig`` and
 ``AutoModelForCausalLM`` as soon as transformers is imported (see ``kernelmix/__init__.py``);
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 import typing
 from typing import Any
 
@@ -296,6 +298,7 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
             check_left_padded(mask.bool())
         vocab_size = self.config.vocab_size
         generation_config = kwargs.get("generation_config") or self.generation_config
+        _check_lengths(kwargs, generation_config)
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             value = kwargs.get(name, getattr(generation_config, name, None))
             values = value.tolist() if isinstance(value, Tensor) else value
@@ -316,10 +319,18 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
             new_tokens = generation_config.max_length - position_ids.shape[-1]
             prompt = int(position_ids.max()) + 1
             limit = self.config.max_seq_len
+            if prompt >= limit:  # no max_new_tokens fits: HF refuses 0
+                keep = limit - 1
+                raise KernelmixError(
+                    f"a prompt of {prompt} tokens leaves no room to generate: the model's max_seq_len = {limit} "
+                    f"positions hold at most {keep} prompt tokens plus one new token; shorten the prompt to at most "
+                    f"{keep} tokens (e.g. its last ones: input_ids[:, -{keep}:], and attention_mask[:, -{keep}:] "
+                    "with it), or use a model with a larger max_seq_len"
+                )
             if prompt + new_tokens > limit:
                 raise KernelmixError(
                     f"a prompt of {prompt} tokens plus {new_tokens} new tokens is {prompt + new_tokens} positions, "
-                    f"beyond the model's max_seq_len = {limit}; ask for at most max_new_tokens={max(limit - prompt, 0)} "
+                    f"beyond the model's max_seq_len = {limit}; ask for at most max_new_tokens={limit - prompt} "
                     "or shorten the prompt"
                 )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
@@ -364,6 +375,29 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model carries its own ModelCache (HF's escape route for mamba-like models)
+
+
+#: generate()'s length options: each an int, at least this (transformers compares them unchecked: a
+#: string was a TypeError deep inside, a float was taken as it came)
+_LENGTH_OPTIONS = {"max_new_tokens": 1, "max_length": 1, "min_new_tokens": 0, "min_length": 0}
+
+
+def _check_lengths(kwargs: dict[str, Any], generation_config: Any) -> None:
+    """``max_new_tokens`` and the other length options, given to ``generate`` or in its generation
+    config: ints (not bools) at least their minimum, else a KernelmixError naming the value and the fix."""
+    for name, least in _LENGTH_OPTIONS.items():
+        value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)):
+            whole = (isinstance(value, str) and value.strip().isdigit()) or (isinstance(value, float) and value.is_integer())
+            example = f"{name}={int(value)}" if whole else f"{name}=20"
+            raise KernelmixError(
+                f"{name} must be an int (a number of tokens), got {value!r} ({type(value).__name__}); pass an int, "
+                f"e.g. {example}")
+        if value < least:
+            what = "at least one token to generate" if name == "max_new_tokens" else "a number of tokens"
+            raise KernelmixError(f"{name} must be >= {least} ({what}), got {value}; pass e.g. {name}=20")
 
 
 def _mismatch_message(source: str, mismatched: list[tuple[str, Any, Any]], kwargs: dict[str, Any]) -> str:

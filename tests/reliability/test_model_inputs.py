@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import warnings
 
 import pytest
@@ -281,6 +282,70 @@ class TestHuggingFaceGenerateBeyondMaxSeqLen:
         mask = torch.tensor([[0] * 6 + [1] * 4])
         with pytest.raises(KernelmixError, match="4 tokens plus 253 new tokens"):
             model.generate(x, attention_mask=mask, max_new_tokens=253, do_sample=False, pad_token_id=0)
+
+
+@needs_hf
+class TestHuggingFaceGeneratePromptAloneTooLong:
+    """Issue 25: a prompt that alone fills max_seq_len was told to "ask for at most max_new_tokens=0",
+    which transformers refuses. Now: no max_new_tokens fits, shorten the prompt to max_seq_len - 1
+    tokens (how), or use a model with a larger max_seq_len; refused before any forward."""
+
+    @pytest.mark.parametrize("length", [16, 20])
+    def test_refused_naming_the_prompt_limit_and_how_to_cut(self, length):
+        model = hf_model(max_seq_len=16)
+        calls = []
+        hook = model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+        try:
+            with pytest.raises(KernelmixError, match=rf"a prompt of {length} tokens leaves no room to generate: the "
+                                                     r"model's max_seq_len = 16 positions hold at most 15 prompt "
+                                                     r"tokens plus one new token; shorten the prompt to at most 15 "
+                                                     r"tokens \(e.g. its last ones: input_ids\[:, -15:\].*larger "
+                                                     r"max_seq_len") as caught:
+                model.generate(ids(1, length), max_new_tokens=3, do_sample=False)
+        finally:
+            hook.remove()
+        assert "max_new_tokens=0" not in str(caught.value) and calls == []
+
+    def test_the_cut_it_suggests_works(self):
+        model = hf_model(max_seq_len=16)
+        assert model.generate(ids(1, 20)[:, -15:], max_new_tokens=1, do_sample=False).shape == (1, 16)
+
+
+@needs_hf
+class TestHuggingFaceGenerateLengthNotAnInt:
+    """Issue 25: ``max_new_tokens="3"`` was a TypeError deep inside transformers ('<=' not supported
+    between 'str' and 'int'), a float was taken as it came and 0 was transformers' error without a
+    fix. The length options are ints at least their minimum, else a KernelmixError naming the value."""
+
+    @pytest.mark.parametrize("name,value,fix", [
+        ("max_new_tokens", "3", "max_new_tokens=3"), ("max_new_tokens", 2.0, "max_new_tokens=2"),
+        ("max_new_tokens", True, "max_new_tokens=20"), ("max_length", "12", "max_length=12"),
+        ("min_new_tokens", "1", "min_new_tokens=1"),
+    ])
+    def test_not_an_int(self, name, value, fix):
+        with pytest.raises(KernelmixError, match=rf"{name} must be an int \(a number of tokens\), got "
+                                                 rf"{re.escape(repr(value))} \({type(value).__name__}\); pass an "
+                                                 rf"int, e.g. {fix}"):
+            hf_model().generate(ids(1, 4), do_sample=False, **{name: value})
+
+    @pytest.mark.parametrize("value", [0, -1])
+    def test_no_token_to_generate(self, value):
+        with pytest.raises(KernelmixError, match=rf"max_new_tokens must be >= 1 \(at least one token to generate\), "
+                                                 rf"got {value}; pass e.g. max_new_tokens=20"):
+            hf_model().generate(ids(1, 4), max_new_tokens=value, do_sample=False)
+
+    def test_in_a_generation_config_too(self):
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(do_sample=False)
+        config.max_new_tokens = "3"
+        with pytest.raises(KernelmixError, match=r"max_new_tokens must be an int .*got '3' \(str\)"):
+            hf_model().generate(ids(1, 4), generation_config=config)
+
+    def test_ints_still_run(self):
+        import numpy as np
+
+        assert hf_model().generate(ids(1, 4), max_new_tokens=np.int64(2), min_new_tokens=0, do_sample=False).shape == (1, 6)
 
 
 @needs_hf
