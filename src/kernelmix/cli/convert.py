@@ -34,8 +34,10 @@ class ConvertOptions:
     overwrite: Annotated[bool, Field(
         description="replace the model files in a non-empty --out (other files there are kept)")] = False
     calib_text: Annotated[str, Field(description="corpus for whiten/distill (name, dir, glob or file)")] = "shakespeare"
-    seq_len: PositiveInt = 512
-    calib_seqs: PositiveInt = 2
+    seq_len: Annotated[PositiveInt | None, Field(description="calibration window length (default: 1024 with "
+                                                              "--transfer, else 512)")] = None
+    calib_seqs: Annotated[PositiveInt | None, Field(description="calibration windows (default: 8 with --transfer, "
+                                                                "else 2)")] = None
     steps: Annotated[NonNegativeInt, Field(description="distillation steps per layer")] = 200
     transfer: Annotated[bool, Field(description="attention transfer: train the converted layers' kernels (DARKFormer's "
                                                 "M, Hedgehog's maps) to match the host's attention on the calibration "
@@ -88,7 +90,9 @@ def _cli_convert(args) -> int:
                 raise KernelmixError(f"--init {config.init} / --transfer need the model's tokenizer, and {opts.model} has "
                                      "no tokenizer files: copy them in, or use --init identity without --transfer")
             train_docs, _ = split_texts(load_corpus(opts.calib_text).documents())
-            calibration = text_windows(tok, train_docs, opts.seq_len, opts.calib_seqs, min_windows=opts.calib_seqs)
+            seq_len = opts.seq_len or (1024 if opts.transfer else 512)
+            count = opts.calib_seqs or (8 if opts.transfer else 2)
+            calibration = text_windows(tok, train_docs, seq_len, count, min_windows=count)
         log = lambda msg: print(f"  {msg}", flush=True)  # noqa: E731
         convert(model, config, calibration=calibration, init=config.init, steps=opts.steps, progress=True, log=log)
         if opts.transfer:

@@ -58,7 +58,8 @@ def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts:
     with writing(out):
         cv.save_converted(model, out / "model", tok)
         write_json_atomic(out / "result.json", result, indent=1)
-    print(f"val loss {result['initial']['loss']:.4f} → {result['final']['loss']:.4f} "
+    start = "after transfer" if (Path(opts.model) / "transfer.json").is_file() else "as converted"
+    print(f"val loss {result['initial']['loss']:.4f} ({start}) → {result['final']['loss']:.4f} (after {config.mode}) "
           f"(acc {result['final']['accuracy']:.3f}), {result['num_spikes']} spikes; saved the model to {out / 'model'}")
 
 
