@@ -25,6 +25,11 @@ this module only translates::
   from ``attention_mask`` (``[B, past + T]``, left padding) and the cache. Greedy and sampling
   are supported; beam search and assisted decoding are refused (the cache cannot be reordered
   or rolled back).
+* ``save_pretrained`` writes ``kernelmix.checksums.json`` beside the weights (size and SHA-256 of
+  each weights file); ``from_pretrained`` of a local directory verifies it before loading, so a
+  weights file changed or damaged after saving is an error naming it, not wrong weights. A save
+  without the file (older kernelmix, or a download from the Hub, which does not carry it) loads
+  as before.
 * Loading is strict: a checkpoint with missing or unexpected tensors (e.g. saved with other
   mixers) or tensors of other shapes (e.g. ``vocab_size=`` given on loading) is an error, never a
   silently re-initialised layer; a different vocabulary is ``model.resize_token_embeddings(n)``
@@ -43,8 +48,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import numbers
+import os
 import typing
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +76,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .errors import KernelmixError
 from .generate import check_left_padded
 from .model import CausalLM, ModelCache, ModelConfig
+from .output import file_sha256, write_json_atomic
 
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
@@ -202,6 +211,14 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: torch.nn.Linear) -> None:
         self.model.lm_head = value
 
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs: Any):
+        """``PreTrainedModel.save_pretrained``, then ``kernelmix.checksums.json`` beside the weights
+        (what :meth:`from_pretrained` verifies). With ``push_to_hub=True`` the checksum file stays local."""
+        result = super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            write_checksums(Path(save_directory))
+        return result
+
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         """``PreTrainedModel.from_pretrained``, strict: a checkpoint whose tensors do not match this
@@ -217,6 +234,8 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
                 "would be left uninitialised. Load the checkpoint as saved, then change it — for another vocabulary "
                 "size, model.resize_token_embeddings(n)"
             )
+        if isinstance(source, (str, os.PathLike)) and Path(source, kwargs.get("subfolder") or "").is_dir():
+            verify_checksums(Path(source, kwargs.get("subfolder") or ""))
         try:
             # shapes that differ are collected (not raised on) so that the error below can name them and the fix
             model, info = super().from_pretrained(
@@ -375,6 +394,49 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model carries its own ModelCache (HF's escape route for mamba-like models)
+
+
+#: the checksum file save_pretrained writes beside the weights, and the weights files it covers
+CHECKSUMS_NAME = "kernelmix.checksums.json"
+CHECKSUMS_FORMAT = 1
+_WEIGHTS_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def write_checksums(directory: Path) -> Path:
+    """Write ``directory/kernelmix.checksums.json``: size and SHA-256 of every weights file there."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name.endswith(_WEIGHTS_SUFFIXES))
+    record = {"format": CHECKSUMS_FORMAT,
+              "files": {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}}
+    return write_json_atomic(directory / CHECKSUMS_NAME, record, sort_keys=True)
+
+
+def verify_checksums(directory: Path) -> None:
+    """Check the weights files of a save against its checksum file (nothing to check without one: a
+    save from before checksums); a KernelmixError names the first file that differs and the fix."""
+    path = directory / CHECKSUMS_NAME
+    if not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        files = dict(record["files"])
+        if record.get("format") != CHECKSUMS_FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, this kernelmix reads format {CHECKSUMS_FORMAT}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise KernelmixError(
+            f"cannot read {path} ({error}); save or copy the model again, or delete {CHECKSUMS_NAME} to load the "
+            "weights unchecked") from None
+    for name, expected in sorted(files.items()):
+        weights = directory / name
+        if not weights.is_file():  # a file the save no longer uses; one it needs is transformers' error
+            continue
+        size = weights.stat().st_size
+        if size != expected.get("bytes") or file_sha256(weights) != expected.get("sha256"):
+            change = (f"{size} bytes, saved with {expected.get('bytes')}" if size != expected.get("bytes")
+                      else "same size, other bytes")
+            raise KernelmixError(
+                f"{weights} does not match the checksum written when the model was saved ({change}): the file is "
+                f"truncated or corrupt, so its weights would be wrong; save or copy the model again. (Weights changed "
+                f"on purpose: save them with save_pretrained, which writes a new {CHECKSUMS_NAME}.)")
 
 
 #: generate()'s length options: each an int, at least this (transformers compares them unchecked: a

@@ -8,6 +8,7 @@ the target), shows progress the same way (rich, on stderr), and draws plots the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None = 2, sort_keys: bool = False) -> Path:
     """:func:`write_text_atomic` of ``data`` as JSON (with a final newline)."""
     return write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class ProgressBar:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -45,6 +44,7 @@ from torch import nn
 
 from ..errors import KernelmixError
 from ..oserror import from_safetensors
+from ..output import file_sha256
 
 FORMAT = 1
 FILES = ("model.safetensors", "state.pt", "config.json")
@@ -179,14 +179,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -259,7 +251,7 @@ def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], state: 
     manifest = {
         "format": FORMAT,
         "step": step,
-        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES},
+        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)} for name in FILES},
     }
     write_json(manifest, tmp / "manifest.json")
     for name in (*FILES, "manifest.json"):
@@ -355,7 +347,7 @@ def _file_problem(path: Path, files: dict[str, Any]) -> str | None:
         size = file.stat().st_size
         if size != expected.get("bytes"):
             return f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, the manifest says {expected.get('bytes')}"
-        if _sha256(file) != expected.get("sha256"):
+        if file_sha256(file) != expected.get("sha256"):
             return f"checkpoint file {str(file)!r} is corrupt (SHA-256 mismatch)"
     return None
 
