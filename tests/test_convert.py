@@ -174,10 +174,12 @@ def test_left_padding_matches_unpadded():
     torch.testing.assert_close(padded[1, 6:], alone[0], atol=1e-4, rtol=1e-4)
 
 
-def test_local_layers_keep_their_window():
-    # two sliding layers of window 8: position 20 cannot see token 0 through two layers
+@pytest.mark.parametrize("mixer,window,sinks", [("performer", 0, 0), ("darkformer", 3, 4)])
+def test_local_layers_keep_their_window(mixer, window, sinks):
+    # two sliding layers of window 8: position 20 cannot see token 0 through two layers (features beyond
+    # a window of 3 and 4 sinks included: the host's window still bounds them)
     model = cv.convert(tiny_gemma(layer_types=("sliding_attention", "sliding_attention")),
-                       cv.ConversionConfig(window=0, sinks=0, mixer="performer", layers="local", num_features=32))
+                       cv.ConversionConfig(window=window, sinks=sinks, mixer=mixer, layers="local", num_features=32))
     x = ids(1, 24)
     y = x.clone()
     y[0, 0] = (y[0, 0] + 1) % 128

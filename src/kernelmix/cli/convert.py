@@ -41,7 +41,8 @@ class ConvertOptions:
     steps: Annotated[NonNegativeInt, Field(description="distillation steps per layer")] = 200
     transfer: Annotated[bool, Field(description="attention transfer: train the converted layers' kernels (DARKFormer's "
                                                 "M, Hedgehog's maps) to match the host's attention on the calibration "
-                                                "text, host frozen")] = False
+                                                "text, host frozen (DARKFormer starts from --init whiten unless "
+                                                "--init is given)")] = False
     transfer_steps: Annotated[PositiveInt, Field(description="attention-transfer steps per layer")] = 200
     transfer_lr: Annotated[PositiveFloat | None, Field(description="attention-transfer learning rate (default: per "
                                                                    "mixer, darkformer 3e-4, hedgehog 1e-2)")] = None
@@ -81,6 +82,8 @@ def _cli_convert(args) -> int:
         config = from_args(ConversionConfig, args)
     except ValueError as error:
         args.parser.error(str(error))
+    if opts.transfer and config.mixer == "darkformer" and getattr(args, "init", None) is None:
+        config.init = "whiten"  # transfer starts from the whitened M (the report's DARKFormer after transfer)
     out = check_out(opts)
     with user_errors():  # the library's ValueErrors about the input (an unknown corpus, a layer out of range, ...)
         model, tok = load_pretrained(opts.model)
