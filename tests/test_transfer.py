@@ -114,3 +114,18 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):  # --resume without --transfer
         main(args[:-3] + ["--resume"])
     assert "pass --transfer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("train_kernels", [False, True])
+def test_lora_after_transfer_can_freeze_the_kernels(train_kernels):
+    from kernelmix.pretrained import FinetuneConfig, finetune
+
+    from .test_finetune import windows
+
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2, layers="all"))
+    before = {i: k.transform.detach().clone() for i, k in cv.kernels(model).items()}
+    config = FinetuneConfig(mode="lora", steps=3, seq_len=32, lr=1e-2, warmup_steps=1, eval_every=3, eval_seqs=1,
+                            train_kernels=train_kernels)
+    tuned, _ = finetune(model, windows(), windows(2, seed=1), config)
+    unchanged = all(torch.equal(k.transform, before[i]) for i, k in cv.kernels(tuned).items())
+    assert unchanged != train_kernels

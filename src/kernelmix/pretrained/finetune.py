@@ -82,6 +82,9 @@ class FinetuneConfig:
     eval_seqs: PositiveInt = 4
     checkpoint_every: Annotated[NonNegativeInt, Field(description="0: at every evaluation")] = 0
     train_embeddings: Annotated[bool, Field(description="mode=full: train the embedding / LM head too")] = False
+    train_kernels: Annotated[bool, Field(description="train the converted layers' kernel parameters too (DARKFormer's M, "
+                                                     "Hedgehog's maps); off: LoLCATs' second stage, the kernels "
+                                                     "frozen after attention transfer")] = True
     lora_rank: PositiveInt = 8
     lora_alpha: int = 16
     seed: int = 0
@@ -146,7 +149,7 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
                 p.requires_grad_(True)
     for kernel in kernels(_base(model)).values():  # the DARKFormer metric M (Cubit's λ, s) train in every mode
         for p in kernel.trainable():
-            p.requires_grad_(True)
+            p.requires_grad_(config.train_kernels)
     seen, params = set(), []
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
@@ -262,7 +265,8 @@ def open_finetune_run(out: Path | None, resume: bool, model, optimizer, config: 
         (out / "metrics.jsonl").unlink(missing_ok=True)
         return fresh
     latest = saved.path
-    if saved.config.get("finetune") != asdict(config):
+    stored = {"train_kernels": True, **(saved.config.get("finetune") or {})}  # a run saved before the option trained them
+    if stored != asdict(config):
         raise KernelmixError(f"{latest} was written with another finetune config; use another --out or drop --resume")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n in trainable if n not in saved.weights]
