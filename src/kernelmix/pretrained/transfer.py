@@ -131,7 +131,8 @@ def transfer(model, calibration: Tensor, config: TransferConfig | None = None, *
     position = _resume(out_dir, resume, trained, record)
     total_steps = len(trained) * config.steps
     bar = progress_bar(progress, "transfer", total_steps, completed=position["done"], fields={"loss": "rel. error {}"})
-    captured = capture(model, calibration, attention_mask, layers=list(trained), batch_size=1) if trained else {}
+    waiting = [i for i in trained if not record["layers"].get(str(i), {}).get("done")]
+    captured = capture(model, calibration, attention_mask, layers=waiting, batch_size=1) if waiting else {}
     decoder = decoder_layers(model)
     try:
         for i, kernel in trained.items():
