@@ -149,3 +149,53 @@ def test_a_documents_shift_depends_on_that_document_only():
     for b in range(B):
         for i in range(T):
             assert got[b, :, i].equal(key_max[b, :, int(DOC_START[b, i]) : i + 1].amax(-1))
+
+
+PARALLEL = {  # the parallel op with doc_start: (call on tokens sl, the inputs it reads that are per token)
+    "softmax": (lambda x, sl, **kw: ops.softmax_attention(x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], **kw),
+                ("k", "v")),
+    "cubit": (lambda x, sl, **kw: ops.cubit_attention(x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["r"][:, sl],
+                                                      rho=x["rho"][:, sl], chunk_size=5, **kw), ("k", "v", "r", "rho")),
+    "deltaformer": (lambda x, sl, **kw: ops.deltaformer_attention(x["q"][:, sl], x["k"][:, sl], x["v"][:, sl],
+                                                                  beta=x["beta"][:, sl], chunk_size=5, **kw),
+                    ("k", "v", "beta")),
+}
+DOC_STEP = {  # one decode token t with its doc_start
+    "softmax": lambda x, s, t: ops.softmax_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1], x["v"][:, t:t + 1], s,
+                                                          doc_start=DOC_START[:, t:t + 1]),
+    "cubit": lambda x, s, t: ops.cubit_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1], x["v"][:, t:t + 1],
+                                                      x["r"][:, t:t + 1], s, rho=x["rho"][:, t:t + 1],
+                                                      doc_start=DOC_START[:, t:t + 1]),
+    "deltaformer": lambda x, s, t: ops.deltaformer_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1],
+                                                                  x["v"][:, t:t + 1], s, beta=x["beta"][:, t:t + 1],
+                                                                  doc_start=DOC_START[:, t:t + 1]),
+}
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "no-sync"])
+@pytest.mark.parametrize("name", list(DOC_STEP))
+def test_decode_keeps_a_cached_nan_in_its_document(name, accelerator, monkeypatch):
+    """A NaN or inf cached in an earlier document is hidden from a later document's rows: decode
+    must give what the parallel op with doc_start gives — the rows that see it NaN, every other row
+    exact — decoded from scratch and continued from a prefill state (issue 26). A hidden row used to
+    get weight 0 and 0 · NaN = NaN."""
+    if accelerator:  # the accelerator form: no sync, the masks always built
+        monkeypatch.setattr(_common, "scan_syncs", lambda device: False)
+    parallel, names = PARALLEL[name]
+    for which in names:
+        for value in (NAN, float("inf")):
+            x = _inputs()
+            x[which][1, 3, 0] = value  # batch row 1, token 3: document [0, 9); the next starts at 9
+            want = parallel(x, slice(None), doc_start=DOC_START)
+            assert torch.isnan(want[1, 3:9]).any() and torch.isfinite(want[1, 9:]).all()
+            for prefill in (0, 6, 12):
+                state, rows = None, []
+                if prefill:
+                    out, state = parallel(x, slice(0, prefill), doc_start=DOC_START[:, :prefill], return_state=True)
+                    rows.append(out)
+                for t in range(prefill, T):
+                    out, state = DOC_STEP[name](x, state, t)
+                    rows.append(out)
+                got = torch.cat(rows, dim=1)
+                assert torch.equal(got.isnan(), want.isnan()), (which, value, prefill)
+                assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-12), (which, value, prefill)

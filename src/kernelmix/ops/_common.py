@@ -213,10 +213,12 @@ def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, 
     return torch.full((num_heads,), value, dtype=like.dtype, device=like.device)
 
 
-def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]], *, same_length: tuple[str, ...] = ()) -> None:
+def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]], *, same_length: tuple[str, ...] = (),
+                optional: tuple[str, ...] = ()) -> None:
     """Check a decode state handed to ``op``: an instance of ``cls`` whose tensor fields have the
     expected shapes (``fields``: name → (shape with None for a free dim, its layout in words)); the
-    fields named in ``same_length`` must agree on dim 1 (the cached tokens)."""
+    fields named in ``same_length`` must agree on dim 1 (the cached tokens); those in ``optional``
+    may be None."""
     if not isinstance(state, cls):
         raise KernelmixError(
             f"{op}: state must be a {cls.__name__} (returned by the parallel op with return_state=True or by the "
@@ -224,6 +226,8 @@ def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]],
         )
     for name, (expected, layout) in fields.items():
         value = getattr(state, name)
+        if value is None and name in optional:
+            continue
         fits = isinstance(value, Tensor) and value.dim() == len(expected)
         fits = fits and all(e is None or e == g for e, g in zip(expected, value.shape))
         if not fits:
@@ -234,7 +238,7 @@ def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]],
                 "it was built for another batch size, number of heads, head dim or projection — pass the "
                 "state this op (this layer) returned for the same sequence"
             )
-    lengths = {name: getattr(state, name).shape[1] for name in same_length}
+    lengths = {name: getattr(state, name).shape[1] for name in same_length if getattr(state, name) is not None}
     if len(set(lengths.values())) > 1:
         raise KernelmixError(f"{op}: the state is inconsistent: its cached lengths differ ({lengths}); pass an unmodified state")
 
@@ -503,3 +507,41 @@ def reaches_causal(bad: Tensor, doc_start: Tensor | None, offset: int = 0) -> Te
     latest = torch.where(bad, index[None, :, None], -1).cummax(dim=1).values
     start = 0 if doc_start is None else doc_start[:, :, None]
     return latest >= start
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs in decode steps
+#
+# A step reads every cached row, the hidden ones (earlier documents, left padding) with weight 0,
+# and 0 · NaN = NaN: a NaN cached in one document reached every later document. So a decode state
+# caches what the guarded parallel form computes with, never a non-finite row: a non-finite key or
+# value is cached as 0 (softmax), a solved u that sees one as 0 (Cubit, DeltaFormer), and the state's
+# ``nonfinite`` flags ``[B, t, H]`` mark the tokens whose rows see a non-finite input (their own, or
+# an earlier token's of their document). A step flags its own token when one of its inputs is
+# non-finite or it sees a flagged token, and sets its row to NaN: what the parallel form gives.
+# No device sync: on the CPU the scan of the new token decides (no flags while everything is
+# finite); elsewhere the flags are always kept, O(t·H) booleans per step beside the O(t·H·d) read.
+
+
+def cached_nonfinite(guard: NonFinite | None, doc_start: Tensor | None) -> Tensor | None:
+    """The ``nonfinite`` flags of a state returned by a parallel op: ``[B, T, H]``, True where a
+    token's row sees a non-finite input (None when the guard found none)."""
+    return None if guard is None else reaches_causal(guard.bad, doc_start)
+
+
+def step_nonfinite(guard: NonFinite | None, cached: Tensor | None, hidden: Tensor | None,
+                   position: int) -> tuple[Tensor | None, Tensor | None]:
+    """One decode token's ``(flag [B, 1, H], the state's new flags [B, t+1, H])``: the token sees a
+    non-finite input where its own (``guard``, the scan of its cached inputs) is or where it sees a
+    flagged cached token (``cached`` ``[B, t, H]``; ``hidden`` ``[B, 1, t+1]``: True for cached
+    tokens of earlier documents, None when all are visible). ``(None, None)`` when neither has one."""
+    if guard is None and cached is None:
+        return None, None
+    own = guard.bad if guard is not None else None
+    if cached is None:
+        cached = own.new_zeros((own.shape[0], position, own.shape[2]))
+    seen = cached if hidden is None else cached & ~hidden[:, 0, :position, None]
+    flag = seen.any(1, keepdim=True)
+    if own is not None:
+        flag = flag | own
+    return flag, append_rows(cached, flag)

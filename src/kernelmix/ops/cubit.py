@@ -23,6 +23,7 @@ from ._common import (
     NonFinite,
     append_rows,
     autocast_off,
+    cached_nonfinite,
     check_4d,
     check_chunk_size,
     check_doc_start,
@@ -37,6 +38,7 @@ from ._common import (
     per_head,
     readout_values,
     softmax_scale,
+    step_nonfinite,
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
@@ -48,11 +50,14 @@ REFERENCE_NORM_EPS = 1e-6
 class CubitState:
     """Decode cache: read-out keys ``k`` ``[B, t, H_kv, d]``, solved values ``u`` ``[B, t, H, d_v]``
     and normalised references ``r_hat`` ``[B, t, H, d_r]`` (u and r̂ in the compute dtype).
-    Cached u never change: token t only appends."""
+    Cached u never change: token t only appends. A u that sees a non-finite input is cached as 0
+    and ``nonfinite`` ``[B, t, H]`` flags those tokens (None: none does; see ``_common``, non-finite
+    inputs in decode steps)."""
 
     k: Tensor
     u: Tensor
     r_hat: Tensor
+    nonfinite: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -214,12 +219,15 @@ def cubit_attention(
     )
     out = causal_softmax_attention(q, expand_heads(keys, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
     out = out.to(v.dtype)
+    nonfinite = cached_nonfinite(guard, doc_start)
     if guard is not None:
-        out = guard.poison_causal(out, doc_start)
-        # U does not depend on the read-out keys: only a bad r, v or ρ spoils the cached U
-        u, r_hat = _poisoned_solution(guard.only("v", "r", "rho"), u, r_hat, doc_start)
+        out = out.masked_fill(nonfinite[..., None], float("nan"))
+        if return_state:  # the state caches the rows that see a non-finite input as 0, flagged
+            u = u.masked_fill(nonfinite[..., None], 0.0)
+            if "r" in guard.masks:  # r̂ of a non-finite reference is NaN (its logits are selected away)
+                r_hat = r_hat.masked_fill(guard.masks["r"][..., None], float("nan"))
     if return_state:
-        return out, CubitState(k=k, u=u, r_hat=r_hat)
+        return out, CubitState(k=k, u=u, r_hat=r_hat, nonfinite=nonfinite)
     return out
 
 
@@ -276,6 +284,8 @@ def cubit_attention_step(
     """Decode one token (all inputs have T=1): append (k, u, r̂) to the cache and read out.
 
     u_t = (ρ_t v_t − Σ_{j<t} G_tj u_j) / (G_tt + λ), the last row of the forward substitution.
+    A non-finite k, v, r or ρ makes the rows that see it NaN, in its document only (as
+    :func:`cubit_attention`).
     """
     _check_cubit_inputs(q, k, v, r, rho)
     if q.shape[1] != 1:
@@ -287,13 +297,17 @@ def cubit_attention_step(
             "cubit_attention_step", state, CubitState,
             {"k": ((batch, None, *k.shape[2:]), "[B, t, H_kv, d]"),
              "u": ((batch, None, heads, v.shape[3]), "[B, t, H, d_v]"),
-             "r_hat": ((batch, None, heads, r.shape[3]), "[B, t, H, d_r]")},
-            same_length=("k", "u", "r_hat"),
+             "r_hat": ((batch, None, heads, r.shape[3]), "[B, t, H, d_r]"),
+             "nonfinite": ((batch, None, heads), "[B, t, H]")},
+            same_length=("k", "u", "r_hat", "nonfinite"), optional=("nonfinite",),
         )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible: −inf logits
     hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
+    # hidden logits are selected away (−inf), but u is multiplied: a flagged u is cached as 0
+    flag, nonfinite = step_nonfinite(find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads),
+                                     None if state is None else state.nonfinite, hidden, position)
     with autocast_off(q):  # the Gram row, the substitution and the cached u stay fp32 under bf16 autocast (the policy, _common)
         dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
         r_t = r.to(dtype)
@@ -311,6 +325,8 @@ def cubit_attention_step(
         if state is not None:
             b_t = b_t - torch.einsum("bhj,bjhd->bhd", gram_row[..., :-1], state.u)
         u_t = (b_t / (gram_row[..., -1:] + lam[:, None]))[:, None]
+        if flag is not None:
+            u_t = u_t.masked_fill(flag[..., None], 0.0)
         u = append_rows(None if state is None else state.u, u_t)
         k_all = append_rows(None if state is None else state.k, k)
         weights = decode_logits(q[:, 0], k_all, dtype) * softmax_scale(q, scale)
@@ -318,4 +334,6 @@ def cubit_attention_step(
             weights = weights.masked_fill(hidden, float("-inf"))
         weights = weights.softmax(dim=-1)
         out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
-        return out, CubitState(k=k_all, u=u, r_hat=r_hat)
+        if flag is not None:
+            out = out.masked_fill(flag[..., None], float("nan"))
+        return out, CubitState(k=k_all, u=u, r_hat=r_hat, nonfinite=nonfinite)

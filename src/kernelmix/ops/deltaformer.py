@@ -19,6 +19,7 @@ from ..errors import KernelmixError
 from ._common import (
     append_rows,
     autocast_off,
+    cached_nonfinite,
     check_4d,
     check_chunk_size,
     check_doc_start,
@@ -33,6 +34,7 @@ from ._common import (
     masked_softmax,
     readout_values,
     softmax_scale,
+    step_nonfinite,
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
@@ -41,10 +43,13 @@ from .softmax import causal_softmax_attention, softmax_attention_naive
 @dataclass
 class DeltaFormerState:
     """Decode cache: keys ``k`` ``[B, t, H_kv, d]`` (read-out and solve keys) and solved values
-    ``u`` ``[B, t, H, d_v]`` in the compute dtype."""
+    ``u`` ``[B, t, H, d_v]`` in the compute dtype. A u that sees a non-finite input is cached as 0
+    and ``nonfinite`` ``[B, t, H]`` flags those tokens (None: none does; see ``_common``, non-finite
+    inputs in decode steps)."""
 
     k: Tensor
     u: Tensor
+    nonfinite: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -123,10 +128,11 @@ def deltaformer_attention(
     ).transpose(1, 2)
     out = causal_softmax_attention(q, expand_heads(k, heads), readout_values(q, u), scale=scale, doc_start=doc_start)
     out = out.to(v_in.dtype)
-    if guard is not None:
-        out, u = guard.poison_causal(out, doc_start), guard.poison_causal(u, doc_start)
+    nonfinite = cached_nonfinite(guard, doc_start)
+    if guard is not None:  # the state caches the rows that see a non-finite input as 0, flagged
+        out, u = out.masked_fill(nonfinite[..., None], float("nan")), u.masked_fill(nonfinite[..., None], 0.0)
     if return_state:
-        return out, DeltaFormerState(k=k_in, u=u)
+        return out, DeltaFormerState(k=k_in, u=u, nonfinite=nonfinite)
     return out
 
 
@@ -187,7 +193,9 @@ def deltaformer_attention_step(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, DeltaFormerState]:
-    """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens."""
+    """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens.
+    A non-finite k, v, β or w makes the rows that see it NaN, in its document only (as
+    :func:`deltaformer_attention`)."""
     _check_inputs(q, k, v, beta, w)
     if q.shape[1] != 1:
         raise KernelmixError(
@@ -198,13 +206,17 @@ def deltaformer_attention_step(
         check_state(
             "deltaformer_attention_step", state, DeltaFormerState,
             {"k": ((q.shape[0], None, *k.shape[2:]), "[B, t, H_kv, d]"),
-             "u": ((q.shape[0], None, heads, v.shape[3]), "[B, t, H, d_v]")},
-            same_length=("k", "u"),
+             "u": ((q.shape[0], None, heads, v.shape[3]), "[B, t, H, d_v]"),
+             "nonfinite": ((q.shape[0], None, heads), "[B, t, H]")},
+            same_length=("k", "u", "nonfinite"), optional=("nonfinite",),
         )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible
     hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
+    # hidden logits are selected away (−inf), but u is multiplied: a flagged u is cached as 0
+    flag, nonfinite = step_nonfinite(find_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads),
+                                     None if state is None else state.nonfinite, hidden, position)
     with autocast_off(q):  # the solve's row and the cached u stay fp32 under bf16 autocast (the policy, _common)
         dtype = compute_dtype(q, k, v, k if w is None else w) if state is None else state.u.dtype
         sc = softmax_scale(q, scale)
@@ -216,6 +228,8 @@ def deltaformer_attention_step(
             weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
             b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
             u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
+        if flag is not None:
+            u_t = u_t.masked_fill(flag[:, 0, :, None], 0.0)
         u = append_rows(None if state is None else state.u, u_t[:, None])
         k_all = append_rows(None if state is None else state.k, k)
         logits = decode_logits(q[:, 0], k_all, dtype) * sc
@@ -223,4 +237,6 @@ def deltaformer_attention_step(
             logits = logits.masked_fill(hidden, float("-inf"))
         weights = logits.softmax(-1)
         out = torch.einsum("bhj,bjhd->bhd", weights, u)[:, None].to(v.dtype)
-        return out, DeltaFormerState(k=k_all, u=u)
+        if flag is not None:
+            out = out.masked_fill(flag[..., None], float("nan"))
+        return out, DeltaFormerState(k=k_all, u=u, nonfinite=nonfinite)

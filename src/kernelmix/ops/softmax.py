@@ -18,6 +18,7 @@ from ._common import (
     append_rows,
     autocast_off,
     bf16_attention_in_fp32,
+    cached_nonfinite,
     check_doc_start,
     check_qkv,
     check_mask,
@@ -28,16 +29,20 @@ from ._common import (
     masked_softmax,
     query_rows_per_kv_head,
     softmax_scale,
+    step_nonfinite,
     visible,
 )
 
 
 @dataclass
 class SoftmaxState:
-    """KV cache: keys and values of every token seen so far, ``[B, t, H_kv, d]``."""
+    """KV cache: keys and values of every token seen so far, ``[B, t, H_kv, d]``. A non-finite key
+    or value is cached as 0 and ``nonfinite`` ``[B, t, H]`` flags the tokens whose rows see one
+    (None: none does; see ``_common``, non-finite inputs in decode steps)."""
 
     k: Tensor
     v: Tensor
+    nonfinite: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -77,13 +82,13 @@ def softmax_attention(
     check_qkv(q, k, v, same_dtype=True)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     guard = find_nonfinite({"k": k, "v": v}, q.shape[2])
-    if guard is None:
-        out = causal_softmax_attention(q, k, v, scale=scale, doc_start=doc_start)
-    else:
-        out = causal_softmax_attention(q, guard.zeroed("k", k), guard.zeroed("v", v), scale=scale, doc_start=doc_start)
+    if guard is not None:
+        k, v = guard.zeroed("k", k), guard.zeroed("v", v)
+    out = causal_softmax_attention(q, k, v, scale=scale, doc_start=doc_start)
+    if guard is not None:
         out = guard.poison_causal(out, doc_start)
     if return_state:
-        return out, SoftmaxState(k=k, v=v)
+        return out, SoftmaxState(k=k, v=v, nonfinite=cached_nonfinite(guard, doc_start))
     return out
 
 
@@ -162,7 +167,8 @@ def softmax_attention_step(
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, SoftmaxState]:
     """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself
-    (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given)."""
+    (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given). A non-finite key or
+    value makes the rows that see it NaN, in its document only (as :func:`softmax_attention`)."""
     check_qkv(q, k, v, same_dtype=True)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
@@ -170,19 +176,25 @@ def softmax_attention_step(
         check_state(
             "softmax_attention_step", state, SoftmaxState,
             {"k": ((k.shape[0], None, *k.shape[2:]), "[B, t, H_kv, d]"),
-             "v": ((v.shape[0], None, *v.shape[2:]), "[B, t, H_kv, d_v]")},
-            same_length=("k", "v"),
+             "v": ((v.shape[0], None, *v.shape[2:]), "[B, t, H_kv, d_v]"),
+             "nonfinite": ((v.shape[0], None, q.shape[2]), "[B, t, H]")},
+            same_length=("k", "v", "nonfinite"), optional=("nonfinite",),
         )
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
-    if state is not None:
-        k = append_rows(state.k, k)  # amortised O(1) per token, not cat's O(t) copy
-        v = append_rows(state.v, v)
     batch, _, heads, _ = q.shape
     mask = None
     if doc_start is not None:
         idx = torch.arange(position + 1, device=q.device)
         mask = visible(idx[-1:], idx, doc_start)  # [B, 1, 1, t]: the same for every head and query row
+    guard = find_nonfinite({"k": k, "v": v}, heads)
+    flag, nonfinite = step_nonfinite(guard, None if state is None else state.nonfinite,
+                                     None if mask is None else ~mask[:, 0], position)
+    if guard is not None:  # cached as 0: a hidden row's weight 0 must not meet a NaN
+        k, v = guard.zeroed("k", k), guard.zeroed("v", v)
+    if state is not None:
+        k = append_rows(state.k, k)  # amortised O(1) per token, not cat's O(t) copy
+        v = append_rows(state.v, v)
     # one SDPA call over the cache as it is: a kv head's G query heads are its G query rows
     out = _sdpa(
         query_rows_per_kv_head(q[:, 0], k.shape[2]),
@@ -190,8 +202,10 @@ def softmax_attention_step(
         v.transpose(1, 2),
         attn_mask=mask,
         scale=softmax_scale(q, scale),
-    )  # [B, H_kv, G, d_v]
-    return out.reshape(batch, 1, heads, v.shape[-1]), SoftmaxState(k=k, v=v)
+    ).reshape(batch, 1, heads, v.shape[-1])  # [B, H_kv, G, d_v] → [B, 1, H, d_v]
+    if flag is not None:
+        out = out.masked_fill(flag[..., None], float("nan"))
+    return out, SoftmaxState(k=k, v=v, nonfinite=nonfinite)
 
 
 __all__ = [
