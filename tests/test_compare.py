@@ -294,3 +294,40 @@ def test_results_md_says_when_reused_runs_trained_with_other_threads():
     runs = [{"threads": 1}, {"threads": 2}, {}]  # {}: a run saved before threads were recorded
     assert _threads_text({"machine": {"threads": 2}, "runs": runs}) == "2 torch threads now; the runs trained with 1 / 2"
     assert _threads_text({"machine": {"threads": 2}, "runs": runs[1:]}) == "2 torch threads"
+
+
+def test_every_training_setting_that_changes_a_run_is_in_its_key(tmp_path, monkeypatch):
+    """A finished run is reused when its key matches, so every TrainConfig field that can change
+    its result must change the key: max_bad_steps too (it decides whether a run with skipped steps
+    finishes or stops; issue 26). Only where the run is and what it recomputes are left out."""
+    import dataclasses
+
+    from kernelmix.training import TrainConfig
+
+    config = small(tmp_path / "cmp")
+    plain = config.run_key("cubit-nolrr", 32, 0)
+    train = config.train_config("cubit-nolrr", 32, 0, "x")
+    original = CompareConfig.train_config
+    unkeyed = {"out_dir", "activation_checkpointing", "activation_checkpointing_every"}
+
+    def other(value):
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, (int, float)):
+            return value + 1
+        if isinstance(value, tuple):
+            return tuple(v / 2 for v in value)
+        if isinstance(value, dict):
+            return {**value, "hidden_size": 96}
+        return value + "-other"
+
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
+        def changed(self, *args, name=name, **kwargs):
+            run = original(self, *args, **kwargs)
+            setattr(run, name, other(getattr(run, name)))
+            return run
+
+        monkeypatch.setattr(CompareConfig, "train_config", changed)
+        assert (config.run_key("cubit-nolrr", 32, 0) == plain) == (name in unkeyed), name
+    monkeypatch.undo()
+    assert train.max_bad_steps == TrainConfig().max_bad_steps  # at the default: the committed keys are unchanged

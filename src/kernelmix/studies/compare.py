@@ -246,8 +246,9 @@ class CompareConfig:
         """A hash of everything that defines the run and its evaluation (not out_dir)."""
         train_config = self.train_config(mixer, length, seed, "", steps=steps)
         defaults = type(train_config)().to_dict()
-        # where a run is, when it stops, and what it recomputes (bitwise the same numbers): not what it computes
-        unkeyed = {"out_dir", "max_bad_steps", "activation_checkpointing", "activation_checkpointing_every"}
+        # where a run is and what it recomputes (bitwise the same numbers): not what it computes. Every
+        # other field is keyed, max_bad_steps too: it decides whether a run with skipped steps finishes
+        unkeyed = {"out_dir", "activation_checkpointing", "activation_checkpointing_every"}
         settings = {name: value for name, value in train_config.to_dict().items()
                     if name not in unkeyed and (name in KEYED_TRAIN_FIELDS or value != defaults[name])}
         settings["eval"] = {"docs": self.eval_docs, "doc_tokens": max(self.lengths), "buckets": self.buckets}
