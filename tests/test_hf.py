@@ -324,3 +324,30 @@ def test_weights_of_other_mixers_are_refused(saved):
     (saved / "config.json").write_text(json.dumps({**config, "mixers": ["cubit", "cubit"]}))
     with pytest.raises(ValueError, match=r"missing tensors \['model.blocks.0.mixer"):
         AutoModelForCausalLM.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("load", [KernelMixForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained],
+                         ids=["class", "auto"])
+def test_weights_of_another_shape_are_our_error_alone(saved, load):
+    """A config.json edited to another hidden size: transformers logged its LOAD REPORT (a table of
+    MISMATCH rows, "Reinit due to size mismatch") before our error; ours now comes alone and names
+    the file and the fix (issue 26). A load that succeeds logs no report either."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        config = json.loads((saved / "config.json").read_text())
+        (saved / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+        with pytest.raises(ValueError, match=r"other shapes than its config\.json builds .*model\.\S+ \[.*\] there, "
+                                             r"\[.*\] here.*restore the config\.json saved with these weights"):
+            load(saved)
+        assert not [r for r in records if "LOAD REPORT" in r.getMessage()]
+        (saved / "config.json").write_text(json.dumps(config))
+        assert isinstance(load(saved), KernelMixForCausalLM)
+        assert not [r for r in records if "LOAD REPORT" in r.getMessage()]
+    finally:
+        root.removeHandler(handler)

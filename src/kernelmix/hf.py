@@ -49,8 +49,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import numbers
 import os
+import threading
 import typing
 from pathlib import Path
 from typing import Any
@@ -236,28 +238,25 @@ class KernelMixForCausalLM(PreTrainedModel, GenerationMixin):
             )
         if isinstance(source, (str, os.PathLike)) and Path(source, kwargs.get("subfolder") or "").is_dir():
             verify_checksums(Path(source, kwargs.get("subfolder") or ""))
+        reports = _HeldLoadReports()
         try:
-            # shapes that differ are collected (not raised on) so that the error below can name them and the fix
-            model, info = super().from_pretrained(
-                *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-            )
+            with reports:
+                # shapes that differ are collected (not raised on) so that the error below can name them and the fix
+                model, info = super().from_pretrained(
+                    *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+                )
         except SafetensorError as error:  # its message names neither the file nor the likely cause
             raise KernelmixError(
                 f"cannot read the weights in {str(source)!r} ({error}): the .safetensors file is truncated or "
                 "corrupt; save or copy the model again"
             ) from error
-        missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
-        if missing or unexpected:
-            raise KernelmixError(
-                f"checkpoint {str(source)!r} does not match its config (mixers "
-                f"{model.config.to_model_config().layer_mixers()}): missing tensors {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
-                f"{' ...' if len(unexpected) > 8 else ''}; was config.json edited or the weights saved from "
-                "another model?"
-            )
-        mismatched = sorted(info.get("mismatched_keys", ()))
-        if mismatched:
-            raise KernelmixError(_mismatch_message(str(source), mismatched, kwargs))
+        except BaseException:
+            reports.release()  # transformers' own error points at its report
+            raise
+        error = _load_error(str(source), model, info, kwargs)
+        if error is not None:
+            raise error  # alone: the report held back lists the same keys, without the fix
+        reports.release()
         return (model, info) if want_info else model
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> torch.nn.Embedding:
@@ -462,8 +461,82 @@ def _check_lengths(kwargs: dict[str, Any], generation_config: Any) -> None:
             raise KernelmixError(f"{name} must be >= {least} ({what}), got {value}; pass e.g. {name}=20")
 
 
-def _mismatch_message(source: str, mismatched: list[tuple[str, Any, Any]], kwargs: dict[str, Any]) -> str:
-    """Why a checkpoint's tensors have other shapes than the model built for it, and the fix."""
+class _HeldLoadReports(logging.Filter):
+    """Holds back the LOAD REPORT transformers logs in this thread during a load (a table of the
+    missing, unexpected and mismatched tensors) while it is installed: where the load is our error,
+    the error comes alone instead of after a table that says "Reinit" and no fix; :meth:`release`
+    logs what was held, as it was, where it is not."""
+
+    LOGGERS = ("transformers.modeling_utils", "transformers.utils.loading_report")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread and "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+    def __enter__(self) -> "_HeldLoadReports":
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for record in held:
+            logging.getLogger(record.name).handle(record)
+
+
+def _load_error(source: str, model: "KernelMixForCausalLM", info: dict[str, Any],
+                kwargs: dict[str, Any]) -> KernelmixError | None:
+    """Why the checkpoint at ``source`` does not fit the model built for it (``info``: transformers'
+    loading info), or None when it fits."""
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    if missing or unexpected:
+        return KernelmixError(
+            f"checkpoint {source!r} does not match its config (mixers "
+            f"{model.config.to_model_config().layer_mixers()}): missing tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}; was config.json edited or the weights saved from "
+            "another model?"
+        )
+    mismatched = sorted(info.get("mismatched_keys", ()))
+    if not mismatched:
+        return None
+    return KernelmixError(_mismatch_message(source, mismatched, kwargs, _built_as_saved(source, model, kwargs)))
+
+
+def _built_as_saved(source: str, model: "KernelMixForCausalLM", kwargs: dict[str, Any]) -> bool:
+    """Whether ``model`` was built from the config.json saved at ``source`` as it is (AutoModel
+    passes it as ``config=``): then that file, not the load's arguments, does not fit the weights."""
+    path = Path(source, kwargs.get("subfolder") or "", "config.json")
+    try:
+        saved = KernelMixConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        return saved.to_model_config() == model.config.to_model_config()
+    except (OSError, ValueError, TypeError):  # not a local directory, or a config.json that does not parse
+        return False
+
+
+def _mismatch_message(source: str, mismatched: list[tuple[str, Any, Any]], kwargs: dict[str, Any],
+                      as_saved: bool = False) -> str:
+    """Why a checkpoint's tensors have other shapes than the model built for it, and the fix
+    (``as_saved``: the model was built from the checkpoint's own config.json, unchanged)."""
+    shown = ", ".join(f"{key} {list(saved)} there, {list(built)} here" for key, saved, built in mismatched[:4])
+    shown += ", ..." if len(mismatched) > 4 else ""
+    if as_saved:
+        return (
+            f"checkpoint {source!r} holds tensors of other shapes than its config.json builds ({shown}): config.json "
+            "was edited or the weights come from another model; restore the config.json saved with these weights "
+            "(or save the model again)"
+        )
     vocab_keys = {"model.embed.weight", "model.lm_head.weight"}
     if all(key in vocab_keys and saved[1:] == built[1:] for key, saved, built in mismatched):
         _, saved, built = mismatched[0]
@@ -477,10 +550,9 @@ def _mismatch_message(source: str, mismatched: list[tuple[str, Any, Any]], kwarg
     overrides = [f"{name}={kwargs[name]!r}" for name in kwargs if name in fields]
     if kwargs.get("config") is not None:
         overrides.append("config=...")
-    shown = ", ".join(f"{key} {list(saved)} there, {list(built)} here" for key, saved, built in mismatched[:4])
     return (
-        f"checkpoint {source!r} holds tensors of other shapes than the model built for this load ({shown}"
-        f"{', ...' if len(mismatched) > 4 else ''}): the config was changed on loading"
+        f"checkpoint {source!r} holds tensors of other shapes than the model built for this load ({shown}): the "
+        "config was changed on loading"
         f"{' (' + ', '.join(overrides) + ')' if overrides else ''}; load the checkpoint with the config it was "
         "saved with (drop those arguments) and change the model afterwards"
     )
