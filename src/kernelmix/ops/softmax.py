@@ -85,10 +85,11 @@ def softmax_attention(
     if guard is not None:
         k, v = guard.zeroed("k", k), guard.zeroed("v", v)
     out = causal_softmax_attention(q, k, v, scale=scale, doc_start=doc_start)
+    nonfinite = cached_nonfinite(guard, doc_start)  # the rows that see a non-finite key or value
     if guard is not None:
-        out = guard.poison_causal(out, doc_start)
+        out = out.masked_fill(nonfinite[..., None], float("nan"))
     if return_state:
-        return out, SoftmaxState(k=k, v=v, nonfinite=cached_nonfinite(guard, doc_start))
+        return out, SoftmaxState(k=k, v=v, nonfinite=nonfinite)
     return out
 
 
