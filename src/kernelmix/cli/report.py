@@ -17,7 +17,7 @@ from .options import add_options, from_args
 class ReportOptions:
     """Where the report goes and how big it is (what it studies: DarkformerReportSettings)."""
 
-    out: Annotated[str, Field(description="output directory (the committed report: results/darkformer)")] = (
+    out: Annotated[str, Field(description="output directory")] = (
         "runs/darkformer-report")
     work: Annotated[str | None, Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
     quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False

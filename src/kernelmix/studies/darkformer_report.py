@@ -1,7 +1,8 @@
 """``kernelmix report darkformer``: one command that reproduces the DARKFormer study on a real
 pretrained model — kernel diagnostics of every layer (:mod:`kernelmix.studies.diagnose`) and a small
 finetuning comparison of exact softmax, Performer and DARKFormer at equal m and budget with a
-learning-rate sweep (:mod:`kernelmix.studies.finetune`) — and writes tables and plots under ``runs/darkformer-report/`` (the committed report: ``results/darkformer/``).
+learning-rate sweep (:mod:`kernelmix.studies.finetune`) — and writes tables and plots under ``runs/darkformer-report/`` (features only, no window: the study of
+converted models with a window, sinks and attention transfer is :mod:`.conversion_report`).
 
 Sizes: the defaults fit about an hour on 2 CPU cores for Gemma 3 270M (18 layers, head dim 256);
 ``quick=True`` shrinks everything to a smoke run. Text: the document-level split of the corpus
