@@ -97,3 +97,18 @@ def test_bad_windows_and_feature_counts_are_refused_before_work():
         cv.ConversionConfig(num_features=0).validate()
     with pytest.raises(KernelmixError, match="even num_features"):
         cv.convert(tiny_llama(), cv.ConversionConfig(mixer="hedgehog", num_features=7))
+
+
+def test_exact_attention_refuses_to_continue_the_window_cache():
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2))
+    x = ids(1, 6)
+    with cv.exact_attention():
+        first = model(input_ids=x[:, :4], use_cache=True)  # a first call sees every key: exact
+        with pytest.raises(ValueError, match="use_cache=False"):
+            model(input_ids=x[:, 4:], cache=first.cache if hasattr(first, "cache") else first.past_key_values)
+        exact = logits(model, x, use_cache=False)  # the exact model itself still runs
+    torch.testing.assert_close(exact, logits(tiny_llama(), x))
+    torch.testing.assert_close(first.logits, logits(tiny_llama(), x[:, :4]))
+    with pytest.raises(ValueError, match="new cache"):  # that cache cannot be continued outside either
+        model(input_ids=x[:, 4:], cache=first.cache if hasattr(first, "cache") else first.past_key_values)
+    assert all(getattr(k, "active_cache", None) is None for k in cv.kernels(model).values())

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import KernelmixError
 from .hosts import SUPPORTED_MODEL_TYPES
 
 ATTENTION_NAME = "kernelmix"
@@ -103,6 +104,15 @@ def kernelmix_attention(module, query, key, value, attention_mask, dropout: floa
     for fn in list(_recorders()):
         fn(module, query, key, value, attention_mask, scaling)
     rf = getattr(module, "kernelmix_rf", None)
+    if rf is not None and _exact_depth() > 0 and getattr(rf, "active_cache", None) is not None:
+        # its window cache hands over only the new keys: exact attention sees them all only in a first call
+        if rf.take_cache().seen <= key.shape[2]:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        raise KernelmixError("exact_attention() cannot continue a converted layer's window cache (it keeps the window and "
+                         "the features, not every key): run the exact model with use_cache=False, or generate outside "
+                         "exact_attention()")
     if rf is None or _exact_depth() > 0:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -74,6 +74,9 @@ class WindowedAttention:
         length_q, length_k = q.shape[1], k.shape[1]
         cache = self.take_cache()
         if cache is not None:  # our own cache: only the new tokens come in, the window and features are in its state
+            if cache.state is None and cache.seen > length_k:
+                raise KernelmixError("this decode cache was started under exact_attention(), which keeps no window or "
+                                     "features: start generation again with a new cache")
             doc_start = None
             if attention_mask is not None and cache.state is None:
                 visible = _visible(attention_mask, q.shape[0])[..., -length_k:]
