@@ -50,6 +50,7 @@ def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):
     decode = result["decode"]
     assert decode["converted"]["bytes"][0] == decode["converted"]["bytes"][1]  # flat
     assert decode["host"]["bytes"][0] < decode["host"]["bytes"][1]  # the host's global layer grows
+    assert {"host", "decode", "global/darkformer/transfer", "all/hedgehog/lora"} <= set(result["row_seconds"])
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["host_loss"] == result["host_loss"] and len(saved["rows"]) == len(result["rows"])
     for name in ("README.md", "loss.png", "attention_error.png", "decode.png"):

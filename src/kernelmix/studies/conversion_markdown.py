@@ -25,8 +25,7 @@ def report_markdown(result: dict) -> str:
         f"# Conversion that keeps the host — {s['model']} on {s['text']}",
         "",
         f"Produced by `kernelmix report conversion` in {result['seconds'] / 60:.1f} min on this machine "
-        f"(torch {result['machine']['torch']}, {result['machine']['threads']} threads; reused rows keep the time they "
-        "first took, not counted here).",
+        f"(torch {result['machine']['torch']}, {result['machine']['threads']} threads){_computed(result)}.",
         "",
         f"Every converted layer: exact softmax over the last {s['window']} tokens and the first {s['sinks']} tokens of "
         f"the document (sinks), features (m = {s['num_features']}) for the rest, one normalisation. Held-out loss: "
@@ -48,6 +47,15 @@ def report_markdown(result: dict) -> str:
     lines += ["", "![held-out loss](loss.png)", "", "![per-layer attention error](attention_error.png)", ""]
     lines += _per_layer_table(result) + _decode_table(result) + _targets(result)
     return "\n".join(lines) + "\n"
+
+
+def _computed(result: dict) -> str:
+    """How long every row took when it was computed (reused rows are not recomputed)."""
+    timed = result.get("row_seconds") or {}
+    if not timed:
+        return "; reused rows are not counted"
+    return (f"; its {len(timed)} timed rows and measurements took {sum(timed.values()) / 60:.1f} min when they were "
+            "computed, in this or earlier invocations")
 
 
 def _per_layer_table(result: dict) -> list[str]:

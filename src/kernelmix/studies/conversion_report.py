@@ -138,6 +138,7 @@ def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) ->
     decode = _cached(done, "decode", lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
     write_json_atomic(rows_file, {"key": key, "rows": done})
     result = {"host_loss": host_loss, "rows": rows, "decode": decode, "settings": asdict(settings),
+              "row_seconds": done.get("seconds", {}),
               "tokens": {name: int(x.numel()) for name, x in data.items()}, "machine": _machine(),
               "seconds": time.perf_counter() - started}
     write_json_atomic(out / "results.json", result)
@@ -170,8 +171,14 @@ def _cached(done: dict, name: str, compute, log):
     if name not in done:
         t = time.perf_counter()
         done[name] = compute()
+        _timed(done, name, t)
         log(f"{name}: {done[name] if not isinstance(done[name], dict) else 'measured'} ({time.perf_counter() - t:.0f} s)")
     return done[name]
+
+
+def _timed(done: dict, name: str, started: float) -> None:
+    """Record how long ``name`` took when it was computed (reused rows keep it: the report's total)."""
+    done.setdefault("seconds", {})[name] = time.perf_counter() - started
 
 
 def _loss(model, windows) -> float:
@@ -201,6 +208,7 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
     names = [f"{layers}/{variant}/{first}"] + ([f"{layers}/{variant}/lora"] if variant in settings.lora_variants else [])
     if all(n in done for n in names):
         return [done[n] for n in names]
+    started = time.perf_counter()
     model, record = _converted(settings, host, data, layers, variant, work, progress, log)
     if names[0] not in done:
         errors = _attention_errors(host, model, data["error"])
@@ -209,8 +217,10 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
                           "per_layer_error": {str(i): e for i, e in errors.items()},
                           "transfer": None if record is None else {i: {"first": v["first"], "last": v["last"]}
                                                                     for i, v in record["layers"].items()}}
+        _timed(done, names[0], started)
         log(f"{names[0]}: loss {done[names[0]]['loss']:.3f}, median attention error {done[names[0]]['attention_error']:.3f}")
     if len(names) > 1 and names[1] not in done:
+        started = time.perf_counter()
         # LoLCATs' second stage: LoRA on q/k/v with the transferred kernels frozen (trained along at this
         # rate, DARKFormer's M diverged: 3.33 → 4.08 nats on the global layers)
         config = FinetuneConfig(mode="lora", steps=settings.lora_steps, seq_len=settings.lora_seq_len,
@@ -221,6 +231,7 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
                                  progress=progress, label=f"lora {layers}/{variant}")
         done[names[1]] = {"layers": layers, "variant": variant, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
                           "attention_error": None, "lora_seconds": result.get("wall_s")}
+        _timed(done, names[1], started)
         log(f"{names[1]}: loss {done[names[1]]['loss']:.3f}")
     return [done[n] for n in names]
 
