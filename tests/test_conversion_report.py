@@ -9,7 +9,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernelmix import pretrained as cv  # noqa: E402
 from kernelmix.studies.conversion_report import ConversionReportSettings, conversion_report  # noqa: E402
 
 from .test_convert import tiny_gemma  # noqa: E402

@@ -48,7 +48,6 @@ from ._common import (
     compute_dtype,
     expand_heads,
     find_nonfinite,
-    reaches_causal,
 )
 from .random_features import RandomFeatureState, causal_feature_sums, safe_ratio, underflow_floor
 
