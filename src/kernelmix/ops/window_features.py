@@ -48,6 +48,7 @@ from ._common import (
     compute_dtype,
     expand_heads,
     find_nonfinite,
+    scan_syncs,
 )
 from .random_features import RandomFeatureState, causal_feature_sums, safe_ratio, underflow_floor
 
@@ -155,6 +156,8 @@ def _continuing(doc_start: Tensor, start: int, state: WindowFeatureState | None)
 def _attend(q, k, v, q_features, k_features, window, sinks, scale, relative, doc_start, chunk_size, state):
     batch, length, heads, _ = q.shape
     kept = max(window - 1, 0)  # keys the window still needs after the last token
+    if _steady(state, length, window, sinks, doc_start, q.device):
+        return _steady_step(q, k, v, q_features, k_features, window, sinks, scale, relative, state)
     if state is None:
         held, start = 0, 0
         features = None
@@ -222,6 +225,61 @@ def _attend(q, k, v, q_features, k_features, window, sinks, scale, relative, doc
         key_features=key_features[:, total - new_held:], features=features,
         doc_start=last, length=start + length, sink_keys=bank_keys, sink_values=bank_values,
     )
+    return out, new_state
+
+
+def _steady(state, length: int, window: int, sinks: int, doc_start, device) -> bool:
+    """Whether a decode step can take :func:`_steady_step`: one token continuing a document whose
+    window is full, whose sinks are all held and whose feature sums are under way (checked with a
+    sync, so on the CPU only; anything else takes the general path)."""
+    if state is None or length != 1 or window < 1 or state.keys.shape[1] != window - 1 or not scan_syncs(device):
+        return False
+    origin = state.length - state.keys.shape[1]  # the first held key's position
+    if doc_start is not None and not bool((doc_start < state.length).all()):
+        return False
+    return bool((state.doc_start + sinks <= origin).all()) and bool((state.doc_start < origin).all())
+
+
+def _steady_step(q, k, v, q_features, k_features, window, sinks, scale, relative, state):
+    """One token in the steady state, in a few products instead of the general path's hundreds of
+    small ops (the same numbers): the sinks and the w − 1 held keys plus the new one are exact, the
+    feature sums are read as they are, then the oldest held key moves into them."""
+    heads = q.shape[2]
+    keys, values = torch.cat([state.keys.to(k), k], 1), torch.cat([state.values.to(v), v], 1)
+    key_features = torch.cat([state.key_features.to(k_features), k_features], 1)
+    exact_keys = expand_heads(torch.cat([state.sink_keys.to(k), keys], 1), heads)  # [B, s + w, H, d]
+    exact_values = expand_heads(torch.cat([state.sink_values.to(v), values], 1), heads)
+    ones = exact_values.new_ones(()).expand(*exact_values.shape[:-1], 1)
+    logits = scale * torch.einsum("bhd,bjhd->bhj", q[:, 0], exact_keys)  # [B, H, s + w]
+    row_max = logits.detach().amax(-1, keepdim=True)
+    win_sums = torch.einsum("bhj,bjhe->bhe", torch.exp(logits - row_max), torch.cat([exact_values, ones], -1))
+    win_scale = row_max[..., 0]
+    features = state.features
+    q_max = q_features[:, 0].detach().amax(-1, keepdim=True)  # [B, H, 1]
+    carried = torch.cat([features.S.to(win_sums), features.z.to(win_sums)[..., None]], -1)  # [B, H, m, d_v + 1]
+    feat_sums = torch.einsum("bhm,bhme->bhe", torch.exp(q_features[:, 0] - q_max), carried)
+    feat_scale = q_max[..., 0] + features.shift.to(win_sums)
+    if relative:
+        feat_scale = feat_scale + logits[..., sinks:].amax(-1)
+        live = torch.where(torch.isfinite(feat_scale), feat_scale, torch.zeros_like(feat_scale))
+        feat_sums = feat_sums * torch.exp(live - live.detach())[..., None]
+    parts = [(win_sums, win_scale), (feat_sums, feat_scale)]
+    magnitudes = [_magnitude(sums, scale_) for sums, scale_ in parts]
+    top = torch.maximum(*magnitudes)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    sums = sum(part * _weight(part, magnitude, top) for (part, _), magnitude in zip(parts, magnitudes))
+    out = safe_ratio(sums[..., :-1], sums[..., -1:])[:, None]  # [B, 1, H, d_v]
+    # the oldest held key leaves the window: into the feature sums at their running shift
+    leaving, leaving_v = key_features[:, 0], expand_heads(values[:, :1], heads)[:, 0]  # [B, H, m], [B, H, d_v]
+    new_shift = torch.maximum(features.shift.to(win_sums), leaving.detach().amax(-1))
+    rescale = torch.exp(features.shift.to(win_sums) - new_shift)
+    weight = torch.exp(leaving - new_shift[..., None])
+    new_features = RandomFeatureState(
+        S=rescale[..., None, None] * features.S.to(win_sums) + weight[..., None] * leaving_v[..., None, :],
+        z=rescale[..., None] * features.z.to(win_sums) + weight, shift=new_shift, length=features.length + 1)
+    new_state = WindowFeatureState(
+        keys=keys[:, 1:], values=values[:, 1:], key_features=key_features[:, 1:], features=new_features,
+        doc_start=state.doc_start, length=state.length + 1, sink_keys=state.sink_keys, sink_values=state.sink_values)
     return out, new_state
 
 
