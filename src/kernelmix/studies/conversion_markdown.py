@@ -54,8 +54,8 @@ def _computed(result: dict) -> str:
     timed = result.get("row_seconds") or {}
     if not timed:
         return "; reused rows are not counted"
-    return (f"; its {len(timed)} timed rows and measurements took {sum(timed.values()) / 60:.1f} min when they were "
-            "computed, in this or earlier invocations")
+    return (f"; {len(timed)} of its rows and measurements have a recorded time, {sum(timed.values()) / 60:.1f} min when "
+            "they were computed (in this or earlier invocations; rows computed before times were recorded count 0)")
 
 
 def _per_layer_table(result: dict) -> list[str]:
