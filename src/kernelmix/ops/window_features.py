@@ -202,20 +202,7 @@ def _attend(q, k, v, q_features, k_features, window, sinks, scale, relative, doc
                                                     held, start, features, chunk_size)
     if relative and window > 0:  # c_i = exp(max of the window's logits), differentiated as a max
         feat_scale = feat_scale + win_max
-    # Add the parts at the larger of their actual magnitudes (log scale + log of the stabilised
-    # denominator): a + s bounds the feature sum only loosely from above (the query's and the key's
-    # largest features need not coincide), so exp(b − a − s) could underflow the window beside a
-    # feature sum that is itself tiny. Each part enters as sums · exp(magnitude − top) / denominator
-    # (the factor detached), which is sums · exp(scale − top) without its overflow.
-    if relative and window > 0:  # 1 in value; carries the gradient of c_i's max
-        live = torch.where(torch.isfinite(feat_scale), feat_scale, torch.zeros_like(feat_scale))
-        feat_sums = feat_sums * torch.exp(live - live.detach())[..., None]
-    parts = [(sums, scale) for sums, scale, *_ in parts] + [(feat_sums, feat_scale)]
-    magnitudes = [_magnitude(sums, scale) for sums, scale in parts]
-    top = torch.stack(magnitudes).amax(0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    sums = sum(part * _weight(part, magnitude, top) for (part, _), magnitude in zip(parts, magnitudes))
-    out = safe_ratio(sums[..., :-1], sums[..., -1:])
+    out = _combine([(sums, scale) for sums, scale, *_ in parts], feat_sums, feat_scale, relative and window > 0)
 
     new_held = min(kept, total)
     last = docs[:, -1]
@@ -255,20 +242,11 @@ def _steady_step(q, k, v, q_features, k_features, window, sinks, scale, relative
     win_sums = torch.einsum("bhj,bjhe->bhe", torch.exp(logits - row_max), torch.cat([exact_values, ones], -1))
     win_scale = row_max[..., 0]
     features = state.features
-    q_max = q_features[:, 0].detach().amax(-1, keepdim=True)  # [B, H, 1]
-    carried = torch.cat([features.S.to(win_sums), features.z.to(win_sums)[..., None]], -1)  # [B, H, m, d_v + 1]
-    feat_sums = torch.einsum("bhm,bhme->bhe", torch.exp(q_features[:, 0] - q_max), carried)
-    feat_scale = q_max[..., 0] + features.shift.to(win_sums)
+    feat_sums, feat_scale = _read_state(q_features, features, state.doc_start[:, None], features.length, values.shape[-1],
+                                        win_sums)
     if relative:
-        feat_scale = feat_scale + logits[..., sinks:].amax(-1)
-        live = torch.where(torch.isfinite(feat_scale), feat_scale, torch.zeros_like(feat_scale))
-        feat_sums = feat_sums * torch.exp(live - live.detach())[..., None]
-    parts = [(win_sums, win_scale), (feat_sums, feat_scale)]
-    magnitudes = [_magnitude(sums, scale_) for sums, scale_ in parts]
-    top = torch.maximum(*magnitudes)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    sums = sum(part * _weight(part, magnitude, top) for (part, _), magnitude in zip(parts, magnitudes))
-    out = safe_ratio(sums[..., :-1], sums[..., -1:])[:, None]  # [B, 1, H, d_v]
+        feat_scale = feat_scale + logits[..., sinks:].amax(-1)[:, None]
+    out = _combine([(win_sums[:, None], win_scale[:, None])], feat_sums, feat_scale, relative)  # [B, 1, H, d_v]
     # the oldest held key leaves the window: into the feature sums at their running shift
     leaving, leaving_v = key_features[:, 0], expand_heads(values[:, :1], heads)[:, 0]  # [B, H, m], [B, H, d_v]
     new_shift = torch.maximum(features.shift.to(win_sums), leaving.detach().amax(-1))
@@ -332,6 +310,26 @@ def _sink_bank(bank_keys, bank_values, keys, values, last_doc, positions, sinks)
         return torch.where(seen, got, torch.zeros_like(got))
 
     return pick(bank_keys, keys), pick(bank_values, values)
+
+
+def _combine(exact_parts, feat_sums: Tensor, feat_scale: Tensor, relative: bool) -> Tensor:
+    """The output from the exact parts and the feature part, each ``(sums [..., d_v + 1], log scale)``.
+
+    The parts are added at the larger of their actual magnitudes (log scale + log of the stabilised
+    denominator): a + s bounds the feature sum only loosely from above (the query's and the key's
+    largest features need not coincide), so exp(b − a − s) could underflow the window beside a
+    feature sum that is itself tiny. Each part enters as sums · exp(magnitude − top) / denominator
+    (the factor detached), which is sums · exp(scale − top) without its overflow. With ``relative``
+    the feature scale holds c_i's differentiable max; the factor 1 (in value) carries its gradient."""
+    if relative:
+        live = torch.where(torch.isfinite(feat_scale), feat_scale, torch.zeros_like(feat_scale))
+        feat_sums = feat_sums * torch.exp(live - live.detach())[..., None]
+    parts = list(exact_parts) + [(feat_sums, feat_scale)]
+    magnitudes = [_magnitude(sums, scale) for sums, scale in parts]
+    top = torch.stack(magnitudes).amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    sums = sum(part * _weight(part, magnitude, top) for (part, _), magnitude in zip(parts, magnitudes))
+    return safe_ratio(sums[..., :-1], sums[..., -1:])
 
 
 def _magnitude(sums: Tensor, scale: Tensor) -> Tensor:

@@ -66,13 +66,16 @@ class WindowedAttention:
         """Window + features on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
         ``[B, H_kv, L, d]``) → ``[B, T, H, d_v]``; continues the layer's decode cache when one is active.
         ``position_ids`` (the queries' positions, as HF passes them) place the sinks on a dense path."""
+        cache = self.take_cache()
+        if cache is None and attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            # SDPA's upper-left causal convention (prefill into an empty static cache)
+            key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
         scaling = self.head_dim**-0.5 if scaling is None else scaling
         q = query.transpose(1, 2) * (scaling * math.sqrt(self.head_dim))  # the op's exact logits: q·k/√d
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         q_features, k_features = self.log_features(q, k, **overrides)
         options = dict(window=self.window, sinks=self.sinks, relative_features=self.relative_features)
         length_q, length_k = q.shape[1], k.shape[1]
-        cache = self.take_cache()
         if cache is not None:  # our own cache: only the new tokens come in, the window and features are in its state
             if cache.state is None and cache.seen > length_k:
                 raise KernelmixError("this decode cache was started under exact_attention(), which keeps no window or "
@@ -90,11 +93,8 @@ class WindowedAttention:
             return out.to(v.dtype)
         if attention_mask is None and length_q == length_k:
             return window_feature_attention(q, k, v, q_features, k_features, chunk_size=self.chunk_size, **options).to(v.dtype)
-        if attention_mask is None:
-            if length_q > 1:  # SDPA's upper-left causal convention (prefill into an empty static cache)
-                return self.attend_window(query, key[:, :, :length_q], value[:, :, :length_q], None, scaling,
-                                          position_ids, **overrides)
-            visible = torch.ones(1, 1, length_k, dtype=torch.bool, device=q.device)  # decode: every cached key
+        if attention_mask is None:  # decode over a host cache: every cached key
+            visible = torch.ones(1, 1, length_k, dtype=torch.bool, device=q.device)
         else:
             visible = _visible(attention_mask, q.shape[0])
             if length_q == length_k:

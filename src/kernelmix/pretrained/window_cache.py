@@ -19,16 +19,12 @@ mask are unaffected. A host's sliding-window layers keep their own (bounded) cac
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from ..errors import KernelmixError
 from .attention import decoder_layers, is_local
-
-
-def _cache_layer_base():
-    from transformers.cache_utils import CacheLayerMixin
-
-    return CacheLayerMixin
 
 
 def window_feature_cache_layer(kernel: nn.Module):
@@ -37,13 +33,9 @@ def window_feature_cache_layer(kernel: nn.Module):
     return _layer_class()(kernel)
 
 
-_LAYER_CLASS: list = []
-
-
+@functools.cache
 def _layer_class():
-    if _LAYER_CLASS:
-        return _LAYER_CLASS[0]
-    base = _cache_layer_base()
+    from transformers.cache_utils import CacheLayerMixin as base
 
     class WindowFeatureCacheLayer(base):
         """One converted global layer's decode cache: its :class:`~kernelmix.ops.window_features.WindowFeatureState`
@@ -106,7 +98,6 @@ def _layer_class():
         def batch_select_indices(self, indices) -> None:
             self.reorder_cache(None)
 
-    _LAYER_CLASS.append(WindowFeatureCacheLayer)
     return WindowFeatureCacheLayer
 
 
