@@ -10,6 +10,7 @@ is DARKFormer's function-preserving initialisation of the random-feature transfo
 from ._backend import BACKENDS, check_backend
 from ._common import expand_heads
 from .cubit import CubitState, cubit_attention, cubit_attention_naive, cubit_attention_step, cubit_solve
+from .cubit_rf import CubitRFState, cubit_rf_attention, cubit_rf_attention_naive, cubit_rf_attention_step
 from .data_aware import data_aware_transform, regularised_second_moments
 from .deltaformer import (
     DeltaFormerState,
@@ -39,6 +40,7 @@ __all__ = [
     "BACKENDS",
     "check_backend",
     "CubitState",
+    "CubitRFState",
     "DeltaFormerState",
     "RandomFeatureState",
     "expand_heads",
@@ -47,6 +49,9 @@ __all__ = [
     "cubit_attention_naive",
     "cubit_attention_step",
     "cubit_solve",
+    "cubit_rf_attention",
+    "cubit_rf_attention_naive",
+    "cubit_rf_attention_step",
     "data_aware_transform",
     "deltaformer_attention",
     "deltaformer_attention_naive",
