@@ -331,3 +331,19 @@ def test_every_training_setting_that_changes_a_run_is_in_its_key(tmp_path, monke
         assert (config.run_key("cubit-nolrr", 32, 0) == plain) == (name in unkeyed), name
     monkeypatch.undo()
     assert train.max_bad_steps == TrainConfig().max_bad_steps  # at the default: the committed keys are unchanged
+
+
+def test_settings_import_without_torch_and_mirror_the_trainer():
+    """compare's settings are what its parser reads: they import no torch, and their copy of the
+    activation-checkpointing modes (training.parallelize imports torch) is the trainer's."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kernelmix.studies.compare.settings import CompareConfig; "
+            "print(sorted(m for m in ('torch', 'kernelmix.model', 'kernelmix.training') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
+    from kernelmix.studies.compare.settings import ACTIVATION_CHECKPOINTING
+    from kernelmix.training import ACTIVATION_CHECKPOINTING as trainer_modes
+
+    assert ACTIVATION_CHECKPOINTING == trainer_modes

@@ -12,8 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernelmix.studies import gpu_check
+from kernelmix.studies.gpu_check import running
 from tests.utils import isolated_data_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ WITHOUT_PYDANTIC = textwrap.dedent("""
 
     class SmokeSizes:
         def find_spec(self, name, path=None, target=None):
-            if name != "kernelmix.studies.gpu_check":
+            if name != "kernelmix.studies.gpu_check.settings":
                 return None
             sys.meta_path.remove(self)
             import importlib.util
@@ -107,7 +109,7 @@ def test_dry_run_writes_markdown_plots_and_progress_lines(dry_run):
 def test_compare_part_with_pydantic(tmp_path):
     part: dict = {}
     overrides = dict(mixers=["softmax", "performer"], corpus=CORPUS, model={"hidden_size": 32})
-    gpu_check.run_compare_part(part, gpu_check.smoke_sizes(), gpu_check.torch.device("cpu"), tmp_path, overrides,
+    gpu_check.run_compare_part(part, gpu_check.smoke_sizes(), torch.device("cpu"), tmp_path, overrides,
                                lambda text: None)
     assert [row["mixer"] for row in part["summary"]] == ["softmax", "performer"]
     assert all(row["val_loss"] > 0 and row["steps"] == 1 for row in part["summary"])
@@ -176,7 +178,7 @@ def test_bad_options_are_refused_before_any_work(argv, code, message, tmp_path, 
 def test_cuda_without_a_gpu_names_the_dry_run(tmp_path, capsys):
     from kernelmix.cli import main
 
-    if gpu_check.torch.cuda.is_available():
+    if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert main(["gpu-check", "--out", str(tmp_path / "out")]) == 1
     assert "--device cpu --quick" in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -189,8 +191,8 @@ def test_a_failing_part_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
     def bench(part, *args):
         part.update(records=[], decode=[], targets=[], notes=["stub"])
 
-    monkeypatch.setattr(gpu_check, "run_op_checks", broken)
-    monkeypatch.setattr(gpu_check, "run_bench", bench)
+    monkeypatch.setattr(running, "run_op_checks", broken)
+    monkeypatch.setattr(running, "run_bench", bench)
     report = gpu_check.run_gpu_check(gpu_check.GpuCheckConfig(device="cpu", quick=True, skip=("c",)), tmp_path)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["parts"]["a"]["status"] == "failed: RuntimeError: kernel exploded"
@@ -207,8 +209,8 @@ def test_ctrl_c_keeps_the_finished_parts(tmp_path, monkeypatch):
         part["records"] = [_record("softmax", 16, 1.0)]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gpu_check, "run_op_checks", checks)
-    monkeypatch.setattr(gpu_check, "run_bench", interrupted)
+    monkeypatch.setattr(running, "run_op_checks", checks)
+    monkeypatch.setattr(running, "run_bench", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gpu_check.run_gpu_check(gpu_check.GpuCheckConfig(device="cpu", quick=True), tmp_path)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())

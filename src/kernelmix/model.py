@@ -1,7 +1,7 @@
 """A GPT-style causal language model with a token mixer chosen per layer.
 
-Read top to bottom: the config, the presets, the two sub-blocks (RMSNorm, SwiGLU), the block,
-the model, and the cache. The mixers themselves live in :mod:`kernelmix.layers`.
+Read top to bottom: the config (its presets: :mod:`kernelmix.presets`), the two sub-blocks (RMSNorm,
+SwiGLU), the block, the model, and the cache. The mixers themselves live in :mod:`kernelmix.layers`.
 
     config = ModelConfig.preset("small", mixer="cubit")
     model = CausalLM(config)
@@ -35,6 +35,7 @@ from .errors import KernelmixError
 from .layers import MIXERS, SHARED_OPTIONS, LayerCache, build_mixer, mixer_options
 from .layers.base import check_head_geometry
 from .ops import BACKENDS
+from .presets import PRESETS
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -169,19 +170,7 @@ LAYER_ARGS_FROM_CONFIG: tuple[str, ...] = tuple(
     name for name in SHARED_OPTIONS if name in {f.name for f in dataclasses.fields(ModelConfig)}
 )
 
-# GPT-3-style widths and depths (Brown et al. 2020, table 2.1) with a GPT-2 vocabulary; the
-# SwiGLU hidden size of 8/3·d keeps the 12·d² parameters per block of the original MLP.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256,
-                 chunk_size=16),
-    # the main job's (kernelmix compare): the smallest model that gets past byte statistics in minutes on a CPU
-    "mini": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_seq_len=1024,
-                 chunk_size=16),
-    "small": dict(vocab_size=256, hidden_size=256, num_layers=6, num_heads=4, max_seq_len=2048),
-    "125m": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=2048),
-    "350m": dict(vocab_size=50257, hidden_size=1024, num_layers=24, num_heads=16, max_seq_len=2048),
-    "1.3b": dict(vocab_size=50257, hidden_size=2048, num_layers=24, num_heads=16, max_seq_len=2048),
-}
+# the named sizes (GPT-3's widths and depths): kernelmix.presets, plain data the command line reads without torch
 
 
 # ---------------------------------------------------------------------------------------------
