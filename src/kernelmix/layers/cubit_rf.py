@@ -1,0 +1,119 @@
+"""Cubit-RF layer: Cubit's ridge solve with random-feature kernels, decoding in constant memory (docs/math.md §12).
+
+It is a :class:`~kernelmix.layers.cubit.CubitMixer` (the reference projection and its RoPE, the LRR
+gate, the per-head ridge and reference scale) and a
+:class:`~kernelmix.layers.feature_map.RandomFeatureMap` (W, optionally DARKFormer's M and F, redraw
+and whitening) whose op is :func:`~kernelmix.ops.cubit_rf.cubit_rf_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..errors import KernelmixError
+from ..ops.cubit_rf import CubitRFState, cubit_rf_attention, cubit_rf_attention_step
+from .cubit import CubitMixer
+from .feature_map import RandomFeatureMap
+from .random_features import DarkFormerMixer
+
+
+class CubitRFMixer(CubitMixer, RandomFeatureMap):
+    """Cubit-RF: U = (Ĝ + λ_h I)⁻¹ (ρ ⊙ V) with Ĝ the row-normalised random-feature estimate of
+    Cubit's Gram kernel exp(r_iᵀ r̂_j), then the random-feature read-out of U (docs/math.md §12). The
+    substitution is a recurrence on an m × d_v state, so the cache has a constant size.
+
+    Keyword-only arguments: the shared ones (``hidden_size``, ``num_heads``, ``head_dim=None``,
+    ``num_kv_heads=None``, ``rope_theta=10000.0``, ``bias=False``, ``chunk_size=64``,
+    ``backend="auto"``, see :class:`MixerLayer`), the random-feature ones
+
+    * ``num_features=64``: m, random features per head (> 0), shared by the Gram and the read-out.
+    * ``projection="orthogonal"``: orthogonal random features, or ``"iid"`` Gaussian rows.
+    * ``data_aware=False``: True adds DARKFormer's transform M ``[H, d, d]`` (a parameter, init
+      identity; the kernels become exp(qᵀΣk/√d) and exp(r_iᵀΣ r̂_j), Σ = MᵀM) and query fold F (a
+      buffer, applied to q). :meth:`~RandomFeatureMap.whiten_` (samples from :meth:`qk_samples`) then
+      keeps the read-out's kernel exactly, but not the Gram's: M is shared and r is not folded.
+
+    and Cubit's (:class:`CubitMixer`): ``reference="separate"|"key"``, ``reference_rope=True``,
+    ``lrr=True``, ``lrr_range=(0.5, 2.0)``, ``ridge=1e-6``.
+
+    Parameters: those of :class:`CubitMixer` (and ``transform`` M when ``data_aware``). Buffers:
+    ``projection`` W ``[H, m, d]`` (persistent, drawn at construction; :meth:`~RandomFeatureMap.redraw_`
+    draws another) and ``query_fold`` F (when ``data_aware``). Cache state:
+    :class:`~kernelmix.ops.cubit_rf.CubitRFState`, O(m·d) per head whatever the number of tokens.
+    ``backend`` is accepted for the shared interface; the solve runs in PyTorch (the read-out follows
+    the random-feature op's ``"auto"``).
+    """
+
+    mixer_name = "cubit-rf"
+    #: registry metadata: a Cubit (ridge-solve) mixer, a cache of constant size, what ``bench`` passes
+    family = "cubit"
+    constant_size_cache = True
+    bench_options = {"num_features": 64}
+
+    def __init__(
+        self,
+        *,
+        num_features: int = 64,
+        projection: str = "orthogonal",
+        data_aware: bool = False,
+        reference: str = "separate",
+        reference_rope: bool = True,
+        lrr: bool = True,
+        lrr_range: tuple[float, float] = (0.5, 2.0),
+        ridge: float = 1e-6,
+        **shared: Any,
+    ) -> None:
+        super().__init__(
+            reference=reference, reference_rope=reference_rope, lrr=lrr, lrr_range=lrr_range, ridge=ridge, **shared
+        )
+        self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware)
+
+    # whiten_'s calibration samples: the rotated queries (before the fold) and keys, as DARKFormer's
+    qk_samples = DarkFormerMixer.qk_samples
+
+    def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
+        """Cubit's parameters as :meth:`CubitMixer.reset_parameters`, then M = F = I; W is kept."""
+        CubitMixer.reset_parameters(self, std, out_std)
+        RandomFeatureMap.reset_parameters(self)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.feature_repr()}"
+
+    def _op_options(self, extras: dict) -> dict:
+        return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"], **self._coefficients()}
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
+        """The fold F on q, then one decode step (a single token after a cache) or the chunked op,
+        continuing ``state`` when there is one (several tokens at once)."""
+        q = self.fold_queries(q)
+        if state is not None and q.shape[1] == 1:
+            return self._step(q, k, v, extras, state)
+        if state is None:
+            return self._parallel(q, k, v, extras)
+        return cubit_rf_attention(
+            q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, initial_state=state, return_state=True,
+            **self._op_options(extras),
+        )
+
+    def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitRFState]:
+        """The whole sequence from an empty state (``q`` already folded)."""
+        return cubit_rf_attention(
+            q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, return_state=True,
+            **self._op_options(extras),
+        )
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
+        """One token (T = 1, ``q`` already folded) from ``state``."""
+        return cubit_rf_attention_step(q, k, v, extras["r"], self.projection, state, **self._op_options(extras))
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, CubitRFState):
+            raise KernelmixError(f"a {self.mixer_name} layer's cache state must be a CubitRFState, got {type(state).__name__}")
+        features = state.readout.S.shape[2] if state.readout.S.dim() == 4 else "?"
+        if features != self.num_features:
+            raise KernelmixError(f"cache holds {features} random features, this layer has num_features={self.num_features}")
+
+
+__all__ = ["CubitRFMixer"]
