@@ -47,11 +47,16 @@ def command_word(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``kernelmix ARGV``; returns the exit status (0: done)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if command_word(argv) == STANDALONE_COMMAND:
+    command = command_word(argv)
+    if command == STANDALONE_COMMAND:
         from .gpu_check import build_parser
+
+        parser = build_parser()
     else:
         from .app import build_parser
-    return run_parsed(build_parser().parse_args(argv))
+
+        parser = build_parser([command] if command else [])  # only this command's options and modules
+    return run_parsed(parser.parse_args(argv))
 
 
 def run_parsed(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from ..config import Field, check
 from ..studies.bench import BenchConfig, format_report, run_bench, write_report
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
 
@@ -38,7 +39,7 @@ def _op_bench(args: argparse.Namespace) -> int:
 
 def add_command(sub) -> None:
     opbench = sub.add_parser(
-        "bench", help="op speed and memory per mixer vs T (forward, forward+backward, decode); JSON + PNG",
+        "bench", help=summary("bench"),
     )
     add_options(opbench, BenchConfig, BenchOutput)
     opbench.set_defaults(func=_op_bench, parser=opbench)

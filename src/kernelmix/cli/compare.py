@@ -11,9 +11,10 @@ from typing import Annotated, Any
 
 from ..config import Arg, Field, check
 from ..errors import Interrupted
-from ..studies.compare import CompareConfig, format_markdown, run_compare
+from ..studies.compare import MIXER_VARIANTS, CompareConfig, format_markdown, run_compare
 from ..training import CheckpointError
 from ..training.config import apply_override
+from .commands import summary
 from .options import add_options, from_args
 
 
@@ -30,8 +31,8 @@ class CompareOptions:
 def add_command(sub) -> None:
     """Register ``kernelmix compare``."""
     p = sub.add_parser(
-        "compare", help="train every mixer with the same data, seeds and budget at several lengths; table + plots",
-        description="Train every mixer (softmax, cubit, cubit-nolrr, deltaformer, performer, darkformer) with the same "
+        "compare", help=summary("compare"),
+        description=f"Train every mixer ({', '.join(MIXER_VARIANTS)}) with the same "
         "preset, data, tokenizer, seeds and budget at each training length, evaluate them (val loss at the "
         "training length, loss by position), and write results.json, results.md and PNG plots. --budget says what is "
         "equal: tokens (default), training FLOPs (softmax's for those tokens, analytic counts) or training seconds on "

@@ -15,6 +15,7 @@ from ..errors import KernelmixError
 from ..pretrained import ConversionConfig, convert, load_pretrained, resolve, save_converted
 from ..pretrained.load import directory_entries
 from ..pretrained.transfer import TRANSFER_FILES, TransferConfig, transfer
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
 
@@ -114,6 +115,6 @@ def _cli_convert(args) -> int:
 
 def add_command(sub) -> None:
     """Register ``kernelmix convert``."""
-    p = sub.add_parser("convert", help="convert a pretrained causal LM (prepared name or HF dir) to random-feature attention")
+    p = sub.add_parser("convert", help=summary("convert"))
     add_options(p, ConvertOptions, ConversionConfig)
     p.set_defaults(func=_cli_convert, parser=p)

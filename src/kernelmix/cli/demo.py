@@ -10,6 +10,7 @@ from typing import Annotated
 from ..config import Field, NonNegativeInt, check
 from ..studies.demo import DTYPES, ERROR_BOUNDS, DemoConfig, cubit_memory, describe, format_table, run_demo
 from ..output import write_json_atomic
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_file
 
@@ -57,6 +58,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def add_command(sub) -> None:
-    demo = sub.add_parser("demo", help="run every mixer on a random batch: time and error against its reference")
+    demo = sub.add_parser("demo", help=summary("demo"))
     add_options(demo, DemoConfig, DemoExtras)
     demo.set_defaults(func=_demo, parser=demo)

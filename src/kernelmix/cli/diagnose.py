@@ -10,6 +10,7 @@ from ..data import load_corpus
 from ..errors import KernelmixError
 from ..pretrained import load_pretrained
 from ..studies.diagnose import DiagnoseConfig, diagnose, markdown
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
 
@@ -49,6 +50,6 @@ def _cli_diagnose(args) -> int:
 
 def add_command(sub) -> None:
     """Register ``kernelmix diagnose``."""
-    p = sub.add_parser("diagnose", help="kernel diagnostics of random-feature attention on a pretrained LM (JSON + md + PNG)")
+    p = sub.add_parser("diagnose", help=summary("diagnose"))
     add_options(p, DiagnoseInputs, DiagnoseConfig)
     p.set_defaults(func=_cli_diagnose, parser=p)

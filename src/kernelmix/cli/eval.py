@@ -21,6 +21,7 @@ from ..evaluate import (
 from ..output import progress_bar, write_json_atomic
 from ..studies.demo import check_device
 from ..training import CheckpointError, load_run
+from .commands import summary
 from .options import add_options, from_args
 
 All = Annotated[str, Choice(("all",), "value", more="or a positive integer")]
@@ -59,7 +60,7 @@ class EvalOptions:
 def add_command(sub) -> None:
     """Register ``kernelmix eval``."""
     p = sub.add_parser(
-        "eval", help="loss/perplexity of a trained run at several context lengths, by position, + zero-shot tasks",
+        "eval", help=summary("eval"),
         description="Evaluate a `kernelmix train` run (its newest checkpoint, or a checkpoint directory): loss and "
         "perplexity at each --lengths (up to the model's max_seq_len; beyond the training length is marked), loss by "
         "position bucket within each window, and zero-shot continuation/cloze tasks built from held-out documents. "

@@ -18,6 +18,7 @@ from ..pretrained.convert import LayerSelection
 from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
 from ..output import write_json_atomic
 from ..training.checkpoint import writing
+from .commands import summary
 from .options import add_options, from_args
 
 
@@ -109,7 +110,7 @@ def add_command(sub) -> None:
     """Register ``kernelmix finetune``."""
     p = sub.add_parser(
         "finetune",
-        help="finetune converted models on real text: softmax vs Performer vs DARKFormer at equal m and budget (+ lr sweep)",
+        help=summary("finetune"),
         description="Convert MODEL per variant (softmax = the host unchanged), finetune each with the same data, steps, m "
                     "and seed at each learning rate, and write finetune.json/md and curves. A MODEL directory that is "
                     "already converted (kernelmix convert) is finetuned as it is and saved to OUT/model. Finished runs "

@@ -10,6 +10,7 @@ from typing import Annotated
 from ..config import Field, check
 from ..studies.generate_bench import GenerateBenchConfig
 from ..output import write_json_atomic
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_file
 
@@ -66,7 +67,7 @@ def _generate_bench(args: argparse.Namespace) -> int:
 
 def add_command(sub) -> None:
     bench = sub.add_parser(
-        "generate-bench", help="generation throughput per mixer: cached (prefill + 1 token/step) vs uncached"
+        "generate-bench", help=summary("generate-bench")
     )
     add_options(bench, GenerateBenchConfig, GenerateBenchOutput)
     bench.set_defaults(func=_generate_bench, parser=bench)

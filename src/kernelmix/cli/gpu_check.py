@@ -18,6 +18,8 @@ import os
 import signal
 from dataclasses import dataclass, fields
 
+from .commands import summary
+
 INTERPRETER_ENV = "TRITON_INTERPRET"
 PARTS = ("a", "b", "c")
 
@@ -73,7 +75,7 @@ def thread_count(text: str) -> int:
 
 def add_command(sub) -> None:
     parser = sub.add_parser(
-        "gpu-check", help="check and measure the GPU kernels: op checks, bench vs SDPA, a short compare (≤ 8 min)",
+        "gpu-check", help=summary("gpu-check"),
         description="(a) the ops against float64 references, (b) a bench against SDPA with the issue's targets, "
                     "(c) a short compare; JSON + markdown + PNG into --out. Runs without pydantic: "
                     "PYTHONPATH=src python3 -m kernelmix gpu-check --out DIR",

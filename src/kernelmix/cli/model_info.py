@@ -9,6 +9,7 @@ from typing import Annotated
 from ..config import Arg, Choice, Field, check
 from ..layers import MIXERS
 from ..model import PRESETS
+from .commands import summary
 from .options import add_options, from_args
 
 
@@ -54,6 +55,6 @@ def _model_info(args: argparse.Namespace) -> int:
 
 
 def add_command(sub) -> None:
-    info = sub.add_parser("model-info", help="print a preset's config and parameter count")
+    info = sub.add_parser("model-info", help=summary("model-info"))
     add_options(info, ModelInfoOptions)
     info.set_defaults(func=_model_info, parser=info)

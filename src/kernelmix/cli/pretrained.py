@@ -8,6 +8,7 @@ from typing import Annotated
 from ..config import Arg, Choice, Field, check
 from ..pretrained import KNOWN_MODELS, cache_dir, prepare
 from ..studies.demo import DTYPES
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
 
@@ -57,7 +58,7 @@ def _cli_list(args) -> int:
 
 def add_command(sub) -> None:
     """Register ``kernelmix pretrained prepare|list`` on an argparse sub-parser set."""
-    parser = sub.add_parser("pretrained", help="real pretrained LMs offline: prepare GGUF packages as safetensors")
+    parser = sub.add_parser("pretrained", help=summary("pretrained"))
     psub = parser.add_subparsers(dest="pretrained_command", required=True)
     prep = psub.add_parser("prepare", help="one-time GGUF → safetensors preparation (model + tokenizer)")
     add_options(prep, PrepareOptions)

@@ -6,6 +6,7 @@ import sys
 
 from ..errors import Interrupted
 from ..studies.recall import RecallConfig, format_markdown, run_recall
+from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
 
@@ -13,7 +14,7 @@ from .paths import output_dir
 def add_command(sub) -> None:
     """Register ``kernelmix recall``."""
     p = sub.add_parser(
-        "recall", help="multi-query associative recall (MQAR) per mixer, width and difficulty; table + plot",
+        "recall", help=summary("recall"),
         description="Train a small model per mixer, width, sequence length and number of key-value pairs on MQAR "
         "sequences generated on the fly (keys and values from disjoint parts of the vocabulary, every key asked "
         "again later), score it on the query positions of a held-out set, and write results.json, results.md "

@@ -10,6 +10,7 @@ from ..config import Field, check
 from ..errors import Interrupted
 from ..studies.conversion_report import ConversionReportSettings, conversion_report
 from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
+from .commands import summary
 from .options import add_options, from_args
 
 
@@ -80,7 +81,7 @@ def _cli_conversion(args) -> int:
 
 def add_command(sub) -> None:
     """Register ``kernelmix report``."""
-    p = sub.add_parser("report", help="reproduce a study end to end (darkformer); writes under runs/ unless --out says otherwise")
+    p = sub.add_parser("report", help=summary("report"))
     reports = p.add_subparsers(dest="report", required=True)
     d = reports.add_parser(
         "darkformer",

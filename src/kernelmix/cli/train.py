@@ -13,6 +13,7 @@ from typing import Annotated
 from ..config import Arg, Field, check, expectation, specs
 from ..errors import KernelmixError
 from ..training.config import TrainConfig
+from .commands import summary
 from .options import add_options, from_args
 
 
@@ -83,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def add_command(sub) -> None:
     trainer = sub.add_parser(
-        "train", help="train a model on text (a preset + overrides); checkpoints, metrics, exact --resume",
+        "train", help=summary("train"),
         description=textwrap.fill(
             "Train a CausalLM: settings from --config (TOML/YAML/JSON) and --set key=value "
             "(e.g. --set model.mixer=cubit --set lr=3e-4 --set model.mixer_options.cubit.lrr=false). "
