@@ -36,7 +36,8 @@ import functools
 import typing
 from dataclasses import dataclass
 from types import UnionType
-from typing import Annotated, Any, Iterable, Union, get_args, get_origin
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError
@@ -57,14 +58,20 @@ class Choice:
     """Annotation marker: the value (or, for a list, each item) is one of ``options``; ``what``
     names it in the error, ``unknown mixer 'cubt' (choose from: softmax, cubit, ...)``."""
 
-    options: tuple[str, ...]
+    source: Iterable[str]  # a tuple, or a live view (the mixer registry's) read at each use
     what: str
     more: str = ""  # another kind of value the field takes, for the message: "or a list of indices"
 
     def __init__(self, options: Iterable[str], what: str, more: str = "") -> None:
-        object.__setattr__(self, "options", tuple(options))
+        # a registry's view (a Mapping that is not a dict) stays live, so a mixer registered later is accepted
+        live = isinstance(options, Mapping) and not isinstance(options, dict)
+        object.__setattr__(self, "source", options if live else tuple(options))
         object.__setattr__(self, "what", what)
         object.__setattr__(self, "more", more)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return tuple(self.source)
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         return core_schema.no_info_after_validator_function(self.check, handler(source))

@@ -1,6 +1,6 @@
 """Token-mixer layers (``nn.Module``): projections, RoPE, per-mixer parameters and the decode cache.
 
-One registry name per mixer::
+One registry name per mixer (:mod:`.registry`: the names and their metadata, without torch)::
 
     from kernelmix.layers import build_mixer
     layer = build_mixer("cubit", hidden_size=256, num_heads=4, num_kv_heads=2, lrr=False)
@@ -19,21 +19,12 @@ from __future__ import annotations
 import inspect
 
 from ..errors import KernelmixError
-from .base import SHARED_OPTIONS, LayerCache, MixerLayer
-from .cubit import CubitMixer
-from .deltaformer import DeltaFormerMixer
-from .feature_map import PROJECTIONS, RandomFeatureMap
-from .random_features import DarkFormerMixer, PerformerMixer
-from .rope import apply_rope, rope_cos_sin
-from .softmax import SoftmaxMixer
+from ..lazy import lazy_names
+from . import registry
 
-MIXERS: dict[str, type[MixerLayer]] = {
-    "softmax": SoftmaxMixer,
-    "cubit": CubitMixer,
-    "deltaformer": DeltaFormerMixer,
-    "performer": PerformerMixer,
-    "darkformer": DarkFormerMixer,
-}
+#: name → layer class of every registered mixer (:mod:`.registry`, the one list of mixers), a live
+#: view: a mixer registered later is in it, and a class is imported when it is first looked up
+MIXERS = registry.View(lambda: registry.REGISTRY, registry.layer_class)
 
 
 def mixer_options(name: str) -> tuple[str, ...]:
@@ -43,13 +34,11 @@ def mixer_options(name: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def _mixer_class(name: str) -> type[MixerLayer]:
-    if name not in MIXERS:
-        raise KernelmixError(f"unknown mixer {name!r} (choose from: {', '.join(MIXERS)})")
-    return MIXERS[name]
+def _mixer_class(name: str) -> type:
+    return registry.layer_class(name)  # an unknown name: a KernelmixError listing the registered ones
 
 
-def build_mixer(name: str, **kwargs) -> MixerLayer:
+def build_mixer(name: str, **kwargs):
     """Construct the mixer layer registered as ``name`` with keyword arguments ``kwargs``.
 
     Raises ``KernelmixError`` (a ``ValueError``) for an unknown name (listing the registered ones) and for an option the
@@ -64,6 +53,16 @@ def build_mixer(name: str, **kwargs) -> MixerLayer:
         )
     return cls(**kwargs)
 
+
+__getattr__, __dir__ = lazy_names(__name__, {
+    "base": ["SHARED_OPTIONS", "LayerCache", "MixerLayer"],
+    "cubit": ["CubitMixer"],
+    "deltaformer": ["DeltaFormerMixer"],
+    "feature_map": ["PROJECTIONS", "RandomFeatureMap"],
+    "random_features": ["DarkFormerMixer", "PerformerMixer"],
+    "rope": ["apply_rope", "rope_cos_sin"],
+    "softmax": ["SoftmaxMixer"],
+})
 
 __all__ = [
     "MIXERS",

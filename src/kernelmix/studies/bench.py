@@ -48,12 +48,14 @@ import torch
 from .. import ops
 from ..config import Choice, Distinct, Field, PositiveInt, check
 from ..errors import KernelmixError
+from ..layers import registry
 from ..output import pyplot, write_json_atomic
 from .decode_timing import decode_step_after_prefill
 from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 from .flops import forward_flops
 
-MIXER_NAMES = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
+# the registry's mixers with an op-level call (kernelmix.layers.registry), a live view
+MIXER_NAMES = registry.OP_MIXERS
 
 
 @dataclass
@@ -105,20 +107,8 @@ def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, size: int = 204
 
 
 def _mixer_call(mixer: str, inputs: dict, chunk_size: int):
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    if mixer == "softmax":
-        return lambda: ops.softmax_attention(q, k, v)
-    if mixer == "cubit":
-        return lambda: ops.cubit_attention(q, k, v, inputs["r"], rho=inputs["rho"], chunk_size=chunk_size)
-    if mixer == "deltaformer":
-        return lambda: ops.deltaformer_attention(q, k, v, beta=inputs["beta"], chunk_size=chunk_size)
-    if mixer == "performer":
-        return lambda: ops.random_feature_attention(q, k, v, inputs["projection"], chunk_size=chunk_size)
-    if mixer == "darkformer":
-        return lambda: ops.random_feature_attention(
-            q, k, v, inputs["projection"], transform=inputs["transform"], chunk_size=chunk_size
-        )
-    raise ValueError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXER_NAMES)})")
+    call = registry.op_call(mixer)  # kernelmix.ops.calls: the op as the studies call it
+    return lambda: call(inputs, chunk_size=chunk_size)
 
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

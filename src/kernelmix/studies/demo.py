@@ -17,6 +17,7 @@ import torch
 
 from .. import ops
 from ..config import Choice, Field, PositiveInt, check
+from ..layers import registry
 from ..output import progress_bar
 
 
@@ -35,32 +36,29 @@ def _rel_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (err / expected.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+PER_TOKEN = ("q", "k", "v", "r")  # the inputs in the demo's dtype whose gradients are checked
+
+
 def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features: int, seed: int = 0):
-    """(name, fast fn, reference fn, inputs) for each mixer on one random float64 batch."""
+    """``(cases, inputs)``: ``(label, mixer, options)`` for every registered mixer with an op call and
+    each of its variants (``cubit (no LRR)``), and one random float64 batch of the studies' inputs
+    (:mod:`kernelmix.ops.calls`)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    q, k, v, r = (rnd(batch, length, heads, head_dim) for _ in range(4))
-    rho = 0.5 + 1.5 * torch.sigmoid(rnd(batch, length, heads))
-    beta = torch.sigmoid(rnd(batch, length, heads))
-    projection = ops.orthogonal_random_features(num_features, head_dim, num_heads=heads, generator=g, dtype=torch.float64)
-    transform = torch.eye(head_dim, dtype=torch.float64) + rnd(heads, head_dim, head_dim, scale=0.1)
-    return [
-        ("softmax", ops.softmax_attention, ops.softmax_attention_naive, (q, k, v), {}),
-        ("cubit", ops.cubit_attention, ops.cubit_attention_naive, (q, k, v, r), {"rho": rho}),
-        ("cubit (no LRR)", ops.cubit_attention, ops.cubit_attention_naive, (q, k, v, r), {}),
-        ("deltaformer", ops.deltaformer_attention, ops.deltaformer_attention_naive, (q, k, v), {"beta": beta}),
-        ("performer", ops.random_feature_attention, ops.random_feature_attention_naive, (q, k, v, projection), {}),
-        (
-            "darkformer",
-            ops.random_feature_attention,
-            ops.random_feature_attention_naive,
-            (q, k, v, projection),
-            {"transform": transform},
-        ),
-    ]
+    x = {name: rnd(batch, length, heads, head_dim) for name in PER_TOKEN}
+    x["rho"] = 0.5 + 1.5 * torch.sigmoid(rnd(batch, length, heads))
+    x["beta"] = torch.sigmoid(rnd(batch, length, heads))
+    x["projection"] = ops.orthogonal_random_features(num_features, head_dim, num_heads=heads, generator=g,
+                                                     dtype=torch.float64)
+    x["transform"] = torch.eye(head_dim, dtype=torch.float64) + rnd(heads, head_dim, head_dim, scale=0.1)
+    cases = []
+    for mixer in registry.op_mixers():
+        cases.append((mixer, mixer, {}))
+        cases += [(f"{mixer} ({v.note})", mixer, dict(v.options)) for v in registry.mixer_info(mixer).variants]
+    return cases, x
 
 
 ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -122,32 +120,33 @@ def run_demo(config: DemoConfig | None = None, *, progress: bool = False) -> lis
     dtype = DTYPES[c.dtype]
     device = torch.device(c.device)
     rows = []
-    cases = mixer_cases(batch, length, heads, head_dim, num_features)
+    cases, inputs = mixer_cases(batch, length, heads, head_dim, num_features)
     bar = progress_bar(progress, "demo", len(cases), fields={"mixer": "{}"})
-    for name, fast, naive, args, kwargs in cases:
+    for name, mixer, options in cases:
         bar.update(mixer=name)
-        args = [a.to(device) for a in args]
-        kwargs = {key: val.to(device) for key, val in kwargs.items()}
-        ref_args = [a.clone().requires_grad_(a.shape[:2] == (batch, length)) for a in args]
-        reference = naive(*ref_args, **kwargs)
+        call = registry.op_call(mixer)
+        ref_inputs = {key: val.to(device, copy=True).requires_grad_(key in PER_TOKEN) for key, val in inputs.items()}
+        reference = call(ref_inputs, reference=True, **options)
         grad_out = torch.randn_like(reference)
         reference.backward(grad_out)
-        # per-token inputs in the demo dtype; the projection stays float32 (it is a buffer in the layers)
-        fast_args = [
-            a.to(dtype if a.shape[:2] == (batch, length) else torch.float32).requires_grad_(a.shape[:2] == (batch, length))
-            for a in args
-        ]
-        fast_kwargs = {key: val.float() for key, val in kwargs.items()}
-        out = fast(*fast_args, **fast_kwargs)
+        # per-token inputs in the demo dtype; the rest (the projection: a buffer in the layers) in float32
+        fast_inputs = {key: val.to(device, dtype if key in PER_TOKEN else torch.float32, copy=True)
+                       .requires_grad_(key in PER_TOKEN) for key, val in inputs.items()}
+
+        def fast():  # noqa: B023  (called within this iteration only)
+            return call(fast_inputs, **options)
+
+        out = fast()
         out.backward(grad_out.to(dtype))
-        grad_errors = [_rel_rmse(f.grad, r.grad) for f, r in zip(fast_args, ref_args) if r.grad is not None]
+        grad_errors = [_rel_rmse(fast_inputs[key].grad, ref_inputs[key].grad) for key in PER_TOKEN
+                       if ref_inputs[key].grad is not None]
 
         def forward():
             with torch.no_grad():
-                fast(*fast_args, **fast_kwargs)
+                fast()
 
         def forward_backward():
-            fast(*fast_args, **fast_kwargs).backward(grad_out.to(dtype))
+            fast().backward(grad_out.to(dtype))
 
         rows.append(
             DemoRow(

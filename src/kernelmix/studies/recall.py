@@ -53,7 +53,7 @@ from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
 from ..training import derived_seed, param_groups, warmup_cosine
 from ..training.signals import StopSignals, catch_stop_signals, signal_name
 from ..training.trainer import optimizer_step, set_lr
-from .compare import DEFAULT_MIXERS, MIXER_VARIANTS
+from .compare import MIXER_VARIANTS
 
 RESULT_FORMAT = "kernelmix.recall/1"
 TARGET = 0.95  # the accuracy results.md marks as "solved"
@@ -66,7 +66,7 @@ class RecallConfig:
     results/recall/README.md); docs/recall.md says why each setting is what it is."""
 
     mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
-        field(default_factory=lambda: list(DEFAULT_MIXERS)))
+        field(default_factory=lambda: list(MIXER_VARIANTS)))
     widths: Annotated[list[PositiveInt], Distinct("width"), Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
         field(default_factory=lambda: [64]))
     lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"), Field(min_length=1, description="sequence lengths T")] = (

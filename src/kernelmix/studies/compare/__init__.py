@@ -51,7 +51,7 @@ either way the compare stops with :class:`kernelmix.errors.Interrupted` and the 
 continues it. One writer at a time: ``out_dir`` is locked (:func:`kernelmix.locks.run_directory_lock`)
 while a compare writes it.
 
-Mixer names: the registry's (softmax, cubit, deltaformer, performer, darkformer) and
+Mixer names: every mixer of the registry (:mod:`kernelmix.layers.registry`) and its variants, e.g.
 ``cubit-nolrr`` (Cubit with ``mixer_options cubit.lrr=false``).
 
 The study is a package, one module per part: :mod:`.settings` (:class:`CompareConfig` and the

@@ -17,21 +17,15 @@ from typing import Annotated, Any
 from ...config import Arg, Choice, Distinct, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ...errors import KernelmixError
 from ...evaluate.settings import parse_buckets
+from ...layers import registry
 from ...presets import PRESETS
 
 # kernelmix.training.parallelize's modes (that module imports torch): tests/test_compare.py keeps the two equal
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
 
-# name → (registry mixer, mixer_options)
-MIXER_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
-    "softmax": ("softmax", {}),
-    "cubit": ("cubit", {}),
-    "cubit-nolrr": ("cubit", {"cubit": {"lrr": False}}),
-    "deltaformer": ("deltaformer", {}),
-    "performer": ("performer", {}),
-    "darkformer": ("darkformer", {}),
-}
-DEFAULT_MIXERS = list(MIXER_VARIANTS)
+# name → (registry mixer, mixer_options): every registered mixer and its variants (cubit-nolrr), a live view
+MIXER_VARIANTS = registry.View(registry.variants)
+DEFAULT_MIXERS = MIXER_VARIANTS  # all of them
 RESULT_FORMAT = "kernelmix.compare/1"
 CALIBRATION_FORMAT = "kernelmix.compare.calibration/1"
 BUDGETS = ("tokens", "flops", "time")

@@ -43,12 +43,12 @@ from __future__ import annotations
 from ...lazy import lazy_names
 
 MODULES = {
-    "settings": ["DEVICES", "FLA_PEER", "FORMAT", "INTERPRETER_ENV", "LONG_MIXERS", "MIXERS", "PARTS", "PART_TITLES",
+    "settings": ["DEVICES", "FLA_PEER", "FLA_PEER_OF", "FORMAT", "INTERPRETER_ENV", "LONG_MIXERS", "MIXERS", "PARTS", "PART_TITLES",
                  "TOLERANCES", "CheckCase", "GpuCheckConfig", "Sizes", "full_sizes", "quick_sizes", "sizes_for",
                  "smoke_sizes"],
     "measure": ["Timer", "environment", "fast_backend", "relative_rmse", "short_error", "triton_import_error"],
     "checks": ["DTYPES", "OP_CHECKS", "OpCheck", "check_inputs", "run_op_checks"],
-    "bench": ["MIXER_LEAVES", "bench_inputs", "evaluate_targets", "mixer_forward", "run_bench"],
+    "bench": ["bench_inputs", "evaluate_targets", "family", "mixer_forward", "mixer_leaves", "run_bench"],
     "running": ["exit_status", "new_report", "run_compare_part", "run_gpu_check"],
     "report": ["format_markdown", "print_tables", "report_tables", "write_report"],
     "plots": ["write_plots"],

@@ -15,14 +15,13 @@ from ... import ops
 from ..decode_timing import decode_step_after_prefill
 from .measure import Timer, fast_backend, free_memory, is_out_of_memory, short_error, wall_seconds
 from .report import ratio
-from .settings import FLA_PEER, LONG_MIXERS, MIXERS, Sizes
+from ...layers import registry
+from .settings import FLA_PEER, FLA_PEER_LEAVES, FLA_PEER_OF, LONG_MIXERS, MIXERS, Sizes
 
-# the inputs each mixer's forward+backward differentiates (the per-token activations and, for
-# DARKFormer, its learned transform; the random projection is a fixed buffer)
-MIXER_LEAVES = {
-    "softmax": ("q", "k", "v"), "cubit": ("q", "k", "v", "r", "rho"), "deltaformer": ("q", "k", "v", "beta"),
-    "performer": ("q", "k", "v"), "darkformer": ("q", "k", "v", "transform"), FLA_PEER: ("q", "k", "v", "beta"),
-}
+def mixer_leaves(mixer: str) -> tuple[str, ...]:
+    """The inputs a mixer's forward+backward differentiates (the per-token activations and, for
+    DARKFormer, its learned transform; the random projection is a fixed buffer): the registry's."""
+    return FLA_PEER_LEAVES if mixer == FLA_PEER else registry.mixer_info(mixer).leaves
 
 
 def bench_inputs(sizes: Sizes, length: int, device: torch.device, requires_grad: bool = True) -> dict[str, torch.Tensor]:
@@ -56,12 +55,8 @@ def mixer_forward(mixer: str, x: dict, backend: str, softmax_context: Callable, 
         return sdpa
     if mixer == FLA_PEER:
         return lambda: fla_op(q, k, v, x["beta"].to(q.dtype))
-    if mixer == "cubit":
-        return lambda: ops.cubit_attention(q, k, v, x["r"], rho=x["rho"], backend=backend)
-    if mixer == "deltaformer":
-        return lambda: ops.deltaformer_attention(q, k, v, beta=x["beta"], backend=backend)
-    transform = x["transform"] if mixer == "darkformer" else None
-    return lambda: ops.random_feature_attention(q, k, v, x["projection"], transform=transform, backend=backend)
+    call = registry.op_call(mixer)  # kernelmix.ops.calls: the op as the studies call it
+    return lambda: call(x, backend=backend)
 
 
 def forward_only(call: Callable) -> Callable[[], None]:
@@ -111,7 +106,7 @@ def prepare_cell(mixer: str, length: int, x: dict, context: dict, sizes: Sizes) 
     """The cell's calls, warmed up (Triton compiles in the first call)."""
     call = mixer_forward(mixer, x, context["backend"], context["softmax_context"], context["fla_op"])
     device = context["device"]
-    forward, step = forward_only(call), forward_backward(call, [x[n] for n in MIXER_LEAVES[mixer]])
+    forward, step = forward_only(call), forward_backward(call, [x[n] for n in mixer_leaves(mixer)])
     warmup_s = sum(wall_seconds(step, device) + wall_seconds(forward, device) for _ in range(sizes.warmup_calls))
     return Cell({"mixer": mixer, "length": length}, forward, step, warmup_s)
 
@@ -319,6 +314,11 @@ def _target(name: str, value: float | None, limit: float, *, at_most: bool, miss
     return {"target": name, "measured": float(f"{value:.4g}"), "unit": "×", "passed": passed, "note": ""}
 
 
+def family(name: str) -> list[str]:
+    """The part's mixers of one registry family (the targets are the issue's per family)."""
+    return [mixer for mixer, info in MIXERS.items() if info.family == name]
+
+
 def evaluate_targets(records: list[dict], decode: list[dict], sizes: Sizes, fla_ran: bool) -> list[dict]:
     """The Targets of issue 16 as rows ``{target, measured, passed (None: not measured), note}``;
     ratios are within this run. (Quick runs read them at their tiny lengths: the code path only.)"""
@@ -328,13 +328,14 @@ def evaluate_targets(records: list[dict], decode: list[dict], sizes: Sizes, fla_
     solve, features = sizes.target_lengths["solve"], sizes.target_lengths["features"]
     low, high = sizes.decode_positions[0], sizes.decode_positions[-1]
     rows = []
-    for mixer in ("cubit", "deltaformer"):
+    solvers, features_mixers = family("solve"), family("random-features")
+    for mixer in solvers:
         rows.append(_target(f"{mixer} fwd+bwd ≤ 2.5× SDPA's at T={solve}",
                             ratio(time_of.get((mixer, solve)), time_of.get(("softmax", solve))), 2.5, at_most=True))
         rows.append(_target(f"{mixer} peak memory ≤ 2× SDPA's at T={solve}",
                             ratio(peak_of.get((mixer, solve)), peak_of.get(("softmax", solve))), 2.0, at_most=True,
                             missing="not measured (peak memory is CUDA-only)" if not any(peak_of.values()) else ""))
-    for mixer in ("cubit", "deltaformer"):
+    for mixer in solvers:
         if sizes.long_length is None:
             rows.append({"target": f"{mixer} runs at the long length", "measured": None, "unit": "ms fwd+bwd",
                          "passed": None, "note": "no long length in this run"})
@@ -342,13 +343,13 @@ def evaluate_targets(records: list[dict], decode: list[dict], sizes: Sizes, fla_
         ran = time_of.get((mixer, sizes.long_length))
         rows.append({"target": f"{mixer} runs at T={sizes.long_length}", "measured": ran, "unit": "ms fwd+bwd",
                      "passed": ran is not None, "note": "" if ran is not None else "did not run (see the notes)"})
-    for mixer in ("performer", "darkformer"):
+    for mixer in features_mixers:
         rows.append(_target(f"{mixer} fwd+bwd ≥ 3× faster than SDPA at T={features}",
                             ratio(time_of.get(("softmax", features)), time_of.get((mixer, features))), 3.0, at_most=False))
-    for mixer in ("performer", "darkformer"):
+    for mixer in features_mixers:
         rows.append(_target(f"{mixer} decode at position {high} ≤ 1.2× position {low}",
                             ratio(step_of.get((mixer, high)), step_of.get((mixer, low))), 1.2, at_most=True))
-    rows.append(_target(f"deltaformer fwd+bwd ≤ {FLA_PEER}'s at T={solve}",
-                        ratio(time_of.get(("deltaformer", solve)), time_of.get((FLA_PEER, solve))), 1.0, at_most=True,
+    rows.append(_target(f"{FLA_PEER_OF} fwd+bwd ≤ {FLA_PEER}'s at T={solve}",
+                        ratio(time_of.get((FLA_PEER_OF, solve)), time_of.get((FLA_PEER, solve))), 1.0, at_most=True,
                         missing="not measured: flash-linear-attention did not run here" if not fla_ran else ""))
     return rows

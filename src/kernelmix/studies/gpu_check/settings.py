@@ -11,14 +11,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import KernelmixError
+from ...layers import registry
 
 FORMAT = "kernelmix.gpu_check/1"
 PARTS = ("a", "b", "c")
 PART_TITLES = {"a": "op checks against float64 references", "b": "bench", "c": "compare"}
 DEVICES = ("cuda", "cpu")
 INTERPRETER_ENV = "TRITON_INTERPRET"
-MIXERS = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
-FLA_PEER = "fla-deltaformer"
+# part (b)'s mixers: the registry's with an op-level call (kernelmix.layers.registry), a live view
+MIXERS = registry.OP_MIXERS
+FLA_PEER = "fla-deltaformer"  # flash-linear-attention's DeltaFormer, measured beside ours:
+FLA_PEER_OF = "deltaformer"  # the registered mixer it is the peer of
+FLA_PEER_LEAVES = ("q", "k", "v", "beta")
 PYDANTIC_FIX = "fix: pip install pydantic (or carry a wheel to this machine)"
 # the tolerances of the test suite (tests/ops): relative RMSE against the float64 reference
 TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -60,7 +64,9 @@ class Sizes:
     compare: dict[str, Any]  # CompareConfig settings of part (c)
 
 
-LONG_MIXERS = ("softmax", "cubit", "deltaformer")  # softmax too: the ratio at T=65536 in the same run
+# the long length is for the solve mixers (the issue: it must run for them); softmax too: the ratio in the same run
+LONG_MIXERS = registry.View(lambda: {name: info for name, info in registry.OP_MIXERS.items()
+                                     if info.family in ("softmax", "solve")})
 
 
 def full_sizes() -> Sizes:

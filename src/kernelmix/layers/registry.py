@@ -1,0 +1,190 @@
+"""The one list of mixers: each registered name with what the rest of kernelmix needs to know about it.
+
+Plain data and the standard library only (no torch, no pydantic): the command line reads the names
+and their metadata to build its choices and defaults without importing torch, and ``kernelmix
+gpu-check`` runs where pydantic is missing. The layer classes are named by their import path and
+imported at first use (:func:`layer_class`, what :func:`kernelmix.layers.build_mixer` builds).
+
+Every command that lists mixers derives its choices and defaults from here: ``compare`` and
+``recall`` (every mixer and its :class:`Variant`), ``bench``, ``demo`` and ``gpu-check`` (every mixer
+with an ``op``), ``generate-bench`` and ``model-info`` (every mixer).
+
+**Adding a mixer** (e.g. ``cubit-rf``) is one entry here, next to the layer and op files it names::
+
+    register(MixerInfo(
+        name="cubit-rf", layer="kernelmix.layers.cubit_rf:CubitRFMixer", family="solve",
+        constant_cache=True, op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
+        leaves=("q", "k", "v", "r", "rho"),
+    ))
+
+``op`` and ``step`` (optional) are the functions :mod:`kernelmix.ops.calls` writes for each mixer:
+its op on the studies' one dict of inputs (``call(x, *, chunk_size=None, backend="auto",
+reference=False, return_state=False, **variant_options)``) and one decode token after a prefill
+(``step(x_last, state) -> (out, state)``); add the new mixer's two there. Without them the mixer is
+trained, evaluated and generated with, but not measured at the op level. Name it in the
+``variants``, ``family`` and ``constant_cache`` and every command lists it; a test can
+:func:`register` a mixer and :func:`unregister` it after.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import KernelmixError
+
+FAMILIES = ("softmax", "solve", "random-features")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another setting of a mixer that compare and recall train as a mixer of its own: ``name``
+    (``cubit-nolrr``), the layer ``options`` it sets and a ``note`` for tables (``no LRR``)."""
+
+    name: str
+    options: Mapping[str, Any]
+    note: str
+
+
+@dataclass(frozen=True)
+class MixerInfo:
+    """One registered mixer (the module docstring says what each field is for)."""
+
+    name: str
+    layer: str  # "module:Class" of its nn.Module (a MixerLayer)
+    family: str  # one of FAMILIES: what its cost grows like and which peers it is compared with
+    constant_cache: bool  # its decode state has a constant size (no key/value cache growing with the context)
+    op: str | None = None  # "module:function": the op as bench, demo and gpu-check call it
+    step: str | None = None  # "module:function": one decode token after ``op(..., return_state=True)``
+    leaves: tuple[str, ...] = ("q", "k", "v")  # the inputs a forward+backward of the op differentiates
+    variants: tuple[Variant, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise KernelmixError(f"mixer {self.name!r}: unknown family {self.family!r} (choose from: {', '.join(FAMILIES)})")
+
+
+REGISTRY: dict[str, MixerInfo] = {}
+
+
+def register(info: MixerInfo) -> MixerInfo:
+    """Add ``info`` to the registry; a name (or variant name) that is taken is an error."""
+    taken = {info.name, *(v.name for v in info.variants)} & set(variants())
+    if taken:
+        raise KernelmixError(f"mixer name(s) {', '.join(sorted(taken))} already registered")
+    REGISTRY[info.name] = info
+    return info
+
+
+def unregister(name: str) -> None:
+    """Remove the mixer ``name`` (a test's throwaway mixer)."""
+    REGISTRY.pop(name, None)
+
+
+def mixer_names() -> tuple[str, ...]:
+    """Every registered mixer, in registration order."""
+    return tuple(REGISTRY)
+
+
+def op_mixers() -> tuple[str, ...]:
+    """The mixers with an op-level call: what bench, demo and gpu-check measure."""
+    return tuple(name for name, info in REGISTRY.items() if info.op is not None)
+
+
+def mixer_info(name: str) -> MixerInfo:
+    if name not in REGISTRY:
+        raise KernelmixError(f"unknown mixer {name!r} (choose from: {', '.join(REGISTRY)})")
+    return REGISTRY[name]
+
+
+def variants() -> dict[str, tuple[str, dict[str, dict[str, Any]]]]:
+    """Every mixer and variant compare and recall train: name → (registry mixer, its ``mixer_options``)."""
+    out: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+    for name, info in REGISTRY.items():
+        out[name] = (name, {})
+        for variant in info.variants:
+            out[variant.name] = (name, {name: dict(variant.options)})
+    return out
+
+
+def load(path: str) -> Any:
+    """The object ``"module:attribute"`` names (a layer class, an op call), imported now."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def layer_class(name: str) -> type:
+    """The nn.Module class of the mixer ``name`` (its module imported at first use)."""
+    return load(mixer_info(name).layer)
+
+
+def step_call(name: str) -> Callable[..., Any]:
+    """The one-token decode call of the mixer ``name``: ``step(x_last, state) -> (out, state)``."""
+    info = mixer_info(name)
+    if info.step is None:
+        raise KernelmixError(f"mixer {name!r} has no decode step call (MixerInfo.step)")
+    return load(info.step)
+
+
+def op_call(name: str) -> Callable[..., Any]:
+    """The op-level call of the mixer ``name`` (see the module docstring)."""
+    info = mixer_info(name)
+    if info.op is None:
+        raise KernelmixError(f"mixer {name!r} has no op-level call (MixerInfo.op): it is not measured by bench, demo "
+                             f"or gpu-check (those that are: {', '.join(op_mixers())})")
+    return load(info.op)
+
+
+def _with_op() -> dict[str, MixerInfo]:
+    return {name: info for name, info in REGISTRY.items() if info.op is not None}
+
+
+class View(Mapping):
+    """A read-only mapping that always reflects the registry now: ``View(variants)``, or the mixers'
+    layer classes (``kernelmix.layers.MIXERS``), so that a name registered later is in it too."""
+
+    def __init__(self, items: Callable[[], Mapping[str, Any]], value: Callable[[str], Any] | None = None) -> None:
+        self._items, self._value = items, value
+
+    def __getitem__(self, name: str) -> Any:
+        items = self._items()
+        if name not in items:
+            raise KeyError(name)
+        return self._value(name) if self._value is not None else items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(self._items()))
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __repr__(self) -> str:
+        return f"View({list(self)})"
+
+    # a view is itself, not its current items: hashable, so that it can sit in an annotation (config.Choice)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+#: name → MixerInfo of every mixer with an op-level call (bench, demo and gpu-check measure these), live
+OP_MIXERS = View(_with_op)
+
+register(MixerInfo("softmax", "kernelmix.layers.softmax:SoftmaxMixer", "softmax", constant_cache=False,
+                   op="kernelmix.ops.calls:softmax", step="kernelmix.ops.calls:softmax_step"))
+register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False,
+                   op="kernelmix.ops.calls:cubit", step="kernelmix.ops.calls:cubit_step", leaves=("q", "k", "v", "r", "rho"),
+                   variants=(Variant("cubit-nolrr", {"lrr": False}, "no LRR"),)))
+register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False,
+                   op="kernelmix.ops.calls:deltaformer", step="kernelmix.ops.calls:deltaformer_step", leaves=("q", "k", "v", "beta")))
+register(MixerInfo("performer", "kernelmix.layers.random_features:PerformerMixer", "random-features",
+                   constant_cache=True, op="kernelmix.ops.calls:performer", step="kernelmix.ops.calls:performer_step"))
+register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMixer", "random-features",
+                   constant_cache=True, op="kernelmix.ops.calls:darkformer", step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
+
+
+__all__ = [
+    "FAMILIES", "REGISTRY", "MixerInfo", "Variant", "View", "layer_class", "load", "mixer_info", "mixer_names",
+    "OP_MIXERS", "op_call", "op_mixers", "register", "step_call", "unregister", "variants",
+]
