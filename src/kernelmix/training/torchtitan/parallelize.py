@@ -15,11 +15,15 @@ What is mapped:
   ``"loss"`` is torchtitan's own.
 - data parallelism: when the data-parallel mesh (``dp_replicate`` x the shard axis) spans more
   than one rank, FSDP2 ``fully_shard`` per block then at the root over that mesh (HSDP when
-  ``dp_replicate`` > 1; with ``dp_shard`` = 1 that is plain replication).
+  ``dp_replicate`` > 1; with ``dp_shard`` = 1 that is plain replication), with
+  :func:`fsdp_options`: ``training.mixed_precision_param`` -> ``param_dtype`` (torchtitan's
+  default ``bfloat16``: the blocks compute in bf16, the sharded parameters and the optimizer stay
+  in ``training.dtype``), ``training.mixed_precision_reduce`` -> ``reduce_dtype``,
+  ``parallelism.fsdp_reshard_after_forward`` ``always``/``default`` -> ``reshard_after_forward=True``
+  (no pipelining, so ``default`` is ``always``), ``never`` -> ``False``. On one rank nothing is
+  sharded, so mixed precision does not apply either: the model trains in ``training.dtype``.
 
-Not mapped: ``training.mixed_precision_param``/``mixed_precision_reduce`` (FSDP keeps the
-parameters' dtype — use ``training.dtype`` — and reduces in it), ``fsdp_reshard_after_forward``
-(FSDP2's default), CPU offload, the AC ``preserve_rng_state``/``determinism_check``/``debug``
+Not mapped: CPU offload, the AC ``preserve_rng_state``/``determinism_check``/``debug``
 options (kernelmix always restores the RNG state). Tensor, context, pipeline and expert
 parallelism are refused with a message.
 """
@@ -31,8 +35,32 @@ from typing import Any
 from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 
 from ...errors import KernelmixError
-from ..parallelize import ACTIVATION_CHECKPOINTING, parallelize
+from ..parallelize import ACTIVATION_CHECKPOINTING, FSDPOptions, parallelize
 from .model import KernelmixTitanModel, check_parallelism
+
+#: torchtitan's ``parallelism.fsdp_reshard_after_forward`` -> ``fully_shard(reshard_after_forward=...)``
+#: ("default" reshards unless pipelining, which kernelmix models do not have)
+RESHARD_AFTER_FORWARD = {"default": True, "always": True, "never": False}
+
+
+def fsdp_options(training: Any, parallelism: Any) -> FSDPOptions:
+    """kernelmix's :class:`~kernelmix.training.parallelize.FSDPOptions` for torchtitan's
+    ``training`` (mixed precision) and ``parallelism`` (resharding) configs; either may be None
+    (then FSDP2's defaults: no cast, reshard after forward)."""
+    param_dtype = getattr(training, "mixed_precision_param", None)
+    reduce_dtype = getattr(training, "mixed_precision_reduce", None)
+    policy = getattr(parallelism, "fsdp_reshard_after_forward", "default")
+    if policy not in RESHARD_AFTER_FORWARD:
+        raise KernelmixError(
+            f"parallelism.fsdp_reshard_after_forward = {policy!r}: choose from {', '.join(RESHARD_AFTER_FORWARD)}"
+        )
+    try:
+        return FSDPOptions(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=RESHARD_AFTER_FORWARD[policy])
+    except KernelmixError as error:  # name torchtitan's option, not ours
+        raise KernelmixError(
+            f"training.mixed_precision_param / mixed_precision_reduce ({param_dtype!r} / {reduce_dtype!r}): {error}"
+        ) from None
+
 
 def activation_checkpointing_mode(ac_config: Any, model_config: KernelmixTitanModel.Config) -> tuple[str, int]:
     """kernelmix's ``(activation_checkpointing, every)`` for torchtitan's ``activation_checkpoint`` config."""
@@ -82,7 +110,7 @@ def parallelize_kernelmix(
     Called by torchtitan's trainer on the meta-device model (FSDP2 shards meta parameters; the
     trainer then calls ``to_empty`` and ``init_weights``); also callable on a real model, without a
     mesh (``parallel_dims=None``)."""
-    del training, unused  # nothing in them changes what kernelmix applies (see "Not mapped")
+    del unused  # nothing in them changes what kernelmix applies (see "Not mapped")
     if not isinstance(model, KernelmixTitanModel):
         raise KernelmixError(f"parallelize_kernelmix takes a KernelmixTitanModel, got {type(model).__name__}")
     if parallelism is not None:
@@ -95,8 +123,9 @@ def parallelize_kernelmix(
     parallelize(
         model.lm, data_parallel_mesh(parallel_dims), compile=compile_model, activation_checkpointing=mode,
         activation_checkpointing_every=every, fsdp=True, ddp=False, compile_options=compile_options,
+        fsdp_options=fsdp_options(training, parallelism),
     )
     return model
 
 
-__all__ = ["activation_checkpointing_mode", "data_parallel_mesh", "parallelize_kernelmix"]
+__all__ = ["RESHARD_AFTER_FORWARD", "activation_checkpointing_mode", "data_parallel_mesh", "fsdp_options", "parallelize_kernelmix"]
