@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import KernelmixError
 from ._common import (
@@ -340,10 +341,15 @@ def cubit_rf_attention(
         _check_cubit_rf_state("cubit_rf_attention", initial_state, q.shape[0], heads, projection.shape[-2], v.shape[3])
     with autocast_off(q):  # solves, logits and states stay ≥ fp32 (the precision policy, _common)
         dtype = compute_dtype(q, k, v, r, projection)
-        lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
-        u, reference = _chunked_solve(
-            a_logits, b_logits, values, lam, chunk_size, doc_start, None if initial_state is None else initial_state.reference
-        )
+
+        def solve():
+            lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
+            initial = None if initial_state is None else initial_state.reference
+            return _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial)
+
+        # the solve's activations (logits, scores, per-chunk states) are recomputed in the backward instead
+        # of kept: they would double the peak memory beside the read-out's
+        u, reference = checkpoint(solve, use_reentrant=False) if torch.is_grad_enabled() else solve()
         out, readout = random_feature_attention(
             q, expand_heads(k, heads), u, projection, transform=transform, chunk_size=chunk_size, doc_start=doc_start,
             initial_state=None if initial_state is None else initial_state.readout, return_state=True,
