@@ -237,3 +237,12 @@ class TestErrors:
 
 def test_the_module_exports_what_the_study_uses():
     assert set(data_recall.__all__) >= {"mqar_batch", "query_accuracy", "key_range", "value_range"}
+
+
+def test_the_settings_copy_of_the_query_placement_is_the_datas():
+    """RecallConfig lives in a module without torch (what the command line reads), with its own copy
+    of kernelmix.data.recall's POWER_A (that module imports torch)."""
+    from kernelmix.data.recall import POWER_A
+    from kernelmix.studies import settings
+
+    assert settings.POWER_A == POWER_A == RecallConfig().power_a

@@ -379,8 +379,8 @@ class TestDamagedModelDirectory:
 
 class TestOutputPathsCheckedBeforeTheWork:
     @pytest.mark.parametrize("argv, patch, message", [
-        (["bench", "--lengths", "16", "--out", "{file}"], "kernelmix.cli.bench.run_bench", "--out {file} is a file"),
-        (["demo", "--length", "16", "--json", "{dir}"], "kernelmix.cli.demo.run_demo", "--json {dir} is a directory"),
+        (["bench", "--lengths", "16", "--out", "{file}"], "kernelmix.studies.bench.run_bench", "--out {file} is a file"),
+        (["demo", "--length", "16", "--json", "{dir}"], "kernelmix.studies.demo.run_demo", "--json {dir} is a directory"),
         (["generate-bench", "--preset", "tiny", "--json", "{dir}"], "kernelmix.studies.generate_bench.benchmark_generation",
          "--json {dir} is a directory"),
         (["diagnose", "{host}", "--out", "{file}"], "kernelmix.cli.diagnose.load_pretrained", "--out {file} is a file"),
@@ -396,7 +396,7 @@ class TestOutputPathsCheckedBeforeTheWork:
         assert message.format(**places) in capsys.readouterr().err
 
     def test_a_folder_that_cannot_be_written(self, tmp_path, monkeypatch, capsys):
-        monkeypatch.setattr("kernelmix.cli.bench.run_bench", _never)
+        monkeypatch.setattr("kernelmix.studies.bench.run_bench", _never)
         monkeypatch.setattr("os.access", lambda path, mode: False)  # as if another user owned tmp_path
         assert main(["bench", "--lengths", "16", "--out", str(tmp_path / "new" / "bench")]) == 1
         err = capsys.readouterr().err
@@ -423,8 +423,8 @@ class TestRepeatedItemsInListOptions:
         (["generate-bench", "--mixers", "cubit,cubit"], "--mixers: ['cubit', 'cubit'] repeats 'cubit'"),
     ])
     def test_refused_naming_the_option_the_item_and_the_fix(self, argv, message, tmp_path, monkeypatch, capsys):
-        for work in ("kernelmix.cli.compare.run_compare", "kernelmix.cli.recall.run_recall", "kernelmix.cli.eval.load_run",
-                     "kernelmix.cli.bench.run_bench", "kernelmix.studies.generate_bench.benchmark_generation"):
+        for work in ("kernelmix.studies.compare.run_compare", "kernelmix.studies.recall.run_recall", "kernelmix.training.load_run",
+                     "kernelmix.studies.bench.run_bench", "kernelmix.studies.generate_bench.benchmark_generation"):
             monkeypatch.setattr(work, _never)
         with pytest.raises(SystemExit) as exit_:
             main([a.format(run=tmp_path) for a in argv])

@@ -2,7 +2,9 @@
 module here with an ``add_command(subparsers)``; nothing in the library imports this package.
 
 This package itself is light: the parser with every subcommand is :mod:`kernelmix.cli.app` (which
-needs pydantic, through :mod:`kernelmix.config`), imported by :func:`main` when it is needed;
+needs pydantic, through :mod:`kernelmix.config`), imported by :func:`main` when it is needed, with
+the options of the command being run only (``kernelmix --help`` imports no command's module; torch's
+threads are set when torch is first imported, so an option refused before the work imports none);
 ``kernelmix gpu-check`` is parsed by :mod:`kernelmix.cli.gpu_check` alone, so that it runs where
 pydantic is missing (the GPU machine; ``python -m kernelmix gpu-check``). Other names of the full
 CLI (``build_parser``, ``COMMANDS``, ``GlobalOptions``, ``ThreadOptions``) are forwarded to ``app``
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -27,6 +30,7 @@ import sys
 
 from .. import oserror
 from ..errors import KernelmixError
+from ..lazy import after_import
 from ..threads import set_threads
 
 DEBUG_ENV = "KERNELMIX_DEBUG"
@@ -64,10 +68,10 @@ def run_parsed(args: argparse.Namespace) -> int:
     user can fix into one line and an exit status."""
     name = " ".join(["kernelmix"] + [n for n in (args.command, getattr(args, "pretrained_command", None)) if n])
     debug = debug_requested(args)
-    note = set_threads(getattr(args, "threads", None))
-    if note:
-        print(note, file=sys.stderr)
     try:
+        # torch's threads are set as soon as torch is imported (now if it is), not before: an option
+        # the command refuses before its work is refused without importing torch
+        after_import("torch", functools.partial(_set_threads, getattr(args, "threads", None)))
         return args.func(args)
     except KernelmixError as error:  # a bad input or run directory, an interrupted run: the message has the fix
         if debug:
@@ -97,6 +101,12 @@ def run_parsed(args: argparse.Namespace) -> int:
         if debug or inner is None:
             raise
         return _say(name, f"{oserror.describe(inner)} (add --debug to see where)", 1)
+
+
+def _set_threads(requested: int | None) -> None:
+    note = set_threads(requested)
+    if note:
+        print(note, file=sys.stderr)
 
 
 def _say(name: str, message: str, code: int) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Field, check
-from ..studies.bench import BenchConfig, format_report, run_bench, write_report
+from ..studies.settings import BenchConfig
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
@@ -15,7 +15,7 @@ from .paths import output_dir
 
 @dataclass
 class BenchOutput:
-    """Where ``kernelmix bench`` writes (what it measures: :class:`~kernelmix.studies.bench.BenchConfig`)."""
+    """Where ``kernelmix bench`` writes (what it measures: :class:`~kernelmix.studies.settings.BenchConfig`)."""
 
     out: Annotated[str, Field(description="directory for bench.json / bench.png (the committed runs: results/bench*)")] = (
         "runs/bench")
@@ -29,6 +29,8 @@ def _op_bench(args: argparse.Namespace) -> int:
         config, output = from_args(BenchConfig, args), from_args(BenchOutput, args)
     except ValueError as err:
         args.parser.error(str(err))
+    from ..studies.bench import format_report, run_bench, write_report
+
     output_dir(output.out, "--out")  # now, not after minutes of measuring
     report = run_bench(config, progress=lambda text: print(f"  measuring {text}", flush=True))
     written = write_report(report, output.out)

@@ -11,9 +11,7 @@ from typing import Annotated, Any
 
 from ..config import Arg, Field, check
 from ..errors import Interrupted
-from ..studies.compare import MIXER_VARIANTS, CompareConfig, format_markdown, run_compare
-from ..training import CheckpointError
-from ..training.config import apply_override
+from ..studies.compare.settings import MIXER_VARIANTS, CompareConfig
 from .commands import summary
 from .options import add_options, from_args
 
@@ -47,11 +45,17 @@ def _cli_compare(args) -> int:
     try:
         opts = from_args(CompareOptions, args)
         wrapper: dict[str, Any] = {}
-        for assignment in opts.overrides:
-            apply_override(wrapper, "model." + assignment)
+        if opts.overrides:  # (the training config's parser: it imports torch)
+            from ..training.config import apply_override
+
+            for assignment in opts.overrides:
+                apply_override(wrapper, "model." + assignment)
         config = from_args(CompareConfig, args, model=wrapper.get("model", {}))
     except ValueError as error:
         args.parser.error(str(error))
+    from ..studies.compare import format_markdown, run_compare
+    from ..training import CheckpointError
+
     main_process = os.environ.get("RANK", "0") == "0"  # torchrun: rank 0 reports
     try:
         results = run_compare(config)

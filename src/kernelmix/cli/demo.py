@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 from ..config import Field, NonNegativeInt, check
-from ..studies.demo import DTYPES, ERROR_BOUNDS, DemoConfig, cubit_memory, describe, format_table, run_demo
+from ..studies.settings import DemoConfig
 from ..output import write_json_atomic
 from .commands import summary
 from .options import add_options, from_args
@@ -32,6 +32,8 @@ def _demo(args: argparse.Namespace) -> int:
         config, opts = from_args(DemoConfig, args), from_args(DemoExtras, args)
     except ValueError as err:
         args.parser.error(str(err))
+    from ..studies.demo import DTYPES, ERROR_BOUNDS, cubit_memory, describe, format_table, run_demo
+
     if opts.json:
         output_file(opts.json, "--json")  # now, not after the whole run
     dtype = DTYPES[config.dtype]

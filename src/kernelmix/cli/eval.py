@@ -11,18 +11,17 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from ..config import Arg, Choice, Distinct, Field, NonNegativeInt, PositiveInt, check
-from ..evaluate import (
-    BACKENDS, DEFAULT_DOC_TOKENS, DEFAULT_MAX_DOCS, TASKS, LossReport, build_tasks, check_backend, check_lengths,
-    evaluate_loss, parse_buckets, predicted_tokens, scope_split, score_tasks, task_requests,
-)
+from ..evaluate.settings import BACKENDS, DEFAULT_DOC_TOKENS, DEFAULT_MAX_DOCS, TASKS, check_backend, parse_buckets
 from ..output import progress_bar, write_json_atomic
-from ..studies.demo import check_device
-from ..training import CheckpointError, load_run
+from ..studies.settings import check_device
 from .commands import summary
 from .options import add_options, from_args
+
+if TYPE_CHECKING:  # the evaluation and the run are imported when the command runs, not to parse it
+    from ..evaluate import LossReport
 
 All = Annotated[str, Choice(("all",), "value", more="or a positive integer")]
 
@@ -104,6 +103,9 @@ def _check_json_path(path: str | None) -> None:
 def _prepare(opts: EvalOptions) -> _Plan:
     """Load and check everything (device, output path, backend, run, lengths, buckets, scope,
     tasks) before the first forward."""
+    from ..evaluate import build_tasks, check_lengths, scope_split
+    from ..training import load_run
+
     check_device(opts.device)
     _check_json_path(opts.json)
     check_backend(opts.backend)
@@ -137,6 +139,8 @@ def _print_report(r: LossReport) -> None:
 
 def _evaluate_losses(plan: _Plan, opts: EvalOptions, show_bar: bool) -> list[LossReport]:
     """One length at a time (its lines printed when it is done), under one bar over all of them."""
+    from ..evaluate import evaluate_loss, predicted_tokens
+
     per_length = predicted_tokens(plan.split)
     bar = progress_bar(show_bar, "eval loss, tokens", per_length * len(plan.lengths), fields={"length": "T={}"})
     reports = []
@@ -157,6 +161,8 @@ def _evaluate_losses(plan: _Plan, opts: EvalOptions, show_bar: bool) -> list[Los
 
 
 def _score_tasks(plan: _Plan, opts: EvalOptions, show_bar: bool) -> dict[str, dict[str, float]]:
+    from ..evaluate import score_tasks, task_requests
+
     total = task_requests(plan.tasks)
     if not show_bar:
         print(f"scoring {', '.join(plan.tasks)}: {total:,} log-likelihood requests ({opts.backend})", flush=True)
@@ -176,6 +182,8 @@ def _cli_eval(args) -> int:
         opts = from_args(EvalOptions, args)
     except ValueError as error:
         args.parser.error(str(error))
+    from ..training import CheckpointError
+
     try:
         plan = _prepare(opts)
     except (CheckpointError, ValueError) as error:

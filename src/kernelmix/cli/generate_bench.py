@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 from ..config import Field, check
-from ..studies.generate_bench import GenerateBenchConfig
+from ..studies.settings import GenerateBenchConfig
 from ..output import write_json_atomic
 from .commands import summary
 from .options import add_options, from_args
@@ -26,15 +26,15 @@ class GenerateBenchOutput:
 
 
 def _generate_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..studies.generate_bench import benchmark_generation, format_bench_table
-
     try:
         config = from_args(GenerateBenchConfig, args)
         out = from_args(GenerateBenchOutput, args)
     except ValueError as err:  # e.g. prompt + new tokens beyond the preset's max_seq_len, no CUDA device
         args.parser.error(str(err))
+    import torch
+
+    from ..studies.generate_bench import benchmark_generation, format_bench_table
+
     if out.json:
         output_file(out.json, "--json")  # now, not after the whole benchmark
     device = torch.device(config.device)

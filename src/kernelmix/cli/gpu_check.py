@@ -5,9 +5,9 @@ Plain argparse, not :mod:`kernelmix.cli.options`: those options are built from c
 that pydantic validates, and the GPU machine this command is for may not have pydantic. It must
 run there from the source tree as ``PYTHONPATH=src python3 -m kernelmix gpu-check ...`` with only
 torch, triton, numpy, rich and matplotlib, so this module imports neither :mod:`kernelmix.config`
-nor the full CLI (:mod:`kernelmix.cli.app`), and the study only when it runs. :class:`GpuCheckOptions`
-(a stdlib dataclass) names every option and its default; the full CLI's parser adds the same
-options through :func:`add_command`.
+nor the full CLI (:mod:`kernelmix.cli.app`), and of the study only its settings (the standard
+library) until it runs. :class:`GpuCheckOptions` (a stdlib dataclass) names every option and its
+default; the full CLI's parser adds the same options through :func:`add_command`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import os
 import signal
 from dataclasses import dataclass, fields
 
+from ..studies.gpu_check.settings import INTERPRETER_ENV, PARTS
 from .commands import summary
-
-INTERPRETER_ENV = "TRITON_INTERPRET"
-PARTS = ("a", "b", "c")
 
 
 @dataclass

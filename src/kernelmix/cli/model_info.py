@@ -8,7 +8,7 @@ from typing import Annotated
 
 from ..config import Arg, Choice, Field, check
 from ..layers import MIXERS
-from ..model import PRESETS
+from ..presets import PRESETS
 from .commands import summary
 from .options import add_options, from_args
 

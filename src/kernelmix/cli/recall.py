@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import Interrupted
-from ..studies.recall import RecallConfig, format_markdown, run_recall
+from ..studies.settings import RecallConfig
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
@@ -31,6 +31,8 @@ def _cli_recall(args) -> int:
         output_dir(config.out_dir, "--out")  # a file or an unwritable parent is said now, not after training
     except ValueError as error:
         args.parser.error(str(error))
+    from ..studies.recall import format_markdown, run_recall
+
     try:
         results = run_recall(config)
     except Interrupted as stop:  # SIGINT/SIGTERM: finished cells are saved; the message says how to go on

@@ -41,18 +41,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Callable
 
 import torch
 
 from .. import ops
-from ..config import Choice, Distinct, Field, PositiveInt, check
-from ..errors import KernelmixError
 from ..layers import registry
 from ..output import pyplot, write_json_atomic
 from .decode_timing import decode_step_after_prefill
-from .demo import DTYPES, MMAP_THRESHOLD_BYTES, check_device, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
+from .demo import DTYPES, MMAP_THRESHOLD_BYTES, cuda_peak_memory_mb, median_ms, peak_memory_mb, sync_device
 from .flops import forward_flops
+from .settings import PEERS, BenchConfig
 
 # the registry's mixers with an op-level call (kernelmix.layers.registry), a live view
 MIXER_NAMES = registry.OP_MIXERS
@@ -262,9 +261,6 @@ def _decode_step(
 # ---------------------------------------------------------------------------------------------
 # Peers: public implementations measured side by side when installed (optional extra `peers`).
 
-PEERS = ("performer-pytorch", "fla-deltaformer-naive", "cubit-dense")
-
-
 def _peer_call(peer: str, inputs: dict, num_features: int):
     """A zero-argument callable running ``peer`` on ``inputs``, or a string saying why it cannot run."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -302,39 +298,6 @@ def crossover_length(records: list[BenchRecord], mixer: str) -> int | None:
         else:
             break
     return result
-
-
-@dataclass
-class BenchConfig:
-    """What :func:`run_bench` measures (``kernelmix bench``'s options)."""
-
-    mixers: Annotated[list[str], Choice(MIXER_NAMES, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
-        field(default_factory=lambda: list(MIXER_NAMES)))
-    lengths: Annotated[list[PositiveInt], Distinct("length"), Field(min_length=1, description="e.g. 256,1024,4096")] = (
-        field(default_factory=lambda: [256, 512, 1024, 2048, 4096]))
-    decode_positions: Annotated[list[PositiveInt], Distinct("position")] = field(default_factory=lambda: [256, 1024, 4096])
-    batch: PositiveInt = 1
-    heads: PositiveInt = 8
-    head_dim: PositiveInt = 64
-    num_features: PositiveInt = 128
-    chunk_size: PositiveInt = 64
-    dtype: Annotated[str, Choice(tuple(DTYPES), "dtype"), Field(description="the inputs' dtype")] = "float32"
-    autocast: Annotated[str | None, Choice(tuple(AUTOCAST_DTYPES), "autocast dtype"), Field(
-        description="run the forward passes under torch.autocast in this dtype (fp32 inputs; needs --dtype float32)")] = None
-    device: str = "cpu"
-    repeats: PositiveInt = 3
-    memory: Annotated[bool, Field(description="measure peak memory, each op in a fresh process (--no-memory skips it)")] = True
-    peers: Annotated[list[str], Choice(PEERS, "peer"), Distinct("peer"), Field(
-        description="comma-separated peers measured in the same run: performer-pytorch, fla-deltaformer-naive, "
-        "cubit-dense (skipped with a note when not installed)")] = field(default_factory=list)
-    peer_max_length: Annotated[PositiveInt, Field(description="largest T for the peers")] = 2048
-
-    def __post_init__(self) -> None:
-        check(self)
-        check_device(self.device)
-        if self.autocast is not None and self.dtype != "float32":
-            raise KernelmixError(f"autocast runs fp32 inputs under torch.autocast: use --dtype float32 with --autocast "
-                                 f"{self.autocast}, got --dtype {self.dtype}")
 
 
 def run_bench(config: BenchConfig | None = None, *, progress: Callable[[str], None] | None = None) -> BenchReport:

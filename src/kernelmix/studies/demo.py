@@ -11,14 +11,14 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Annotated, Callable
+from typing import Callable
 
 import torch
 
 from .. import ops
-from ..config import Choice, Field, PositiveInt, check
 from ..layers import registry
 from ..output import progress_bar
+from .settings import DemoConfig, check_device
 
 
 @dataclass
@@ -65,17 +65,6 @@ ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes the studies run in
 
 
-def check_device(text: str) -> torch.device:
-    """``text`` as a torch device that exists here; ValueError naming the problem otherwise."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"unknown device {text!r} (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device; use --device cpu (or a CUDA build of torch)")
-    return device
-
-
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,24 +81,6 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
         sync_device(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-@dataclass
-class DemoConfig:
-    """What :func:`run_demo` runs (``kernelmix demo``'s options)."""
-
-    batch: PositiveInt = 2
-    length: PositiveInt = 512
-    heads: PositiveInt = 4
-    head_dim: PositiveInt = 32
-    num_features: Annotated[PositiveInt, Field(description="random features m")] = 64
-    repeats: PositiveInt = 3
-    device: Annotated[str, Field(description="torch device for the fast paths, e.g. cuda")] = "cpu"
-    dtype: Annotated[str, Choice(tuple(DTYPES), "dtype"), Field(description="dtype of the fast paths")] = "float32"
-
-    def __post_init__(self) -> None:
-        check(self)
-        check_device(self.device)
 
 
 def run_demo(config: DemoConfig | None = None, *, progress: bool = False) -> list[DemoRow]:

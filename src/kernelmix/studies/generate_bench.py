@@ -15,62 +15,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Annotated
+from dataclasses import dataclass
 
 import torch
 
-from ..config import Choice, Distinct, Field, NonNegativeInt, PositiveInt, check
 from ..generate import generate
-from ..layers import MIXERS
 from ..layers.base import check_positive_int
-from ..model import PRESETS, CausalLM, ModelConfig
+from ..model import CausalLM, ModelConfig
 from ..output import progress_bar
-from .demo import DTYPES, check_device, sync_device
-
-MAX_NEW_TOKENS = 1024  # the default new-token count, where the preset's max_seq_len allows it
-
-
-@dataclass
-class GenerateBenchConfig:
-    """What ``kernelmix generate-bench`` measures (and :func:`benchmark_generation` takes)."""
-
-    preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
-    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
-        field(default_factory=lambda: list(MIXERS)))
-    prompt_length: PositiveInt = 32
-    new_tokens: Annotated[PositiveInt | None, Field(description=(
-        f"new tokens of the cached run (default: {MAX_NEW_TOKENS}, or fewer so that the prompt plus them fit the "
-        "preset's max_seq_len)"))] = None
-    uncached_new_tokens: Annotated[NonNegativeInt | None, Field(
-        description="measure the slow uncached baseline on this many new tokens (default: --new-tokens; 0 skips it)")] = None
-    batch: PositiveInt = 1
-    repeats: PositiveInt = 1
-    seed: int = 0
-    device: Annotated[str, Field(description="cpu or cuda[:N]")] = "cpu"
-    dtype: Annotated[str, Choice(DTYPES, "dtype"), Field(description="dtype of the models")] = "float32"
-
-    def __post_init__(self) -> None:
-        check(self)
-        check_device(self.device)
-        max_seq_len = ModelConfig.preset(self.preset).max_seq_len
-        room = max_seq_len - self.prompt_length
-        if self.new_tokens is None:
-            if room < 1:
-                raise ValueError(
-                    f"prompt_length {self.prompt_length} leaves no room for new tokens within the preset's "
-                    f"max_seq_len = {max_seq_len}; lower prompt_length"
-                )
-            self.new_tokens = min(MAX_NEW_TOKENS, room)
-        if self.uncached_new_tokens is None:
-            self.uncached_new_tokens = self.new_tokens
-        longest = max(self.new_tokens, self.uncached_new_tokens)
-        if longest > room:
-            raise ValueError(
-                f"prompt_length {self.prompt_length} + new tokens {longest} is beyond the preset's "
-                f"max_seq_len = {max_seq_len}; ask for at most {max(room, 0)} new tokens or a shorter prompt"
-            )
-
+from .demo import DTYPES, sync_device
+from .settings import GenerateBenchConfig
 
 def generation_throughput(
     model: CausalLM,

@@ -31,126 +31,27 @@ the next step: the cell in progress is dropped, the finished ones are kept, and
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from ..config import Arg, Choice, Distinct, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
-from ..data.recall import POWER_A, key_range, mqar_batch, query_accuracy, value_range
+from ..data.recall import key_range, mqar_batch, query_accuracy, value_range
 from ..errors import Interrupted, KernelmixError
 from ..locks import run_directory_lock
-from ..model import CausalLM, ModelConfig
+from ..model import CausalLM
 from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
 from ..training import derived_seed, param_groups, warmup_cosine
 from ..training.signals import StopSignals, catch_stop_signals, signal_name
 from ..training.trainer import optimizer_step, set_lr
-from .compare import MIXER_VARIANTS
+from .settings import RECALL_FORMAT as RESULT_FORMAT, RecallConfig
 
-RESULT_FORMAT = "kernelmix.recall/1"
 TARGET = 0.95  # the accuracy results.md marks as "solved"
-
-
-@dataclass
-class RecallConfig:
-    """What ``kernelmix recall`` trains. The defaults (6 mixers × width 64 × T=64 × pairs 4, 8, 16,
-    600 steps × 32 sequences per cell) finish in under 10 minutes on 2 CPU cores (measured: see
-    results/recall/README.md); docs/recall.md says why each setting is what it is."""
-
-    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
-        field(default_factory=lambda: list(MIXER_VARIANTS)))
-    widths: Annotated[list[PositiveInt], Distinct("width"), Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
-        field(default_factory=lambda: [64]))
-    lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"), Field(min_length=1, description="sequence lengths T")] = (
-        field(default_factory=lambda: [64]))
-    pairs: Annotated[list[PositiveInt], Distinct("pair count"), Field(min_length=1, description=(
-        "numbers of key-value pairs (a cell with 4 x pairs > T is skipped)"))] = field(default_factory=lambda: [4, 8, 16])
-    vocab_size: Annotated[int, Field(ge=3, description="vocabulary: a filler token, then keys and values, half each")] = 128
-    layers: Annotated[PositiveInt, Field(description="blocks of the model (recall needs at least 2)")] = 2
-    heads: Annotated[PositiveInt, Field(description="heads per mixer (head dim = width / heads)")] = 1
-    init_std: Annotated[PositiveFloat, Field(description="the model's initializer_range (std of the projections at init)")] = 0.1
-    embed_std: Annotated[PositiveFloat, Field(description="std of the token embedding at init")] = 0.3
-    train_queries: Annotated[str, Choice(("all", "pairs"), "train_queries"), Field(description=(
-        "queries per training sequence: all (every slot after the pairs) or pairs (one per pair, as held out)"))] = "all"
-    steps: Annotated[PositiveInt, Field(description="optimizer steps per cell")] = 600
-    batch_size: Annotated[PositiveInt, Field(description="sequences per step")] = 32
-    lr: Annotated[PositiveFloat, Field(description="peak learning rate")] = 2e-3
-    min_lr: Annotated[NonNegativeFloat | None, Field(description=(
-        "the cosine decay's end (default: lr, i.e. no decay after warmup)"))] = None
-    warmup_steps: NonNegativeInt = 40
-    weight_decay: NonNegativeFloat = 0.1
-    power_a: Annotated[float, Field(gt=0, le=1, description="query placement: P(slot) ~ (slot+1)^(power_a-1); 1: uniform")] = (
-        POWER_A)
-    eval_examples: Annotated[PositiveInt, Field(description="held-out sequences per (T, pairs)")] = 256
-    seed: Annotated[NonNegativeInt, Field(description="initial weights and the training batches")] = 0
-    eval_seed: Annotated[NonNegativeInt, Field(description="the held-out set (must differ from --seed)")] = 1
-    out_dir: Annotated[str, Arg(flag="--out"), Field(description="output directory")] = "runs/recall"
-    device: Annotated[str, Choice(("auto", "cpu", "cuda"), "device")] = "cpu"
-
-    def __post_init__(self) -> None:
-        check(self)
-        if self.min_lr is None:  # held: a decay lowers the rate before the jump to recall has come
-            self.min_lr = self.lr
-        if self.min_lr > self.lr:
-            raise KernelmixError(f"min_lr must be at most lr, got min_lr={self.min_lr}, lr={self.lr}; lower min_lr "
-                                 "or leave it out (= lr)")
-        if self.seed == self.eval_seed:
-            raise KernelmixError(f"seed and eval_seed are both {self.seed}: the held-out set must come from another "
-                                 f"seed than the training batches; pass e.g. --eval-seed {self.seed + 1}")
-        self.widths, self.lengths, self.pairs = sorted(self.widths), sorted(self.lengths), sorted(self.pairs)
-        keys = len(key_range(self.vocab_size))
-        if max(self.pairs) > keys:
-            raise KernelmixError(f"pairs {max(self.pairs)} need as many distinct keys, but vocab_size {self.vocab_size} "
-                                 f"has {keys} key tokens; use --vocab-size {2 * max(self.pairs) + 1} or more, or fewer pairs")
-        if not self.cells():
-            raise KernelmixError(f"no (T, pairs) cell fits: a sequence of length T holds at most T / 4 pairs (pairs and "
-                                 f"their queries), got lengths {self.lengths} and pairs {self.pairs}; use longer lengths "
-                                 "or fewer pairs")
-        for width in self.widths:  # a width the heads do not divide fails now, not after the first cells
-            self.model_config(self.mixers[0], width, self.lengths[0])
-
-    def cells(self) -> list[tuple[int, int]]:
-        """The (T, pairs) that fit (4 · pairs <= T), in table order."""
-        return [(t, n) for t in self.lengths for n in self.pairs if 4 * n <= t]
-
-    def skipped(self) -> list[tuple[int, int]]:
-        return [(t, n) for t in self.lengths for n in self.pairs if 4 * n > t]
-
-    def model_config(self, mixer: str, width: int, length: int) -> ModelConfig:
-        base, options = MIXER_VARIANTS[mixer]
-        if width % self.heads:
-            raise KernelmixError(f"width {width} is not a multiple of heads {self.heads}; use widths that {self.heads} "
-                                 "divides or change --heads")
-        # untied embeddings and init_std 0.1 rather than the library's tied 0.02: with 0.02 the attention
-        # logits start so flat that a 2-layer model sits for thousands of steps at "guess one of the
-        # values" (docs/recall.md, "Why these settings"). The SwiGLU is as wide as the model, not 8/3 of
-        # it: recall is the mixers' work, and the MLP was 60% of each step's time.
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=width, num_layers=self.layers, num_heads=self.heads,
-                           intermediate_size=width, max_seq_len=length, chunk_size=min(64, length), mixer=base,
-                           tie_embeddings=False, initializer_range=self.init_std,
-                           mixer_options=json.loads(json.dumps(options)))
-
-    def run_key(self, mixer: str, width: int, length: int, pairs: int) -> str:
-        """A hash of everything that defines the cell and its evaluation (not out_dir or the grid)."""
-        settings = {
-            "format": RESULT_FORMAT, "mixer": mixer, "model": self.model_config(mixer, width, length).to_dict(),
-            "length": length, "pairs": pairs, "device": self.device,
-            **{name: getattr(self, name) for name in ("embed_std", "steps", "batch_size", "lr", "min_lr", "warmup_steps",
-                                                       "weight_decay", "power_a", "train_queries", "eval_examples", "seed",
-                                                       "eval_seed")},
-        }
-        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def train_seed(config: RecallConfig, length: int, pairs: int) -> int:
