@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..errors import KernelmixError
+from ..lazy import after_import
 
 # ---------------------------------------------------------------------------------------------
 # Precision policy (bf16 inputs, bf16 autocast)
@@ -44,15 +45,27 @@ def autocast_off(x: Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-@functools.lru_cache(maxsize=None)
-@torch.compiler.assume_constant_result  # torch.compile: a constant, not a graph break per call
-def cpu_has_native_bf16() -> bool:
+def _native_bf16() -> bool:
     """Whether this CPU runs bf16 matrix products natively (oneDNN's own check: AVX512 core /
     AVX512-BF16 / AMX on x86, the bf16 extension on Arm)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN: decide from the vector unit
         return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+cpu_has_native_bf16 = functools.lru_cache(maxsize=None)(_native_bf16)
+
+
+def _constant_for_the_compiler() -> None:
+    """torch.compile takes :func:`cpu_has_native_bf16` as a constant, not a graph break per call
+    (``torch.compiler.assume_constant_result``), applied when torch._dynamo is imported (it always is
+    before anything compiles) rather than at this module's import, which it would slow by seconds."""
+    global cpu_has_native_bf16
+    cpu_has_native_bf16 = functools.lru_cache(maxsize=None)(torch.compiler.assume_constant_result(_native_bf16))
+
+
+after_import("torch._dynamo", _constant_for_the_compiler)
 
 
 def bf16_attention_in_fp32(x: Tensor) -> bool:

@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..lazy import after_import
+
 from ._common import autocast_off, causal_hidden
 
 _FLASH_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -336,6 +338,16 @@ class _RectangleSolve(torch.autograd.Function):
         )
 
 
-@torch.compiler.disable
 def _apply_outside_graph(*args):
     return _RectangleSolve.apply(*args)
+
+
+def _outside_graphs() -> None:
+    """``torch.compiler.disable`` on :func:`_apply_outside_graph`, applied when torch._dynamo is imported
+    (it always is before anything compiles) rather than at this module's import, which it would slow
+    by seconds."""
+    global _apply_outside_graph
+    _apply_outside_graph = torch.compiler.disable(_apply_outside_graph)
+
+
+after_import("torch._dynamo", _outside_graphs)
