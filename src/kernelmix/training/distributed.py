@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -60,8 +62,30 @@ def setup(device: str = "auto") -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, owns_group=owns)
 
 
-def teardown(env: DistEnv) -> None:
-    if env.owns_group and dist.is_initialized():
+#: how long :func:`teardown` waits for the other processes before it leaves the group all the same
+TEARDOWN_TIMEOUT_S = 300.0
+
+
+def teardown(env: DistEnv, *, wait_for_peers: bool | None = None) -> None:
+    """Leave the process group we joined (``env.owns_group``; nothing otherwise), explicitly and
+    in step: a barrier, then ``destroy_process_group``, which joins the backend's threads. A process
+    that exits with its group alive leaves those threads to the interpreter's shutdown (a gloo
+    worker still running then aborts the process: "terminate called without an active
+    exception"), and one that leaves before its peers finished their last collective breaks
+    theirs. ``wait_for_peers``: the barrier (gloo's monitored one: a peer that never comes is
+    named after :data:`TEARDOWN_TIMEOUT_S`); None: only when no exception is propagating (a
+    failed process may be the only one here, and must not wait for the others)."""
+    if not (env.owns_group and dist.is_initialized()):
+        return
+    if wait_for_peers is None:
+        wait_for_peers = sys.exc_info()[1] is None
+    try:
+        if wait_for_peers and env.enabled:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=TEARDOWN_TIMEOUT_S))
+            else:
+                dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 
@@ -101,4 +125,4 @@ def all_gather_object(env: DistEnv, obj):
     return out
 
 
-__all__ = ["DistEnv", "agree_on_signal", "all_gather_object", "all_reduce_max", "all_reduce_sum", "barrier", "setup", "teardown"]
+__all__ = ["DistEnv", "TEARDOWN_TIMEOUT_S", "agree_on_signal", "all_gather_object", "all_reduce_max", "all_reduce_sum", "barrier", "setup", "teardown"]

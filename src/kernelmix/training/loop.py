@@ -284,9 +284,12 @@ def train(
         raise ValueError(f"stop_at must be a step >= 1 (or None to train to the end), got {stop_at!r}")
     env = distrib.setup(config.device)
     try:
-        return run_training(config, env, resume=resume, stop_at=stop_at, progress=progress, reschedule=reschedule)
-    finally:
-        distrib.teardown(env)
+        result = run_training(config, env, resume=resume, stop_at=stop_at, progress=progress, reschedule=reschedule)
+    except BaseException:
+        distrib.teardown(env, wait_for_peers=False)  # the others may never reach the barrier
+        raise
+    distrib.teardown(env, wait_for_peers=True)  # every process leaves the group together
+    return result
 
 
 def run_training(
