@@ -326,3 +326,54 @@ def test_bad_chunk_size_state_and_step_length():
         fast(x, initial_state=broken)
     with pytest.raises(KernelmixError, match="doc_start"):
         fast(x, doc_start=torch.zeros(B, 5, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite inputs
+
+
+@pytest.mark.parametrize("name", ["k", "v", "r", "rho"])
+def test_a_non_finite_input_reaches_only_the_rows_that_see_it(name):
+    T, t = 29, 9
+    x = make_inputs(T, seed=17)
+    doc_start = packed_doc_start(T)
+    clean = fast(x, chunk_size=8, doc_start=doc_start)
+    y = {n: None if v is None else v.clone() for n, v in x.items()}
+    y[name][0, t, 0] = float("nan") if name != "rho" else float("inf")
+    out, state = fast(y, chunk_size=8, doc_start=doc_start, return_state=True)
+    ref = naive(y, doc_start=doc_start)
+    reached = torch.isnan(out).any(-1)
+    assert torch.equal(reached, torch.isnan(ref).any(-1))
+    # token 9 of batch 0 lies in the document [5, 13): its rows 9..12 are NaN (in the heads that read
+    # head 0), nothing before it, in later documents or in batch 1
+    assert reached[0, t:13, 0].all() and not reached[1].any()
+    assert not reached[0, :t].any() and not reached[0, 13:].any()
+    assert (out[~reached] - clean[~reached]).abs().max() <= 1e-12
+    assert torch.isfinite(state.reference.S).all()  # the document ended before the last token
+
+
+def test_a_non_finite_state_is_emptied_for_a_new_document():
+    T = 12
+    x = make_inputs(T, seed=18)
+    _, state = fast(tokens(x, 0, 6), chunk_size=4, return_state=True)
+    state.reference.S[0, 1] = float("nan")
+    doc_start = torch.tensor([[0] * 3 + [9] * 3, [0] * 6])  # batch 0: a new document at 9
+    out = fast(tokens(x, 6, T), chunk_size=4, initial_state=state, doc_start=doc_start)
+    assert torch.isnan(out[0, :3, 1]).all() and not torch.isnan(out[0, 3:]).any()
+    assert not torch.isnan(out[:, :, [0, 2, 3]]).any() and not torch.isnan(out[1]).any()
+
+
+def test_step_with_a_non_finite_input_equals_the_parallel_form():
+    T, t = 14, 4
+    x = make_inputs(T, seed=19)
+    x["v"][1, t, 1] = float("nan")
+    doc_start = torch.tensor([[0] * T, [0] * 8 + [8] * 6])
+    whole = fast(x, chunk_size=4, doc_start=doc_start)
+    state, outs = None, []
+    for i in range(T):
+        o_i, state = step(tokens(x, i, i + 1), state, doc_start=doc_start[:, i : i + 1])
+        outs.append(o_i)
+    stepped = torch.cat(outs, dim=1)
+    assert torch.equal(torch.isnan(stepped), torch.isnan(whole))
+    finite = ~torch.isnan(whole)
+    assert (stepped[finite] - whole[finite]).abs().max() <= 1e-12

@@ -21,8 +21,9 @@ max feature and loses −½‖M r_i‖² (per-row constants: each row of the sol
 logits within the document (causal, detached), by which every term of row i is scaled alike.
 Solves and states are float32 (float64 for float64 inputs) with autocast off.
 
-Not guarded here (unlike ``cubit_attention``): a NaN or ±inf input reaches every later row of its
-document through the state (and, through the running shift, may reach later documents).
+A NaN or ±inf in k, v, r or ρ at token t (or in ``initial_state``) makes the rows that see it NaN —
+rows ≥ t of its document, the rows that continue the state — and the returned state's heads; every
+other row is what the clean input gives (as ``cubit_attention`` and ``random_feature_attention``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ from ._common import (
     check_tensor,
     compute_dtype,
     expand_heads,
+    find_nonfinite,
     per_head,
+    reaches_causal,
+    scan_syncs,
 )
 from .cubit import REFERENCE_NORM_EPS, check_rho, normalize_reference
 from .random_features import (
@@ -339,6 +343,10 @@ def cubit_rf_attention(
     heads = q.shape[2]
     if initial_state is not None:
         _check_cubit_rf_state("cubit_rf_attention", initial_state, q.shape[0], heads, projection.shape[-2], v.shape[3])
+    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)
+    if guard is not None:  # computed on zeroed tokens, and the rows that see them set to NaN below
+        k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
+    initial_state, state_bad = _finite_state(initial_state)
     with autocast_off(q):  # solves, logits and states stay ≥ fp32 (the precision policy, _common)
         dtype = compute_dtype(q, k, v, r, projection)
 
@@ -354,8 +362,48 @@ def cubit_rf_attention(
             q, expand_heads(k, heads), u, projection, transform=transform, chunk_size=chunk_size, doc_start=doc_start,
             initial_state=None if initial_state is None else initial_state.readout, return_state=True,
         )
-    out = out.to(v.dtype)
-    return (out, CubitRFState(reference=reference, readout=readout)) if return_state else out
+    state = CubitRFState(reference=reference, readout=readout)
+    out, state = _poisoned(out.to(v.dtype), state, guard, state_bad, doc_start, readout.length - q.shape[1])
+    return (out, state) if return_state else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs (as the other ops, ``_common``): the op computes on zeroed tokens (and emptied
+# state heads) and sets to NaN every row that sees one — the token's own row and the later rows of
+# its document, the rows that continue a non-finite state — and the returned state's heads they reach.
+
+
+def _finite_state(state: CubitRFState | None) -> tuple[CubitRFState | None, Tensor | None]:
+    """(``state`` with every head that holds a NaN or ±inf emptied, those heads ``[B, H]``); (state, None)
+    when all is finite (checked with a sync where :func:`scan_syncs` allows one)."""
+    if state is None:
+        return None, None
+    parts = (state.reference, state.readout)
+    finite = [torch.isfinite(p.S.detach()).flatten(2).all(-1) & torch.isfinite(p.z.detach()).all(-1)
+              & (p.shift.detach() < float("inf")) for p in parts]  # a shift of −inf is an empty state
+    bad = ~(finite[0] & finite[1])
+    if scan_syncs(bad.device) and not bool(bad.any()):
+        return state, None
+    emptied = [RandomFeatureState(S=p.S.masked_fill(bad[..., None, None], 0.0), z=p.z.masked_fill(bad[..., None], 0.0),
+                                  shift=p.shift.masked_fill(bad, float("-inf")), length=p.length) for p in parts]
+    return CubitRFState(reference=emptied[0], readout=emptied[1]), bad
+
+
+def _poisoned(out: Tensor, state: CubitRFState, guard, state_bad: Tensor | None, doc_start, start: int):
+    """``out`` with NaN rows where a row sees a non-finite token or continues a non-finite state, and the
+    state with NaN in the heads its last row reaches."""
+    reached = None if guard is None else reaches_causal(guard.bad, doc_start, start)
+    if state_bad is not None:
+        continues = torch.ones(out.shape[:2], dtype=torch.bool, device=out.device) if doc_start is None else doc_start < start
+        carried = continues[:, :, None] & state_bad[:, None, :]
+        reached = carried if reached is None else reached | carried
+    if reached is None:
+        return out, state
+    heads = reached[:, -1] if out.shape[1] else state_bad
+    nan = float("nan")
+    parts = [RandomFeatureState(S=p.S.masked_fill(heads[..., None, None], nan), z=p.z.masked_fill(heads[..., None], nan),
+                                shift=p.shift.masked_fill(heads, nan), length=p.length) for p in (state.reference, state.readout)]
+    return out.masked_fill(reached[..., None], nan), CubitRFState(reference=parts[0], readout=parts[1])
 
 
 def _naive_features(x: Tensor, projection: Tensor, transform: Tensor | None) -> Tensor:
@@ -386,6 +434,8 @@ def cubit_rf_attention_naive(
     _check_inputs(q, k, v, r, projection, rho, transform)
     batch, length, heads, d = q.shape
     check_doc_start(doc_start, batch, length)
+    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads, always=True)
+    k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
     f64 = torch.float64
     lam = per_head("ridge", ridge, heads, q.to(f64), positive=True)
     s = per_head("ref_scale", ref_scale, heads, q.to(f64), positive=True)
@@ -407,8 +457,8 @@ def cubit_rf_attention_naive(
         values = rho.to(f64)[..., None] * values
     system = gram + lam[:, None, None] * torch.eye(length, dtype=f64, device=q.device)
     u = torch.linalg.solve_triangular(system, values.transpose(1, 2), upper=False)  # [B, H, T, d_v]
-    out = weights(q.to(f64), expand_heads(k, heads).to(f64)) @ u
-    return out.transpose(1, 2).to(v.dtype)
+    out = (weights(q.to(f64), expand_heads(k, heads).to(f64)) @ u).transpose(1, 2)
+    return guard.poison_visible(out, visible).to(v.dtype)  # every row that sees a non-finite token: NaN
 
 
 def _solve_step(a_logits, b_logits, values, lam, doc_start, state: RandomFeatureState | None):
