@@ -35,7 +35,7 @@ def test_forward_shapes_and_metadata(case):
     out, cache = layer(inputs())
     assert out.shape == (2, LENGTH, HIDDEN) and torch.isfinite(out).all()
     assert cache.mixer == "cubit-rf" and cache.position == LENGTH and isinstance(cache.state, CubitRFState)
-    assert layer.mixer_name == "cubit-rf" and layer.constant_size_cache and layer.family == "cubit"
+    assert layer.mixer_name == "cubit-rf" and layer.constant_cache and layer.family == "solve"
     params = [p.name for p in inspect.signature(CubitRFMixer.__init__).parameters.values()
               if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert params[: len(SHARED_OPTIONS)] == list(SHARED_OPTIONS)

@@ -326,6 +326,8 @@ def test_bad_chunk_size_state_and_step_length():
         fast(x, initial_state=broken)
     with pytest.raises(KernelmixError, match="doc_start"):
         fast(x, doc_start=torch.zeros(B, 5, dtype=torch.long))
+    with pytest.raises(KernelmixError, match="backend"):
+        fast(x, backend="cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,3 +379,19 @@ def test_step_with_a_non_finite_input_equals_the_parallel_form():
     assert torch.equal(torch.isnan(stepped), torch.isnan(whole))
     finite = ~torch.isnan(whole)
     assert (stepped[finite] - whole[finite]).abs().max() <= 1e-12
+
+
+def test_triton_read_out_backend_matches_the_reference():
+    """backend="triton" runs the read-out by the random-feature Triton kernel (under the interpreter on
+    the CPU), the solve in PyTorch: the same values and gradients."""
+    pytest.importorskip("triton")
+    x = make_inputs(20, seed=20)
+    ref_in, fast_in = convert(x, F64, grad=True), convert(x, torch.float32, grad=True)
+    ref = naive(ref_in)
+    out = fast(fast_in, chunk_size=16, backend="triton")
+    assert rel_rmse(out, ref) <= TOL
+    names = ("q", "k", "v", "r", "projection")
+    want = torch.autograd.grad(ref.sum(), [ref_in[n] for n in names])
+    got = torch.autograd.grad(out.sum(), [fast_in[n] for n in names])
+    for name, g, w in zip(names, got, want):
+        assert rel_rmse(g, w) <= TOL, name

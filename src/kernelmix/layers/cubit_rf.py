@@ -42,15 +42,13 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     ``projection`` W ``[H, m, d]`` (persistent, drawn at construction; :meth:`~RandomFeatureMap.redraw_`
     draws another) and ``query_fold`` F (when ``data_aware``). Cache state:
     :class:`~kernelmix.ops.cubit_rf.CubitRFState`, O(m·d) per head whatever the number of tokens.
-    ``backend`` is accepted for the shared interface; the solve runs in PyTorch (the read-out follows
-    the random-feature op's ``"auto"``).
+    ``backend`` picks the read-out's implementation (the random-feature op's); the solve runs in PyTorch.
     """
 
     mixer_name = "cubit-rf"
-    #: registry metadata: a Cubit (ridge-solve) mixer, a cache of constant size, what ``bench`` passes
-    family = "cubit"
-    constant_size_cache = True
-    bench_options = {"num_features": 64}
+    #: what its registry entry (:class:`~kernelmix.layers.registry.MixerInfo`) says: a solve, a constant-size cache
+    family = "solve"
+    constant_cache = True
 
     def __init__(
         self,
@@ -84,25 +82,23 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     def _op_options(self, extras: dict) -> dict:
         return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"], **self._coefficients()}
 
+    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
+        return cubit_rf_attention(
+            q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, initial_state=state, return_state=True,
+            backend=self.backend, **self._op_options(extras),
+        )
+
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
         """The fold F on q, then one decode step (a single token after a cache) or the chunked op,
         continuing ``state`` when there is one (several tokens at once)."""
         q = self.fold_queries(q)
         if state is not None and q.shape[1] == 1:
             return self._step(q, k, v, extras, state)
-        if state is None:
-            return self._parallel(q, k, v, extras)
-        return cubit_rf_attention(
-            q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, initial_state=state, return_state=True,
-            **self._op_options(extras),
-        )
+        return self._chunked(q, k, v, extras, state)
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitRFState]:
         """The whole sequence from an empty state (``q`` already folded)."""
-        return cubit_rf_attention(
-            q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, return_state=True,
-            **self._op_options(extras),
-        )
+        return self._chunked(q, k, v, extras, None)
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
         """One token (T = 1, ``q`` already folded) from ``state``."""

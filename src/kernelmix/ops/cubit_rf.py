@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import KernelmixError
+from ._backend import check_backend
 from ._common import (
     autocast_off,
     check_4d,
@@ -326,6 +327,7 @@ def cubit_rf_attention(
     chunk_size: int = 64,
     initial_state: CubitRFState | None = None,
     return_state: bool = False,
+    backend: str = "auto",
 ):
     """Cubit-RF attention in chunks, O(T·m·d) time and an O(m·d) state (never a T × T matrix).
 
@@ -337,8 +339,10 @@ def cubit_rf_attention(
     solve and the read-out. ``initial_state`` continues an earlier call; ``return_state`` returns
     ``(out, CubitRFState)``. Output ``[B, T, H, d_v]`` in v's dtype; solves and states in float32
     (float64 for float64 inputs). A Gram row whose normaliser underflows gets u = 0 (and warns once,
-    as the random-feature ops)."""
+    as the random-feature ops). ``backend`` ("auto", "torch" or "triton") is the read-out's, as in
+    :func:`~kernelmix.ops.random_features.random_feature_attention`; the solve is PyTorch's for every backend."""
     check_chunk_size(chunk_size)
+    check_backend(backend)
     _check_inputs(q, k, v, r, projection, rho, transform)
     heads = q.shape[2]
     if initial_state is not None:
@@ -360,7 +364,7 @@ def cubit_rf_attention(
         u, reference = checkpoint(solve, use_reentrant=False) if torch.is_grad_enabled() else solve()
         out, readout = random_feature_attention(
             q, expand_heads(k, heads), u, projection, transform=transform, chunk_size=chunk_size, doc_start=doc_start,
-            initial_state=None if initial_state is None else initial_state.readout, return_state=True,
+            initial_state=None if initial_state is None else initial_state.readout, return_state=True, backend=backend,
         )
     state = CubitRFState(reference=reference, readout=readout)
     out, state = _poisoned(out.to(v.dtype), state, guard, state_bad, doc_start, readout.length - q.shape[1])
