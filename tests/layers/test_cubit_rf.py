@@ -138,6 +138,8 @@ def test_bad_options_and_caches():
     with pytest.raises(KernelmixError, match="cache holds 8 random features"):
         layer(x[:, 4:5], cache)
     _, cubit_cache = layer(x[:, :4])
+    with pytest.raises(KernelmixError, match="built for batch size 2, hidden_states has batch size 1"):
+        layer(x[:1, 4:5], cubit_cache)
     cubit_cache.state = object()
     with pytest.raises(KernelmixError, match="must be a CubitRFState"):
         layer(x[:, 4:5], cubit_cache)

@@ -104,6 +104,12 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         """One token (T = 1, ``q`` already folded) from ``state``."""
         return cubit_rf_attention_step(q, k, v, extras["r"], self.projection, state, **self._op_options(extras))
 
+    def _check_cache(self, cache: Any, batch_size: int) -> None:
+        super()._check_cache(cache, batch_size)  # (its batch check reads a state's first tensor field; ours holds two states)
+        state_batch = cache.state.readout.S.shape[0]
+        if state_batch != batch_size:
+            raise KernelmixError(f"cache was built for batch size {state_batch}, hidden_states has batch size {batch_size}")
+
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, CubitRFState):
             raise KernelmixError(f"a {self.mixer_name} layer's cache state must be a CubitRFState, got {type(state).__name__}")
