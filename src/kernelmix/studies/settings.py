@@ -50,7 +50,7 @@ def check_device(text: str):
 
 @dataclass
 class DemoConfig:
-    """What :func:`run_demo` runs (``kernelmix demo``'s options)."""
+    """What :func:`~kernelmix.studies.demo.run_demo` runs (``kernelmix demo``'s options)."""
 
     batch: PositiveInt = 2
     length: PositiveInt = 512
@@ -68,7 +68,7 @@ class DemoConfig:
 
 @dataclass
 class BenchConfig:
-    """What :func:`run_bench` measures (``kernelmix bench``'s options)."""
+    """What :func:`~kernelmix.studies.bench.run_bench` measures (``kernelmix bench``'s options)."""
 
     mixers: Annotated[list[str], Choice(registry.OP_MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
         field(default_factory=lambda: list(registry.OP_MIXERS)))
@@ -101,7 +101,8 @@ class BenchConfig:
 
 @dataclass
 class GenerateBenchConfig:
-    """What ``kernelmix generate-bench`` measures (and :func:`benchmark_generation` takes)."""
+    """What ``kernelmix generate-bench`` measures (and
+    :func:`~kernelmix.studies.generate_bench.benchmark_generation` takes)."""
 
     preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
     mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
