@@ -116,6 +116,33 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
     assert "pass --transfer" in capsys.readouterr().err
 
 
+def test_cli_convert_with_transfer_then_logit_distillation(tmp_path, capsys, monkeypatch):
+    """--kl-steps trains the transferred kernels on the host's next-token distribution: the saved
+    model differs from the transfer-only one, distill.json stays, the checkpoints go."""
+    from kernelmix.cli import main
+
+    host = tiny_gemma()
+    host.save_pretrained(tmp_path / "host")
+    monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(TEXT * 2)
+    base = ["convert", str(tmp_path / "host"), "--mixer", "darkformer", "--num-features", "8", "--window", "4",
+            "--calib-text", str(corpus), "--seq-len", "32", "--calib-seqs", "2", "--transfer", "--transfer-steps", "3"]
+    assert main(base + ["--out", str(tmp_path / "plain")]) == 0, capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "kl"), "--kl-steps", "3", "--kl-lr", "1e-2"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "logit distillation: KL(host ‖ converted)" in printed and "3 steps of logit distillation" in printed
+    record = json.loads((tmp_path / "kl" / "distill.json").read_text())
+    assert len(record["losses"]) == 3 and not (tmp_path / "kl" / "distill").exists()
+    plain, tuned = (cv.kernels(cv.load_converted(tmp_path / name))[1] for name in ("plain", "kl"))
+    assert not torch.equal(plain.transform, tuned.transform)
+    with pytest.raises(SystemExit):  # --kl-steps without --transfer
+        main(base[:-3] + ["--out", str(tmp_path / "x"), "--kl-steps", "2"])
+    assert "--kl-steps distils after the attention transfer" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("train_kernels", [False, True])
 def test_lora_after_transfer_can_freeze_the_kernels(train_kernels):
     from kernelmix.pretrained import FinetuneConfig, finetune

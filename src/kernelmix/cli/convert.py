@@ -14,6 +14,7 @@ from ..data.windows import split_texts
 from ..errors import KernelmixError
 from ..pretrained import ConversionConfig, convert, load_pretrained, resolve, save_converted
 from ..pretrained.load import directory_entries
+from ..pretrained.logit_distill import DISTILL_FILES, DistillConfig, distill
 from ..pretrained.transfer import TRANSFER_FILES, TransferConfig, transfer
 from .commands import summary
 from .options import add_options, from_args
@@ -47,12 +48,18 @@ class ConvertOptions:
     transfer_steps: Annotated[PositiveInt, Field(description="attention-transfer steps per layer")] = 200
     transfer_lr: Annotated[PositiveFloat | None, Field(description="attention-transfer learning rate (default: per "
                                                                    "mixer, darkformer 3e-4, hedgehog 1e-2)")] = None
+    kl_steps: Annotated[NonNegativeInt, Field(description="after --transfer: steps of end-to-end logit distillation "
+                                                          "(the kernels trained on KL(host ‖ converted) of the next-token "
+                                                          "distributions, host frozen; 0 = none)")] = 0
+    kl_lr: Annotated[PositiveFloat, Field(description="learning rate of the logit distillation")] = 1e-4
     resume: Annotated[bool, Field(description="continue an interrupted --transfer saved in --out")] = False
 
     def __post_init__(self) -> None:
         check(self)
         if self.resume and not self.transfer:
             raise ValueError("--resume continues an interrupted --transfer: pass --transfer as well")
+        if self.kl_steps and not self.transfer:
+            raise ValueError("--kl-steps distils after the attention transfer: pass --transfer as well")
 
 
 def check_out(opts: ConvertOptions) -> Path:
@@ -63,7 +70,7 @@ def check_out(opts: ConvertOptions) -> Path:
     if opts.resume:
         if not (out / "transfer").is_dir():
             raise KernelmixError(f"--resume: {out} holds no interrupted attention transfer; run without --resume")
-        existing = [name for name in existing if name not in TRANSFER_FILES]
+        existing = [name for name in existing if name not in TRANSFER_FILES + DISTILL_FILES]
     elif (out / "transfer").is_dir():
         raise KernelmixError(f"--out {out} holds an interrupted attention transfer: pass --resume to continue it, or "
                              "choose a new directory")
@@ -104,10 +111,16 @@ def _cli_convert(args) -> int:
                               out_dir=out, resume=opts.resume, progress=True, log=log)
             for layer, entry in record["layers"].items():
                 print(f"  transfer layer {layer}: relative error {entry['first']:.3f} → {entry['last']:.3f}")
+        if opts.kl_steps:
+            kl = distill(model, calibration, DistillConfig(steps=opts.kl_steps, lr=opts.kl_lr), out_dir=out,
+                         resume=opts.resume and (out / "distill").is_dir(), progress=True, log=log)
+            print(f"  logit distillation: KL(host ‖ converted) {kl['first']:.4f} → {kl['last']:.4f}")
     save_converted(model, out, tok, overwrite=opts.overwrite or opts.transfer)
-    if opts.transfer:  # the checkpoints have served; transfer.json (the losses) stays beside the model
+    if opts.transfer:  # the checkpoints have served; transfer.json / distill.json (the losses) stay beside the model
         shutil.rmtree(out / "transfer", ignore_errors=True)
+        shutil.rmtree(out / "distill", ignore_errors=True)
     done = " after attention transfer" if opts.transfer else ""
+    done += f" and {opts.kl_steps} steps of logit distillation" if opts.kl_steps else ""
     print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, window={config.window}, "
           f"init={config.init}){done}; saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
     return 0
