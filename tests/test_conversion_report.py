@@ -27,9 +27,28 @@ def corpus(tmp_path):
 def _settings(corpus, **overrides):
     base = dict(text=str(corpus), num_features=8, window=4, sinks=1, calib_seqs=2, calib_len=48, eval_seqs=1,
                 eval_len=64, error_len=32, transfer_steps=3, lora_steps=2, lora_seq_len=32, decode_contexts=(40, 160),
-                decode_tokens=2, val_fraction=0.3)
+                decode_tokens=2, val_fraction=0.3, feature_sweep=())
     base.update(overrides)
     return ConversionReportSettings(**base)
+
+
+def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
+    """feature_sweep adds global DARKFormer-after-transfer rows at other m (first stage only, their
+    own transfer), kl_steps distils every transferred row on the host's logits, and the README tabulates
+    the gap against m."""
+    host = tiny_gemma(layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    settings = _settings(corpus, layers=["global"], variants=["darkformer"], lora_variants=[], feature_sweep=[16],
+                         kl_steps=2, kl_lr=1e-2)
+    result = conversion_report(settings, tmp_path / "out", tmp_path / "work", model=host,
+                               tokenizer=SavableByteTokenizer(), log=lambda msg: None)
+    rows = {(r["layers"], r["variant"], r["stage"]): r for r in result["rows"]}
+    assert set(rows) == {("global", "darkformer", "transfer"), ("global", "darkformer m=16", "transfer")}
+    assert rows[("global", "darkformer", "transfer")]["loss"] != rows[("global", "darkformer m=16", "transfer")]["loss"]
+    for row in rows.values():
+        assert row["kl"] is not None and row["kl"]["first"] >= 0
+    assert (tmp_path / "work" / "transfer-global-darkformer-m=16").is_dir()
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "## The gap against the number of features" in readme and "| 16 |" in readme
 
 
 def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):

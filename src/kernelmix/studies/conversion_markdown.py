@@ -45,7 +45,7 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {row['layers']} | {row['variant']} | {row['stage']} | {row['loss']:.4f} | "
                      f"{row['loss'] - host:+.4f} | {err} |")
     lines += ["", "![held-out loss](loss.png)", "", "![per-layer attention error](attention_error.png)", ""]
-    lines += _per_layer_table(result) + _decode_table(result) + _targets(result)
+    lines += _per_layer_table(result) + _feature_sweep(result) + _decode_table(result) + _targets(result)
     return "\n".join(lines) + "\n"
 
 
@@ -71,6 +71,24 @@ def _per_layer_table(result: dict) -> list[str]:
             lines.append(f"| {r['variant']} | " + " | ".join(f"{r['per_layer_error'][i]:.3f}" for i in indices) + " |")
         lines.append("")
     return lines
+
+
+def _feature_sweep(result: dict) -> list[str]:
+    """Global-layer DARKFormer after transfer at each m: whether more features close the gap."""
+    s = result["settings"]
+    sweep = [(s["num_features"], _row(result, "global", "darkformer", "transfer"))]
+    sweep += [(m, _row(result, "global", f"darkformer m={m}", "transfer")) for m in s.get("feature_sweep", ())]
+    sweep = sorted((m, r) for m, r in sweep if r is not None)
+    if len(sweep) < 2:
+        return []
+    host = result["host_loss"]
+    lines = ["## The gap against the number of features", "",
+             "Global layers, DARKFormer after transfer (same window, sinks, calibration and steps), m features per head:",
+             "", "| m | loss − host | median attention error | per-layer error |", "|---:|---:|---:|---|"]
+    for m, r in sweep:
+        per_layer = ", ".join(f"{i}: {e:.3f}" for i, e in sorted(r["per_layer_error"].items(), key=lambda x: int(x[0])))
+        lines.append(f"| {m} | {r['loss'] - host:+.4f} | {r['attention_error']:.3f} | {per_layer} |")
+    return lines + [""]
 
 
 def _decode_table(result: dict) -> list[str]:

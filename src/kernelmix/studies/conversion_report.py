@@ -34,7 +34,7 @@ from typing import Annotated, Callable
 
 import torch
 
-from ..config import Choice, Distinct, Field, PositiveFloat, PositiveInt, check
+from ..config import Choice, Distinct, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_corpus, split_texts, text_windows
 from ..data.windows import WINDOW_RULE
 from ..errors import KernelmixError
@@ -43,6 +43,7 @@ from ..locks import run_directory_lock
 from ..output import write_json_atomic, write_text_atomic
 from ..pretrained import ConversionConfig, FinetuneConfig, convert, finetune, kernels, load_pretrained
 from ..pretrained.calibration import capture
+from ..pretrained.logit_distill import DistillConfig, distill
 from ..pretrained.transfer import TransferConfig, layer_pieces, relative_error, transfer
 from .conversion_decode import decode_costs
 from .conversion_markdown import plot_report, report_markdown
@@ -73,6 +74,12 @@ class ConversionReportSettings:
     eval_len: PositiveInt = 2048
     error_len: Annotated[PositiveInt, Field(description="held-out window for the per-layer attention error")] = 1024
     transfer_steps: PositiveInt = 200
+    kl_steps: Annotated[NonNegativeInt, Field(description="steps of end-to-end logit distillation after the transfer "
+                                                          "(darkformer and hedgehog rows; 0 = none)")] = 0
+    kl_lr: PositiveFloat = 1e-4
+    feature_sweep: Annotated[list[PositiveInt], Distinct("m"), Field(
+        description="more features for the global-layer DARKFormer after transfer (rows 'darkformer m=...'): how the "
+                    "gap to the host falls with m")] = (128, 256)
     lora_variants: Annotated[list[str], Choice(VARIANTS, "variant"), Distinct("variant"),
                              Field(description="variants finetuned with LoRA after their first stage")] = (
         "window", "darkformer", "hedgehog")
@@ -90,7 +97,7 @@ class ConversionReportSettings:
     def quick(cls, **overrides) -> "ConversionReportSettings":
         """A smoke-sized run of the whole pipeline (minutes on a real model, seconds on a tiny one)."""
         base = dict(calib_seqs=2, calib_len=256, eval_seqs=1, eval_len=256, error_len=256, transfer_steps=5,
-                    lora_steps=2, lora_seq_len=128, decode_contexts=(256, 1024), decode_tokens=2)
+                    lora_steps=2, lora_seq_len=128, decode_contexts=(256, 1024), decode_tokens=2, feature_sweep=())
         base.update(overrides)
         return cls(**base)
 
@@ -134,6 +141,11 @@ def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) ->
     for layers in settings.layers:
         for variant in settings.variants:
             rows.extend(_variant_rows(settings, model, data, layers, variant, work, done, progress, log))
+            write_json_atomic(rows_file, {"key": key, "rows": done})
+    if "global" in settings.layers:
+        for m in settings.feature_sweep:
+            rows.extend(_variant_rows(settings, model, data, "global", "darkformer", work, done, progress, log,
+                                      num_features=m))
             write_json_atomic(rows_file, {"key": key, "rows": done})
     decode = _cached(done, "decode", lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
     write_json_atomic(rows_file, {"key": key, "rows": done})
@@ -186,37 +198,53 @@ def _loss(model, windows) -> float:
         return float(evaluate_windows(model, windows, batch_size=1)["loss"])
 
 
-def _converted(settings, host, data, layers: str, variant: str, work: Path, progress, log):
-    """A fresh copy of ``host`` converted as ``variant`` (transferred for darkformer/hedgehog)."""
+def _row_name(variant: str, settings, num_features: int | None) -> str:
+    """The variant as the rows name it: ``darkformer m=256`` for a sweep row at another m."""
+    return variant if num_features in (None, settings.num_features) else f"{variant} m={num_features}"
+
+
+def _converted(settings, host, data, layers: str, variant: str, work: Path, progress, log, num_features=None):
+    """A fresh copy of ``host`` converted as ``variant`` (transferred for darkformer/hedgehog, then
+    distilled on the host's logits with ``kl_steps``), at ``num_features`` (default: the settings' m)."""
     mixer = {"window": "window", "performer": "performer", "whiten": "darkformer", "darkformer": "darkformer",
              "hedgehog": "hedgehog"}[variant]
-    config = ConversionConfig(mixer=mixer, layers=layers, num_features=settings.num_features, window=settings.window,
-                              sinks=settings.sinks, seed=settings.seed)
+    config = ConversionConfig(mixer=mixer, layers=layers, num_features=num_features or settings.num_features,
+                              window=settings.window, sinks=settings.sinks, seed=settings.seed)
+    tag = f"{layers}-{_row_name(variant, settings, num_features).replace(' ', '-')}"
     init = "whiten" if variant in ("whiten", "darkformer") else "identity"
     calibration = data["calibration"][:2, :512] if init == "whiten" else None
     model = convert(copy.deepcopy(host), config, calibration=calibration, init=init)
     record = None
     if variant in TRANSFERRED:
         record = transfer(model, data["calibration"], TransferConfig(steps=settings.transfer_steps),
-                          out_dir=work / f"transfer-{layers}-{variant}", resume=(work / f"transfer-{layers}-{variant}" / "transfer").is_dir(),
+                          out_dir=work / f"transfer-{tag}", resume=(work / f"transfer-{tag}" / "transfer").is_dir(),
                           progress=progress, log=None)
+        if settings.kl_steps:
+            record["kl"] = distill(model, data["calibration"], DistillConfig(steps=settings.kl_steps, lr=settings.kl_lr,
+                                                                             seed=settings.seed),
+                                   out_dir=work / f"distill-{tag}", resume=(work / f"distill-{tag}" / "distill").is_dir(),
+                                   progress=progress)
     return model, record
 
 
-def _variant_rows(settings, host, data, layers, variant, work, done, progress, log) -> list[dict]:
+def _variant_rows(settings, host, data, layers, variant, work, done, progress, log, num_features=None) -> list[dict]:
     first = "transfer" if variant in TRANSFERRED else "none"
-    names = [f"{layers}/{variant}/{first}"] + ([f"{layers}/{variant}/lora"] if variant in settings.lora_variants else [])
+    name = _row_name(variant, settings, num_features)
+    lora = variant in settings.lora_variants and name == variant  # the m sweep measures the first stage only
+    names = [f"{layers}/{name}/{first}"] + ([f"{layers}/{name}/lora"] if lora else [])
     if all(n in done for n in names):
         return [done[n] for n in names]
     started = time.perf_counter()
-    model, record = _converted(settings, host, data, layers, variant, work, progress, log)
+    model, record = _converted(settings, host, data, layers, variant, work, progress, log, num_features)
     if names[0] not in done:
         errors = _attention_errors(host, model, data["error"])
-        done[names[0]] = {"layers": layers, "variant": variant, "stage": first, "loss": _loss(model, data["held_out"]),
+        done[names[0]] = {"layers": layers, "variant": name, "stage": first, "loss": _loss(model, data["held_out"]),
                           "attention_error": statistics.median(errors.values()),
                           "per_layer_error": {str(i): e for i, e in errors.items()},
                           "transfer": None if record is None else {i: {"first": v["first"], "last": v["last"]}
-                                                                    for i, v in record["layers"].items()}}
+                                                                    for i, v in record["layers"].items()},
+                          "kl": None if record is None or "kl" not in record else
+                          {"first": record["kl"]["first"], "last": record["kl"]["last"]}}
         _timed(done, names[0], started)
         log(f"{names[0]}: loss {done[names[0]]['loss']:.3f}, median attention error {done[names[0]]['attention_error']:.3f}")
     if len(names) > 1 and names[1] not in done:
@@ -229,7 +257,7 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
         tuned, result = finetune(model, data["finetune"], data["held_out"][:1, :settings.lora_seq_len], config,
                                  out_dir=work / f"lora-{layers}-{variant}", resume=(work / f"lora-{layers}-{variant}" / "checkpoints").is_dir(),
                                  progress=progress, label=f"lora {layers}/{variant}")
-        done[names[1]] = {"layers": layers, "variant": variant, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
+        done[names[1]] = {"layers": layers, "variant": name, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
                           "attention_error": None, "lora_seconds": result.get("wall_s")}
         _timed(done, names[1], started)
         log(f"{names[1]}: loss {done[names[1]]['loss']:.3f}")
