@@ -14,7 +14,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 RESULT_DIRS = sorted(p for p in (ROOT / "results").iterdir() if p.is_dir())
 RESULT_PAGES = sorted((ROOT / "results").rglob("README.md"))
 PAGES = [README, *DOCS, *RESULT_PAGES]
-MAX_README_LINES = 260
+MAX_README_LINES = 250  # counted by str.splitlines, as the house check counts them
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
