@@ -97,7 +97,7 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):
@@ -123,7 +123,7 @@ def test_cli_convert_with_transfer_then_logit_distillation(tmp_path, capsys, mon
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):

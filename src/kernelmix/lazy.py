@@ -8,19 +8,31 @@ work to do once a module is imported, whoever imports it.
 
 ``from kernelmix.evaluate import evaluate_loss`` works as before; ``import kernelmix.evaluate.settings``
 (what the command line's parsers read) no longer imports torch with the rest of the package.
+
+A public name that is also a submodule's (``kernelmix.pretrained.convert``, the function, and
+``kernelmix/pretrained/convert.py``) stays the function: ``lazy_names(..., keep=["convert"])``. Python
+binds a submodule on its package when it is first imported, which would otherwise hide the name
+once anything imported the submodule (as the eager ``from .convert import convert`` rebound it).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import types
 from collections.abc import Callable, Iterable
 
 
-def lazy_names(package: str, modules: dict[str, Iterable[str]]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+def lazy_names(package: str, modules: dict[str, Iterable[str]], keep: Iterable[str] = ()
+               ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """The module-level ``__getattr__`` and ``__dir__`` of ``package``: each name of ``modules[submodule]``
-    is that submodule's, imported (and kept on the package) when the name is first read."""
+    is that submodule's, imported (and kept on the package) when the name is first read. ``keep``: names
+    of ``modules`` that are also submodules of ``package``; the attribute stays the name's value, never
+    the submodule (which stays in ``sys.modules``)."""
     owner = {name: module for module, names in modules.items() for name in names}
+    kept = frozenset(keep)
+    if kept:
+        sys.modules[package].__class__ = _names_over_submodules(package, kept)
 
     def __getattr__(name: str) -> object:
         if name not in owner:
@@ -33,6 +45,19 @@ def lazy_names(package: str, modules: dict[str, Iterable[str]]) -> tuple[Callabl
         return sorted(set(vars(sys.modules[package])) | set(owner))
 
     return __getattr__, __dir__
+
+
+def _names_over_submodules(package: str, kept: frozenset[str]) -> type:
+    """A module class for ``package`` that does not let the import system bind the submodules named in
+    ``kept`` on it (their public names are read through ``__getattr__`` instead)."""
+
+    class Package(types.ModuleType):
+        def __setattr__(self, name: str, value: object) -> None:
+            if name in kept and isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}":
+                return
+            super().__setattr__(name, value)
+
+    return Package
 
 
 def after_import(name: str, callback: Callable[[], object]) -> None:

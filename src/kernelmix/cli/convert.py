@@ -9,13 +9,8 @@ from typing import Annotated
 import shutil
 
 from ..config import Arg, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
-from ..data import load_corpus, text_windows
-from ..data.windows import split_texts
 from ..errors import KernelmixError
-from ..pretrained import ConversionConfig, convert, load_pretrained, resolve, save_converted
-from ..pretrained.load import directory_entries
-from ..pretrained.logit_distill import DISTILL_FILES, DistillConfig, distill
-from ..pretrained.transfer import TRANSFER_FILES, TransferConfig, transfer
+from ..pretrained.settings import DISTILL_FILES, TRANSFER_FILES, ConversionConfig, DistillConfig, TransferConfig
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
@@ -65,6 +60,9 @@ class ConvertOptions:
 def check_out(opts: ConvertOptions) -> Path:
     """``--out`` checked before the model is loaded: a directory (not a file), empty unless
     ``--overwrite``, and never the model being converted (the host would be lost)."""
+    from ..pretrained import resolve
+    from ..pretrained.load import directory_entries
+
     out = output_dir(opts.out, "--out")
     existing = directory_entries(out)
     if opts.resume:
@@ -93,6 +91,12 @@ def _cli_convert(args) -> int:
     if opts.transfer and config.mixer == "darkformer" and getattr(args, "init", None) is None:
         config.init = "whiten"  # transfer starts from the whitened M (the report's DARKFormer after transfer)
     out = check_out(opts)
+    from ..data import load_corpus, text_windows
+    from ..data.windows import split_texts
+    from ..pretrained import convert, load_pretrained, save_converted
+    from ..pretrained.logit_distill import distill
+    from ..pretrained.transfer import transfer
+
     with user_errors():  # the library's ValueErrors about the input (an unknown corpus, a layer out of range, ...)
         model, tok = load_pretrained(opts.model)
         calibration = None

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Arg, Choice, Field, check
-from ..pretrained import KNOWN_MODELS, cache_dir, prepare
-from ..studies.demo import DTYPES
+from ..pretrained.settings import KNOWN_MODELS, cache_dir
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir
@@ -38,6 +37,9 @@ class PrepareOptions:
 
 
 def _cli_prepare(args) -> int:
+    from ..pretrained import prepare
+    from ..studies.demo import DTYPES
+
     opts = from_args(PrepareOptions, args)
     output_dir(cache_dir(opts.cache), "--cache")  # before the minute of dequantizing
     # errors (a missing package, a full disk) are KernelmixError, ImportError or OSError: kernelmix prints them

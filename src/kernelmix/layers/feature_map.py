@@ -41,8 +41,7 @@ from ..ops.random_features import (
     random_feature_attention_step,
 )
 from .base import check_bool, check_choice, check_positive_int
-
-PROJECTIONS = ("orthogonal", "iid")
+from .settings import PROJECTIONS
 
 
 class RandomFeatureMap(nn.Module):

@@ -18,70 +18,21 @@ QK-norm scales) of converted layers and the kernels' own parameters.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Callable, Iterable
+from dataclasses import asdict
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
-from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
-from ..layers import PROJECTIONS
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
 from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel, WindowOnlyKernel
+from .settings import (  # the settings, torch-free (what the command line reads): exported here as before
+    CONFIG_KEY, CONVERSION_VERSION, DEFAULT_SINKS, DEFAULT_WINDOW, INITS, LAYER_CHOICES, MIXERS, PROJECTIONS, ConversionConfig,
+    LayerSelection,
+)
 from .window_cache import install_decode_cache
-
-# hedgehog: LoLCATs' learned map; window: the window alone (a peer); cubit: experimental
-MIXERS = ("performer", "darkformer", "hedgehog", "window", "cubit")
-LAYER_CHOICES = ("all", "global", "local")
-INITS = ("identity", "whiten", "distill", "whiten+distill")
-# which layers: a name from LAYER_CHOICES or a list of layer indices (a field type of the configs that take layers)
-LayerSelection = Annotated[
-    Annotated[str, Choice(LAYER_CHOICES, "layer selection", "or a list of indices")] | list[int],
-    Field(description="all | global | local | comma-separated indices"),
-]
-CONFIG_KEY = "kernelmix_conversion"
-CONVERSION_VERSION = 2  # 2: the window (records without one are version 1: window 0, features only)
-DEFAULT_WINDOW = 64
-DEFAULT_SINKS = 4
-
-
-@dataclass
-class ConversionConfig:
-    """What to convert and how.
-
-    * ``mixer``: ``performer``, ``darkformer``, ``hedgehog`` (LoLCATs' learned feature map, trained by
-      attention transfer), ``window`` (the window alone: a peer) or ``cubit`` (experimental).
-    * ``layers``: ``all``, ``global`` (non-windowed layers; local ones keep exact softmax within
-      their window), ``local`` (sliding-window layers only) or a list of layer indices.
-    * ``num_features``: m per head. ``projection``: ``orthogonal`` or ``iid``. ``seed``: the draw of W
-      (one generator, layers in order).
-    * ``window``: exact softmax over the last w tokens beside the features (0: features only); a
-      converted global layer then decodes from the window and the feature state (constant memory).
-    * ``sinks``: a document's first s tokens are exact as well (attention sinks).
-    * ``chunk_size``: chunk of the linear-time op.
-    * ``ridge``: the initial λ of an (experimental) ``cubit`` conversion; larger is closer to the host.
-    """
-
-    mixer: Annotated[str, Choice(MIXERS, "mixer")] = "darkformer"
-    layers: LayerSelection = "all"
-    num_features: Annotated[PositiveInt, Field(description="random features m per head")] = 256
-    projection: Annotated[str, Choice(PROJECTIONS, "projection")] = "orthogonal"
-    seed: int = 0
-    window: Annotated[NonNegativeInt, Field(description="exact softmax over the last W tokens, features before "
-                                                         "them (0: features only)")] = DEFAULT_WINDOW
-    sinks: Annotated[NonNegativeInt, Field(description="a document's first S tokens kept exact too (attention "
-                                                        "sinks: BOS draws much of a pretrained model's attention)")] = DEFAULT_SINKS
-    chunk_size: PositiveInt = 64
-    ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
-    # the initialisation (convert() records the one it used) and, filled in by convert(), the resolved layer indices
-    init: Annotated[str, Choice(INITS, "init")] = "identity"
-    layer_indices: Annotated[list[int], Arg(cli=False)] = field(default_factory=list)
-    version: Annotated[int, Arg(cli=False)] = CONVERSION_VERSION
-
-    def validate(self) -> None:
-        check(self)
 
 
 def resolve_layers(model, layers: Any) -> list[int]:

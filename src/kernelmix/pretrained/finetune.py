@@ -42,14 +42,13 @@ import math
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import Interrupted, KernelmixError
 from ..evaluate import evaluate_windows
 from ..locks import run_directory_lock
@@ -61,50 +60,7 @@ from ..training.spikes import SpikeGuard
 from ..training.trainer import Schedule, StepOutcome, Trainer
 from .attention import decoder_layers, kernels
 from .convert import resolve_layers, set_trainable
-
-MODES = ("partial", "lora", "full")
-
-
-@dataclass
-class FinetuneConfig:
-    """The training budget and recipe (shared by every variant of a comparison)."""
-
-    mode: Annotated[str, Choice(MODES, "finetuning mode")] = "partial"
-    steps: Annotated[PositiveInt, Field(description="optimizer steps")] = 100
-    seq_len: PositiveInt = 256
-    batch_size: PositiveInt = 1
-    lr: PositiveFloat = 1e-4
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1, description="the cosine decay ends at lr × this")] = 0.1
-    warmup_steps: NonNegativeInt = 10
-    weight_decay: NonNegativeFloat = 0.0
-    grad_clip: Annotated[NonNegativeFloat, Field(description="max gradient norm; 0 disables clipping")] = 1.0
-    eval_every: PositiveInt = 25
-    eval_seqs: PositiveInt = 4
-    checkpoint_every: Annotated[NonNegativeInt, Field(description="0: at every evaluation")] = 0
-    train_embeddings: Annotated[bool, Field(description="mode=full: train the embedding / LM head too")] = False
-    train_kernels: Annotated[bool, Field(description="train the converted layers' kernel parameters too (DARKFormer's M, "
-                                                     "Hedgehog's maps); off: LoLCATs' second stage, the kernels "
-                                                     "frozen after attention transfer")] = True
-    lora_rank: PositiveInt = 8
-    lora_alpha: int = 16
-    seed: int = 0
-    spike_nats: Annotated[PositiveFloat, Field(description="a loss this far above the recent median is a spike")] = 0.5
-    spike_window: Annotated[PositiveInt, Field(description="losses in the spike detector's median")] = 20
-    max_bad_steps: Annotated[PositiveInt, Field(description="skipped updates in a row that end a run as diverged")] = 5
-
-    def validate(self) -> None:
-        check(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "FinetuneConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown finetune option(s) {unknown} (known: {', '.join(sorted(known))})")
-        config = cls(**data)
-        config.validate()
-        return config
-
+from .settings import MODES, FinetuneConfig  # torch-free: exported here as before
 
 
 # ---------------------------------------------------------------------------------------------

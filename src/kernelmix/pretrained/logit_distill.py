@@ -20,37 +20,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..config import Field, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
 from ..output import progress_bar, write_json_atomic
 from ..training import checkpoint as ckpt
 from .attention import exact_attention, kernels
-
-#: what a distillation writes in its output directory
-DISTILL_FILES = ("distill", "distill.json")
-
-
-@dataclass
-class DistillConfig:
-    """The logit-distillation budget."""
-
-    steps: Annotated[PositiveInt, Field(description="optimizer steps (one calibration window each)")] = 40
-    lr: Annotated[PositiveFloat, Field(description="Adam's learning rate, cosine-decayed to 10%")] = 1e-4
-    positions: Annotated[PositiveInt, Field(description="positions scored per step, drawn beyond the window")] = 256
-    grad_clip: PositiveFloat = 1.0
-    seed: int = 0
-    checkpoint_every: Annotated[PositiveInt, Field(description="steps between checkpoints (with out_dir)")] = 10
-
-    def validate(self) -> None:
-        check(self)
-
+from .settings import DISTILL_FILES, DistillConfig  # torch-free: exported here as before
 
 def scored_positions(length: int, skip: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` sorted positions in ``[skip, length - 1)`` (each predicts the next token), all of them

@@ -33,42 +33,17 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..config import Field, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
 from ..output import progress_bar, write_json_atomic
 from ..training import checkpoint as ckpt
 from .attention import decoder_layers, is_local, kernels
 from .calibration import Captured, capture
-
-
-#: the learning rate of each kernel's parameters, measured on Gemma 3 270M's global layers (200 steps,
-#: 8 × 1,024 calibration tokens): DARKFormer at 1e-3 already diverged, Hedgehog at 3e-2 fell behind 1e-2
-DEFAULT_LR = {"darkformer": 3e-4, "hedgehog": 1e-2}
-
-#: what a transfer writes in its output directory (the checkpoints, the record of its losses)
-TRANSFER_FILES = ("transfer", "transfer.json")
-
-
-@dataclass
-class TransferConfig:
-    """The attention-transfer budget (the same for every layer)."""
-
-    steps: Annotated[PositiveInt, Field(description="optimizer steps per converted layer")] = 200
-    lr: Annotated[PositiveFloat | None, Field(description="Adam's learning rate, cosine-decayed to 10% (default: "
-                                                          "per mixer, DEFAULT_LR)")] = None
-    darkformer_start: Annotated[PositiveFloat, Field(description="DARKFormer's M is multiplied by this before the "
-                                                                 "first step (Σ by its square): a cooler kernel, one "
-                                                                 "its features can estimate")] = 0.1
-    grad_clip: PositiveFloat = 1.0
-    checkpoint_every: Annotated[PositiveInt, Field(description="steps between checkpoints (with out_dir)")] = 50
-
-    def validate(self) -> None:
-        check(self)
+from .settings import DEFAULT_LR, TRANSFER_FILES, TransferConfig  # torch-free: exported here as before
 
 
 @dataclass
