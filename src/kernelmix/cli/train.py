@@ -48,7 +48,7 @@ def settings_help(cls: type = TrainConfig) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from ..errors import Interrupted
-    from ..training import run_config, train
+    from ..training.config import run_config
 
     opts = from_args(TrainOptions, args)
     main_process = int(os.environ.get("RANK", "0")) == 0
@@ -56,6 +56,8 @@ def _train(args: argparse.Namespace) -> int:
         config = run_config(opts.config, opts.overrides, out_dir=opts.out, resume=opts.resume)
     except ValueError as err:  # unknown key, bad value, unknown preset/mixer/option
         args.parser.error(str(err))
+    from ..training import train  # the loop, the model and torch: once the settings are known to be right
+
     try:
         result = train(config, resume=opts.resume, reschedule=opts.reschedule)
     except Interrupted as err:  # SIGINT/SIGTERM: saved; the message says where and how to resume

@@ -20,9 +20,9 @@ import os
 
 import torch
 
+from ..backends import BACKENDS  # plain data (what ModelConfig and the command line offer): exported here as before
 from ..errors import KernelmixError
 
-BACKENDS = ("auto", "torch", "triton")
 INTERPRETER_ENV = "TRITON_INTERPRET"
 
 

@@ -24,45 +24,25 @@
 
 Run output (``out_dir``): ``config.json`` (the resolved train + model config), ``metrics.jsonl``
 (one line per log step and per evaluation), ``checkpoints/step_<N>/``, ``tensorboard/``.
+
+Every name is importable from ``kernelmix.training`` as before; a submodule is imported when one of its
+names is first used, so ``kernelmix.training.config`` (no torch) is what ``kernelmix train``'s options
+read (``parallelize`` stays the function, not the submodule).
 """
 
-from .checkpoint import (
-    CheckpointDamaged, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_latest_valid, load_weights,
-)
-from .config import TrainConfig, apply_override, build_config, parse_value, read_config_file, run_config
-from .parallelize import ACTIVATION_CHECKPOINTING, parallelize
-from .loop import TrainResult, derived_seed, lr_at, param_groups, redraw_random_features, train, warmup_cosine
-from .runs import LoadedRun, find_checkpoint, load_run
-from .trainer import Schedule, StepOutcome, Trainer, optimizer_step
+from __future__ import annotations
 
-__all__ = [
-    "ACTIVATION_CHECKPOINTING",
-    "LoadedRun",
-    "find_checkpoint",
-    "load_run",
-    "CheckpointDamaged",
-    "CheckpointError",
-    "Schedule",
-    "StepOutcome",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "apply_override",
-    "build_config",
-    "derived_seed",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_latest_valid",
-    "load_weights",
-    "lr_at",
-    "optimizer_step",
-    "param_groups",
-    "parallelize",
-    "parse_value",
-    "read_config_file",
-    "redraw_random_features",
-    "run_config",
-    "train",
-    "warmup_cosine",
-]
+from ..lazy import lazy_names
+
+MODULES = {
+    "config": ["ACTIVATION_CHECKPOINTING", "TrainConfig", "apply_override", "build_config", "parse_value",
+               "read_config_file", "run_config"],
+    "checkpoint": ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+                   "load_latest_valid", "load_weights"],
+    "parallelize": ["parallelize"],
+    "loop": ["TrainResult", "derived_seed", "lr_at", "param_groups", "redraw_random_features", "train", "warmup_cosine"],
+    "runs": ["LoadedRun", "find_checkpoint", "load_run"],
+    "trainer": ["Schedule", "StepOutcome", "Trainer", "optimizer_step"],
+}
+__getattr__, __dir__ = lazy_names(__name__, MODULES, keep=["parallelize"])
+__all__ = sorted(name for names in MODULES.values() for name in names)

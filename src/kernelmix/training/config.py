@@ -16,6 +16,9 @@ A file holds the fields of :class:`TrainConfig` at the top level and the model o
 
 The resolved config a run saves (``config.json``: ``{"format", "train", "model", ...}``) is accepted
 as a file too, so a run can be repeated from its own record.
+
+This module imports no torch (nor the model code: :mod:`kernelmix.model_config`), so that
+``kernelmix train`` builds its options and refuses a mistyped setting without it.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from typing import Annotated, Any, Iterable
 
 from ..config import Choice, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
-from ..model import PRESETS, ModelConfig
-from .parallelize import ACTIVATION_CHECKPOINTING
+from ..model_config import ModelConfig
+from ..presets import PRESETS
 
 RESOLVED_FORMAT = "kernelmix.train/1"
+#: the values of ``activation_checkpointing`` (:class:`~kernelmix.training.TrainConfig` and :func:`parallelize`)
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
@@ -319,4 +324,4 @@ def run_config(
     return TrainConfig.from_dict(merge(base, update))
 
 
-__all__ = ["RESOLVED_FORMAT", "TrainConfig", "apply_override", "build_config", "parse_value", "read_config_file", "run_config"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "RESOLVED_FORMAT", "TrainConfig", "apply_override", "build_config", "parse_value", "read_config_file", "run_config"]

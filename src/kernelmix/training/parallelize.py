@@ -29,9 +29,7 @@ from torch import nn
 
 from ..errors import KernelmixError
 from ..model import CausalLM
-
-#: the values of ``activation_checkpointing`` (:class:`~kernelmix.training.TrainConfig` and :func:`parallelize`)
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
+from .config import ACTIVATION_CHECKPOINTING  # torch-free, beside TrainConfig: exported here as before
 
 
 def block_checkpoints(mode: str, num_blocks: int, every: int = 2) -> list[str]:
