@@ -15,7 +15,8 @@ def test_demo_runs_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     rows = json.loads(out.read_text())
-    assert {row["mixer"] for row in rows} == {"softmax", "cubit", "cubit (no LRR)", "deltaformer", "performer", "darkformer"}
+    assert {row["mixer"] for row in rows} == {"softmax", "cubit", "cubit (no LRR)", "deltaformer", "performer", "darkformer",
+                                              "cubit-rf"}
     assert all(row["forward_error"] < 1e-4 and row["grad_error"] < 1e-4 for row in rows)
     assert all(row["shape"] == [1, 17, 2, 8] for row in rows)
     assert "peak memory at T=64" in printed

@@ -11,7 +11,8 @@ every elementwise op (norms, RoPE, softmax, exp). So:
 * the products around the mixers (q/k/v/o, Cubit's r and ρ, DeltaFormer's β, the MLP, the LM
   head) are checked exactly in a real model's forward, for every mixer;
 * the random-feature ops are nothing but products: the whole op, and a whole Performer/DARKFormer
-  model, are checked exactly (up to float rounding of the per-token division);
+  model, are checked exactly (up to float rounding of the per-token division); so is Cubit-RF's op
+  and model once its per-chunk triangular solves, which FlopCounterMode does not see, are added;
 * the T² ops are checked exactly against a float64 per-row loop of their definition — only the
   causal pairs, as the analytic count takes them — that gives the fast op's output;
 * training = 3 × forward: exactly so for the linear layers' forward + backward.
@@ -30,7 +31,7 @@ from kernelmix.model import CausalLM, ModelConfig
 from kernelmix.studies import bench
 from kernelmix.studies.flops import TRAINING_FACTOR, forward_flops, layer_flops, model_flops, training_flops_per_token
 
-MIXERS = ("softmax", "cubit", "deltaformer", "performer", "darkformer")
+MIXERS = ("softmax", "cubit", "deltaformer", "performer", "darkformer", "cubit-rf")
 
 
 def counted(fn) -> tuple[object, dict[str, int]]:
@@ -126,6 +127,27 @@ class TestRandomFeatureOpsAreCountedAsTheyRun:
         _, seen = counted(lambda: ops.random_feature_attention(q, k, v, projection, transform=transform, chunk_size=chunk))
         assert seen["Global"] == forward_flops(mixer, length, d, m, chunk) * batch * heads  # per query head
 
+    @pytest.mark.parametrize("length, chunk", [(5, 16), (16, 16), (37, 16), (40, 8)])
+    @pytest.mark.parametrize("data_aware", [False, True], ids=["plain", "transform"])
+    def test_cubit_rf_op_counts_are_its_products_and_its_triangular_solves(self, length, chunk, data_aware):
+        batch, heads, kv_heads, d, m = 2, 4, 2, 8, 12
+        g = torch.Generator().manual_seed(1)
+        q, r = (torch.randn(batch, length, heads, d, generator=g) for _ in range(2))
+        k, v = (torch.randn(batch, length, kv_heads, d, generator=g) for _ in range(2))
+        rho = 0.5 + torch.rand(batch, length, heads, generator=g)
+        projection = ops.orthogonal_random_features(m, d, num_heads=heads, generator=g)
+        transform = torch.eye(d) + 0.1 * torch.randn(heads, d, d, generator=g) if data_aware else None
+        with torch.no_grad():  # (with gradients the solve runs under checkpoint: the same products once)
+            _, seen = counted(lambda: ops.cubit_rf_attention(q, k, v, r, projection, rho=rho, transform=transform,
+                                                             chunk_size=chunk))
+        c = min(chunk, length)
+        solves = math.ceil(length / c) * c * (c - 1) * (d + m)  # per chunk: C(C-1)/2 pairs × (d + m) columns × 2
+        expected = forward_flops("cubit-rf", length, d, m, chunk) + (8 * length * d * d if data_aware else 0)
+        assert seen["Global"] + solves * batch * heads == expected * batch * heads
+        # linear in T at whole chunks: per token the same at every multiple of the chunk
+        per_token = [forward_flops("cubit-rf", t, d, m, 16) / t for t in (16, 64, 256)]
+        assert all(math.isclose(p, per_token[0], rel_tol=1e-12) for p in per_token)
+
 
 # ---------------------------------------------------------------------------------------------
 # A real model's forward
@@ -139,6 +161,7 @@ MODELS = [
     ("deltaformer", {}),
     ("performer", {"performer": {"num_features": 24}}),
     ("darkformer", {}),
+    ("cubit-rf", {}),
 ]
 
 
@@ -171,6 +194,25 @@ class TestARealModelsForward:
                 assert own == per_layer["mixer_layer"] * tokens
         if mixer in ("performer", "darkformer"):
             assert seen["Global"] == pytest.approx(model_flops(config, length).forward * tokens, rel=1e-12)
+
+    @pytest.mark.parametrize("options", [{}, {"data_aware": True, "num_features": 24, "reference": "key"}],
+                             ids=["default", "data-aware-key"])
+    def test_cubit_rf_whole_mixer_is_counted_but_its_triangular_solves(self, options):
+        config = tiny("cubit-rf", {"cubit-rf": options})
+        length, batch = 21, 2
+        torch.manual_seed(0)
+        model = CausalLM(config)
+        with torch.no_grad():
+            _, seen = counted(lambda: model(torch.randint(0, config.vocab_size, (batch, length)), use_cache=False))
+        tokens, per_layer = batch * length, layer_flops(config, "cubit-rf", length)
+        c, d, m = min(config.chunk_size, length), config.head_dim, options.get("num_features", 64)
+        solves = math.ceil(length / c) * c * (c - 1) * (d + m) * config.num_heads * batch  # not seen
+        for i in range(config.num_layers):
+            layer = f"CausalLM.blocks.{i}"
+            projections = sum(seen[f"{layer}.mixer.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            assert projections == per_layer["projections"] * tokens
+            assert seen[f"{layer}.mixer"] - projections + solves == pytest.approx(
+                (per_layer["mixer_layer"] + per_layer["mixer_op"]) * tokens, rel=1e-12)
 
     def test_training_is_three_forwards_for_the_linear_layers(self):
         # in a softmax model FlopCounterMode sees only the linear layers (not the CPU attention

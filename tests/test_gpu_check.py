@@ -89,7 +89,10 @@ def test_dry_run_without_pydantic_writes_parts_a_and_b(dry_run):
         (m, 16) for m in gpu_check.MIXERS}
     assert {(d["mixer"], d["position"]) for d in bench["decode"] if d["step_ms"]} == {
         (m, p) for m in gpu_check.MIXERS for p in (8, 16)}
-    assert len(bench["targets"]) == 11 and any(t["passed"] is None for t in bench["targets"])  # no fla, no CUDA peak
+    # per solve mixer: time, memory, the long length; per random-feature mixer (cubit-rf too): time, decode; fla's
+    targets = 3 * len(gpu_check.family("solve")) + 2 * len(gpu_check.family("random-features")) + 1
+    assert targets == 13 and len(bench["targets"]) == targets
+    assert any(t["passed"] is None for t in bench["targets"])  # no fla, no CUDA peak
     # (c): said why it did not run, and what to do
     assert parts["c"]["status"].startswith("not run") and "pip install pydantic" in parts["c"]["status"]
 

@@ -22,11 +22,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from kernelmix.generate import generate as kernelmix_generate  # noqa: E402
 from kernelmix.hf import KernelMixConfig, KernelMixForCausalLM  # noqa: E402
-from kernelmix.layers import DarkFormerMixer, PerformerMixer  # noqa: E402
+from kernelmix.layers import RandomFeatureMap  # noqa: E402
 from kernelmix.model import CausalLM, ModelCache, ModelConfig  # noqa: E402
 
-MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer"]
+MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer", "cubit-rf"]
 CONFIGS = {name: dict(mixer=name) for name in MIXERS}
+CONFIGS["cubit-rf-data-aware"] = dict(mixer="cubit-rf", mixer_options={"cubit-rf": {"data_aware": True}})
 CONFIGS["hybrid"] = dict(mixers=["softmax", "cubit"])
 CONFIGS["untied"] = dict(mixers=["performer", "softmax"], tie_embeddings=False)
 
@@ -131,16 +132,17 @@ def test_from_model_wraps_an_existing_causal_lm(tmp_path):
 
 
 def _perturb_buffers(model: KernelMixForCausalLM) -> None:
-    """Redraw every random projection and whiten DARKFormer, so that a reloaded model only matches
-    if these tensors travelled with the weights (a fresh construction would draw others)."""
+    """Redraw every random projection and whiten the data-aware maps (DARKFormer, Cubit-RF with
+    data_aware), so that a reloaded model only matches if these tensors travelled with the weights
+    (a fresh construction would draw others)."""
     x = torch.randn(2, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     for i, block in enumerate(model.model.blocks):
         mixer = block.mixer
-        if isinstance(mixer, PerformerMixer):
+        if isinstance(mixer, RandomFeatureMap):
             before = mixer.projection.clone()
             mixer.redraw_(torch.Generator().manual_seed(100 + i))
             assert not torch.equal(before, mixer.projection)
-        if isinstance(mixer, DarkFormerMixer):
+        if isinstance(mixer, RandomFeatureMap) and mixer.data_aware:
             q, k = mixer.qk_samples(x)
             mixer.whiten_(q, k)
             eye = torch.eye(mixer.head_dim).expand_as(mixer.query_fold)
@@ -171,9 +173,9 @@ def test_round_trip_is_bitwise(tmp_path, name):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     lm = model.model
-    has_features = any(isinstance(b.mixer, PerformerMixer) for b in lm.blocks)
+    has_features = any(isinstance(b.mixer, RandomFeatureMap) for b in lm.blocks)
     assert any(k.endswith(".projection") for k in keys) == has_features
-    if any(isinstance(b.mixer, DarkFormerMixer) for b in lm.blocks):
+    if any(isinstance(b.mixer, RandomFeatureMap) and b.mixer.data_aware for b in lm.blocks):
         assert any(k.endswith(".query_fold") for k in keys) and any(k.endswith(".transform") for k in keys)
     tied = model.config.tie_embeddings
     assert ("model.lm_head.weight" in keys) is not tied  # a tied head is stored once

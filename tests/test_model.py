@@ -17,15 +17,17 @@ from kernelmix.model import PRESETS, CausalLM, ModelCache, ModelConfig
 F64 = torch.float64
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
-# (id, config overrides on the "tiny" preset): every mixer, two hybrids and a Cubit ablation.
+# (id, config overrides on the "tiny" preset): every mixer, three hybrids and a Cubit ablation.
 CASES = [
     ("softmax", dict(mixer="softmax")),
     ("cubit", dict(mixer="cubit")),
     ("deltaformer", dict(mixer="deltaformer")),
     ("performer", dict(mixer="performer")),
     ("darkformer", dict(mixer="darkformer")),
+    ("cubit-rf", dict(mixer="cubit-rf")),
     ("softmax+cubit", dict(mixers=["softmax", "cubit"])),
     ("darkformer+deltaformer", dict(mixers=["darkformer", "deltaformer"])),
+    ("cubit-rf+softmax", dict(mixers=["cubit-rf", "softmax"])),
     ("cubit-nolrr-key", dict(mixer="cubit", mixer_options={"cubit": {"lrr": False, "reference": "key"}})),
 ]
 CASE_IDS = [c[0] for c in CASES]

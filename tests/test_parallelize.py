@@ -13,7 +13,7 @@ from kernelmix.training import parallelize
 from kernelmix.training.parallelize import FULLGRAPH_MIXERS, block_checkpoints
 from tests.utils import rel_rmse
 
-MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer"]
+MIXERS = ["softmax", "cubit", "deltaformer", "performer", "darkformer", "cubit-rf"]
 MODES = ["full", "selective", "mixers"]
 
 

@@ -26,6 +26,9 @@ CASES = [
     ("performer-iid", "performer", {"num_features": 16, "projection": "iid"}, None),
     ("darkformer", "darkformer", {"num_features": 16}, None),
     ("darkformer-whitened", "darkformer", {"num_features": 16}, "whiten"),
+    ("cubit-rf", "cubit-rf", {"num_features": 16}, None),
+    ("cubit-rf-key-nolrr", "cubit-rf", {"num_features": 16, "reference": "key", "lrr": False}, None),
+    ("cubit-rf-whitened", "cubit-rf", {"num_features": 16, "data_aware": True}, "whiten"),
 ]
 CASE_IDS = [c[0] for c in CASES]
 

@@ -1,5 +1,6 @@
-"""The Cubit-RF layer, constructed directly (it is not in the registry yet): shapes, decode equals the
-parallel forward, a cache of constant size, gradients, options, redraw and whitening, errors."""
+"""The Cubit-RF layer, constructed directly (its registration: test_cubit_rf_registered.py): shapes,
+decode equals the parallel forward, a cache of constant size, gradients, options, redraw and
+whitening, errors."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_forward_shapes_and_metadata(case):
     out, cache = layer(inputs())
     assert out.shape == (2, LENGTH, HIDDEN) and torch.isfinite(out).all()
     assert cache.mixer == "cubit-rf" and cache.position == LENGTH and isinstance(cache.state, CubitRFState)
-    assert layer.mixer_name == "cubit-rf" and layer.constant_cache and layer.family == "solve"
+    assert layer.mixer_name == "cubit-rf" and layer.constant_cache and layer.family == "random-features"
     params = [p.name for p in inspect.signature(CubitRFMixer.__init__).parameters.values()
               if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert params[: len(SHARED_OPTIONS)] == list(SHARED_OPTIONS)

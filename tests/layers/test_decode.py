@@ -175,6 +175,8 @@ def test_mixer_specific_parameters_exist():
     assert names("deltaformer") == base | {"beta_proj.weight"}
     assert names("performer") == base
     assert names("darkformer") == base | {"transform"}
+    assert names("cubit-rf") == names("cubit")  # its W is a buffer
+    assert names("cubit-rf", data_aware=True) == names("cubit") | {"transform"}
 
 
 def test_cubit_initial_values():

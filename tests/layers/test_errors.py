@@ -16,7 +16,7 @@ ALL = list(MIXERS)
 
 
 def test_registry_names():
-    assert list(MIXERS) == ["softmax", "cubit", "deltaformer", "performer", "darkformer"]
+    assert list(MIXERS) == ["softmax", "cubit", "deltaformer", "performer", "darkformer", "cubit-rf"]
 
 
 def test_unknown_mixer_names_the_accepted_ones():
@@ -24,7 +24,7 @@ def test_unknown_mixer_names_the_accepted_ones():
         build_mixer("cubt", **BASE)
     message = str(err.value)
     assert "'cubt'" in message
-    assert "softmax, cubit, deltaformer, performer, darkformer" in message
+    assert "softmax, cubit, deltaformer, performer, darkformer, cubit-rf" in message
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -93,6 +93,10 @@ def test_bad_shared_arguments(name, bad, match):
         ("darkformer", dict(num_features=0), "num_features"),
         ("performer", dict(projection="gaussian"), "'orthogonal', 'iid'"),
         ("darkformer", dict(num_features=2.5), "num_features"),
+        ("cubit-rf", dict(num_features=0), "num_features"),
+        ("cubit-rf", dict(reference="query"), "reference"),
+        ("cubit-rf", dict(ridge=0.0), "ridge"),
+        ("cubit-rf", dict(projection="gaussian"), "'orthogonal', 'iid'"),
     ],
 )
 def test_bad_mixer_options(name, bad, match):

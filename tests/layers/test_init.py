@@ -25,7 +25,7 @@ def test_reset_parameters_restores_the_initial_values(case):
         if key != "projection":  # W is kept (redraw_ changes it)
             actual = layer.state_dict()[key]  # float64; the fresh layer is float32
             torch.testing.assert_close(actual, value.to(actual), rtol=1e-6, atol=1e-7, msg=key)
-    if name == "cubit" and options.get("lrr", True):
+    if name in ("cubit", "cubit-rf") and options.get("lrr", True):
         rho = 0.5 + 1.5 * torch.sigmoid(layer.rho_proj.bias)
         assert torch.allclose(rho, torch.ones(HEADS, dtype=rho.dtype))  # ρ = 1: Cubit-NoLRR at init
         assert torch.allclose(layer.log_ridge.exp(), torch.full((HEADS,), 1e-6, dtype=rho.dtype))

@@ -75,7 +75,7 @@ def test_a_taken_name_or_an_unknown_family_is_refused():
 
 def test_the_metadata_says_which_caches_stay_constant():
     constant = {name for name, info in registry.REGISTRY.items() if info.constant_cache}
-    assert {"performer", "darkformer"} <= constant and not {"softmax", "cubit", "deltaformer"} & constant
+    assert {"performer", "darkformer", "cubit-rf"} <= constant and not {"softmax", "cubit", "deltaformer"} & constant
 
 
 def test_the_registry_imports_without_torch_or_pydantic():

@@ -57,6 +57,7 @@ def build_mixer(name: str, **kwargs):
 __getattr__, __dir__ = lazy_names(__name__, {
     "base": ["SHARED_OPTIONS", "LayerCache", "MixerLayer"],
     "cubit": ["CubitMixer"],
+    "cubit_rf": ["CubitRFMixer"],
     "deltaformer": ["DeltaFormerMixer"],
     "feature_map": ["PROJECTIONS", "RandomFeatureMap"],
     "random_features": ["DarkFormerMixer", "PerformerMixer"],
@@ -69,6 +70,7 @@ __all__ = [
     "PROJECTIONS",
     "SHARED_OPTIONS",
     "CubitMixer",
+    "CubitRFMixer",
     "DarkFormerMixer",
     "DeltaFormerMixer",
     "LayerCache",

@@ -46,8 +46,8 @@ class LayerCache:
 
     * ``mixer``: registry name of the layer that built it (``"softmax"``, ``"cubit"``, …);
     * ``position``: number of tokens seen so far (the RoPE offset of the next token);
-    * ``state``: the op's decode state (``SoftmaxState``, ``CubitState``, ``DeltaFormerState`` or
-      ``RandomFeatureState``);
+    * ``state``: the op's decode state (``SoftmaxState``, ``CubitState``, ``DeltaFormerState``,
+      ``RandomFeatureState`` or ``CubitRFState``);
     * ``num_heads``, ``num_kv_heads``, ``head_dim``: the head layout of the layer, so a cache
       handed to a differently shaped layer is rejected instead of silently misread.
 

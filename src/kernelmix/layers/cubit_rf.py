@@ -46,8 +46,9 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     """
 
     mixer_name = "cubit-rf"
-    #: what its registry entry (:class:`~kernelmix.layers.registry.MixerInfo`) says: a solve, a constant-size cache
-    family = "solve"
+    #: what its registry entry (:class:`~kernelmix.layers.registry.MixerInfo`) says: linear cost as the
+    #: random-feature mixers (the registry says why that family, not "solve"), a constant-size cache
+    family = "random-features"
     constant_cache = True
 
     def __init__(

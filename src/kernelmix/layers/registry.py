@@ -9,12 +9,13 @@ Every command that lists mixers derives its choices and defaults from here: ``co
 ``recall`` (every mixer and its :class:`Variant`), ``bench``, ``demo`` and ``gpu-check`` (every mixer
 with an ``op``), ``generate-bench`` and ``model-info`` (every mixer).
 
-**Adding a mixer** (e.g. ``cubit-rf``) is one entry here, next to the layer and op files it names::
+**Adding a mixer** is one entry here, next to the layer and op files it names (``cubit-rf``'s, at
+the end of this module)::
 
     register(MixerInfo(
-        name="cubit-rf", layer="kernelmix.layers.cubit_rf:CubitRFMixer", family="solve",
+        name="cubit-rf", layer="kernelmix.layers.cubit_rf:CubitRFMixer", family="random-features",
         constant_cache=True, op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
-        leaves=("q", "k", "v", "r", "rho"),
+        leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
     ))
 
 ``op`` and ``step`` (optional) are the functions :mod:`kernelmix.ops.calls` writes for each mixer:
@@ -24,6 +25,13 @@ reference=False, return_state=False, **variant_options)``) and one decode token 
 trained, evaluated and generated with, but not measured at the op level. Name it in the
 ``variants``, ``family`` and ``constant_cache`` and every command lists it; a test can
 :func:`register` a mixer and :func:`unregister` it after.
+
+``in_defaults=False`` keeps a mixer (and its variants) out of the *default* mixer lists of the
+trained studies, ``compare`` and ``recall`` (:func:`default_variants`), while it stays one of their
+choices (``--mixers cubit-rf``): their defaults are what the committed results/compare and
+results/recall and the README's main job were made with, so a new mixer joins them when its results
+are committed with them, not silently. The measuring commands (bench, demo, gpu-check,
+generate-bench, model-info) list every registered mixer.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class MixerInfo:
     step: str | None = None  # "module:function": one decode token after ``op(..., return_state=True)``
     leaves: tuple[str, ...] = ("q", "k", "v")  # the inputs a forward+backward of the op differentiates
     variants: tuple[Variant, ...] = field(default=())
+    in_defaults: bool = True  # in compare's and recall's default mixers (False: a choice only; the module docstring)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -107,6 +116,12 @@ def variants() -> dict[str, tuple[str, dict[str, dict[str, Any]]]]:
         for variant in info.variants:
             out[variant.name] = (name, {name: dict(variant.options)})
     return out
+
+
+def default_variants() -> dict[str, tuple[str, dict[str, dict[str, Any]]]]:
+    """What compare and recall train when no mixers are given: :func:`variants` of the mixers registered
+    with ``in_defaults=True``."""
+    return {name: value for name, value in variants().items() if REGISTRY[value[0]].in_defaults}
 
 
 def load(path: str) -> Any:
@@ -182,9 +197,20 @@ register(MixerInfo("performer", "kernelmix.layers.random_features:PerformerMixer
                    constant_cache=True, op="kernelmix.ops.calls:performer", step="kernelmix.ops.calls:performer_step"))
 register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMixer", "random-features",
                    constant_cache=True, op="kernelmix.ops.calls:darkformer", step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
+# Cubit-RF (docs/math.md §12): Cubit's ridge solve, but on random features. Its family is
+# "random-features", not "solve": a family says what the cost grows like and which targets and peers
+# a mixer is measured against (gpu-check part (b): the "solve" family gets the T² targets — within
+# 2.5× of SDPA, run at the long length — and "random-features" the linear ones — several times faster
+# than SDPA, a decode step that does not grow with the position). Cubit-RF is O(T·m·d) with an
+# O(m·d) state, and issue 27's targets for it are the linear ones. in_defaults=False: no results of it
+# are committed yet under results/compare or results/recall, and it would lengthen the README's main
+# job (`kernelmix compare`, ≈ 16 min for the six others) — train it with --mixers ...,cubit-rf.
+register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True,
+                   op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
+                   leaves=("q", "k", "v", "r", "rho"), in_defaults=False))
 
 
 __all__ = [
-    "FAMILIES", "REGISTRY", "MixerInfo", "Variant", "View", "layer_class", "load", "mixer_info", "mixer_names",
+    "FAMILIES", "REGISTRY", "MixerInfo", "Variant", "View", "default_variants", "layer_class", "load", "mixer_info", "mixer_names",
     "OP_MIXERS", "op_call", "op_mixers", "register", "step_call", "unregister", "variants",
 ]

@@ -6,11 +6,12 @@
     out, state = registry.step_call("cubit")(last, state)
 
 ``x`` holds ``q``, ``k``, ``v`` ``[B, T, H, d]`` (keys and values may have fewer heads), ``r``
-(Cubit's references), ``rho`` and ``beta`` ``[B, T, H]``, ``projection`` (``[m, d]`` or ``[H, m, d]``)
-and ``transform`` ``[H, d, d]``; a call reads the ones its op takes. ``chunk_size=None`` and
-``backend="auto"`` are the op's defaults; ``reference=True`` calls the op's float64 ``*_naive`` form
-instead (what ``demo`` checks against). Other keywords are the layer options a registered
-:class:`~kernelmix.layers.registry.Variant` sets (``lrr=False``: Cubit without its learned rates).
+(the references of Cubit and Cubit-RF, whose ``r`` has the queries' shape), ``rho`` and ``beta``
+``[B, T, H]``, ``projection`` (``[m, d]`` or ``[H, m, d]``) and ``transform`` ``[H, d, d]``; a call
+reads the ones its op takes. ``chunk_size=None`` and ``backend="auto"`` are the op's defaults;
+``reference=True`` calls the op's float64 ``*_naive`` form instead (what ``demo`` checks against).
+Other keywords are the layer options a registered :class:`~kernelmix.layers.registry.Variant` sets
+(``lrr=False``: Cubit without its learned rates).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from .cubit import cubit_attention, cubit_attention_naive, cubit_attention_step
+from .cubit_rf import cubit_rf_attention, cubit_rf_attention_naive, cubit_rf_attention_step
 from .deltaformer import deltaformer_attention, deltaformer_attention_naive, deltaformer_attention_step
 from .random_features import random_feature_attention, random_feature_attention_naive, random_feature_attention_step
 from .softmax import softmax_attention, softmax_attention_naive, softmax_attention_step
@@ -52,6 +54,20 @@ def cubit(x: dict, *, chunk_size: int | None = None, backend: str = "auto", refe
 
 def cubit_step(x: dict, state, *, lrr: bool = True) -> tuple[Tensor, Any]:
     return cubit_attention_step(x["q"], x["k"], x["v"], x["r"], state, **({"rho": x["rho"]} if lrr else {}))
+
+
+def cubit_rf(x: dict, *, chunk_size: int | None = None, backend: str = "auto", reference: bool = False,
+             return_state: bool = False):
+    # the layer's defaults: ρ from its LRR gate, one W for the Gram and the read-out, no transform M
+    # (data_aware=False), the ops' ridge and reference scale
+    if reference:
+        return cubit_rf_attention_naive(x["q"], x["k"], x["v"], x["r"], x["projection"], rho=x["rho"])
+    return cubit_rf_attention(x["q"], x["k"], x["v"], x["r"], x["projection"], rho=x["rho"],
+                              **_fast(chunk_size, backend, return_state))
+
+
+def cubit_rf_step(x: dict, state) -> tuple[Tensor, Any]:
+    return cubit_rf_attention_step(x["q"], x["k"], x["v"], x["r"], x["projection"], state, rho=x["rho"])
 
 
 def deltaformer(x: dict, *, chunk_size: int | None = None, backend: str = "auto", reference: bool = False,
@@ -91,5 +107,5 @@ def darkformer_step(x: dict, state) -> tuple[Tensor, Any]:
     return random_feature_attention_step(x["q"], x["k"], x["v"], x["projection"], state, transform=x["transform"])
 
 
-__all__ = ["cubit", "cubit_step", "darkformer", "darkformer_step", "deltaformer", "deltaformer_step", "performer",
+__all__ = ["cubit", "cubit_rf", "cubit_rf_step", "cubit_step", "darkformer", "darkformer_step", "deltaformer", "deltaformer_step", "performer",
            "performer_step", "softmax", "softmax_step"]

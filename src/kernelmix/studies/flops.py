@@ -23,9 +23,10 @@ I the SwiGLU width, V the vocabulary, T the sequence length):
     q, k, v, o projections     2·D·d·(2·H + 2·H_kv)
     SwiGLU MLP                 6·D·I
     LM head (once per model)   2·D·V
-    the mixer's own products   Cubit: r projection 2·D·H·d (reference="separate") and the ρ gate
-                               2·D·H (lrr); DeltaFormer: the β gate 2·D·H; DARKFormer: the query
-                               fold F q, 2·H·d²; softmax and Performer: none
+    the mixer's own products   Cubit and Cubit-RF: r projection 2·D·H·d (reference="separate")
+                               and the ρ gate 2·D·H (lrr); DeltaFormer: the β gate 2·D·H;
+                               DARKFormer (and Cubit-RF with data_aware): the query fold F q,
+                               2·H·d²; softmax and Performer: none
     the op                     H · forward_flops(mixer, T, d, m, C) / T (below)
 
 **The ops** (forward, per sequence and query head; the causal pairs j ≤ i are T(T+1)/2, those
@@ -40,11 +41,24 @@ with j < i T(T−1)/2; C = min(chunk size, T), T_C = T rounded up to whole chunk
                                    (values carry a ones column for the denominator); the
                                    intra-chunk scores and their read-out (dense C×C blocks)
     darkformer    performer + 4·T·d²   (M applied to q̃ and k̃)
+    cubit-rf      4·T·m·d + 2·T_C·C·m + 2·T_C·m + 6·T_C·m·d + N·C·(C−1)·(d+m) + performer
+                                   (N = T_C / C chunks) the Gram's features of r and r̂ (W, 2·T·m·d
+                                   each); per chunk the C×C Gram numerators (2·C²·m) and their
+                                   carried normaliser (2·C·m); the state products of the
+                                   substitution: the carried state read by the chunk's solved
+                                   features, the state update and U's correction (3 × 2·C·m·d);
+                                   the triangular solve of each chunk, C(C−1)/2 pairs j < i for the
+                                   d value columns and the m feature columns solved with them; then
+                                   Performer's read-out of U (features of q and k, chunked). With
+                                   ``data_aware`` (M, not in the op call): + 8·T·d² (M on r, r̂, q̃, k̃)
 
 The T² terms count the pairs the causal mask keeps, as a per-row loop computes them; the fast
 paths compute them in blocks (the CPU attention kernel skips whole masked blocks, the chunked
 solves work in tiles), which does about the same work at long lengths. The random-feature ops
 are counted as implemented: they are nothing but products, and FlopCounterMode sees all of them.
+So is Cubit-RF, linear in T at whole chunks: every product as it runs (what FlopCounterMode sees)
+plus its per-chunk ``solve_triangular`` (which it does not), counted over the pairs j < i as
+Cubit's substitution is.
 """
 
 from __future__ import annotations
@@ -73,10 +87,14 @@ def forward_flops(mixer: str, length: int, head_dim: int, num_features: int, chu
         return 2.0 * t * (2 * t + 1) * d
     if mixer == "deltaformer":
         return 4.0 * t * t * d
-    if mixer in ("performer", "darkformer"):
+    if mixer in ("performer", "darkformer", "cubit-rf"):
         c = min(chunk_size, t)
         padded = math.ceil(t / c) * c if t else 0
-        count = 4.0 * t * m * d + 4.0 * padded * m * (d + 1) + 2.0 * padded * c * (m + d + 1)
+        count = 4.0 * t * m * d + 4.0 * padded * m * (d + 1) + 2.0 * padded * c * (m + d + 1)  # features + read-out
+        if mixer == "cubit-rf":  # + the solve: Gram features, chunk numerators and normaliser, state products, solves
+            chunks = padded // c if t else 0
+            count += (4.0 * t * m * d + 2.0 * padded * c * m + 2.0 * padded * m + 6.0 * padded * m * d
+                      + chunks * c * (c - 1) * (d + m))
         return count + (4.0 * t * d * d if mixer == "darkformer" else 0.0)
     raise KernelmixError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXERS)})")
 
@@ -97,17 +115,19 @@ def layer_flops(config: ModelConfig, mixer: str, length: int) -> dict[str, float
         raise KernelmixError(f"unknown mixer {mixer!r} (choose from: {', '.join(MIXERS)})")
     hidden, heads, kv_heads, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     own = 0.0  # the mixer's products outside its op
-    if mixer == "cubit":
+    # Cubit-RF's data_aware M (and fold F): not in its op call's count (forward_flops), added here
+    data_aware = mixer == "cubit-rf" and mixer_option(config, mixer, "data_aware")
+    if mixer in ("cubit", "cubit-rf"):
         if mixer_option(config, mixer, "reference") == "separate":
             own += 2.0 * hidden * heads * d
         if mixer_option(config, mixer, "lrr"):
             own += 2.0 * hidden * heads
     elif mixer == "deltaformer":
         own += 2.0 * hidden * heads
-    elif mixer == "darkformer":
+    if mixer == "darkformer" or data_aware:
         own += 2.0 * heads * d * d
-    features = mixer_option(config, mixer, "num_features") if mixer in ("performer", "darkformer") else 0
-    op = forward_flops(mixer, length, d, features, config.chunk_size)
+    features = mixer_option(config, mixer, "num_features") if mixer in ("performer", "darkformer", "cubit-rf") else 0
+    op = forward_flops(mixer, length, d, features, config.chunk_size) + (8.0 * length * d * d if data_aware else 0.0)
     return {
         "projections": 2.0 * hidden * d * (2 * heads + 2 * kv_heads),
         "mixer_layer": own,

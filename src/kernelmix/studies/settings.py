@@ -20,7 +20,7 @@ from ..config import Arg, Choice, Distinct, Field, NonNegativeFloat, NonNegative
 from ..errors import KernelmixError
 from ..layers import MIXERS, registry
 from ..presets import PRESETS
-from .compare.settings import MIXER_VARIANTS
+from .compare.settings import DEFAULT_MIXERS, MIXER_VARIANTS
 
 if TYPE_CHECKING:
     from ..model import ModelConfig
@@ -148,7 +148,7 @@ class RecallConfig:
     results/recall/README.md); docs/recall.md says why each setting is what it is."""
 
     mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
-        field(default_factory=lambda: list(MIXER_VARIANTS)))
+        field(default_factory=lambda: list(DEFAULT_MIXERS)))
     widths: Annotated[list[PositiveInt], Distinct("width"), Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
         field(default_factory=lambda: [64]))
     lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"), Field(min_length=1, description="sequence lengths T")] = (

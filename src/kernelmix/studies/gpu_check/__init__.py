@@ -4,23 +4,23 @@ Three parts, each written to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` as 
 (so a Ctrl-C or a crash keeps what finished); a failing part is recorded and the next one runs.
 
 (a) **Op checks** on the device against float64 references: ``cubit_attention``, ``cubit_solve``,
-    ``deltaformer_attention`` and ``random_feature_attention`` (Performer: no transform; DARKFormer:
-    a transform) with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and
+    ``deltaformer_attention``, ``random_feature_attention`` (Performer: no transform; DARKFormer:
+    a transform) and ``cubit_rf_attention`` (with a transform; its backend is its read-out's) with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and
     bfloat16 inputs, an odd T with a chunk that does not divide it, grouped-query heads, and a case
     with packed documents (``doc_start``). The references are the ``*_naive`` ops (and a dense
     solve for ``cubit_solve``) in float64 on the same device, on the inputs rounded to the checked
     dtype; values and every input gradient are compared by relative RMSE against the tolerances of
-    the test suite (1e-4 float32; 2e-2 bfloat16, 3e-2 for random features).
+    the test suite (1e-4 float32; 2e-2 bfloat16, 3e-2 for random features and Cubit-RF).
 (b) **Bench** (B=1, H=16, d=128, m=128, bf16 inputs): forward and forward+backward medians (CUDA
     events, a warm-up first, the mixers interleaved round by round so that a slow spell slows them
     all) and peak memory (the caching allocator's peak after a reset) at T = 1024 … 32768 for SDPA
-    (flash backend), Cubit, DeltaFormer, Performer, DARKFormer and flash-linear-attention's
-    DeltaFormer when it imports; then decode latency against the position (each mixer's
+    (flash backend), Cubit, DeltaFormer, Performer, DARKFormer, Cubit-RF (every registered mixer
+    with an op call) and flash-linear-attention's DeltaFormer when it imports; then decode latency against the position (each mixer's
     ``*_step`` after a prefill) and, last, T = 65536 for Cubit and DeltaFormer if time is left.
     An out-of-memory cell is recorded and ends that mixer's lengths; so does a cell that takes
     longer than its time budget. The issue's targets become a pass/fail table.
-(c) **Compare**: a short :mod:`kernelmix.studies.compare` (``small`` preset, T=1024, all six mixers,
-    one seed, the same seconds of training each) into ``DIR/compare``. It needs pydantic (through
+(c) **Compare**: a short :mod:`kernelmix.studies.compare` (``small`` preset, T=1024, compare's six
+    default mixers, one seed, the same seconds of training each) into ``DIR/compare``. It needs pydantic (through
     :mod:`kernelmix.config`); where that does not import, the part says so and is skipped.
 
 ``quick=True`` runs the same code at tiny sizes (T ∈ {64, 128}, H=2, d=16; part (c) a few steps of

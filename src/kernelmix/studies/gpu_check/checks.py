@@ -45,6 +45,7 @@ def check_inputs(case: CheckCase, shape: dict[str, int], device: torch.device) -
         "projection": ops.orthogonal_random_features(m, d, generator=g, dtype=torch.float64),
         "head_projection": ops.orthogonal_random_features(m, d, num_heads=h, generator=g, dtype=torch.float64),
         "transform": torch.eye(d, dtype=torch.float64) + 0.3 * randn(h, d, d),
+        "r_rf": randn(b, t, h, d),  # Cubit-RF's references: the queries' shape (one W for the Gram and the read-out)
     }
     x = {name: value.to(device) for name, value in x.items()}
     x["v_rf"] = x["v"]  # random features: the same values
@@ -122,6 +123,25 @@ def _random_features(transform: bool):
     return fast, reference
 
 
+def _cubit_rf(transform: bool):
+    """Cubit-RF with its per-head ridge and reference scale, ρ, documents, per-head projections and
+    (``transform``) the data-aware M: the fast op (the read-out's backend) and its dense float64 reference."""
+    def arguments(x):
+        return (x["q"], x["k"], x["v"], x["r_rf"], x["head_projection"]), {
+            "rho": x["rho"], "ridge": x["ridge"], "ref_scale": x["ref_scale"],
+            "transform": x["transform"] if transform else None, "doc_start": x["doc_start"]}
+
+    def fast(x, backend, chunk):
+        args, kwargs = arguments(x)
+        return ops.cubit_rf_attention(*args, chunk_size=chunk, backend=backend, **kwargs)
+
+    def reference(x):
+        args, kwargs = arguments(x)
+        return ops.cubit_rf_attention_naive(*args, **kwargs)
+
+    return fast, reference
+
+
 OP_CHECKS = (
     OpCheck("cubit_attention", _cubit_attention, _cubit_attention_reference,
             ("q", "k", "v", "r", "rho", "ridge", "ref_scale")),
@@ -131,6 +151,8 @@ OP_CHECKS = (
             RANDOM_FEATURE_BF16_TOLERANCE),
     OpCheck("random_feature_attention (DARKFormer)", *_random_features(True), ("q", "k", "v_rf", "transform"),
             RANDOM_FEATURE_BF16_TOLERANCE),
+    OpCheck("cubit_rf_attention (data-aware)", *_cubit_rf(True),
+            ("q", "k", "v", "r_rf", "rho", "ridge", "ref_scale", "transform"), RANDOM_FEATURE_BF16_TOLERANCE),
 )
 
 
