@@ -190,7 +190,7 @@ def test_cli_finetune(tmp_path, capsys, monkeypatch):
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.cli.finetune.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):

@@ -204,7 +204,7 @@ class TestSetListForAOneNameField:
 
 class TestConvertOutIsAFile:
     def test_refused_before_loading(self, host, tmp_path, monkeypatch, capsys):
-        monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", _never)
+        monkeypatch.setattr("kernelmix.pretrained.load_pretrained", _never)
         target = tmp_path / "existing_file"
         target.write_text("mine")
         assert main(["convert", str(host), "--out", str(target), *CONVERT]) == 1
@@ -220,7 +220,7 @@ class TestConvertOutIsAFile:
             pretrained.save_converted(model, target)
 
     def test_a_file_on_the_way(self, host, tmp_path, monkeypatch, capsys):
-        monkeypatch.setattr("kernelmix.cli.convert.load_pretrained", _never)
+        monkeypatch.setattr("kernelmix.pretrained.load_pretrained", _never)
         (tmp_path / "afile").write_text("x")
         assert main(["convert", str(host), "--out", str(tmp_path / "afile" / "sub"), *CONVERT]) == 1
         assert "afile is a file, not a directory: fix the path" in capsys.readouterr().err
@@ -383,8 +383,8 @@ class TestOutputPathsCheckedBeforeTheWork:
         (["demo", "--length", "16", "--json", "{dir}"], "kernelmix.studies.demo.run_demo", "--json {dir} is a directory"),
         (["generate-bench", "--preset", "tiny", "--json", "{dir}"], "kernelmix.studies.generate_bench.benchmark_generation",
          "--json {dir} is a directory"),
-        (["diagnose", "{host}", "--out", "{file}"], "kernelmix.cli.diagnose.load_pretrained", "--out {file} is a file"),
-        (["pretrained", "prepare", "gemma3-270m", "--cache", "{file}"], "kernelmix.cli.pretrained.prepare",
+        (["diagnose", "{host}", "--out", "{file}"], "kernelmix.pretrained.load_pretrained", "--out {file} is a file"),
+        (["pretrained", "prepare", "gemma3-270m", "--cache", "{file}"], "kernelmix.pretrained.prepare",
          "--cache {file} is a file"),
     ])
     def test_refused_naming_the_option(self, argv, patch, message, host, tmp_path, monkeypatch, capsys):

@@ -650,12 +650,10 @@ class TestOutIsAFile:
         assert self.MESSAGE in capsys.readouterr().err
 
     def test_finetune(self, a_file, capsys, monkeypatch):
-        import kernelmix.cli.finetune
-
         def never(*args, **kwargs):
             raise AssertionError("the model was loaded before --out was checked")
 
-        monkeypatch.setattr(kernelmix.cli.finetune, "load_pretrained", never)
+        monkeypatch.setattr("kernelmix.pretrained.load_pretrained", never)  # what kernelmix finetune loads with
         assert cli_main(["finetune", "some-model", "--out", str(a_file)]) == 2
         assert self.MESSAGE in capsys.readouterr().err
 

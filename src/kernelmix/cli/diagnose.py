@@ -6,10 +6,8 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Arg, Field, check
-from ..data import load_corpus
 from ..errors import KernelmixError
-from ..pretrained import load_pretrained
-from ..studies.diagnose import DiagnoseConfig, diagnose, markdown
+from ..studies.diagnose_settings import DiagnoseConfig
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
@@ -36,6 +34,10 @@ def _cli_diagnose(args) -> int:
     except ValueError as error:
         args.parser.error(str(error))
     output_dir(opts.out, "--out")  # before the model is loaded and measured
+    from ..data import load_corpus
+    from ..pretrained import load_pretrained
+    from ..studies.diagnose import diagnose, markdown
+
     with user_errors():  # the library's ValueErrors about the input (an unknown corpus, a converted model, ...)
         model, tok = load_pretrained(opts.model)
         if tok is None:

@@ -10,14 +10,11 @@ from typing import Annotated
 
 from .. import pretrained as cv
 from ..config import Arg, Choice, Distinct, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
-from ..data import load_text_windows
 from ..errors import Interrupted
 from ..locks import run_directory_lock
-from ..pretrained import INITS, FinetuneConfig, finetune, load_pretrained
-from ..pretrained.convert import LayerSelection
-from ..studies.finetune import DEFAULT_VARIANTS, VARIANTS, compare_finetune, markdown
 from ..output import write_json_atomic
-from ..training.checkpoint import writing
+from ..pretrained.settings import INITS, FinetuneConfig, LayerSelection
+from ..studies.finetune_settings import DEFAULT_VARIANTS, VARIANTS
 from .commands import summary
 from .options import add_options, from_args
 
@@ -51,6 +48,9 @@ class FinetuneOptions:
 
 def _finetune_converted(host, tok, train_w, val_w, config: FinetuneConfig, opts: FinetuneOptions) -> None:
     """An already converted model: finetune it as it is and save it."""
+    from ..pretrained import finetune
+    from ..training.checkpoint import writing
+
     if len(opts.lrs) != 1:
         raise ValueError("an already converted model is finetuned at one learning rate; give one --lr")
     out = Path(opts.out)
@@ -68,6 +68,8 @@ def _cli_finetune(args) -> int:
     try:
         opts = from_args(FinetuneOptions, args)
         config = from_args(FinetuneConfig, args, lr=opts.lrs[0])
+        from ..training.checkpoint import writing  # torch: once the options are known to be right
+
         # OUT is locked before the model and the text are read: a busy OUT (or one that is a file) fails at once
         with contextlib.ExitStack() as stack:
             with writing(opts.out, "create the output directory"):
@@ -85,6 +87,8 @@ def _cli_finetune(args) -> int:
         return 130
     if report is None:  # an already converted model, finetuned and saved
         return 0
+    from ..studies.finetune import markdown
+
     print(markdown(report))
     print(f"wrote {opts.out}/finetune.json, finetune.md and finetune_curves.png ({report['wall_s']:.0f} s)")
     return 0
@@ -92,6 +96,10 @@ def _cli_finetune(args) -> int:
 
 def _run(opts: FinetuneOptions, config: FinetuneConfig) -> dict | None:
     """Load MODEL and the text, then finetune: the comparison's report, or None for a converted MODEL."""
+    from ..data import load_text_windows
+    from ..pretrained import load_pretrained
+    from ..studies.finetune import compare_finetune
+
     host, tok = load_pretrained(opts.model)
     if tok is None:
         raise ValueError(f"{opts.model} has no tokenizer files; finetune needs one")

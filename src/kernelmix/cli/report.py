@@ -8,8 +8,8 @@ from typing import Annotated
 
 from ..config import Field, check
 from ..errors import Interrupted
-from ..studies.conversion_report import ConversionReportSettings, conversion_report
-from ..studies.darkformer_report import DarkformerReportSettings, darkformer_report
+from ..studies.conversion_settings import ConversionReportSettings
+from ..studies.darkformer_settings import DarkformerReportSettings
 from .commands import summary
 from .options import add_options, from_args
 
@@ -32,6 +32,8 @@ def _cli_report(args) -> int:
         opts = from_args(ReportOptions, args)
         quick = DarkformerReportSettings.quick if opts.quick else None
         settings = from_args(DarkformerReportSettings, args, factory=quick)
+        from ..studies.darkformer_report import darkformer_report  # torch: once the settings are known to be right
+
         darkformer_report(settings, opts.out, opts.work, progress=None)
     except Interrupted as stop:  # the finetuning run in progress saved its step; the same command continues
         print(f"kernelmix report darkformer: {stop}", file=sys.stderr)
@@ -67,6 +69,8 @@ def _cli_conversion(args) -> int:
         settings = from_args(ConversionReportSettings, args, factory=quick)
     except ValueError as error:
         args.parser.error(str(error))
+    from ..studies.conversion_report import conversion_report
+
     try:
         conversion_report(settings, opts.out, opts.work, progress=True, log=lambda msg: print(msg, flush=True))
     except Interrupted as stop:

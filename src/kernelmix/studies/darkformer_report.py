@@ -20,63 +20,20 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
 
 import torch
 
-from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..data import load_corpus, split_texts, text_windows
 from ..data.windows import WINDOW_RULE
 from ..locks import run_directory_lock
 from ..output import write_json_atomic, write_text_atomic
-from ..pretrained import INITS, KNOWN_MODELS, MODES, FinetuneConfig, load_pretrained, prepare
-from ..pretrained.convert import LayerSelection
+from ..pretrained import KNOWN_MODELS, FinetuneConfig, load_pretrained, prepare
 from ..training.checkpoint import writing
 from . import diagnose as dg
 from . import finetune as ft
-from .finetune import VARIANTS as FT_VARIANTS
-
-
-@dataclass
-class DarkformerReportSettings:
-    model: Annotated[str, Field(description="a known name (prepared on first use) or a local HF causal-LM directory")] = (
-        "gemma3-270m")
-    text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
-    val_fraction: Annotated[float, Field(gt=0, lt=1, description="share of documents held out")] = 0.1
-    seed: int = 0
-    # diagnostics
-    diag_layers: Annotated[LayerSelection, Field(description="layers to diagnose: all | global | local | indices")] = "all"
-    diag_m: Annotated[tuple[PositiveInt, ...], Arg(flag="--m"), Field(min_length=1, description="diagnostic feature counts")] = (
-        16, 64, 256, 1024)
-    diag_seq_len: PositiveInt = 512
-    diag_seeds: PositiveInt = 1
-    diag_distill_steps: NonNegativeInt = 60
-    diag_e2e_m: tuple[PositiveInt, ...] = (64, 256)
-    # finetuning comparison
-    num_features: Annotated[PositiveInt, Field(description="m of the finetuning comparison")] = 64
-    ft_layers: Annotated[LayerSelection, Field(description="layers to finetune: all | global | local | indices")] = "all"
-    ft_mode: Annotated[str, Choice(MODES, "finetuning mode")] = "partial"
-    ft_steps: Annotated[PositiveInt, Arg(flag="--steps"), Field(description="finetuning steps per run")] = 40
-    ft_seq_len: PositiveInt = 256
-    ft_lrs: Annotated[tuple[PositiveFloat, ...], Arg(flag="--lrs"), Field(
-        min_length=1, title="learning rates", description="learning rates of the sweep")] = (1e-3, 3e-3)
-    ft_eval_every: PositiveInt = 20
-    ft_eval_seqs: PositiveInt = 4
-    ft_variants: Annotated[tuple[str, ...], Choice(FT_VARIANTS, "variant")] = ("softmax", "performer", "darkformer")
-    init: Annotated[str, Choice(INITS, "init"), Field(description="DARKFormer initialisation")] = "whiten"
-
-    def __post_init__(self) -> None:
-        check(self)
-
-    @classmethod
-    def quick(cls, **overrides) -> "DarkformerReportSettings":
-        """A smoke-sized run (minutes on a tiny model; still the whole pipeline)."""
-        small = dict(diag_m=(16, 64), diag_seq_len=64, diag_distill_steps=5, diag_e2e_m=(32,), ft_steps=4, ft_seq_len=32,
-                     ft_lrs=(1e-3, 1e-2), ft_eval_every=2, ft_eval_seqs=1, num_features=16)
-        small.update(overrides)
-        return cls(**small)
+from .darkformer_settings import DarkformerReportSettings  # torch-free: exported here as before
 
 
 def _machine() -> dict:

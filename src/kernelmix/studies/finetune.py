@@ -34,10 +34,7 @@ from ..pretrained.finetune import FinetuneConfig, finetune
 from ..training.checkpoint import writing
 from ..training.signals import catch_stop_signals, signal_name
 from ..training.spikes import find_spikes
-
-VARIANTS = ("softmax", "performer", "darkformer", "cubit")  # cubit: the experimental conversion
-DEFAULT_VARIANTS = ("softmax", "performer", "darkformer")
-
+from .finetune_settings import DEFAULT_VARIANTS, VARIANTS  # torch-free: exported here as before
 
 
 def build_variant(host, variant: str, *, num_features: int, layers: Any, init: str, calibration: Tensor | None,
