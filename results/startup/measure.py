@@ -81,6 +81,16 @@ def measure(runs: int) -> dict:
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def torch_note(rows: list[dict]) -> str:
+    """What the table says about torch: which commands import it for their options, if any."""
+    heavy = [f"`{r['command']}`" for r in rows if r["imports_torch"]]
+    if not heavy:
+        return ("None imports torch: every command builds its options from torch-free settings modules "
+                "(tests/test_startup.py checks it).")
+    return (f"{', '.join(heavy)} import torch to build their options, and cannot be: importing torch alone takes "
+            "longer here.")
+
+
 def readme(result: dict) -> str:
     rows = result["rows"]
     fast = [r for r in rows if r["median_s"] <= result["target_s"]]
@@ -98,10 +108,7 @@ def readme(result: dict) -> str:
         "(% CPU, command): " + "; ".join(f"`{p}`" for p in result["load_before"]["busiest"][:3]) + ".",
         "",
         f"{len(fast)} of {len(rows)} within {result['target_s']:g} s of wall time, {len(fast_cpu)} within it in CPU "
-        "time (user + system: what a run costs on an idle core). A command that imports torch to build its "
-        "options (its config dataclass lives in a module that imports torch: `kernelmix.training.config` for train, "
-        "`kernelmix.pretrained` for pretrained, convert, diagnose, finetune and report) cannot be: importing torch "
-        "alone takes longer here.",
+        "time (user + system: what a run costs on an idle core). " + torch_note(rows),
         "",
         "| command | median wall s | median CPU s | wall s of each run | imports torch |",
         "|---|---:|---:|---|---|",
