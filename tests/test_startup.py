@@ -35,6 +35,7 @@ MISTAKES = [
 NAMED_MISTAKES = [
     (["train", "--set", "steps=-1"], "steps must be a positive integer"),
     (["train", "--set", "model.mixer=cubt"], "unknown mixer 'cubt'"),
+    (["train", "--set", "model.num_heads=3"], "is not divisible by num_heads 3"),  # ModelConfig's head geometry
     (["pretrained", "prepare", "huge"], "invalid choice: 'huge'"),
     (["convert", "x", "--out", "y", "--window", "-1"], "--window must be an integer >= 0"),
     (["diagnose", "x", "--m", "0"], "--m must be positive integers"),

@@ -1,9 +1,8 @@
 """The model's config: :class:`ModelConfig`, plain data saved as JSON beside the weights (its
 presets: :mod:`kernelmix.presets`).
 
-This module imports no torch (the checks that need the layers import them when a config is built
-with ``mixer_options`` or is checked for its head geometry), so that ``kernelmix train`` reads and
-checks its settings without the model code; :mod:`kernelmix.model` exports everything here as before
+This module imports no torch (the check of ``mixer_options`` imports the layers it names when a
+config has some), so that ``kernelmix train`` reads and checks its settings without the model code; :mod:`kernelmix.model` exports everything here as before
 (``from kernelmix.model import ModelConfig``).
 """
 
@@ -22,6 +21,7 @@ from .backends import BACKENDS
 from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt, check
 from .errors import KernelmixError
 from .layers import MIXERS, mixer_options
+from .layers.settings import check_head_geometry
 from .presets import PRESETS
 
 
@@ -79,8 +79,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        from .layers.base import check_head_geometry  # the layers' own check (that module imports torch)
-
         self.head_dim, self.num_kv_heads = check_head_geometry(
             self.hidden_size, self.num_heads, self.head_dim, self.num_kv_heads
         )
