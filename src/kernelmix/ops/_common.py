@@ -512,6 +512,23 @@ def find_nonfinite(inputs: dict[str, Tensor | None], heads: int, *, always: bool
     return NonFinite({name: _token_mask(x) for name, x in present.items()}, heads)
 
 
+def segmented_cummax(x: Tensor, doc_start: Tensor | None) -> Tensor:
+    """The running max of ``x`` ``[B, H, T]`` over j ∈ [doc_start_i, i]: causal and per document.
+
+    Without documents this is a plain cummax. With them, a segmented cummax: documents are
+    contiguous and doc_start is non-decreasing, so the running max of the integer key
+    doc_start·T + rank(value) is, within each document, the rank of the document's running max
+    (earlier documents' keys are smaller). Exact — the values are gathered, never offset and
+    subtracted, so a token's result depends on its own document alone — and without a device sync."""
+    if doc_start is None:
+        return torch.cummax(x, dim=-1).values
+    length = x.shape[-1]
+    ordered, order = x.sort(dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=x.device).expand_as(order))
+    best = torch.cummax(doc_start.long()[:, None, :] * length + rank, dim=-1).values % length
+    return ordered.gather(-1, best)
+
+
 def reaches_causal(bad: Tensor, doc_start: Tensor | None, offset: int = 0) -> Tensor:
     """``[B, T, H]``: True where token i sees a token j ≤ i of its own document with ``bad[b, j, h]``
     (``doc_start`` ``[B, T]`` absolute; token i at index ``offset + i``). The latest bad index so far

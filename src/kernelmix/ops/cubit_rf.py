@@ -51,6 +51,7 @@ from ._common import (
     per_head,
     reaches_causal,
     scan_syncs,
+    segmented_cummax,
 )
 from .cubit import REFERENCE_NORM_EPS, check_rho, normalize_reference
 from .random_features import (
@@ -155,23 +156,10 @@ def _row_features(a_logits: Tensor) -> Tensor:
     return torch.exp(a_logits - a_logits.detach().amax(dim=-1, keepdim=True))
 
 
-def _segmented_cummax(x: Tensor, doc_start: Tensor | None) -> Tensor:
-    """The running max of ``x`` ``[B, H, T]`` over j ∈ [doc_start_i, i] (a local equivalent of the
-    random-feature op's private running shift): a cummax of the integer key doc_start·T + rank(x),
-    which within a document picks the rank of its running max; exact (values are gathered, never offset)."""
-    if doc_start is None:
-        return torch.cummax(x, dim=-1).values
-    length = x.shape[-1]
-    ordered, order = x.sort(dim=-1)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=x.device).expand_as(order))
-    best = torch.cummax(doc_start.long()[:, None, :] * length + rank, dim=-1).values % length
-    return ordered.gather(-1, best)
-
-
 def _key_shift(b_logits: Tensor, doc_start: Tensor | None, start: int, carried: Tensor) -> Tensor:
     """s_i ``[B, H, T]``: the running max of the key logits in the document, at least the carried
     shift for tokens whose document began before this call. Detached."""
-    running = _segmented_cummax(b_logits.detach().amax(dim=-1).transpose(1, 2), doc_start)
+    running = segmented_cummax(b_logits.detach().amax(dim=-1).transpose(1, 2), doc_start)
     if doc_start is None:
         return torch.maximum(running, carried[..., None])
     continues = (doc_start < start)[:, None, :]

@@ -45,6 +45,7 @@ from ._common import (
     find_nonfinite,
     reaches_causal,
     scan_syncs,
+    segmented_cummax,
 )
 
 
@@ -272,21 +273,9 @@ def _exp_where(x: Tensor, keep: Tensor) -> Tensor:
 
 
 def _running_shift(key_max: Tensor, doc_start: Tensor | None) -> Tensor:
-    """s_i = max of the key logit maxima over j ∈ [doc_start_i, i]: causal and per document.
-
-    Without documents this is a plain cummax. With them, a segmented cummax: documents are
-    contiguous and doc_start is non-decreasing, so the running max of the integer key
-    doc_start·T + rank(value) is, within each document, the rank of the document's running max
-    (earlier documents' keys are smaller). Exact — the values are gathered, never offset and
-    subtracted, so a token's shift depends on its own document alone — and without a device sync.
-    The shift is detached (the output is invariant to it)."""
-    if doc_start is None:
-        return torch.cummax(key_max, dim=-1).values
-    length = key_max.shape[-1]
-    ordered, order = key_max.sort(dim=-1)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=order.device).expand_as(order))
-    best = torch.cummax(doc_start.long()[:, None, :] * length + rank, dim=-1).values % length
-    return ordered.gather(-1, best)
+    """s_i = max of the key logit maxima over j ∈ [doc_start_i, i] (:func:`segmented_cummax`): causal, per
+    document, so a token's shift depends on its own document alone. Detached (the output is invariant to it)."""
+    return segmented_cummax(key_max, doc_start)
 
 
 def random_feature_attention(
