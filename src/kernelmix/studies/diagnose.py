@@ -37,8 +37,9 @@ from .. import pretrained as cv
 from ..data.windows import text_windows
 from ..evaluate import evaluate_windows
 from ..ops import data_aware_transform, random_feature_attention_masked, softmax_attention_masked
-from ..output import progress_bar, pyplot, write_json_atomic, write_text_atomic
+from ..output import progress_bar, pyplot
 from .diagnose_settings import VARIANTS, DiagnoseConfig  # torch-free (what the command line reads): exported here as before
+from .report_files import plot_if_installed, write_json_and_markdown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,14 +320,9 @@ def _summary(layers: list[dict], variants, m_values) -> dict:
 def write_report(result: dict, out_dir: str | Path, *, plots: bool = True) -> Path:
     """``diagnostics.json``, ``diagnostics.md`` and (matplotlib permitting) PNG plots."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "diagnostics.json", result, indent=1)
-    write_text_atomic(out / "diagnostics.md", markdown(result))
+    write_json_and_markdown(out, "diagnostics", result, markdown(result))
     if plots:
-        try:
-            _plots(result, out)
-        except ImportError:
-            pass
+        plot_if_installed(_plots, result, out)
     return out
 
 

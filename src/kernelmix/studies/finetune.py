@@ -28,13 +28,14 @@ from torch import Tensor
 
 from ..errors import Interrupted
 from ..locks import run_directory_lock
-from ..output import pyplot, write_json_atomic, write_text_atomic
+from ..output import pyplot, write_json_atomic
 from ..pretrained.convert import INITS, ConversionConfig, convert
 from ..pretrained.finetune import FinetuneConfig, finetune
 from ..training.checkpoint import writing
 from ..training.signals import catch_stop_signals, signal_name
 from ..training.spikes import find_spikes
 from .finetune_settings import DEFAULT_VARIANTS, VARIANTS  # torch-free: exported here as before
+from .report_files import plot_if_installed, write_json_and_markdown
 
 
 def build_variant(host, variant: str, *, num_features: int, layers: Any, init: str, calibration: Tensor | None,
@@ -193,14 +194,9 @@ def markdown(report: dict) -> str:
 def write_report(report: dict, out_dir: str | Path, *, plots: bool = True) -> Path:
     out = Path(out_dir)
     with writing(out):
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / "finetune.json", report, indent=1)
-        write_text_atomic(out / "finetune.md", markdown(report))
+        write_json_and_markdown(out, "finetune", report, markdown(report))
     if plots:
-        try:
-            _plots(report, out)
-        except ImportError:
-            pass
+        plot_if_installed(_plots, report, out)
     return out
 
 

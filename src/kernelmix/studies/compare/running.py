@@ -259,16 +259,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def flop_text(flops: float | None) -> str:
-    """FLOPs with an SI prefix: 1.23 GFLOP."""
-    if flops is None:
-        return "? FLOP"
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.3g} {prefix}FLOP"
-    return f"{flops:.3g} FLOP"
-
-
 def _run_plan(config: CompareConfig, plan: list, budget: BudgetPlan, val, env, progress: bool | None, note,
               started: float) -> tuple[list[dict], int]:
     """Every run of ``plan`` (reused or trained and evaluated); returns (results, how many were reused).

@@ -104,6 +104,20 @@ def _deltaformer_reference(x):
     return ops.deltaformer_attention_naive(x["q"], x["k"], x["v"], beta=x["beta"], doc_start=x["doc_start"])
 
 
+def _fast_and_reference(fast_op, reference_op, arguments):
+    """(fast, reference) callables of a check: both ops called on ``arguments(x)`` = (args, kwargs), the
+    fast one also with the cell's chunk size and backend."""
+    def fast(x, backend, chunk):
+        args, kwargs = arguments(x)
+        return fast_op(*args, chunk_size=chunk, backend=backend, **kwargs)
+
+    def reference(x):
+        args, kwargs = arguments(x)
+        return reference_op(*args, **kwargs)
+
+    return fast, reference
+
+
 def _random_features(transform: bool):
     """Performer (``transform=False``: one shared projection) or DARKFormer (per-head projections
     and the transform M): the fast op and its dense float64 reference."""
@@ -112,15 +126,7 @@ def _random_features(transform: bool):
         return (x["q"], x["k"], x["v_rf"], projection), {"transform": x["transform"] if transform else None,
                                                           "doc_start": x["doc_start"]}
 
-    def fast(x, backend, chunk):
-        args, kwargs = arguments(x)
-        return ops.random_feature_attention(*args, chunk_size=chunk, backend=backend, **kwargs)
-
-    def reference(x):
-        args, kwargs = arguments(x)
-        return ops.random_feature_attention_naive(*args, **kwargs)
-
-    return fast, reference
+    return _fast_and_reference(ops.random_feature_attention, ops.random_feature_attention_naive, arguments)
 
 
 def _cubit_rf(transform: bool):
@@ -131,15 +137,7 @@ def _cubit_rf(transform: bool):
             "rho": x["rho"], "ridge": x["ridge"], "ref_scale": x["ref_scale"],
             "transform": x["transform"] if transform else None, "doc_start": x["doc_start"]}
 
-    def fast(x, backend, chunk):
-        args, kwargs = arguments(x)
-        return ops.cubit_rf_attention(*args, chunk_size=chunk, backend=backend, **kwargs)
-
-    def reference(x):
-        args, kwargs = arguments(x)
-        return ops.cubit_rf_attention_naive(*args, **kwargs)
-
-    return fast, reference
+    return _fast_and_reference(ops.cubit_rf_attention, ops.cubit_rf_attention_naive, arguments)
 
 
 OP_CHECKS = (

@@ -7,7 +7,7 @@ GPU machine the command is for may not have pydantic.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ...errors import KernelmixError
@@ -87,6 +87,10 @@ def full_sizes() -> Sizes:
 
 def quick_sizes() -> Sizes:
     """The dry run: the same code at tiny sizes (a few minutes on CPU under the interpreter)."""
+    return _dry_run_sizes()
+
+
+def _dry_run_sizes() -> Sizes:  # apart from quick_sizes, which a test replaces with smoke_sizes
     return Sizes(
         check_cases=(CheckCase(37, 16, False), CheckCase(45, 16, True)),
         check_shape=dict(batch=1, heads=2, kv_heads=1, head_dim=16, value_dim=12, ref_dim=8, features=16),
@@ -103,14 +107,12 @@ def quick_sizes() -> Sizes:
 def smoke_sizes() -> Sizes:
     """The smallest sizes that still run every part's code (the test suite's run, tens of seconds on
     CPU under the interpreter): one check case (odd T, a chunk that does not divide it, documents,
-    grouped heads), one bench length, no warm-up, one repeat."""
-    return Sizes(
+    grouped heads), one bench length, no warm-up, one repeat; the dry run's shapes and budgets otherwise."""
+    return replace(
+        _dry_run_sizes(),
         check_cases=(CheckCase(20, 16, True),),
-        check_shape=dict(batch=1, heads=2, kv_heads=1, head_dim=16, value_dim=12, ref_dim=8, features=16),
-        lengths=(16,), long_length=None,
-        batch=1, heads=1, head_dim=16, num_features=16, repeats=1, warmup_calls=0,
+        lengths=(16,), long_length=None, heads=1, repeats=1, warmup_calls=0,
         decode_positions=(8, 16), decode_repeats=1,
-        cell_budget_s=60.0, part_budget_s={"a": 300.0, "b": 300.0, "c": 300.0},
         target_lengths={"solve": 16, "features": 16},
         compare=dict(preset="tiny", lengths=[32], seeds=[0], tokens_per_step=64, steps=1, warmup_steps=0,
                      eval_docs=1, eval_batch_size=1),
