@@ -4,7 +4,6 @@ distillation, masks, bad input. The real Gemma 3 270M check is marked slow."""
 
 import copy
 import json
-import os
 
 import pytest
 import torch
@@ -411,3 +410,15 @@ def test_convert_uses_the_configs_init_unless_told_otherwise():
     plain = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8, init="whiten"), init="identity")
     assert cv.conversion_config(plain).init == "identity"
     assert all(torch.equal(k.transform[0], eye) for k in cv.kernels(plain).values())
+
+
+@pytest.mark.parametrize("mixer", ["darkformer", "cubit"])
+def test_convert_leaves_the_callers_config_unchanged(mixer):
+    config = cv.ConversionConfig(mixer=mixer, layers="all", num_features=8, window=4, sinks=1)
+    if mixer == "cubit":
+        config.window = config.sinks = 0  # cubit takes no window; convert() used to zero them in the caller's object
+    before = copy.deepcopy(config)
+    model = cv.convert(tiny_llama(), config, init="identity")
+    assert config == before
+    recorded = cv.conversion_config(model)  # what was applied is recorded in the model instead
+    assert recorded.layer_indices == [0, 1] and recorded.init == "identity" and recorded.mixer == mixer

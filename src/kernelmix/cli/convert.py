@@ -93,7 +93,7 @@ def _cli_convert(args) -> int:
     out = check_out(opts)
     from ..data import load_corpus, text_windows
     from ..data.windows import split_texts
-    from ..pretrained import convert, load_pretrained, save_converted
+    from ..pretrained import conversion_config, convert, load_pretrained, save_converted
     from ..pretrained.logit_distill import distill
     from ..pretrained.transfer import transfer
 
@@ -127,6 +127,7 @@ def _cli_convert(args) -> int:
         shutil.rmtree(out / "distill", ignore_errors=True)
     done = " after attention transfer" if opts.transfer else ""
     done += f" and {opts.kl_steps} steps of logit distillation" if opts.kl_steps else ""
+    config = conversion_config(model)  # as applied: the layer indices resolved, cubit's window 0
     print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, window={config.window}, "
           f"init={config.init}){done}; saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
     return 0

@@ -1,4 +1,6 @@
-"""Convert a pretrained Hugging Face causal LM (Llama / Gemma families) to random-feature attention.
+"""Convert a pretrained Hugging Face causal LM (Llama / Gemma families) to a linear-cost mixer:
+``performer`` or ``darkformer`` (random features), ``hedgehog`` (a learned feature map), ``window``
+(sliding window and sinks alone) or ``cubit`` (see ``ConversionConfig.mixer``).
 
 :func:`convert` attaches a kernel (:mod:`.layer_kernels`) to each chosen layer and switches the
 model to the ``kernelmix`` attention implementation (:mod:`.attention`). The host's parameters are
@@ -18,6 +20,7 @@ QK-norm scales) of converted layers and the kernels' own parameters.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
@@ -28,7 +31,7 @@ from ..errors import KernelmixError
 from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, register
 from .calibration import capture, distill, whiten
 from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel, WindowOnlyKernel
-from .settings import (  # the settings, torch-free (what the command line reads): exported here as before
+from .settings import (  # noqa: F401 (the settings, torch-free, what the command line reads: exported here as before)
     CONFIG_KEY, CONVERSION_VERSION, DEFAULT_SINKS, DEFAULT_WINDOW, INITS, LAYER_CHOICES, MIXERS, PROJECTIONS, ConversionConfig,
     LayerSelection,
 )
@@ -63,13 +66,24 @@ def resolve_layers(model, layers: Any) -> list[int]:
 def convert(model, config: ConversionConfig | None = None, *, calibration: Tensor | None = None,
             init: str | None = None, attention_mask: Tensor | None = None, progress: bool = False,
             **init_options) -> nn.Module:
-    """Convert ``model`` in place (and return it): the chosen layers get a
-    :class:`RandomFeatureKernel` and the model runs the ``kernelmix`` attention implementation.
+    """Convert ``model`` in place (and return it): the chosen layers get the kernel of ``config.mixer``
+    (:class:`RandomFeatureKernel` for performer / darkformer, :class:`HedgehogKernel`,
+    :class:`WindowOnlyKernel` or :class:`CubitKernel`) and the model runs the ``kernelmix`` attention
+    implementation.
 
-    The host's parameters are untouched. ``init`` (DARKFormer; default ``config.init``):
-    ``identity``, ``whiten``, ``distill`` or ``whiten+distill``, the last three from ``calibration``
-    token ids ``[B, T]`` (``attention_mask`` optional); ``init_options`` go to :func:`initialise`."""
-    config = ConversionConfig() if config is None else config
+    Args:
+        model: a Hugging Face Llama / Gemma causal LM; its parameters are untouched.
+        config: what to convert and how (default ``ConversionConfig()``). Not modified: the settings
+            as applied (the resolved ``layer_indices``, the init, cubit's window = sinks = 0) are
+            recorded in the model's config, read back with :func:`conversion_config`.
+        init: DARKFormer's initialisation (default ``config.init``): ``identity``, ``whiten``,
+            ``distill`` or ``whiten+distill``, the last three from ``calibration`` token ids ``[B, T]``
+            (``attention_mask`` optional); any other mixer takes ``identity`` only.
+        init_options: passed to :func:`initialise`.
+
+    Returns:
+        ``model``, converted."""
+    config = ConversionConfig() if config is None else copy.deepcopy(config)  # the caller's stays as it was
     if init is not None:
         config.init = init
     init = config.init

@@ -102,7 +102,8 @@ class ConversionConfig:
                                                         "sinks: BOS draws much of a pretrained model's attention)")] = DEFAULT_SINKS
     chunk_size: PositiveInt = 64
     ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
-    # the initialisation (convert() records the one it used) and, filled in by convert(), the resolved layer indices
+    # the initialisation and the resolved layer indices: convert() records the ones it used in the model's config
+    # (read back with conversion_config), the caller's object unchanged
     init: Annotated[str, Choice(INITS, "init")] = "identity"
     layer_indices: Annotated[list[int], Arg(cli=False)] = field(default_factory=list)
     version: Annotated[int, Arg(cli=False)] = CONVERSION_VERSION
