@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelmix.cli import main
-from kernelmix.model import PRESETS, CausalLM, ModelCache, ModelConfig
+from kernelmix.model import CausalLM, ModelCache, ModelConfig
 
 F64 = torch.float64
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -82,4 +82,4 @@ def _add_to_subcommands(parser: argparse.ArgumentParser) -> None:
                 _add_to_subcommands(child)
 
 
-__all__ = ["COMMANDS", "GlobalOptions", "ThreadOptions", "build_parser"]
+__all__ = ["COMMANDS", "GlobalOptions", "ThreadOptions", "build_parser"]  # noqa: F822 (COMMANDS: __getattr__, lazily)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import KernelmixError
-from .settings import KNOWN_MODELS, KnownModel, cache_dir  # torch-free: exported here as before
+from .settings import KNOWN_MODELS, KnownModel, cache_dir  # noqa: F401 (torch-free: exported here as before)
 
 # model_type values (config.json) of the families conversion supports: Llama and Gemma.
 SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma2", "gemma3_text")
