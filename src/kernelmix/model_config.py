@@ -1,8 +1,8 @@
 """The model's config: :class:`ModelConfig`, plain data saved as JSON beside the weights (its
 presets: :mod:`kernelmix.presets`).
 
-This module imports no torch (the check of ``mixer_options`` imports the layers it names when a
-config has some), so that ``kernelmix train`` reads and checks its settings without the model code; :mod:`kernelmix.model` exports everything here as before
+This module imports no torch (``mixer_options`` is checked against the option names in the mixers'
+registry entries, not their layer classes), so that ``kernelmix train`` reads and checks its settings without the model code; :mod:`kernelmix.model` exports everything here as before
 (``from kernelmix.model import ModelConfig``).
 """
 
@@ -21,7 +21,7 @@ from .backends import BACKENDS
 from .config import Choice, Field, NonNegativeFloat, PositiveFloat, PositiveInt, check
 from .errors import KernelmixError
 from .layers import MIXERS, mixer_options
-from .layers.settings import check_head_geometry
+from .layers.settings import SHARED_OPTIONS, check_head_geometry
 from .presets import PRESETS
 
 
@@ -150,11 +150,9 @@ class ModelConfig:
 # The shared layer arguments that are also config fields (hidden_size, num_heads, head_dim,
 # num_kv_heads, rope_theta, chunk_size, backend) come from the config, for every layer; the others
 # (bias) may be set per mixer in mixer_options.
-# (:data:`kernelmix.model.LAYER_ARGS_FROM_CONFIG`; read from the layers' base class when first needed)
+# (:data:`kernelmix.model.LAYER_ARGS_FROM_CONFIG`)
 @functools.cache
 def layer_args_from_config() -> tuple[str, ...]:
-    from .layers import SHARED_OPTIONS  # MixerLayer's keyword arguments (its module imports torch)
-
     return tuple(name for name in SHARED_OPTIONS if name in {f.name for f in dataclasses.fields(ModelConfig)})
 
 

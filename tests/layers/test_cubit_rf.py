@@ -39,7 +39,7 @@ def test_forward_shapes_and_metadata(case):
     assert layer.mixer_name == "cubit-rf" and layer.constant_cache and layer.family == "random-features"
     params = [p.name for p in inspect.signature(CubitRFMixer.__init__).parameters.values()
               if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert params[: len(SHARED_OPTIONS)] == list(SHARED_OPTIONS)
+    assert params == list(CubitRFMixer.OPTIONS) and not set(params) & set(SHARED_OPTIONS)
     assert set(params) >= {"num_features", "projection", "data_aware", "reference", "reference_rope", "lrr", "ridge"}
 
 

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from kernelmix.layers import MIXERS, LayerCache, build_mixer, mixer_options
+from kernelmix.layers import MIXERS, LayerCache, MixerLayer, build_mixer, mixer_options
 
 from .common import BASE, HIDDEN, inputs, make_layer
 
@@ -29,8 +29,11 @@ def test_unknown_mixer_names_the_accepted_ones():
 
 @pytest.mark.parametrize("name", ALL)
 def test_constructors_are_keyword_only_without_catch_all(name):
+    # keyword-only; the one ``**shared`` goes on to MixerLayer.__init__, which has no catch-all
     params = list(inspect.signature(MIXERS[name].__init__).parameters.values())[1:]
-    assert params and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    assert params and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params if p.name != "shared")
+    shared = list(inspect.signature(MixerLayer.__init__).parameters.values())[1:]
+    assert shared and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in shared)
     with pytest.raises(TypeError):
         MIXERS[name](HIDDEN, 4)  # positional
 

@@ -8,7 +8,8 @@ One registry name per mixer (:mod:`.registry`: the names and their metadata, wit
     out_t, cache = layer(x_next, cache)    # continue token by token (or several tokens at once)
 
 Every constructor takes explicit keyword-only arguments: the shared ones (:data:`SHARED_OPTIONS`,
-defined once by :class:`MixerLayer`) and the mixer's own; :func:`build_mixer` turns an unknown
+taken by :class:`MixerLayer`) and the mixer's own (its class's ``OPTIONS``, and its registry entry's
+``MixerInfo.options``, which :func:`mixer_options` reads without importing torch); :func:`build_mixer` turns an unknown
 mixer name or option into a ``KernelmixError`` (a ``ValueError``) that lists the accepted ones. Every layer initialises
 its own parameters (``reset_parameters``); the random-feature layers share one
 :class:`RandomFeatureMap` with a converted model's kernels (``redraw_``, ``whiten_``).
@@ -16,11 +17,10 @@ its own parameters (``reset_parameters``); the random-feature layers share one
 
 from __future__ import annotations
 
-import inspect
-
 from ..errors import KernelmixError
 from ..lazy import lazy_names
 from . import registry
+from .settings import SHARED_OPTIONS
 
 #: name → layer class of every registered mixer (:mod:`.registry`, the one list of mixers), a live
 #: view: a mixer registered later is in it, and a class is imported when it is first looked up
@@ -28,14 +28,19 @@ MIXERS = registry.View(lambda: registry.REGISTRY, registry.layer_class)
 
 
 def mixer_options(name: str) -> tuple[str, ...]:
-    """The keyword arguments the mixer ``name`` accepts, in constructor order (the shared ones first)."""
-    cls = _mixer_class(name)
-    params = inspect.signature(cls.__init__).parameters.values()
-    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    """The keyword arguments the mixer ``name`` accepts: the shared ones, then its own (from its
+    registry entry, so no layer module and no torch is imported). An unknown name is a
+    ``KernelmixError`` listing the registered ones."""
+    return SHARED_OPTIONS + registry.mixer_info(name).options
 
 
 def _mixer_class(name: str) -> type:
-    return registry.layer_class(name)  # an unknown name: a KernelmixError listing the registered ones
+    cls = registry.layer_class(name)  # an unknown name: a KernelmixError listing the registered ones
+    declared = registry.mixer_info(name).options
+    if tuple(cls.OPTIONS) != declared:  # a registered mixer whose entry and class were changed apart
+        raise KernelmixError(f"mixer {name!r}: its registry entry names the options {declared}, its class "
+                             f"{cls.__name__} {tuple(cls.OPTIONS)}; make MixerInfo.options equal {cls.__name__}.OPTIONS")
+    return cls
 
 
 def build_mixer(name: str, **kwargs):
@@ -55,7 +60,7 @@ def build_mixer(name: str, **kwargs):
 
 
 __getattr__, __dir__ = lazy_names(__name__, {
-    "base": ["SHARED_OPTIONS", "LayerCache", "MixerLayer"],
+    "base": ["LayerCache", "MixerLayer"],
     "cubit": ["CubitMixer"],
     "cubit_rf": ["CubitRFMixer"],
     "deltaformer": ["DeltaFormerMixer"],

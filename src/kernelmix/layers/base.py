@@ -7,13 +7,16 @@ A layer maps ``hidden_states`` ``[B, T, hidden_size]`` to an output of the same 
     out2, cache = layer(x[:, 6:7], cache)   # decode: continue from the cache
 
 Subclasses (one per mixer, see :mod:`kernelmix.layers`) take the shared keyword arguments of
-:class:`MixerLayer` (the head geometry, defined once there) and spell only their own::
+:class:`MixerLayer` (the head geometry, defined once there, named by :data:`SHARED_OPTIONS`) and spell
+only their own, which their ``OPTIONS`` lists::
 
     class DeltaFormerMixer(MixerLayer):
+        OPTIONS = ("w",)                    # its own options; also in its registry entry (MixerInfo.options)
+
         def __init__(self, *, w: str = "k", **shared: Any) -> None:
             super().__init__(**shared)      # a misspelt option is a TypeError here
 
-(their ``__init__`` signature then lists both, see :meth:`MixerLayer.__init_subclass__`), own the
+(a test keeps ``OPTIONS``, the registry entry and ``__init__`` equal), own the
 initialisation of their parameters (:meth:`MixerLayer.reset_parameters`), and implement
 
 * ``_extras(hidden_states, q=..., k=..., k_raw=..., rotary=...)`` → dict of per-token tensors
@@ -28,7 +31,6 @@ random-feature mixers override ``_mix`` to continue a whole chunk from their rec
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,7 @@ from torch import Tensor, nn
 from ..errors import KernelmixError
 from ..ops import check_backend
 from .rope import DEFAULT_THETA, RopeTables, apply_rope, rope_positions
-from .settings import check_bool, check_choice, check_head_geometry, check_positive_int  # torch-free: exported here as before
+from .settings import SHARED_OPTIONS, check_bool, check_choice, check_head_geometry, check_positive_int  # torch-free: exported here as before
 
 
 @dataclass
@@ -108,6 +110,9 @@ class MixerLayer(nn.Module):
 
     #: registry name; set by each subclass
     mixer_name: str = ""
+    #: the subclass's own keyword arguments, in ``__init__`` order (the shared ones are
+    #: :data:`SHARED_OPTIONS`); set by each subclass that has any
+    OPTIONS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -144,24 +149,6 @@ class MixerLayer(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass ``__init__(self, *, own options..., **shared)`` that forwards ``shared`` to
-        :class:`MixerLayer` gets the signature it really accepts: the shared keyword arguments,
-        then its own (for ``inspect.signature``, ``help`` and :func:`kernelmix.layers.mixer_options`).
-        Nothing is accepted that the signature does not list: an unknown name reaches
-        ``MixerLayer.__init__``, a TypeError."""
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-        own = inspect.signature(init).parameters.values()
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own):
-            return
-        shared = inspect.signature(MixerLayer.__init__).parameters.values()
-        params = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        params[1:1] = [p for p in shared if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        init.__signature__ = inspect.Signature(params, return_annotation=inspect.signature(init).return_annotation)
 
     @torch.no_grad()
     def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
@@ -323,10 +310,5 @@ class MixerLayer(nn.Module):
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
         raise NotImplementedError
 
-
-#: The keyword arguments every mixer takes (``MixerLayer.__init__``'s), in order.
-SHARED_OPTIONS: tuple[str, ...] = tuple(
-    p.name for p in inspect.signature(MixerLayer.__init__).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
-)
 
 __all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_head_geometry", "check_positive_int", "init_linear"]

@@ -43,6 +43,8 @@ class CubitMixer(MixerLayer):
     """
 
     mixer_name = "cubit"
+    #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``)
+    OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge")
 
     def __init__(
         self,

@@ -50,6 +50,8 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     #: random-feature mixers (the registry says why that family, not "solve"), a constant-size cache
     family = "random-features"
     constant_cache = True
+    #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``)
+    OPTIONS = ("num_features", "projection", "data_aware", "reference", "reference_rope", "lrr", "lrr_range", "ridge")
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ class DeltaFormerMixer(MixerLayer):
     """
 
     mixer_name = "deltaformer"
+    OPTIONS = ("w",)  # its own keyword arguments (the shared ones: ``SHARED_OPTIONS``)
 
     def __init__(self, *, w: str = "k", **shared: Any) -> None:
         super().__init__(**shared)

@@ -43,6 +43,8 @@ class PerformerMixer(MixerLayer, RandomFeatureMap):
     mixer_name = "performer"
     #: whether the feature map has DARKFormer's transform M and query fold F
     DATA_AWARE = False
+    #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``); DARKFormer's too
+    OPTIONS = ("num_features", "projection")
 
     def __init__(self, *, num_features: int = 64, projection: str = "orthogonal", **shared: Any) -> None:
         super().__init__(**shared)  # MixerLayer: the shared arguments (a typo is a TypeError there)

@@ -14,9 +14,15 @@ the end of this module)::
 
     register(MixerInfo(
         name="cubit-rf", layer="kernelmix.layers.cubit_rf:CubitRFMixer", family="random-features",
-        constant_cache=True, op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
-        leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
+        constant_cache=True, options=CUBIT_RF_OPTIONS, op="kernelmix.ops.calls:cubit_rf",
+        step="kernelmix.ops.calls:cubit_rf_step", leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
     ))
+
+``options`` names the layer's own keyword arguments (its class's ``OPTIONS``; the shared ones are
+:data:`~kernelmix.layers.settings.SHARED_OPTIONS`), as plain strings so that a config's
+``mixer_options`` is checked without importing the layer (``kernelmix train --set
+model.mixer_options.cubit.lrrr=false`` is refused without torch); :func:`kernelmix.layers.build_mixer`
+refuses a class whose ``OPTIONS`` differ from it, and a test compares both with each ``__init__``.
 
 ``op`` and ``step`` (optional) are the functions :mod:`kernelmix.ops.calls` writes for each mixer:
 its op on the studies' one dict of inputs (``call(x, *, chunk_size=None, backend="auto",
@@ -64,6 +70,7 @@ class MixerInfo:
     layer: str  # "module:Class" of its nn.Module (a MixerLayer)
     family: str  # one of FAMILIES: what its cost grows like and which peers it is compared with
     constant_cache: bool  # its decode state has a constant size (no key/value cache growing with the context)
+    options: tuple[str, ...] = ()  # the layer's own keyword arguments (= its class's OPTIONS), beyond SHARED_OPTIONS
     op: str | None = None  # "module:function": the op as bench, demo and gpu-check call it
     step: str | None = None  # "module:function": one decode token after ``op(..., return_state=True)``
     leaves: tuple[str, ...] = ("q", "k", "v")  # the inputs a forward+backward of the op differentiates
@@ -76,6 +83,11 @@ class MixerInfo:
 
 
 REGISTRY: dict[str, MixerInfo] = {}
+
+# the layers' own options (each class's OPTIONS, spelt again here so that reading them needs no torch)
+CUBIT_OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge")
+RANDOM_FEATURE_OPTIONS = ("num_features", "projection")
+CUBIT_RF_OPTIONS = ("num_features", "projection", "data_aware", *CUBIT_OPTIONS)
 
 
 def register(info: MixerInfo) -> MixerInfo:
@@ -169,6 +181,9 @@ class View(Mapping):
             raise KeyError(name)
         return self._value(name) if self._value is not None else items[name]
 
+    def __contains__(self, name: object) -> bool:  # without building the value (a layer class: torch)
+        return name in self._items()
+
     def __iter__(self) -> Iterator[str]:
         return iter(tuple(self._items()))
 
@@ -188,15 +203,15 @@ OP_MIXERS = View(_with_op)
 
 register(MixerInfo("softmax", "kernelmix.layers.softmax:SoftmaxMixer", "softmax", constant_cache=False,
                    op="kernelmix.ops.calls:softmax", step="kernelmix.ops.calls:softmax_step"))
-register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False,
+register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False, options=CUBIT_OPTIONS,
                    op="kernelmix.ops.calls:cubit", step="kernelmix.ops.calls:cubit_step", leaves=("q", "k", "v", "r", "rho"),
                    variants=(Variant("cubit-nolrr", {"lrr": False}, "no LRR"),)))
-register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False,
+register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False, options=("w",),
                    op="kernelmix.ops.calls:deltaformer", step="kernelmix.ops.calls:deltaformer_step", leaves=("q", "k", "v", "beta")))
 register(MixerInfo("performer", "kernelmix.layers.random_features:PerformerMixer", "random-features",
-                   constant_cache=True, op="kernelmix.ops.calls:performer", step="kernelmix.ops.calls:performer_step"))
+                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:performer", step="kernelmix.ops.calls:performer_step"))
 register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMixer", "random-features",
-                   constant_cache=True, op="kernelmix.ops.calls:darkformer", step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
+                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:darkformer", step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
 # Cubit-RF (docs/math.md §12): Cubit's ridge solve, but on random features. Its family is
 # "random-features", not "solve": a family says what the cost grows like and which targets and peers
 # a mixer is measured against (gpu-check part (b): the "solve" family gets the T² targets — within
@@ -205,12 +220,12 @@ register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMix
 # O(m·d) state, and issue 27's targets for it are the linear ones. in_defaults=False: no results of it
 # are committed yet under results/compare or results/recall, and it would lengthen the README's main
 # job (`kernelmix compare`, ≈ 16 min for the six others) — train it with --mixers ...,cubit-rf.
-register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True,
+register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True, options=CUBIT_RF_OPTIONS,
                    op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
                    leaves=("q", "k", "v", "r", "rho"), in_defaults=False))
 
 
 __all__ = [
-    "FAMILIES", "REGISTRY", "MixerInfo", "Variant", "View", "default_variants", "layer_class", "load", "mixer_info", "mixer_names",
+    "CUBIT_OPTIONS", "CUBIT_RF_OPTIONS", "FAMILIES", "RANDOM_FEATURE_OPTIONS", "REGISTRY", "MixerInfo", "Variant", "View", "default_variants", "layer_class", "load", "mixer_info", "mixer_names",
     "OP_MIXERS", "op_call", "op_mixers", "register", "step_call", "unregister", "variants",
 ]

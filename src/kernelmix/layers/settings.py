@@ -1,6 +1,7 @@
 """What the configs above the layers read without torch (the layer modules import it): the names they
-offer as choices (:data:`PROJECTIONS`, exported by :mod:`.feature_map` as before) and the layers'
-argument checks, :func:`check_head_geometry` among them (:class:`kernelmix.model_config.ModelConfig`
+offer as choices (:data:`PROJECTIONS`, exported by :mod:`.feature_map` as before), the keyword
+arguments every mixer takes (:data:`SHARED_OPTIONS`, exported by :mod:`.base` as before) and the
+layers' argument checks, :func:`check_head_geometry` among them (:class:`kernelmix.model_config.ModelConfig`
 checks every layer's head layout with it; :mod:`.base` exports them as before)."""
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from typing import Any
 from ..errors import KernelmixError
 
 PROJECTIONS = ("orthogonal", "iid")  # the random features' projection W: orthogonal blocks or iid Gaussian
+
+#: The keyword arguments every mixer takes (:class:`~kernelmix.layers.base.MixerLayer`'s ``__init__``,
+#: in its order; a test keeps the two equal). A mixer's own ones are its class's ``OPTIONS`` and its
+#: registry entry's ``MixerInfo.options``.
+SHARED_OPTIONS: tuple[str, ...] = (
+    "hidden_size", "num_heads", "head_dim", "num_kv_heads", "rope_theta", "bias", "chunk_size", "backend",
+)
 
 
 # The argument checks of the layers (errors name the argument, the value and what is accepted).
@@ -61,4 +69,4 @@ def check_head_geometry(
     return head_dim, num_kv_heads
 
 
-__all__ = ["PROJECTIONS", "check_bool", "check_choice", "check_head_geometry", "check_positive_int"]
+__all__ = ["PROJECTIONS", "SHARED_OPTIONS", "check_bool", "check_choice", "check_head_geometry", "check_positive_int"]

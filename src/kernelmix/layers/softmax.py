@@ -22,6 +22,7 @@ class SoftmaxMixer(MixerLayer):
     """
 
     mixer_name = "softmax"
+    OPTIONS = ()  # no options of its own
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, SoftmaxState]:
         return softmax_attention(q, k, v, doc_start=extras["doc_start"], return_state=True)
