@@ -529,6 +529,13 @@ def segmented_cummax(x: Tensor, doc_start: Tensor | None) -> Tensor:
     return ordered.gather(-1, best)
 
 
+def zero_nonfinite(inputs: dict[str, Tensor | None], heads: int) -> tuple[NonFinite, tuple[Tensor | None, ...]]:
+    """The dense references' policy: (the guard of ``inputs``, built unconditionally, and every input with its
+    non-finite tokens zeroed, in the order of ``inputs``); the reference then sets the rows that see one to NaN."""
+    guard = find_nonfinite(inputs, heads, always=True)
+    return guard, tuple(guard.zeroed(name, x) for name, x in inputs.items())
+
+
 def reaches_causal(bad: Tensor, doc_start: Tensor | None, offset: int = 0) -> Tensor:
     """``[B, T, H]``: True where token i sees a token j ≤ i of its own document with ``bad[b, j, h]``
     (``doc_start`` ``[B, T]`` absolute; token i at index ``offset + i``). The latest bad index so far

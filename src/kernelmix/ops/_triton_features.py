@@ -190,31 +190,44 @@ def _load_value_block(ptr, t, row_ok, row_stride, cols, cols_ok):
 
 
 @triton.jit
+def _program_block(H, H_KV, dv, BLOCK_V: tl.constexpr):
+    """This program's (batch, query head) and block of value columns: (pid_bh, pid_v, b, h, kv, cols, cols_ok)."""
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
+    h = pid_bh % H
+    kv = h // (H // H_KV)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    return pid_bh, pid_v, b, h, kv, cols, cols < dv
+
+
+@triton.jit
+def _initial_state(s0_ptr, z0_ptr, shift0_ptr, pid_bh, m_feats, dv, cols, cols_ok, BLOCK_M: tl.constexpr):
+    """The state the call starts from, this program's part: (state_rows, state_mask, feat_ok, S, z, shift)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    feat_ok = offs_m < m_feats
+    state_rows = pid_bh * m_feats + offs_m
+    state_mask = feat_ok[:, None] & cols_ok[None, :]
+    state_s = tl.load(s0_ptr + state_rows[:, None] * dv + cols[None, :], mask=state_mask, other=0.0)
+    state_z = tl.load(z0_ptr + state_rows, mask=feat_ok, other=0.0)
+    return state_rows, state_mask, feat_ok, state_s, state_z, tl.load(shift0_ptr + pid_bh)
+
+
+@triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_ptr, shift0_ptr,
                     out_ptr, den_ptr, shift_ptr, qmax_ptr, s_out_ptr, z_out_ptr, shift_out_ptr,
                     T, H, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, floor,
                     HAS_TRANSFORM: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program: one (batch, query head) and one block of value columns, all chunks in order."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
-    h = pid_bh % H
-    kv = h // (H // H_KV)
-    offs_m = tl.arange(0, BLOCK_M)
-    feat_ok = offs_m < m_feats
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols_ok = cols < dv
+    pid_bh, pid_v, b, h, kv, cols, cols_ok = _program_block(H, H_KV, dv, BLOCK_V)
     q_head = q_ptr + b * T * H * d + h * d
     k_head = k_ptr + b * T * H_KV * d + kv * d
     v_head = v_ptr + b * T * H_KV * dv + kv * dv
     w_head = w_ptr + h * w_head_stride
     m_head = m_ptr + h * d * d
-    state_rows = pid_bh * m_feats + offs_m
-    state_mask = feat_ok[:, None] & cols_ok[None, :]
-    state_s = tl.load(s0_ptr + state_rows[:, None] * dv + cols[None, :], mask=state_mask, other=0.0)
-    state_z = tl.load(z0_ptr + state_rows, mask=feat_ok, other=0.0)
-    carried = tl.load(shift0_ptr + pid_bh)
+    state_rows, state_mask, feat_ok, state_s, state_z, carried = _initial_state(
+        s0_ptr, z0_ptr, shift0_ptr, pid_bh, m_feats, dv, cols, cols_ok, BLOCK_M)
     c = 0
     while c < n_chunks:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
@@ -303,22 +316,12 @@ def _query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_pt
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Forward direction: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the earlier chunks through
     the recomputed state; then through the query feature map to dq (this value block's part)."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
-    h = pid_bh % H
-    kv = h // (H // H_KV)
-    offs_m = tl.arange(0, BLOCK_M)
-    feat_ok = offs_m < m_feats
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols_ok = cols < dv
+    pid_bh, pid_v, b, h, kv, cols, cols_ok = _program_block(H, H_KV, dv, BLOCK_V)
     w_head = w_ptr + h * w_head_stride
     m_head = m_ptr + h * d * d
-    state_rows = pid_bh * m_feats + offs_m
-    state_s = tl.load(s0_ptr + state_rows[:, None] * dv + cols[None, :], mask=feat_ok[:, None] & cols_ok[None, :],
-                      other=0.0)
-    state_z = tl.load(z0_ptr + state_rows, mask=feat_ok, other=0.0)
-    carried = tl.load(shift0_ptr + pid_bh)
+    # (not `_`: the loop below assigns `_` too, and Triton would carry it through the loop with two types)
+    _state_rows, _state_mask, _feat_ok, state_s, state_z, carried = _initial_state(
+        s0_ptr, z0_ptr, shift0_ptr, pid_bh, m_feats, dv, cols, cols_ok, BLOCK_M)
     dw_sum = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dm_sum = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
     c = 0
@@ -356,13 +359,7 @@ def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
     """Reverse direction: dv_j and dφk_j from this chunk's rows and from the later rows of the same
     document through R = Σ_i exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ (at most 1 per term); then through the
     key feature map to dk (this value block's part)."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
-    h = pid_bh % H
-    kv = h // (H // H_KV)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols_ok = cols < dv
+    pid_bh, pid_v, b, h, kv, cols, cols_ok = _program_block(H, H_KV, dv, BLOCK_V)
     offs_d = tl.arange(0, BLOCK_D)
     w_head = w_ptr + h * w_head_stride
     m_head = m_ptr + h * d * d

@@ -20,25 +20,9 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
-    NonFinite,
-    append_rows,
-    autocast_off,
-    cached_nonfinite,
-    check_4d,
-    check_chunk_size,
-    check_doc_start,
-    check_per_token_heads,
-    check_per_token_range,
-    check_qkv,
-    check_state,
-    compute_dtype,
-    decode_logits,
-    expand_heads,
-    find_nonfinite,
-    per_head,
-    readout_values,
-    softmax_scale,
-    step_nonfinite,
+    NonFinite, append_rows, autocast_off, cached_nonfinite, check_4d, check_chunk_size, check_doc_start,
+    check_per_token_heads, check_per_token_range, check_qkv, check_state, compute_dtype, decode_logits,
+    expand_heads, find_nonfinite, per_head, readout_values, softmax_scale, step_nonfinite, zero_nonfinite,
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
@@ -248,8 +232,7 @@ def cubit_attention_naive(
     _check_cubit_inputs(q, k, v, r, rho)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)
-    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads, always=True)
-    k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
+    guard, (k, v, r, rho) = zero_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)
     dtype = compute_dtype(q, k, v, r)
     lam = per_head("ridge", ridge, heads, r.to(dtype), positive=True)
     s = per_head("ref_scale", ref_scale, heads, r.to(dtype), positive=True)

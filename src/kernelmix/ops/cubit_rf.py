@@ -37,21 +37,9 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import KernelmixError
 from ._backend import check_backend
 from ._common import (
-    autocast_off,
-    check_4d,
-    check_chunk_size,
-    check_doc_start,
-    check_per_token_heads,
-    check_qkv,
-    check_state,
-    check_tensor,
-    compute_dtype,
-    expand_heads,
-    find_nonfinite,
-    per_head,
-    reaches_causal,
-    scan_syncs,
-    segmented_cummax,
+    autocast_off, check_4d, check_chunk_size, check_doc_start, check_per_token_heads, check_qkv, check_state,
+    check_tensor, compute_dtype, expand_heads, find_nonfinite, per_head, reaches_causal, scan_syncs,
+    segmented_cummax, zero_nonfinite,
 )
 from .cubit import REFERENCE_NORM_EPS, check_rho, normalize_reference
 from .random_features import (
@@ -426,8 +414,7 @@ def cubit_rf_attention_naive(
     _check_inputs(q, k, v, r, projection, rho, transform)
     batch, length, heads, d = q.shape
     check_doc_start(doc_start, batch, length)
-    guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads, always=True)
-    k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
+    guard, (k, v, r, rho) = zero_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)
     f64 = torch.float64
     lam = per_head("ridge", ridge, heads, q.to(f64), positive=True)
     s = per_head("ref_scale", ref_scale, heads, q.to(f64), positive=True)

@@ -17,24 +17,9 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._common import (
-    append_rows,
-    autocast_off,
-    cached_nonfinite,
-    check_4d,
-    check_chunk_size,
-    check_doc_start,
-    check_per_token_heads,
-    check_per_token_range,
-    check_qkv,
-    check_state,
-    compute_dtype,
-    decode_logits,
-    expand_heads,
-    find_nonfinite,
-    masked_softmax,
-    readout_values,
-    softmax_scale,
-    step_nonfinite,
+    append_rows, autocast_off, cached_nonfinite, check_4d, check_chunk_size, check_doc_start, check_per_token_heads,
+    check_per_token_range, check_qkv, check_state, compute_dtype, decode_logits, expand_heads, find_nonfinite,
+    masked_softmax, readout_values, softmax_scale, step_nonfinite, zero_nonfinite,
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
@@ -151,8 +136,7 @@ def deltaformer_attention_naive(
     _check_inputs(q, k, v, beta, w)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)
-    guard = find_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads, always=True)
-    k, v, beta, w = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("beta", beta), ("w", w)))
+    guard, (k, v, beta, w) = zero_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads)
     w = k if w is None else w
     dtype = compute_dtype(q, k, v, w)
     sc = softmax_scale(q, scale)

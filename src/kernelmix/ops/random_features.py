@@ -31,21 +31,8 @@ from torch import Tensor
 from ..errors import KernelmixError
 from ._backend import resolve_backend
 from ._common import (
-    NonFinite,
-    autocast_off,
-    check_4d,
-    check_chunk_size,
-    check_doc_start,
-    check_mask,
-    check_qkv,
-    check_state,
-    check_tensor,
-    compute_dtype,
-    expand_heads,
-    find_nonfinite,
-    reaches_causal,
-    scan_syncs,
-    segmented_cummax,
+    NonFinite, autocast_off, check_4d, check_chunk_size, check_doc_start, check_mask, check_qkv, check_state,
+    check_tensor, compute_dtype, expand_heads, find_nonfinite, reaches_causal, scan_syncs, segmented_cummax,
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,30 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return out.to(torch.bfloat16)
 
 
+@overload
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    doc_start: Tensor | None = None,
+    return_state: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    doc_start: Tensor | None = None,
+    return_state: Literal[True],
+) -> tuple[Tensor, SoftmaxState]: ...
+
+
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -68,7 +93,7 @@ def softmax_attention(
     scale: float | None = None,
     doc_start: Tensor | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, SoftmaxState]:
     """Causal softmax attention o_i = Σ_{j≤i} softmax_j(q_i·k_j·scale) v_j via SDPA.
 
     ``q`` is ``[B, T, H, d]``; ``k``/``v`` are ``[B, T, H_kv, d]`` with ``H % H_kv == 0``.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -98,6 +99,44 @@ def _check_features(q: Tensor, k: Tensor, q_features: Tensor, k_features: Tensor
         )
 
 
+@overload
+def window_feature_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_features: Tensor,
+    k_features: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    scale: float | None = None,
+    relative_features: bool = False,
+    doc_start: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: WindowFeatureState | None = None,
+    return_state: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload
+def window_feature_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_features: Tensor,
+    k_features: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    scale: float | None = None,
+    relative_features: bool = False,
+    doc_start: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: WindowFeatureState | None = None,
+    return_state: Literal[True],
+) -> tuple[Tensor, WindowFeatureState]: ...
+
+
 def window_feature_attention(
     q: Tensor,
     k: Tensor,
@@ -113,7 +152,7 @@ def window_feature_attention(
     chunk_size: int = 64,
     initial_state: WindowFeatureState | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, WindowFeatureState]:
     """Causal attention, exact over the last ``window`` tokens and through positive features before
     them, in one normalisation (module docstring). O(T·(w + m)·d), never a T×T matrix.
 
