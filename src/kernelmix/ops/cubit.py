@@ -14,6 +14,7 @@ decodes one token from a (k, u, r̂) cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -161,6 +162,44 @@ def _cubit_solve(
     return u, (r * factor[..., None] if want_r_hat else None)
 
 
+@overload
+def cubit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    return_state: Literal[False] = False,
+    solver: str = "auto",
+    backend: str = "auto",
+) -> Tensor: ...
+
+
+@overload
+def cubit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    return_state: Literal[True],
+    solver: str = "auto",
+    backend: str = "auto",
+) -> tuple[Tensor, CubitState]: ...
+
+
 def cubit_attention(
     q: Tensor,
     k: Tensor,
@@ -176,7 +215,7 @@ def cubit_attention(
     return_state: bool = False,
     solver: str = "auto",
     backend: str = "auto",
-):
+) -> Tensor | tuple[Tensor, CubitState]:
     """Cubit attention, fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
     ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi); any value in (0, ∞), else a
     KernelmixError on the CPU) or None for ρ ≡ 1.

@@ -29,6 +29,7 @@ other row is what the clean input gives (as ``cubit_attention`` and ``random_fea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -288,6 +289,46 @@ def _starting_state(initial: RandomFeatureState | None, values: Tensor, m: int):
 # The ops
 
 
+@overload
+def cubit_rf_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    projection: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    transform: Tensor | None = None,
+    doc_start: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: CubitRFState | None = None,
+    return_state: Literal[False] = False,
+    backend: str = "auto",
+) -> Tensor: ...
+
+
+@overload
+def cubit_rf_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    projection: Tensor,
+    *,
+    rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0,
+    transform: Tensor | None = None,
+    doc_start: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: CubitRFState | None = None,
+    return_state: Literal[True],
+    backend: str = "auto",
+) -> tuple[Tensor, CubitRFState]: ...
+
+
 def cubit_rf_attention(
     q: Tensor,
     k: Tensor,
@@ -304,7 +345,7 @@ def cubit_rf_attention(
     initial_state: CubitRFState | None = None,
     return_state: bool = False,
     backend: str = "auto",
-):
+) -> Tensor | tuple[Tensor, CubitRFState]:
     """Cubit-RF attention in chunks, O(T·m·d) time and an O(m·d) state (never a T × T matrix).
 
     ``q``, ``r`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]`` (grouped heads are expanded);

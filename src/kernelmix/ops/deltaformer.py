@@ -11,6 +11,7 @@ i.e. (I + diag(β) P) U = V with P the strictly-causal softmax of w kᵀ. ``w`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -62,6 +63,40 @@ def _check_inputs(q, k, v, beta, w) -> None:
             )
 
 
+@overload
+def deltaformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None = None,
+    w: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    return_state: Literal[False] = False,
+    solver: str = "auto",
+    backend: str = "auto",
+) -> Tensor: ...
+
+
+@overload
+def deltaformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None = None,
+    w: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    return_state: Literal[True],
+    solver: str = "auto",
+    backend: str = "auto",
+) -> tuple[Tensor, DeltaFormerState]: ...
+
+
 def deltaformer_attention(
     q: Tensor,
     k: Tensor,
@@ -75,7 +110,7 @@ def deltaformer_attention(
     return_state: bool = False,
     solver: str = "auto",
     backend: str = "auto",
-):
+) -> Tensor | tuple[Tensor, DeltaFormerState]:
     """DeltaFormer, fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
     ``beta``: ``[B, T, H]`` in [0, 1] (None = ones; outside: a KernelmixError on the CPU); ``w`` (default
     ``k``): the solve's query side.

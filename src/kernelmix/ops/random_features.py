@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -265,6 +266,38 @@ def _running_shift(key_max: Tensor, doc_start: Tensor | None) -> Tensor:
     return segmented_cummax(key_max, doc_start)
 
 
+@overload
+def random_feature_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    transform: Tensor | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    initial_state: RandomFeatureState | None = None,
+    return_state: Literal[False] = False,
+    backend: str = "auto",
+) -> Tensor: ...
+
+
+@overload
+def random_feature_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    transform: Tensor | None = None,
+    chunk_size: int = 64,
+    doc_start: Tensor | None = None,
+    initial_state: RandomFeatureState | None = None,
+    return_state: Literal[True],
+    backend: str = "auto",
+) -> tuple[Tensor, RandomFeatureState]: ...
+
+
 def random_feature_attention(
     q: Tensor,
     k: Tensor,
@@ -277,7 +310,7 @@ def random_feature_attention(
     initial_state: RandomFeatureState | None = None,
     return_state: bool = False,
     backend: str = "auto",
-):
+) -> Tensor | tuple[Tensor, RandomFeatureState]:
     """Causal random-feature attention in chunks (never a T×T matrix): O(T·m·d) time.
 
     ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]``; ``projection`` ``[m, d]`` or ``[H, m, d]``;
