@@ -272,11 +272,15 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_ptr, 
 
 
 @triton.jit
-def _recompute_chunk(q_head, k_head, v_head, g_head, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, c, pid_bh, pid_v, cols,
-                     cols_ok, T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM: tl.constexpr,
+def _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v,
+                     cols, cols_ok, T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM: tl.constexpr,
                      HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """What both backward kernels need of chunk c: the features again (from the saved key shift and
     query max, so they are the forward's), the masks, the value block, ĝ and (block 0 only) c_i."""
+    q_head = q_ptr + b * T * H * d + h * d
+    k_head = k_ptr + b * T * H_KV * d + kv * d
+    v_head = v_ptr + b * T * H_KV * dv + kv * dv
+    g_head = g_ptr + b * T * H * dv + h * dv
     t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
     chunk_start = start + c * BLOCK_T
     x_tilde_q, x_prime_q, q_logits, x_tilde_k, x_prime_k, k_logits, valid = _chunk_features(
@@ -328,10 +332,8 @@ def _query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_pt
     while c < n_chunks:  # (a while loop: see the note at the top)
         (t, row_ok, pos, doc, chunk_start, x_tilde_q, x_prime_q, _, _, q_feat, key_feat, shift, continuing, decay, v,
          g_hat, c_row) = _recompute_chunk(
-            q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_KV * d + kv * d, v_ptr + b * T * H_KV * dv + kv * dv,
-            g_ptr + b * T * H * dv + h * dv, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, c, pid_bh, pid_v, cols, cols_ok,
-            T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D,
-            BLOCK_M)
+            q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, cols, cols_ok,
+            T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M)
         d_scores = (tl.dot(g_hat, tl.trans(v), input_precision="ieee") + c_row[:, None]) * decay
         d_feat = tl.dot(d_scores, key_feat, input_precision="ieee")
         carry = _exp_where(carried - shift, continuing)
@@ -373,10 +375,8 @@ def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
         c = n_chunks - 1 - step
         (t, row_ok, pos, doc, chunk_start, _, _, x_tilde_k, x_prime_k, q_feat, key_feat, shift, continuing, decay, v,
          g_hat, c_row) = _recompute_chunk(
-            q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_KV * d + kv * d, v_ptr + b * T * H_KV * dv + kv * dv,
-            g_ptr + b * T * H * dv + h * dv, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, c, pid_bh, pid_v, cols, cols_ok,
-            T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D,
-            BLOCK_M)
+            q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, cols, cols_ok,
+            T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M)
         sigma = _last_row(shift, t, c, T, BLOCK_T)
         doc_last = _last_row(doc, t, c, T, BLOCK_T)
         previous = tl.load(shift_ptr + pid_bh * T + tl.maximum(c * BLOCK_T - 1, 0))
