@@ -8,8 +8,12 @@ DDP, or FSDP2 with ``fsdp=true``; gloo on CPU, nccl on CUDA). The order of thing
    written (:func:`open_run`);
 2. tokenize the corpus (cached) and build the model, AdamW and the samplers (:func:`load_dataset`,
    :func:`build_model`, :func:`~.parallelize.parallelize`, :func:`build_optimizer`, :func:`build_samplers`);
-3. loop (:class:`PretrainTrainer`, run by :meth:`.trainer.Trainer.run`): log → evaluate →
-   checkpoint → (stop?) → redraw random features → one optimizer step.
+3. loop (:class:`PretrainTrainer`, run by :meth:`.trainer.Trainer.run`, whose docstring lists
+   every call of one step in order): log (``before_boundary``) → evaluate → checkpoint (``save``) →
+   (stop?) → redraw random features (``before_step``) → one optimizer step (``step``: ``lr``,
+   ``micro_batches``, ``loss`` per micro-batch under ``sync``) → queue its loss (``after_step``).
+   Everything a step reads is set in ``PretrainTrainer.__init__``; :meth:`PretrainTrainer.train`
+   opens the outputs, starts the clocks and runs the loop.
 
 Data: the batch of step s is a pure function of (seed, s) and the *global* batch
 ``batch_size × grad_accum × world_size``: process r's micro-step a reads the sampler shard
@@ -535,11 +539,14 @@ class PretrainTrainer(Trainer):
         self.wall_before = float(ckpt.state.get("wall_s", 0.0)) if ckpt is not None else 0.0  # earlier sessions
         self.pending: list[torch.Tensor] = []  # [loss, grad norm] of the steps not yet logged
         self.train_time = 0.0  # seconds of optimizer steps (tokens/s excludes evaluation and checkpoints)
+        self.saved_step: int | None = ckpt.step if ckpt is not None else None  # the last step checkpointed
+        # set by train(), when the run may write and its clock starts
+        self.reporter: Reporter | None = None
+        self.started = self.window_start = 0.0  # perf_counter at train() / at the start of the unlogged steps
 
     def train(self, progress: bool | None) -> TrainResult:
         """Write the run's record, then run the loop; returns the :class:`TrainResult`."""
         self.reporter = self.open_outputs(progress)
-        self.saved_step: int | None = self.ckpt.step if self.ckpt is not None else None
         self.started = self.window_start = time.perf_counter()
         self.model.train()
         try:

@@ -204,7 +204,31 @@ class Trainer:
     def run(self) -> int:
         """Drive the loop (see the module docstring); returns the step it stopped at. A stop
         signal ends it at the next boundary: that step is evaluated if due and saved (unless no
-        update was done since the start), then :meth:`interrupted`'s error is raised."""
+        update was done since the start), then :meth:`interrupted`'s error is raised.
+
+        One turn of the loop, in the order the code below calls things (``s`` starts at
+        ``schedule.start_step``; what :class:`~kernelmix.training.loop.PretrainTrainer` does in a
+        hook is on the right)::
+
+            agree_on_signal(received)                the stop signal all processes act on
+            due = Due(evaluate, save, stop)          from the schedule (and the signal)
+            before_boundary(s, due)                  log the steps not yet logged
+            evaluate(s)            if due.evaluate   validation loss
+            save(s)                if due.save       checkpoint
+            stop                   if due.stop
+            before_step(s)                           redraw random features (every redraw_every)
+            step(s):                                 one optimizer update
+                set_lr(optimizer, lr(s))
+                optimizer_step(optimizer, micro_batches(s), loss, ...):
+                    for each micro-batch b:  with sync(last): loss(b).backward()
+                    clip the gradient of params to grad_clip
+                    agree(non-finite count)  if skip_non_finite
+                    optimizer.step()         unless skipped
+            s += 1
+            after_step(s, outcome) → True: stop      queue loss and grad norm; count a skipped update
+
+        After the loop, ``agree_on_signal`` once more (a signal during the last evaluation or save),
+        then ``raise interrupted(s, signal)`` if there was one."""
         schedule = self.schedule
         step = schedule.start_step
         with catch_stop_signals() as signals:
