@@ -1,7 +1,8 @@
 """A GPT-style causal language model with a token mixer chosen per layer.
 
 Read top to bottom: the config (its presets: :mod:`kernelmix.presets`), the two sub-blocks (RMSNorm,
-SwiGLU), the block, the model, and the cache. The mixers themselves live in :mod:`kernelmix.layers`.
+SwiGLU), the block, the cache and output, the model and its forward and loss, then the checks of
+forward's inputs. The mixers themselves live in :mod:`kernelmix.layers`.
 
     config = ModelConfig.preset("small", mixer="cubit")
     model = CausalLM(config)
@@ -259,149 +260,6 @@ class CausalLM(nn.Module):
         """Trainable parameters, a tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
 
-    # -- inputs -------------------------------------------------------------------------------
-
-    def _check_input_ids(self, input_ids: Any) -> Tensor:
-        """``input_ids`` as int64 (any integer dtype is accepted: the embedding takes only int32/int64)."""
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise KernelmixError(f"input_ids must be a [B, T] tensor of token ids, got {got}")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise KernelmixError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}; pass ids.long()")
-        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise KernelmixError(
-                f"input_ids must hold at least one row and one token, got shape {tuple(input_ids.shape)}"
-            )
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= self.config.vocab_size:
-            raise KernelmixError(
-                f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size), got min {low} and max {high}; "
-                "is the tokenizer the one this model was built for?"
-            )
-        return input_ids.long()
-
-    def _check_labels(self, labels: Any, input_ids: Tensor) -> tuple[Tensor, bool]:
-        """``labels`` as int64 and whether they leave no token to predict (all -100 after the shift)."""
-        if not isinstance(labels, Tensor) or labels.shape != input_ids.shape:
-            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
-            raise KernelmixError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-            raise KernelmixError(
-                f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}; pass labels.long()"
-            )
-        labels = labels.long()  # cross_entropy takes int64 targets only
-        bad = ((labels < 0) & (labels != -100)) | (labels >= self.config.vocab_size)
-        # one device sync for both questions
-        any_bad, nothing = torch.stack([bad.any(), (labels[:, 1:] == -100).all()]).tolist()
-        if any_bad:
-            raise KernelmixError(
-                f"labels must lie in [0, {self.config.vocab_size}) (vocab_size) or be -100 (ignored), got "
-                f"{labels[bad].unique()[:5].tolist()}"
-            )
-        return labels, nothing
-
-    def _check_cache(self, cache: Any, batch: int) -> None:
-        if not isinstance(cache, ModelCache):
-            raise KernelmixError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
-        mixers = tuple(self.config.layer_mixers())
-        if cache.layer_mixers != mixers:
-            raise KernelmixError(
-                f"cache was built by a model with {len(cache.layer_mixers)} layers {list(cache.layer_mixers)}, "
-                f"this model has {len(mixers)} layers {list(mixers)}; pass the cache of this model"
-            )
-        if cache.next_position.shape != (batch,):
-            raise KernelmixError(f"cache holds {cache.next_position.shape[0]} rows, input_ids has {batch}")
-
-    def _positions_and_documents(
-        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, cache: ModelCache | None
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """RoPE positions and document starts ``[B, T]`` and each row's next position ``[B]``
-        (None, None, None for a plain unpadded batch).
-
-        Real token at index a with position p belongs to the document starting at a − p (positions
-        restart at 0 per document); a padding token (mask 0) is a one-token document of its own,
-        so nobody reads it. Only left (or right) padding is meaningful: a gap of padding between
-        real tokens is refused, since real tokens after it would still have to read those before."""
-        batch, length = input_ids.shape
-        offset = 0 if cache is None else cache.length
-        index = offset + torch.arange(length, device=input_ids.device)
-        if attention_mask is None and position_ids is None and cache is None:
-            return None, None, None
-        real = None
-        if attention_mask is not None:
-            real = self._current_mask(attention_mask, batch, length, offset)
-        if position_ids is not None:
-            self._check_position_ids(position_ids, batch, length)
-        if position_ids is None:
-            if cache is not None:
-                start = cache.next_position[:, None]
-            else:
-                start = torch.zeros(batch, 1, dtype=torch.long, device=input_ids.device)
-            if real is None:
-                position_ids = start + torch.arange(length, device=input_ids.device)
-                next_position = start[:, 0] + length
-            else:
-                position_ids = start + (real.long().cumsum(dim=1) - 1).clamp_min(0)
-                # not position_ids[:, -1] + 1: a chunk that is all left padding leaves the next position at start
-                next_position = start[:, 0] + real.long().sum(dim=1)
-        else:
-            next_position = position_ids[:, -1].long() + 1
-        position_ids = position_ids.long()
-        doc_start = (index - position_ids).clamp(min=0)
-        if cache is not None:  # the document of the last cached token may go on
-            doc_start = torch.maximum(doc_start, cache.doc_start[:, None])
-        # documents are contiguous: a later token never starts its document before an earlier one
-        doc_start = torch.cummax(doc_start, dim=1).values
-        if real is not None:
-            doc_start = torch.where(real, doc_start, index.expand(batch, length))
-        return position_ids, doc_start, next_position
-
-    @staticmethod
-    def _check_position_ids(position_ids: Any, batch: int, length: int) -> None:
-        if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) != (batch, length) or (
-            position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool
-        ):
-            got = (f"{tuple(position_ids.shape)} {position_ids.dtype}" if isinstance(position_ids, Tensor)
-                   else type(position_ids).__name__)
-            raise KernelmixError(
-                f"position_ids must be an integer tensor of shape [B, T] = {(batch, length)}, got {got}; "
-                "give each token its position in its document (0, 1, 2, ... restarting at 0 per document)"
-            )
-        if int(position_ids.min()) < 0:
-            raise KernelmixError(
-                f"position_ids must be >= 0, got a minimum of {int(position_ids.min())}; positions count 0, 1, 2, ... "
-                "from the first token of each document (left padding: leave position_ids out and pass attention_mask)"
-            )
-
-    @staticmethod
-    def _current_mask(attention_mask: Any, batch: int, length: int, offset: int) -> Tensor:
-        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-            attention_mask.shape[1] not in (length, offset + length)
-        ):
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise KernelmixError(
-                f"attention_mask must have shape [B, T] = {(batch, length)} (or [B, past + T] = "
-                f"{(batch, offset + length)}), got {got}"
-            )
-        mask = attention_mask.bool()
-        if mask.shape[1] != length:
-            mask = mask[:, -length:]
-        # a 0 between two 1s in a row is a gap of padding inside the sequence
-        seen_real = mask.long().cummax(dim=1).values.bool()
-        remaining_real = mask.flip(1).long().cummax(dim=1).values.flip(1).bool()
-        not_binary = ~((attention_mask == 0) | (attention_mask == 1))
-        has_gap, any_not_binary = torch.stack([(seen_real & remaining_real & ~mask).any(), not_binary.any()]).tolist()
-        if any_not_binary:  # .bool() would read 0.5 or 2 as a real token without a word
-            raise KernelmixError(
-                f"attention_mask must hold only 0 (padding) and 1 (real token), got {attention_mask[not_binary][:5].tolist()}"
-            )
-        if has_gap:
-            raise KernelmixError(
-                "attention_mask has padding between real tokens; only left padding (for batched generation) "
-                "or right padding is supported — pack documents with position_ids instead"
-            )
-        return mask
-
     # -- forward --------------------------------------------------------------------------------
 
     def forward(
@@ -415,7 +273,8 @@ class CausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Logits ``[B, T, vocab]``; with ``labels`` ``[B, T]`` the mean next-token loss (labels are
         shifted inside; -100 is ignored; labels that leave no token to predict give a loss of 0
-        and a warning, see :meth:`loss`); with ``use_cache`` the cache to continue from."""
+        and a warning, see :meth:`loss`); with ``use_cache`` the cache to continue from. The
+        checks of the inputs (``_check_*``, ``_positions_and_documents``) follow :meth:`loss`."""
         input_ids = self._check_input_ids(input_ids)
         batch, length = input_ids.shape
         if not isinstance(use_cache, bool):
@@ -485,5 +344,149 @@ class CausalLM(nn.Module):
             stacklevel=2,
         )
         return F.cross_entropy(flat_logits, targets, ignore_index=-100, reduction="sum")
+
+    # -- the checks of forward's inputs, in the order it calls them ----------------------------
+
+    def _check_input_ids(self, input_ids: Any) -> Tensor:
+        """``input_ids`` as int64 (any integer dtype is accepted: the embedding takes only int32/int64)."""
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise KernelmixError(f"input_ids must be a [B, T] tensor of token ids, got {got}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise KernelmixError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}; pass ids.long()")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise KernelmixError(
+                f"input_ids must hold at least one row and one token, got shape {tuple(input_ids.shape)}"
+            )
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise KernelmixError(
+                f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size), got min {low} and max {high}; "
+                "is the tokenizer the one this model was built for?"
+            )
+        return input_ids.long()
+
+    def _check_cache(self, cache: Any, batch: int) -> None:
+        if not isinstance(cache, ModelCache):
+            raise KernelmixError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
+        mixers = tuple(self.config.layer_mixers())
+        if cache.layer_mixers != mixers:
+            raise KernelmixError(
+                f"cache was built by a model with {len(cache.layer_mixers)} layers {list(cache.layer_mixers)}, "
+                f"this model has {len(mixers)} layers {list(mixers)}; pass the cache of this model"
+            )
+        if cache.next_position.shape != (batch,):
+            raise KernelmixError(f"cache holds {cache.next_position.shape[0]} rows, input_ids has {batch}")
+
+    def _check_labels(self, labels: Any, input_ids: Tensor) -> tuple[Tensor, bool]:
+        """``labels`` as int64 and whether they leave no token to predict (all -100 after the shift)."""
+        if not isinstance(labels, Tensor) or labels.shape != input_ids.shape:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise KernelmixError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise KernelmixError(
+                f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}; pass labels.long()"
+            )
+        labels = labels.long()  # cross_entropy takes int64 targets only
+        bad = ((labels < 0) & (labels != -100)) | (labels >= self.config.vocab_size)
+        # one device sync for both questions
+        any_bad, nothing = torch.stack([bad.any(), (labels[:, 1:] == -100).all()]).tolist()
+        if any_bad:
+            raise KernelmixError(
+                f"labels must lie in [0, {self.config.vocab_size}) (vocab_size) or be -100 (ignored), got "
+                f"{labels[bad].unique()[:5].tolist()}"
+            )
+        return labels, nothing
+
+    def _positions_and_documents(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, cache: ModelCache | None
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """RoPE positions and document starts ``[B, T]`` and each row's next position ``[B]``
+        (None, None, None for a plain unpadded batch).
+
+        Real token at index a with position p belongs to the document starting at a − p (positions
+        restart at 0 per document); a padding token (mask 0) is a one-token document of its own,
+        so nobody reads it. Only left (or right) padding is meaningful: a gap of padding between
+        real tokens is refused, since real tokens after it would still have to read those before."""
+        batch, length = input_ids.shape
+        offset = 0 if cache is None else cache.length
+        index = offset + torch.arange(length, device=input_ids.device)
+        if attention_mask is None and position_ids is None and cache is None:
+            return None, None, None
+        real = None
+        if attention_mask is not None:
+            real = self._current_mask(attention_mask, batch, length, offset)
+        if position_ids is not None:
+            self._check_position_ids(position_ids, batch, length)
+        if position_ids is None:
+            if cache is not None:
+                start = cache.next_position[:, None]
+            else:
+                start = torch.zeros(batch, 1, dtype=torch.long, device=input_ids.device)
+            if real is None:
+                position_ids = start + torch.arange(length, device=input_ids.device)
+                next_position = start[:, 0] + length
+            else:
+                position_ids = start + (real.long().cumsum(dim=1) - 1).clamp_min(0)
+                # not position_ids[:, -1] + 1: a chunk that is all left padding leaves the next position at start
+                next_position = start[:, 0] + real.long().sum(dim=1)
+        else:
+            next_position = position_ids[:, -1].long() + 1
+        position_ids = position_ids.long()
+        doc_start = (index - position_ids).clamp(min=0)
+        if cache is not None:  # the document of the last cached token may go on
+            doc_start = torch.maximum(doc_start, cache.doc_start[:, None])
+        # documents are contiguous: a later token never starts its document before an earlier one
+        doc_start = torch.cummax(doc_start, dim=1).values
+        if real is not None:
+            doc_start = torch.where(real, doc_start, index.expand(batch, length))
+        return position_ids, doc_start, next_position
+
+    @staticmethod
+    def _current_mask(attention_mask: Any, batch: int, length: int, offset: int) -> Tensor:
+        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+            attention_mask.shape[1] not in (length, offset + length)
+        ):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise KernelmixError(
+                f"attention_mask must have shape [B, T] = {(batch, length)} (or [B, past + T] = "
+                f"{(batch, offset + length)}), got {got}"
+            )
+        mask = attention_mask.bool()
+        if mask.shape[1] != length:
+            mask = mask[:, -length:]
+        # a 0 between two 1s in a row is a gap of padding inside the sequence
+        seen_real = mask.long().cummax(dim=1).values.bool()
+        remaining_real = mask.flip(1).long().cummax(dim=1).values.flip(1).bool()
+        not_binary = ~((attention_mask == 0) | (attention_mask == 1))
+        has_gap, any_not_binary = torch.stack([(seen_real & remaining_real & ~mask).any(), not_binary.any()]).tolist()
+        if any_not_binary:  # .bool() would read 0.5 or 2 as a real token without a word
+            raise KernelmixError(
+                f"attention_mask must hold only 0 (padding) and 1 (real token), got {attention_mask[not_binary][:5].tolist()}"
+            )
+        if has_gap:
+            raise KernelmixError(
+                "attention_mask has padding between real tokens; only left padding (for batched generation) "
+                "or right padding is supported — pack documents with position_ids instead"
+            )
+        return mask
+
+    @staticmethod
+    def _check_position_ids(position_ids: Any, batch: int, length: int) -> None:
+        if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) != (batch, length) or (
+            position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool
+        ):
+            got = (f"{tuple(position_ids.shape)} {position_ids.dtype}" if isinstance(position_ids, Tensor)
+                   else type(position_ids).__name__)
+            raise KernelmixError(
+                f"position_ids must be an integer tensor of shape [B, T] = {(batch, length)}, got {got}; "
+                "give each token its position in its document (0, 1, 2, ... restarting at 0 per document)"
+            )
+        if int(position_ids.min()) < 0:
+            raise KernelmixError(
+                f"position_ids must be >= 0, got a minimum of {int(position_ids.min())}; positions count 0, 1, 2, ... "
+                "from the first token of each document (left padding: leave position_ids out and pass attention_mask)"
+            )
+
 
 __all__ = ["PRESETS", "Block", "CausalLM", "CausalLMOutput", "ModelCache", "ModelConfig", "RMSNorm", "SwiGLU"]
