@@ -137,13 +137,15 @@ def plot_report(result: dict, out) -> None:
     plt = pyplot()
     host = result["host_loss"]
     rows = sorted(result["rows"], key=lambda r: (r["layers"], r["variant"], STAGE_ORDER[r["stage"]]))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['layers']}\n{r['variant']}\n{r['stage']}" for r in rows]
-    ax.bar(range(len(rows)), [r["loss"] - host for r in rows], color=["C0" if r["stage"] != "lora" else "C1" for r in rows])
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_ylabel("held-out loss − host (nats/token)")
-    ax.set_title(f"converted {result['settings']['model']}: host {host:.3f} nats/token (blue: first stage, orange: + LoRA)")
+    # horizontal bars: one readable label per row, however many rows the sweep adds
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.3 * len(rows)))
+    labels = [f"{r['layers']} · {r['variant']} · {r['stage']}" for r in rows]
+    ax.barh(range(len(rows)), [r["loss"] - host for r in rows], color=["C0" if r["stage"] != "lora" else "C1" for r in rows])
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_xlabel("held-out loss − host (nats/token)")
+    ax.set_title(f"{result['settings']['model']}, host {host:.3f} nats/token\n(blue: first stage, orange: + LoRA)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
