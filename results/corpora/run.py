@@ -81,7 +81,6 @@ def run_corpus(name: str, seeds: str, mixers: str | None, threads: str | None) -
 
 
 def write_summary() -> dict:
-    sys.path.insert(0, str(HERE.parents[1] / "src"))
     from kernelmix.studies.corpora import corpora_markdown, rounding_noise, summarize_corpora
 
     folders = {name: FOLDERS[name] for name in CORPORA if (FOLDERS[name] / "results.json").is_file()}

@@ -86,8 +86,9 @@ def summarize_corpora(folders: dict[str, str | Path], rounding: dict[str, float]
         corpus = read_compare(folder)
         mixers = corpus["mixers"]
         claims = {}
+        lengths = sorted({length for by_length in mixers.values() for length in by_length}, key=int)
         for claim in CLAIMS:
-            gaps = {length: paired_gap(mixers, claim, length) for length in sorted({l for m in mixers.values() for l in m}, key=int)}
+            gaps = {length: paired_gap(mixers, claim, length) for length in lengths}
             gaps = {length: g for length, g in gaps.items() if g is not None}
             if not gaps:
                 continue
