@@ -261,6 +261,30 @@ def check_chunk_size(chunk_size: int) -> None:
         raise KernelmixError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+# The chunked PyTorch paths of the random-feature ops under autograd keep every chunk's tiles
+# (features, intra-chunk scores, carried states) for the backward: ~6× SDPA's peak at T = 8192. Cut
+# into segments of about this many tokens (a whole number of chunks, so the chunks are the same),
+# each segment's activations are recomputed in the backward from its inputs and the state it
+# started from: the peak holds one segment's tiles, for one more forward pass of compute.
+RECOMPUTE_SEGMENT_TOKENS = 1024
+
+
+def recompute_segments(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` token ranges of about :data:`RECOMPUTE_SEGMENT_TOKENS` tokens, each a
+    whole number of ``chunk_size`` chunks (the last one shorter), covering ``range(length)``."""
+    tokens = max(1, RECOMPUTE_SEGMENT_TOKENS // chunk_size) * chunk_size
+    return [(start, min(start + tokens, length)) for start in range(0, length, tokens)] or [(0, 0)]
+
+
+def recompute_in_segments(*tensors) -> bool:
+    """Cut the call into checkpointed segments: autograd records it (grad mode on, one of ``tensors``
+    — None skipped — requires grad) and it runs eagerly (under ``torch.compile`` the partitioner
+    chooses what to keep and recompute, and one graph per call stays one graph)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
 def expand_heads(x: Tensor, num_heads: int, dim: int = 2) -> Tensor:
     """Repeat grouped key/value heads so there is one per query head (no copy when equal)."""
     check_tensor("x", x, "[B, T, H, ...]")

@@ -39,8 +39,8 @@ from ..errors import KernelmixError
 from ._backend import check_backend
 from ._common import (
     autocast_off, check_4d, check_chunk_size, check_doc_start, check_per_token_heads, check_qkv, check_state,
-    check_tensor, compute_dtype, expand_heads, find_nonfinite, per_head, reaches_causal, scan_syncs,
-    segmented_cummax, zero_nonfinite,
+    check_tensor, compute_dtype, expand_heads, find_nonfinite, per_head, reaches_causal, recompute_segments,
+    scan_syncs, segmented_cummax, zero_nonfinite,
 )
 from .cubit import REFERENCE_NORM_EPS, check_rho, normalize_reference
 from .random_features import (
@@ -275,6 +275,26 @@ def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initi
     return u, RandomFeatureState(S=R, z=z, shift=chunks.last[..., -1], length=start + length)
 
 
+def _recomputed_solve(solve, r, v, rho, doc_start, initial_state: CubitRFState | None, chunk_size: int):
+    """``solve(r, v, rho, doc_start, reference_state)`` → (U, the Gram side's state), under autograd in
+    segments of ``_common.RECOMPUTE_SEGMENT_TOKENS`` tokens (a whole number of chunks), each checkpointed:
+    the solve's logits, scores and per-chunk states are recomputed in the backward instead of kept
+    (beside the read-out's they would double the peak memory), one segment at a time."""
+    initial = None if initial_state is None else initial_state.reference
+    if not torch.is_grad_enabled():
+        return solve(r, v, rho, doc_start, initial)
+    # under torch.compile one checkpoint of the whole solve (one graph, as before the segments)
+    segments = [(0, r.shape[1])] if torch.compiler.is_compiling() else recompute_segments(r.shape[1], chunk_size)
+    us, state = [], initial
+    for start, end in segments:
+        u, state = checkpoint(
+            solve, r[:, start:end], v[:, start:end], None if rho is None else rho[:, start:end],
+            None if doc_start is None else doc_start[:, start:end], state, use_reentrant=False,
+        )
+        us.append(u)
+    return (us[0] if len(us) == 1 else torch.cat(us, dim=1)), state
+
+
 def _starting_state(initial: RandomFeatureState | None, values: Tensor, m: int):
     """(R, z, shift, tokens seen) of the Gram side: empty, or ``initial`` in the compute dtype."""
     batch, _, heads, dv = values.shape
@@ -371,14 +391,11 @@ def cubit_rf_attention(
     with autocast_off(q):  # solves, logits and states stay ≥ fp32 (the precision policy, _common)
         dtype = compute_dtype(q, k, v, r, projection)
 
-        def solve():
+        def solve(r, v, rho, doc_start, initial):
             lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
-            initial = None if initial_state is None else initial_state.reference
             return _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial)
 
-        # the solve's activations (logits, scores, per-chunk states) are recomputed in the backward instead
-        # of kept: they would double the peak memory beside the read-out's
-        u, reference = checkpoint(solve, use_reentrant=False) if torch.is_grad_enabled() else solve()
+        u, reference = _recomputed_solve(solve, r, v, rho, doc_start, initial_state, chunk_size)
         out, readout = random_feature_attention(
             q, expand_heads(k, heads), u, projection, transform=transform, chunk_size=chunk_size, doc_start=doc_start,
             initial_state=None if initial_state is None else initial_state.readout, return_state=True, backend=backend,

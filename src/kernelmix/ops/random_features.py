@@ -28,12 +28,14 @@ from typing import Literal, overload
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import KernelmixError
 from ._backend import resolve_backend
 from ._common import (
     NonFinite, autocast_off, check_4d, check_chunk_size, check_doc_start, check_mask, check_qkv, check_state,
-    check_tensor, compute_dtype, expand_heads, find_nonfinite, reaches_causal, scan_syncs, segmented_cummax,
+    check_tensor, compute_dtype, expand_heads, find_nonfinite, reaches_causal, recompute_in_segments,
+    recompute_segments, scan_syncs, segmented_cummax,
 )
 
 
@@ -346,13 +348,33 @@ def random_feature_attention(
         if resolve_backend(backend, q.device, compute_dtype(q, k, v, projection)) == "triton":
             out, final, denominator = _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
         else:
-            out, final, denominator = _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+            out, final, denominator = _recomputed_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
     UNDERFLOW_CHECK.observe(denominator)
     reached = _reached_rows(guard, state_bad, doc_start, final.length - q.shape[1], q.shape[:3])
     if reached is not None:
         out = out.masked_fill(reached[..., None], float("nan"))
         final = _poisoned_state(final, reached[:, -1] if q.shape[1] else state_bad)
     return (out, final) if return_state else out
+
+
+def _recomputed_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
+    """:func:`_chunked_attention` under autograd in segments of ``_common.RECOMPUTE_SEGMENT_TOKENS``
+    tokens, each checkpointed (its tiles recomputed in the backward, the state carried between them:
+    the same chunks, the same sums, a fraction of the memory). Without a backward, under
+    ``torch.compile``, or in one segment, it is :func:`_chunked_attention` itself."""
+    segments = recompute_segments(q.shape[1], chunk_size)
+    state_tensors = () if initial_state is None else (initial_state.S, initial_state.z)
+    if len(segments) == 1 or not recompute_in_segments(q, k, v, projection, transform, *state_tensors):
+        return _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+    outs, denominators, state = [], [], initial_state
+    for start, end in segments:
+        out, state, denominator = checkpoint(
+            _chunked_attention, q[:, start:end], k[:, start:end], v[:, start:end], projection, transform, chunk_size,
+            None if doc_start is None else doc_start[:, start:end], state, use_reentrant=False,
+        )
+        outs.append(out)
+        denominators.append(denominator)
+    return torch.cat(outs, dim=1), state, torch.cat(denominators, dim=-1)
 
 
 def _chunked_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
