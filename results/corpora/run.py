@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 PYTHON_DOCS = Path.home() / ".cache" / "kernelmix" / "corpora" / "python-docs"
 CORPORA = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "python-docs": str(PYTHON_DOCS)}
 FOLDERS = {"pystdlib": HERE.parent / "compare", "shakespeare": HERE / "shakespeare", "python-docs": HERE / "python-docs"}
+# runs trained later in a corpus's own setting, beside its folder (pystdlib's Cubit-RF: issue 27's compare)
+EXTRA_FOLDERS = {"pystdlib": [HERE.parent / "compare-cubit-rf"]}
 ROUNDING = [HERE.parent / "rounding" / name for name in ("lr-0.003", "lr-0.003000003", "lr-0.003000006")]
 
 
@@ -81,20 +83,28 @@ def run_corpus(name: str, seeds: str, mixers: str | None, threads: str | None) -
 
 
 def write_summary() -> dict:
-    from kernelmix.studies.corpora import corpora_markdown, rounding_noise, summarize_corpora
+    from kernelmix.studies.corpora import corpora_markdown, readme_claims_table, rounding_noise, summarize_corpora
 
-    folders = {name: FOLDERS[name] for name in CORPORA if (FOLDERS[name] / "results.json").is_file()}
+    finished_folders = [name for name in CORPORA if (FOLDERS[name] / "results.json").is_file()]
+    folders = {name: [FOLDERS[name]] + [f for f in EXTRA_FOLDERS.get(name, []) if (f / "results.json").is_file()]
+               for name in finished_folders}
     noise = rounding_noise(ROUNDING) if all((f / "results.json").is_file() for f in ROUNDING) else {}
     summary = summarize_corpora(folders, noise)
     (HERE / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     head = ("# results/corpora — the claims table over kinds of text\n\n"
             "**Command**: `python3 results/corpora/run.py` (after `--prepare-python-docs` once; see its docstring). "
             "Each corpus's folder holds its `kernelmix compare` output (results.md, results.json, plots); pystdlib's is "
-            "[results/compare](../compare/README.md). Corpora: " + ", ".join(
-                f"{name} ({'done' if name in folders else 'not run yet'})" for name in CORPORA) + ".\n\n")
-    (HERE / "README.md").write_text(head + corpora_markdown(summary))
+            "[results/compare](../compare/README.md) (its Cubit-RF runs: [results/compare-cubit-rf](../compare-cubit-rf/README.md)). Corpora: " + ", ".join(
+                f"{name} ({_runs(folders[name]) if name in folders else 'not run yet'})" for name in CORPORA) + ".\n\n")
+    readme = ("## The README's claims table\n\nWritten from results.json by `readme_claims_table` "
+              "(kernelmix.studies.corpora); tests/test_corpora.py holds the README to it.\n\n" + readme_claims_table(summary))
+    (HERE / "README.md").write_text(head + corpora_markdown(summary) + "\n" + readme)
     print(f"wrote {HERE / 'results.json'} and README.md ({', '.join(folders) or 'no corpus finished yet'})")
     return summary
+
+
+def _runs(folders: list[Path]) -> str:
+    return f"{sum(len(json.loads((f / 'results.json').read_text())['runs']) for f in folders)} runs"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,17 +37,31 @@ CLAIMS = (
 )
 
 
-def read_compare(folder: str | Path) -> dict:
-    """One corpus's compare: ``{"bigram", "unigram", "mixers": {mixer: {length: {seed: loss}}}}``."""
-    path = Path(folder) / "results.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: run that corpus's kernelmix compare first (results/corpora/run.py)")
-    saved = json.loads(path.read_text())
+SAME_SETTING = ("preset", "steps", "tokens_per_step", "corpus", "tokenizer")
+
+
+def read_compare(folder: str | Path | list[str | Path]) -> dict:
+    """One corpus's compare: ``{"bigram", "unigram", "mixers": {mixer: {length: {seed: loss}}}, "settings"}``.
+    A list of folders is one corpus's compares in the same setting (a mixer run later beside the
+    others), merged; the reference lines are the first folder's."""
+    folders = [Path(f) for f in (folder if isinstance(folder, list) else [folder])]
+    saved = []
+    for path in (f / "results.json" for f in folders):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run that corpus's kernelmix compare first (results/corpora/run.py)")
+        saved.append(json.loads(path.read_text()))
+    setting = {k: saved[0]["settings"].get(k) for k in SAME_SETTING}
+    for path, other in zip(folders[1:], saved[1:]):
+        theirs = {k: other["settings"].get(k) for k in SAME_SETTING}
+        if theirs != setting:
+            raise ValueError(f"{path} was trained in another setting ({theirs}) than {folders[0]} ({setting}): "
+                             "only compares of the same setting are one corpus's runs")
     mixers: dict[str, dict[str, dict[int, float]]] = {}
-    for run in saved["runs"]:
+    for run in (run for one in saved for run in one["runs"]):
         mixers.setdefault(run["mixer"], {}).setdefault(str(run["length"]), {})[int(run["seed"])] = float(run["val_loss"])
-    return {"bigram": saved["reference"]["bigram"], "unigram": saved["reference"]["unigram"], "mixers": mixers,
-            "settings": {k: saved["settings"].get(k) for k in ("preset", "steps", "tokens_per_step", "corpus", "lengths")}}
+    first = saved[0]
+    return {"bigram": first["reference"]["bigram"], "unigram": first["reference"]["unigram"], "mixers": mixers,
+            "settings": {k: first["settings"].get(k) for k in ("preset", "steps", "tokens_per_step", "corpus", "lengths")}}
 
 
 def paired_gap(mixers: dict, claim: Claim, length: str) -> dict | None:
@@ -75,7 +89,7 @@ def verdict(gaps: list[dict], noise: float = 0.0) -> str:
     return "mixed"
 
 
-def summarize_corpora(folders: dict[str, str | Path], rounding: dict[str, float] | None = None) -> dict:
+def summarize_corpora(folders: dict[str, str | Path | list[str | Path]], rounding: dict[str, float] | None = None) -> dict:
     """``{"corpora": {name: {"bigram", "unigram", "mixers": {mixer: {length: [loss per seed]}},
     "seeds": {mixer: {length: [seed, ...]}}, "claims": {claim: {"gaps": {length: paired_gap}, "verdict"}}}},
     "overall": {claim: {corpus: verdict}}, "rounding": {...}}``. ``rounding`` (mixer → the sd of its final
@@ -160,6 +174,34 @@ def corpora_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_claims_table(summary: dict) -> str:
+    """The README's claims table: one row per claim, per corpus the paired gap at each length (mean ±
+    sd over seeds) and its verdict, and the overall line; written from ``summary`` alone, so a test
+    can hold the README to results/corpora/results.json."""
+    names = list(summary["corpora"])
+    seeds = {len(s) for c in summary["corpora"].values() for e in c["claims"].values() for s in
+             (g["seeds"] for g in e["gaps"].values())}
+    lines = [f"| claim (mixer − baseline, T = {' / '.join(_lengths(summary))}) | " + " | ".join(names) + " | overall |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for claim in CLAIMS:
+        verdicts = summary["overall"].get(claim.name)
+        if not verdicts:
+            continue
+        cells = []
+        for name in names:
+            entry = summary["corpora"][name]["claims"].get(claim.name)
+            cells.append("–" if entry is None else " / ".join(
+                f"{g['mean']:+.3f} ± {g['sd']:.3f}" if g["sd"] is not None else f"{g['mean']:+.3f}"
+                for g in entry["gaps"].values()) + f": {entry['verdict']}")
+        lines.append(f"| {claim.name} | " + " | ".join(cells) + f" | {_overall(verdicts)} |")
+    seeds_text = "–".join(str(n) for n in sorted(seeds)) if seeds else "0"
+    return "\n".join(lines) + f"\n\n({seeds_text} seeds paired per gap.)\n"
+
+
+def _lengths(summary: dict) -> list[str]:
+    return sorted({length for c in summary["corpora"].values() for e in c["claims"].values() for length in e["gaps"]}, key=int)
+
+
 def _overall(verdicts: dict[str, str]) -> str:
     by = {}
     for corpus, v in verdicts.items():
@@ -167,5 +209,5 @@ def _overall(verdicts: dict[str, str]) -> str:
     return "; ".join(f"{v} on {', '.join(c)}" for v, c in sorted(by.items()))
 
 
-__all__ = ["CLAIMS", "Claim", "corpora_markdown", "paired_gap", "read_compare", "rounding_noise", "summarize_corpora",
-           "verdict"]
+__all__ = ["CLAIMS", "Claim", "corpora_markdown", "paired_gap", "read_compare", "readme_claims_table", "rounding_noise",
+           "summarize_corpora", "verdict"]
