@@ -1,8 +1,12 @@
 """The claims table over kinds of text: the main job's compare on each corpus, then a summary.
 
-    python3 results/corpora/run.py                          # every corpus, seeds 0,1,2: ≈ 2.5 h on 2 idle cores
+    python3 results/corpora/run.py                          # every corpus, seeds 0,1,2: ≈ 2.5–3 h on 2 cores
     python3 results/corpora/run.py --corpora shakespeare    # one corpus (then the summary of all that exist)
     python3 results/corpora/run.py --summary-only           # rewrite results.json / README.md from the folders
+
+Measured (2026-12-02, 2 cores): shakespeare 55 min and python-docs 50 min of training with the six default
+mixers and Cubit-RF (`--mixers ...,cubit-rf`), pystdlib's main job 67 min plus 11 for its Cubit-RF runs (run on
+a busier machine): 3.0 h summed.
 
 Each corpus gets `kernelmix compare --corpus C --seeds 0,1,2 --out results/corpora/<name>` (the main
 job's setting: preset mini, 300 steps × 2,048 tokens, T = 256 and 512, every default mixer), one
