@@ -58,6 +58,10 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
     for name in ("val_loss_vs_length.png", "loss_curves.png", "throughput.png", "loss_by_position.png"):
         assert (out / name).read_bytes()[:8] == PNG
     assert sorted(results["plots"]) == sorted(p.name for p in out.glob("*.png"))
+    for name in results["plots"]:  # results.md links every plot written beside it
+        assert f"[{name}]({name})" in md
+    unit = "nats/byte" if config.tokenizer == "byte" else "nats/token"  # one unit name, the tokenizer's
+    assert f"## Validation loss ({unit})" in md
 
     # run again: every run reused, same numbers
     again = run_compare(config, progress=False)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ...output import pyplot
+from .report import loss_unit
 
 def _loss_vs_length(plt, results: dict[str, Any]):
     """val_loss_vs_length.png's figure: each mixer's validation loss against its training length,
@@ -24,7 +25,7 @@ def _loss_vs_length(plt, results: dict[str, Any]):
         for name, style in (("unigram", ":"), ("bigram", "--")):
             ax.axhline(reference[name], color="0.4", linestyle=style, linewidth=1, label=f"{name} table")
     ax.set_xlabel("training length (tokens)")
-    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_ylabel(f"validation loss ({loss_unit(results['settings']['tokenizer'])})")
     equal = results["budget"]["equal"]
     ax.set_title(f"{results['budget']['tokens_per_run']:,} training tokens per run" if equal == "tokens"
                  else f"equal training {'FLOPs' if equal == 'flops' else 'seconds'} per run")
@@ -91,7 +92,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
             ax.plot(range(len(labels)), [b["loss"] for b in r["buckets"]], marker="o", label=m)
             ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("position of the predicted token in the window")
-    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_ylabel(f"validation loss ({loss_unit(results['settings']['tokenizer'])})")
     ax.set_title(f"loss by position, T={longest}")
     ax.legend()
     ax.grid(alpha=0.3)

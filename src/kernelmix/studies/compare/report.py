@@ -7,6 +7,19 @@ from typing import Any
 
 from .settings import REFERENCE_MIXER
 
+PLOT_CAPTIONS = {
+    "val_loss_vs_length.png": "final validation loss against the training length",
+    "loss_curves.png": "training loss against tokens, one panel per length",
+    "throughput.png": "training tokens/s per mixer and length",
+    "loss_by_position.png": "validation loss by position in the window, at the longest length",
+}
+
+
+def loss_unit(tokenizer: str) -> str:
+    """The loss's unit name: with byte tokens a token is a byte, so nats/byte, as the README says."""
+    return "nats/byte" if tokenizer == "byte" else "nats/token"
+
+
 def _fmt(mean: float, sd: float, seeds: int, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {sd:.{digits}f}" if seeds > 1 else f"{mean:.{digits}f}"
 
@@ -31,7 +44,7 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"({results['reused_runs']} of {len(results['runs'])} runs reused), {results['runs_wall_s'] / 60:.1f} min of "
         f"training + evaluation over all runs; {_threads_text(results)}.",
         "",
-        f"## Validation loss (nats/token){spread}",
+        f"## Validation loss ({loss_unit(settings['tokenizer'])}){spread}",
         "",
         "| mixer | " + " | ".join(f"T={t}" for t in lengths) + " |",
         "|---|" + "---:|" * len(lengths),
@@ -86,7 +99,14 @@ def format_markdown(results: dict[str, Any]) -> str:
         ]
         for r in at_longest:
             lines.append(f"| {r['mixer']} | " + " | ".join(_fmt(b["loss"], b["loss_sd"], r["seeds"]) for b in r["buckets"]) + " |")
-    return "\n".join(lines + _costs_markdown(results)) + "\n"
+    return "\n".join(lines + _costs_markdown(results) + _plots_markdown(results.get("plots") or [])) + "\n"
+
+
+def _plots_markdown(plots: list[str]) -> list[str]:
+    """Links to the PNGs written beside results.md (none without matplotlib)."""
+    if not plots:
+        return []
+    return ["", "## Plots", ""] + [f"- [{name}]({name}): {PLOT_CAPTIONS.get(name, name)}" for name in plots]
 
 
 def _threads_text(results: dict[str, Any]) -> str:

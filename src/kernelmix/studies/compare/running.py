@@ -366,8 +366,8 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     if not env.is_main:
         return results
     with writing(out):
+        results["plots"] = write_plots(results, out)  # first: results.md links the ones written
         write_text_atomic(out / "results.md", format_markdown(results))
-        results["plots"] = write_plots(results, out)
         write_json_atomic(out / "results.json", results, indent=1)
     note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(results['plots'])} plots "
          f"in {results['wall_s'] / 60:.1f} min")
