@@ -351,3 +351,21 @@ def test_settings_import_without_torch_and_mirror_the_trainer():
     from kernelmix.training import ACTIVATION_CHECKPOINTING as trainer_modes
 
     assert ACTIVATION_CHECKPOINTING == trainer_modes
+
+
+def test_time_left_uses_each_mixers_own_measured_cost():
+    """Softmax's first run must not price Cubit's: once a (mixer, length) has trained, its later seeds
+    are expected to take what it took; the others take their cost weight at the pooled rate so far."""
+    from kernelmix.studies.compare.running import TimeLeft
+
+    keys = [("softmax", 256), ("cubit", 256), ("cubit", 256), ("cubit", 256)]
+    clock = TimeLeft(0.0, keys, weights=[1.0, 2.0, 2.0, 2.0], finished=[False] * 4)
+    assert clock.seconds_left(0) is None  # nothing measured yet
+    clock.record(0, reused=False, seconds=10.0)
+    assert clock.seconds_left(1) == pytest.approx(3 * 2.0 * 10.0)  # cubit at softmax's rate, all it knows
+    clock.record(1, reused=False, seconds=80.0)  # cubit costs 8× softmax, not the 2× its weight says
+    assert clock.seconds_left(2) == pytest.approx(2 * 80.0)  # a pooled rate would say 90 / 3 × 4 = 120
+    clock.record(2, reused=True, seconds=0.1)  # a reused run teaches nothing
+    assert clock.seconds_left(3) == pytest.approx(80.0)
+    done = TimeLeft(0.0, keys[:2], weights=[1.0, 2.0], finished=[True, True])
+    assert done.seconds_left(0) == 0.0 and "the rest reused" in done.status(0)

@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -230,29 +231,46 @@ def run_compare(config: CompareConfig, *, progress: bool | None = None, console=
         distrib.teardown(env)
 
 
-class _Clock:
-    """The progress line's times: elapsed since the command started, and the time left estimated
-    from the runs trained so far, each run weighted by its expected cost (its training FLOPs;
-    under the time budget its calibrated seconds). Runs already finished on disk cost nothing."""
+class TimeLeft:
+    """The progress line's times: elapsed since the command started, and the time left. A run whose
+    mixer and length already trained once in this invocation is expected to take what those took
+    (their mean); any other run its expected cost (training FLOPs; under the time budget its
+    calibrated seconds) at the seconds per unit of cost measured so far. Runs already finished on
+    disk cost nothing. (One pooled rate for every mixer swung the estimate early: Cubit's many small
+    ops cost several times their FLOPs' share of softmax's seconds.)"""
 
-    def __init__(self, started: float, weights: list[float], finished: list[bool]) -> None:
-        self.started, self.weights, self.finished = started, weights, finished
+    def __init__(self, started: float, keys: list[tuple], weights: list[float], finished: list[bool]) -> None:
+        self.started, self.keys, self.weights, self.finished = started, keys, weights, finished
         self.done_weight = self.done_seconds = 0.0
+        self.measured: dict[tuple, list[float]] = {}
 
     def record(self, index: int, reused: bool, seconds: float) -> None:
         if not reused:
             self.done_weight += self.weights[index]
             self.done_seconds += seconds
+            self.measured.setdefault(self.keys[index], []).append(seconds)
+
+    def seconds_left(self, index: int) -> float | None:
+        """Expected seconds of the run at ``index`` and every later one not finished on disk (None:
+        nothing trained yet to estimate from; 0: the rest is reused)."""
+        todo = [i for i in range(index, len(self.keys)) if not self.finished[i]]
+        if not todo:
+            return 0.0
+        if not self.done_weight:
+            return None
+        rate = self.done_seconds / self.done_weight
+        return sum(statistics.fmean(self.measured[self.keys[i]]) if self.keys[i] in self.measured
+                   else self.weights[i] * rate for i in todo)
 
     def status(self, index: int) -> str:
         """Before the run at ``index`` (0-based): elapsed, and the time left for it and every later run."""
         elapsed = f"{_duration(time.perf_counter() - self.started)} elapsed"
-        left = sum(w for w, done in zip(self.weights[index:], self.finished[index:]) if not done)
-        if not left:
+        left = self.seconds_left(index)
+        if left == 0:
             return f"{elapsed}, the rest reused"
-        if not self.done_weight:
+        if left is None:
             return f"{elapsed}, time left known after the first run"
-        return f"{elapsed}, about {_duration(self.done_seconds * left / self.done_weight)} left"
+        return f"{elapsed}, about {_duration(left)} left"
 
 
 def _duration(seconds: float) -> str:
@@ -271,7 +289,7 @@ def _run_plan(config: CompareConfig, plan: list, budget: BudgetPlan, val, env, p
                     else budget.flops_per_token[m, t] * config.tokens_per_step) for (m, t, _), n in zip(plan, steps)]
     finished = [saved_result(config.run_dir(m, t, s, n) / "result.json", config.run_key(m, t, s, n)) is not None
                 for (m, t, s), n in zip(plan, steps)]
-    clock, runs, reused_count = _Clock(started, weights, finished), [], 0
+    clock, runs, reused_count = TimeLeft(started, [(m, t) for m, t, _ in plan], weights, finished), [], 0
     with catch_stop_signals() as signals:
         for index, (mixer, length, seed) in enumerate(plan, start=1):
             note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
