@@ -490,6 +490,23 @@ def test_eval_batches_predict_every_token_once():
         list(eval_batches(TokenizedSplit.from_token_lists([], name="val"), T, 3))
 
 
+def test_a_cut_evaluation_is_spread_across_the_split():
+    """eval_batches(max_batches=...) takes windows evenly spaced over the whole split (first and
+    last included), not the first ones, which all lie in the first documents."""
+    from kernelmix.data.sampling import spread_windows, window_documents
+
+    docs = [[1000 * d + i for i in range(40)] for d in range(10)]  # 10 documents, 6 windows each at T = 8
+    split, T = TokenizedSplit.from_token_lists(docs, name="val"), 8
+    every = list(eval_windows(split, T))
+    picked = spread_windows(split, T, 4)
+    assert picked[0] == every[0] and picked[-1] == every[-1] and len(set(picked)) == 4
+    assert window_documents(split, picked) == 4  # the first four windows come from one document
+    assert window_documents(split, every[:4]) == 1
+    rows = [b.input_ids[:, 0].tolist() for b in eval_batches(split, T, 2, max_batches=2)]
+    assert [first // 1000 for row in rows for first in row] == [0, 3, 6, 9]  # documents 0, 3, 6 and 9
+    assert spread_windows(split, T, 1000) == every  # no cut: every window, in order
+
+
 def test_batches_run_through_the_model(tmp_path):
     from kernelmix.model import CausalLM, ModelConfig
 

@@ -621,3 +621,16 @@ def test_resume_may_change_the_backend_but_not_the_model(tmp_path):
     assert resumed.start_step == 2
     with pytest.raises(CheckpointError, match="dropout: 0.1 in the checkpoint, 0.0 now"):
         train(TrainConfig(**{**settings, "steps": 6, "model": {"mixer": "performer"}}), resume=True, progress=False)
+
+
+def test_the_periodic_check_changes_no_training_number(reference, tmp_path):
+    """The validation check only reads the model (with dropout and redraws in the run): sampling another
+    set of windows (the whole split instead of 2 spread batches) leaves every training loss bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        other = train(TrainConfig(**{**REF, "eval_batches": 0}, out_dir=str(tmp_path / "run")), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert other.losses == reference.losses
+    assert other.val_losses.keys() == reference.val_losses.keys() and other.val_losses != reference.val_losses

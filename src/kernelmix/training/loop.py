@@ -468,6 +468,18 @@ def validation_batches(dataset, config: TrainConfig) -> list:
     return list(eval_batches(dataset.val, config.seq_len, config.batch_size, config.eval_batches or None))
 
 
+def validation_coverage(dataset, config: TrainConfig) -> str:
+    """What the periodic check evaluates, for its log line: predicted tokens and documents."""
+    from ..data.sampling import eval_windows, spread_windows, window_documents
+
+    if config.eval_batches:
+        windows = spread_windows(dataset.val, config.seq_len, config.eval_batches * config.batch_size)
+    else:
+        windows = list(eval_windows(dataset.val, config.seq_len))
+    tokens = sum(length - 1 for _, length in windows)
+    return f"{tokens:,} tokens from {window_documents(dataset.val, windows)} of {len(dataset.val)} validation documents"
+
+
 def warn_no_validation(dataset, config: TrainConfig) -> None:
     """Say that a run asked for validation (``val_fraction`` > 0) gets none: the split by document
     held nothing out (one document) or only documents without a token to predict. A warning, not an
@@ -521,6 +533,7 @@ class PretrainTrainer(Trainer):
         self.params, self.grad_clip = list(self.raw_model.parameters()), config.grad_clip
         self.samplers = build_samplers(dataset, config, env)
         self.val_batches = validation_batches(dataset, config)
+        self.val_coverage = validation_coverage(dataset, config) if self.val_batches else ""
         if not self.val_batches and config.val_fraction > 0 and env.is_main:
             warn_no_validation(dataset, config)
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.bf16)
@@ -616,7 +629,8 @@ class PretrainTrainer(Trainer):
         self.result.val_losses[step] = sums.mean
         self.reporter.write({"kind": "eval", "step": step, "tokens": step * self.tokens_per_step,
                              "val_loss": sums.mean, "wall_s": round(self.wall(), 3)})
-        self.reporter.show(f"step {step:>6}/{self.schedule.total_steps} | val loss {sums.mean:.4f}", val=f"{sums.mean:.4f}")
+        self.reporter.show(f"step {step:>6}/{self.schedule.total_steps} | val loss {sums.mean:.4f} ({self.val_coverage})",
+                           val=f"{sums.mean:.4f}")
 
     def save(self, step: int) -> None:
         """A checkpoint: full weights and optimizer state (every process takes part under FSDP),
