@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from ..studies.gpu_check.settings import INTERPRETER_ENV, PARTS
 from .commands import summary
@@ -33,6 +34,7 @@ class GpuCheckOptions:
     skip: str = ""
     threads: int | None = None
     debug: bool = False
+    plan: bool = False
 
 
 HELP = {
@@ -45,7 +47,11 @@ HELP = {
     "skip": "parts not to run, comma-separated: a (op checks), b (bench), c (compare)",
     "threads": "CPU threads for torch (default: the cores the machine's load leaves idle)",
     "debug": "show the full traceback of an error (also: KERNELMIX_DEBUG=1)",
+    "plan": "no GPU needed: compile every Triton kernel for sm_90 ahead of time at the target shapes and write "
+            "the launch report (plan.json, plan.md, README.md: grids, registers, spills, shared memory, compile "
+            "seconds, FLOPs, bytes, roofline) into --out (results/gpu-plan); resumes from --out's compiled.jsonl",
 }
+PLAN_ALONE = ("device", "quick", "lengths", "skip")  # options that mean nothing with --plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", default=hidden, metavar="PARTS", help=HELP["skip"])
     parser.add_argument("--threads", type=thread_count, default=hidden, metavar="N", help=HELP["threads"])
     parser.add_argument("--debug", action="store_true", default=hidden, help=HELP["debug"])
+    parser.add_argument("--plan", action="store_true", default=hidden, help=HELP["plan"])
 
 
 def thread_count(text: str) -> int:
@@ -133,8 +140,24 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def run_plan_command(args: argparse.Namespace, options: GpuCheckOptions) -> int:
+    """``--plan``: the launch report (kernelmix.studies.gpu_check.plan), no GPU."""
+    given = [name for name in PLAN_ALONE if hasattr(args, name)]
+    if given:
+        args.parser.error(f"--plan compiles for a GPU without one and takes only --out (and --threads, --debug); "
+                          f"drop --{', --'.join(given)}")
+    from ..studies.gpu_check.plan import run_plan
+
+    plan = run_plan(options.out)
+    print((Path(options.out) / "plan.md").read_text(), flush=True)
+    print(f"wrote {os.path.join(options.out, 'plan.json')}, plan.md and README.md ({len(plan['kernels'])} kernels)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     options = options_from(args)
+    if options.plan:
+        return run_plan_command(args, options)
     try:
         lengths, skip = parse_lengths(options.lengths), parse_skip(options.skip)
     except ValueError as error:
@@ -153,4 +176,4 @@ def run(args: argparse.Namespace) -> int:
     return exit_status(report)
 
 
-__all__ = ["GpuCheckOptions", "add_arguments", "add_command", "build_parser", "options_from", "run"]
+__all__ = ["GpuCheckOptions", "add_arguments", "add_command", "build_parser", "options_from", "run", "run_plan_command"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -94,3 +96,43 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
         f"backend='triton' runs on CUDA tensors (or on CPU under {INTERPRETER_ENV}=1); these are on {device}. "
         "Use backend='auto' or 'torch'"
     )
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One Triton kernel launch as an op makes it at given sizes, for ``kernelmix gpu-check --plan``
+    to compile ahead of time and report without a GPU: the ``@triton.jit`` function, its launch
+    grid, its constexpr arguments and warps, the types of its run-time arguments (``signature``:
+    ``"*fp32"``, ``"*i64"``, ``"i32"``, ``"fp32"``, as ``triton.compile`` takes them) and the tile
+    sizes the cost model reads (``tiles``: rows, head, value and feature blocks, loop trip counts),
+    and how many times one call of the op launches it (``calls``)."""
+
+    name: str
+    kernel: Any
+    grid: tuple[int, ...]
+    constexprs: dict
+    num_warps: int
+    signature: dict
+    tiles: dict = field(default_factory=dict)
+    calls: int = 1  # launches of this kernel per op call (the span kernels: one per span)
+
+    @property
+    def programs(self) -> int:
+        total = 1
+        for size in self.grid:
+            total *= int(size)
+        return total
+
+
+def aot_signature(kernel: Any, constexprs: dict, pointers: dict, floats: set) -> dict:
+    """``triton.compile``'s signature of ``kernel``: ``constexpr`` for ``constexprs``, the pointer
+    type of ``pointers`` (else ``*fp32``) for arguments named ``*_ptr``, ``fp32`` for ``floats``
+    and ``i32`` for every other scalar (sizes and strides)."""
+    def kind(arg: str) -> str:
+        if arg in constexprs:
+            return "constexpr"
+        if arg.endswith("_ptr"):
+            return pointers.get(arg, "*fp32")
+        return "fp32" if arg in floats else "i32"
+
+    return {arg: kind(arg) for arg in kernel.arg_names}

@@ -23,9 +23,11 @@ unnormalised score P_ij is ĝ_i · v_j + c_i. Two kernels:
 - reverse direction (keys, values): a state R_c = Σ_{i after chunk c, same document}
   exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ carried from the last chunk to the first; every factor is ≤ 1.
 
-Both then chain through the feature map in the kernel (dℓ = φ ⊙ dφ; for keys also the −½‖x'‖²
-term) to dq / dk, and to per-program partial sums of dW and dM that torch adds up. Value-column
-blocks each contribute a partial dq / dk (summed in torch); the c_i terms enter only in block 0.
+Both store the per-row gradients of the feature logits, dℓ = φ ⊙ dφ ``[T, m]`` (value-column
+blocks each store their part; the c_i terms enter only in block 0), and torch adds the blocks and
+chains them through the feature map with five products over all rows (``_chain_feature_map``: dx',
+for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ). The kernels keep no
+dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and made ptxas take minutes.
 
 Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.
@@ -44,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..errors import KernelmixError
-from ._backend import defined_for_the_interpreter
+from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
 
 #: Largest block of value columns one program holds (its state is m × VALUE_BLOCK fp32).
 VALUE_BLOCK = 64
@@ -141,29 +143,6 @@ def _state_update(state_s, state_z, key_feat, v, shift, carried, t, pos, doc, ro
     state_s = rescale * state_s + tl.dot(tl.trans(weighted), v, input_precision="ieee")
     state_z = rescale * state_z + tl.sum(weighted, axis=0)
     return state_s, state_z, sigma
-
-
-@triton.jit
-def _chain_features(dlogit, x_tilde, x_prime, w_ptr, m_ptr, scale, d, m_feats, IS_KEY: tl.constexpr,
-                    HAS_TRANSFORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Back through the feature map: from dL/dlogit ``[BLOCK_T, BLOCK_M]`` to dL/dx, and this
-    chunk's parts of dL/dW ``[BLOCK_M, BLOCK_D]`` and dL/dM ``[BLOCK_D, BLOCK_D]``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_m = tl.arange(0, BLOCK_M)
-    d_ok = offs_d < d
-    w = tl.load(w_ptr + offs_m[:, None] * d + offs_d[None, :], mask=(offs_m[:, None] < m_feats) & d_ok[None, :], other=0.0)
-    dx_prime = tl.dot(dlogit, w, input_precision="ieee")
-    if IS_KEY:  # ℓ^k = W x' − ½‖x'‖²
-        dx_prime -= tl.sum(dlogit, axis=1)[:, None] * x_prime
-    dw = tl.dot(tl.trans(dlogit), x_prime, input_precision="ieee")
-    if HAS_TRANSFORM:
-        mat = tl.load(m_ptr + offs_d[:, None] * d + offs_d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0)
-        dx_tilde = tl.dot(dx_prime, mat, input_precision="ieee")
-        dm = tl.dot(tl.trans(dx_prime), x_tilde, input_precision="ieee")
-    else:
-        dx_tilde = dx_prime
-        dm = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
-    return dx_tilde * scale, dw, dm
 
 
 @triton.jit
@@ -283,7 +262,7 @@ def _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc
     g_head = g_ptr + b * T * H * dv + h * dv
     t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
     chunk_start = start + c * BLOCK_T
-    x_tilde_q, x_prime_q, q_logits, x_tilde_k, x_prime_k, k_logits, valid = _chunk_features(
+    _xq, _pq, q_logits, _xk, _pk, k_logits, valid = _chunk_features(
         q_head, k_head, H * d, H_KV * d, t, row_ok, w_head, m_head, scale, d, m_feats, HAS_TRANSFORM, BLOCK_D, BLOCK_M)
     q_max = tl.load(qmax_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
     shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
@@ -296,42 +275,36 @@ def _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc
     g_hat = _load_value_block(g_head, t, row_ok, H * dv, cols, cols_ok)
     # c_i (the denominator's gradient) belongs to no value block: block 0 carries it
     c_row = tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0) * (pid_v == 0).to(tl.float32)  # block 0 only
-    return (t, row_ok, pos, doc, chunk_start, x_tilde_q, x_prime_q, x_tilde_k, x_prime_k, q_feat, key_feat, shift,
-            continuing, decay, v, g_hat, c_row)
+    return t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row
 
 
 @triton.jit
-def _store_partials(dw_ptr, dm_ptr, dw, dm, pid_bh, pid_v, d, m_feats, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's sums of dL/dW and dL/dM, into its own slot (torch adds the slots)."""
-    offs_d = tl.arange(0, BLOCK_D)
+def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M: tl.constexpr):
+    """This value block's dL/dlogit of the chunk's rows into its slot of ``[blocks, B, T, H, m]``
+    (torch adds the blocks and chains them through the feature map: no dW, dM accumulators here)."""
     offs_m = tl.arange(0, BLOCK_M)
-    slot = pid_bh * tl.num_programs(1) + pid_v
-    d_ok = offs_d < d
-    tl.store(dw_ptr + slot * m_feats * d + offs_m[:, None] * d + offs_d[None, :], dw,
-             mask=(offs_m[:, None] < m_feats) & d_ok[None, :])
-    tl.store(dm_ptr + slot * d * d + offs_d[:, None] * d + offs_d[None, :], dm, mask=d_ok[:, None] & d_ok[None, :])
+    rows = ((pid_v * (tl.num_programs(0) // H) + b) * T + t) * H + h
+    tl.store(dlog_ptr + rows[:, None] * m_feats + offs_m[None, :], d_logits,
+             mask=row_ok[:, None] & (offs_m < m_feats)[None, :])
 
 
 @triton.jit
 def _query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_ptr, shift0_ptr,
-                       g_ptr, c_ptr, shift_ptr, qmax_ptr, dq_ptr, dw_ptr, dm_ptr,
+                       g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
                        T, H, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
                        HAS_TRANSFORM: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Forward direction: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the earlier chunks through
-    the recomputed state; then through the query feature map to dq (this value block's part)."""
+    the recomputed state; stored as dL/dℓ^q = φq ⊙ dφq (this value block's part)."""
     pid_bh, pid_v, b, h, kv, cols, cols_ok = _program_block(H, H_KV, dv, BLOCK_V)
     w_head = w_ptr + h * w_head_stride
     m_head = m_ptr + h * d * d
     # (not `_`: the loop below assigns `_` too, and Triton would carry it through the loop with two types)
     _state_rows, _state_mask, _feat_ok, state_s, state_z, carried = _initial_state(
         s0_ptr, z0_ptr, shift0_ptr, pid_bh, m_feats, dv, cols, cols_ok, BLOCK_M)
-    dw_sum = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dm_sum = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
     c = 0
     while c < n_chunks:  # (a while loop: see the note at the top)
-        (t, row_ok, pos, doc, chunk_start, x_tilde_q, x_prime_q, _, _, q_feat, key_feat, shift, continuing, decay, v,
-         g_hat, c_row) = _recompute_chunk(
+        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
             q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, cols, cols_ok,
             T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M)
         d_scores = (tl.dot(g_hat, tl.trans(v), input_precision="ieee") + c_row[:, None]) * decay
@@ -339,42 +312,31 @@ def _query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, s0_ptr, z0_pt
         carry = _exp_where(carried - shift, continuing)
         from_state = tl.dot(g_hat, tl.trans(state_s), input_precision="ieee") + c_row[:, None] * state_z[None, :]
         d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
-        dx, dw, dm = _chain_features(d_logits, x_tilde_q, x_prime_q, w_head, m_head, scale, d, m_feats, False,
-                                     HAS_TRANSFORM, BLOCK_D, BLOCK_M)
-        dw_sum += dw
-        dm_sum += dm
-        offs_d = tl.arange(0, BLOCK_D)
-        tl.store(dq_ptr + (((pid_v * (tl.num_programs(0) // H) + b) * T + t) * H + h)[:, None] * d + offs_d[None, :],
-                 dx, mask=row_ok[:, None] & (offs_d < d)[None, :])
+        _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
         state_s, state_z, carried = _state_update(state_s, state_z, key_feat, v, shift, carried, t, pos, doc, row_ok,
                                                   c, T, chunk_start, BLOCK_T)
         c += 1
-    _store_partials(dw_ptr, dm_ptr, dw_sum, dm_sum, pid_bh, pid_v, d, m_feats, BLOCK_D, BLOCK_M)
 
 
 @triton.jit
 def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
-                     g_ptr, c_ptr, shift_ptr, qmax_ptr, dk_ptr, dv_ptr, dw_ptr, dm_ptr,
+                     g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr, dv_ptr,
                      T, H, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
                      HAS_TRANSFORM: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Reverse direction: dv_j and dφk_j from this chunk's rows and from the later rows of the same
-    document through R = Σ_i exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ (at most 1 per term); then through the
-    key feature map to dk (this value block's part)."""
+    document through R = Σ_i exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ (at most 1 per term); dL/dℓ^k = φk ⊙ dφk
+    stored (this value block's part)."""
     pid_bh, pid_v, b, h, kv, cols, cols_ok = _program_block(H, H_KV, dv, BLOCK_V)
-    offs_d = tl.arange(0, BLOCK_D)
     w_head = w_ptr + h * w_head_stride
     m_head = m_ptr + h * d * d
     shift0 = tl.load(shift0_ptr + pid_bh)
     later = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)  # R: the later rows' ĝ part
     later_c = tl.zeros([BLOCK_M], dtype=tl.float32)  # and their c part (block 0 only)
-    dw_sum = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dm_sum = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
     step = 0
     while step < n_chunks:  # (a while loop: see the note at the top)
         c = n_chunks - 1 - step
-        (t, row_ok, pos, doc, chunk_start, _, _, x_tilde_k, x_prime_k, q_feat, key_feat, shift, continuing, decay, v,
-         g_hat, c_row) = _recompute_chunk(
+        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
             q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, cols, cols_ok,
             T, H, H_KV, d, dv, m_feats, start, w_head, m_head, scale, HAS_TRANSFORM, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M)
         sigma = _last_row(shift, t, c, T, BLOCK_T)
@@ -389,12 +351,7 @@ def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
         d_scores = (tl.dot(g_hat, tl.trans(v), input_precision="ieee") + c_row[:, None]) * decay
         d_feat = tl.dot(tl.trans(d_scores), q_feat, input_precision="ieee")
         d_feat += seen_later[:, None] * (tl.dot(v, tl.trans(later), input_precision="ieee") + later_c[None, :])
-        dx, dw, dm = _chain_features(key_feat * d_feat, x_tilde_k, x_prime_k, w_head, m_head, scale, d, m_feats, True,
-                                     HAS_TRANSFORM, BLOCK_D, BLOCK_M)
-        dw_sum += dw
-        dm_sum += dm
-        tl.store(dk_ptr + (((pid_v * (tl.num_programs(0) // H) + b) * T + t) * H + h)[:, None] * d + offs_d[None, :],
-                 dx, mask=row_ok[:, None] & (offs_d < d)[None, :])
+        _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
         # R for chunk c − 1: this chunk's rows of that chunk's last document, and R itself if the
         # document goes on through this chunk, all brought to the scale exp(σ_{c−1} − s_i) ≤ 1
         reads_back = q_feat * _exp_where(carried - shift, continuing)[:, None]
@@ -402,7 +359,6 @@ def _key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, m_ptr, doc_ptr, shift0_ptr,
         later = back * later + tl.dot(tl.trans(reads_back), g_hat, input_precision="ieee")
         later_c = back * later_c + tl.sum(reads_back * c_row[:, None], axis=0)
         step += 1
-    _store_partials(dw_ptr, dm_ptr, dw_sum, dm_sum, pid_bh, pid_v, d, m_feats, BLOCK_D, BLOCK_M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,7 +513,8 @@ class _RandomFeatureAttention(torch.autograd.Function):
 
 def _backward(q, k, v, projection, transform, doc, state, out, denominator, shift_rows, q_max, grad_out,
               geometry: _Geometry):
-    """dL/d(q, k, v, projection, transform) from the two backward kernels."""
+    """dL/d(q, k, v, projection, transform): the two backward kernels give dv and the per-row
+    gradients of the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`)."""
     g = grad_out.float()
     den = denominator.transpose(1, 2)[..., None]  # [B, T, H, 1]
     empty = den <= UNDERFLOW_FLOOR  # zero rows have zero gradients (as safe_ratio)
@@ -567,24 +524,67 @@ def _backward(q, k, v, projection, transform, doc, state, out, denominator, shif
     c_row = c_row[..., 0].transpose(1, 2).contiguous()  # [B, H, T]
     batch, length, heads, d = q.shape
     nvb, m = geometry.value_blocks, geometry.features
-    dq = q.new_empty(nvb, batch, length, heads, d)
-    dk = q.new_empty(nvb, batch, length, heads, d)
+    d_logits = q.new_empty(2, nvb, batch, length, heads, m)  # [query, key] × value blocks
     dv = q.new_empty(batch, length, heads, geometry.value_dim)
-    dw = q.new_empty(2, batch, heads, nvb, m, d)
-    dm = q.new_empty(2, batch, heads, nvb, d, d)
     common = dict(HAS_TRANSFORM=transform is not None, HAS_DOC=doc is not None, **geometry.blocks())
     m_arg = projection if transform is None else transform
     doc_arg = q if doc is None else doc
     _query_grad_kernel[geometry.grid](
-        q, k, v, projection, m_arg, doc_arg, *state, g_hat, c_row, shift_rows, q_max, dq, dw[0], dm[0],
+        q, k, v, projection, m_arg, doc_arg, *state, g_hat, c_row, shift_rows, q_max, d_logits[0],
         *geometry.sizes(), **common)
     _key_grad_kernel[geometry.grid](
-        q, k, v, projection, m_arg, doc_arg, state[2], g_hat, c_row, shift_rows, q_max, dk, dv, dw[1], dm[1],
+        q, k, v, projection, m_arg, doc_arg, state[2], g_hat, c_row, shift_rows, q_max, d_logits[1], dv,
         *geometry.sizes(), **common)
+    d_logits = d_logits.sum(1)  # the value blocks' parts
     groups = heads // geometry.kv_heads
-    d_k = dk.sum(0).view(batch, length, geometry.kv_heads, groups, d).sum(3)
+    keys = k.repeat_interleave(groups, dim=2)  # [B, T, H, d]: query head h reads kv head h // groups
+    weights = projection if projection.dim() == 3 else projection.expand(heads, m, d)
+    d_q, dw_q, dm_q = _chain_feature_map(q, d_logits[0], weights, transform, is_key=False)
+    d_k, dw_k, dm_k = _chain_feature_map(keys, d_logits[1], weights, transform, is_key=True)
+    d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3)
     d_v = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3)
-    d_w = dw.sum(dim=(0, 1, 3))  # [H, m, d]
+    d_w = dw_q + dw_k  # [H, m, d]
     d_w = d_w.sum(0) if projection.dim() == 2 else d_w
-    d_m = None if transform is None else dm.sum(dim=(0, 1, 3))
-    return dq.sum(0), d_k, d_v, d_w, d_m
+    d_m = None if transform is None else dm_q + dm_k
+    return d_q, d_k, d_v, d_w, d_m
+
+
+def _chain_feature_map(x: Tensor, d_logits: Tensor, weights: Tensor, transform: Tensor | None, *, is_key: bool):
+    """From dL/dℓ ``[B, T, H, m]`` of the logits ℓ = W x' (keys: − ½‖x'‖²), x' = M x̃, x̃ = d^{-1/4} x
+    (``x`` ``[B, T, H, d]``, W ``[H, m, d]``, M ``[H, d, d]`` or None) to dL/dx and this side's dL/dW
+    and dL/dM: five fp32 products over all rows, in place of per-program accumulators in the kernels
+    (an [m, d] and a [d, d] accumulator per program spilled on sm_90 at m = d = 128)."""
+    scale = x.shape[-1] ** -0.25
+    x_tilde = x * scale
+    x_prime = x_tilde if transform is None else torch.einsum("bthe,hfe->bthf", x_tilde, transform)
+    d_prime = torch.einsum("bthm,hmd->bthd", d_logits, weights)
+    if is_key:
+        d_prime = d_prime - d_logits.sum(-1, keepdim=True) * x_prime
+    d_w = torch.einsum("bthm,bthd->hmd", d_logits, x_prime)
+    if transform is None:
+        return d_prime * scale, d_w, None
+    d_m = torch.einsum("bthf,bthe->hfe", d_prime, x_tilde)
+    return torch.einsum("bthf,hfe->bthe", d_prime, transform) * scale, d_w, d_m
+
+
+def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,
+                     features: int, *, chunk_size: int, has_transform: bool, has_doc: bool,
+                     shared_projection: bool = False) -> list[KernelLaunch]:
+    """The three kernels one differentiated call launches at these sizes (the forward, the query and
+    the key gradients), with the grids, blocks and warps of the launches above (the same
+    ``_Geometry``, built on meta tensors: no memory, no GPU)."""
+    q = torch.empty(batch, length, heads, head_dim, device="meta")
+    k = torch.empty(batch, length, kv_heads, head_dim, device="meta")
+    v = torch.empty(batch, length, kv_heads, value_dim, device="meta")
+    projection = torch.empty(*(() if shared_projection else (heads,)), features, head_dim, device="meta")
+    geometry = _Geometry(q, k, v, projection, chunk_size, 0)
+    blocks = geometry.blocks()
+    warps = blocks.pop("num_warps")
+    constexprs = dict(HAS_TRANSFORM=has_transform, HAS_DOC=has_doc) | blocks
+    tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
+                 block_v=geometry.block_v, chunks=geometry.n_chunks, has_transform=has_transform)
+    kernels = [("features_forward", _forward_kernel), ("features_query_grad", _query_grad_kernel),
+               ("features_key_grad", _key_grad_kernel)]
+    return [KernelLaunch(name, kernel, geometry.grid, constexprs, warps,
+                         aot_signature(kernel, constexprs, {"doc_ptr": "*i64"}, {"scale", "floor"}), tiles)
+            for name, kernel in kernels]

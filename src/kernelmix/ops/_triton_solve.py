@@ -4,12 +4,15 @@
 
 visible: j ≤ i (Cubit) or j < i (DeltaFormer, ``strict``), and j ≥ doc_start[b, i] with packed
 documents. The same computation as ``_solve_blocked`` (its docstring derives the backward), as a
-chunked forward substitution: one program per (batch, head, slice of value columns) walks the row
-blocks in order.
+chunk-parallel forward substitution: the rows are cut into spans of ``SPAN_ROWS``; per span, one
+launch mixes every row of the span with all earlier spans' solved rows in parallel
+(``_past_span_kernel``: the bulk of the products, on tensor cores), then one program per (batch,
+head, slice of value columns) walks the span's row blocks in order (``_solve_forward_kernel``).
 
-Forward (``_solve_forward_kernel``): for row block I, an online softmax (running max, running sum,
-flash-attention style) over the past column blocks mixes the U rows this same program stored
-earlier; the diagonal tile closes the softmax, which gives K_II, the mix of the past
+Forward: for row block I, an online softmax (running max, running sum, flash-attention style) over
+the past column blocks mixes the stored U rows — the earlier spans' in ``_past_span_kernel``, which
+leaves its running max, sum and mix per row, the span's own in ``_solve_forward_kernel``, which
+continues from them in blocks of ``SUBSTITUTION_ROWS``; the diagonal tile closes the softmax, which gives K_II, the mix of the past
 Σ_{j<i0} K_ij u_j and the row log-normaliser (base 2, saved for the backward); then the C×C system
 β_I K_II + γ I is solved in registers (rows divided by their pivots, then a column-oriented
 forward substitution: two reductions per row) and U_I stored. The solve is
@@ -19,15 +22,19 @@ logits, which costs dv / BLOCK_V times the logit products and buys that many par
 Backward, with db = A^{-T} dU and e_i = Σ_j K_ij (db_i·u_j):
     grad b = db,   dγ_h = −Σ_i db_i·u_i,   dβ_i = −e_i,
     dL_ij = −β_i K_ij (db_i·u_j − e_i),   dx_i = scale Σ_j dL_ij y_j,   dy_j = scale Σ_i dL_ij x_i.
-Three kernels: the transposed solve (``_solve_transposed_kernel``: per value slice, row blocks from
-the last, K recomputed from x, y and the saved log-normalisers, back substitution in registers);
+Three stages: the transposed solve (per span from the last, ``_future_span_kernel`` sums the later
+spans' A_IJᵀ db_I for every column block of the span in parallel, then ``_solve_transposed_kernel``
+walks the span's row blocks from the last, K recomputed from x, y and the saved log-normalisers,
+back substitution in registers);
 then, in parallel over row blocks, e and dx (``_grad_rows_kernel``; dx_i = −scale β_i (Σ_j K_ij S_ij y_j
 − e_i Σ_j K_ij y_j), S = db uᵀ, in one pass over the columns), and in parallel over column blocks dy
 (``_grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
-Everything (products, softmax, systems) is fp32; the products use ``input_precision="ieee"``
-(``DOT_PRECISION``; no TF32), since they feed a triangular system.
+Softmax, normalisers and systems are fp32, and so are the in-span products (``input_precision=
+"ieee"``, ``DOT_PRECISION``); with more than one span, the products across spans and the gradient
+kernels' products take ``SPAN_OPERANDS`` (TF32 by default; the error measured against float64 is
+at the constant).
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
@@ -49,7 +56,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..errors import KernelmixError
-from ._backend import defined_for_the_interpreter
+from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
 
 try:
     import triton
@@ -65,6 +72,17 @@ MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
 # Every product feeds a triangular system: full fp32 ("ieee"), not TF32. One constant, so that a
 # GPU run can measure "tf32" against the accuracy bounds.
 DOT_PRECISION = "ieee" if tl is None else tl.constexpr("ieee")
+# The chunk-parallel solve cuts the rows into spans of SPAN_ROWS (whole row blocks): per span, one
+# launch computes every row's products with all earlier spans in parallel (the bulk of the work, on
+# tensor cores with SPAN_OPERANDS), and one sequential launch solves the span's own rows.
+# SPAN_OPERANDS: "tf32" (measured against float64 under the interpreter, operands rounded as the GPU
+# does: relative error ≤ 1.2e-4 in U and dx, dy, db; 1.4e-3 in dγ at Cubit's tiny ridge), "bf16"
+# (≤ 1.3e-3; 1.2e-2 in dγ) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
+SPAN_ROWS = 1024
+SPAN_OPERANDS = "tf32"
+# Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
+# ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
+SUBSTITUTION_ROWS = 16
 # LOOPS: loops with run-time bounds are ``while`` loops, not ``range``: Triton 3.6's interpreter
 # turns a run-time scalar into a 1-element array, which ``range`` cannot take under NumPy ≥ 2.4
 # (int() of a 1-d array is an error there); ``while`` compiles to the same loop on a GPU.
@@ -124,10 +142,37 @@ if triton is not None:
         return 0
 
     @triton.jit
+    def _rounded(x, OPERANDS: tl.constexpr):
+        """``x`` rounded to the operand precision of a tensor-core product (to nearest, ties away from
+        zero, as the GPU's conversion): "tf32" keeps 10 mantissa bits, "bf16" 7, "fp32" all. Explicit,
+        so that the interpreter, which computes every product in fp32, gives what the GPU would."""
+        if OPERANDS == "tf32":
+            return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        elif OPERANDS == "bf16":
+            return ((x.to(tl.uint32, bitcast=True) + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            return x
+
+    @triton.jit
+    def _product(a, b, OPERANDS: tl.constexpr):
+        """a @ b with fp32 accumulation: full fp32 ("fp32": CUDA cores) or on tensor cores from TF32
+        operands ("tf32") or bf16-rounded ones ("bf16", exact in TF32, so the same instruction)."""
+        if OPERANDS == "fp32":
+            return tl.dot(a, b, input_precision=DOT_PRECISION)
+        else:
+            return tl.dot(_rounded(a, OPERANDS), _rounded(b, OPERANDS), input_precision="tf32")
+
+    @triton.jit
     def _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
         """Base-2 logits scale·log2(e)·x_i·y_j of a tile, −inf where column j is hidden from row i
         (the future, the diagonal when ``STRICT``, other documents, padding)."""
-        logits = tl.dot(x_tile, tl.trans(y_tile), input_precision=DOT_PRECISION) * scale2
+        return _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, "fp32")
+
+    @triton.jit
+    def _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
+                            OPERANDS: tl.constexpr):
+        """:func:`_masked_logits` with the product's operand precision (the span kernels')."""
+        logits = _product(x_tile, tl.trans(y_tile), OPERANDS) * scale2
         visible = (cols[None, :] >= starts[:, None]) & (rows[:, None] < length) & (cols[None, :] < length)
         if STRICT:
             visible = visible & (cols[None, :] < rows[:, None])
@@ -139,7 +184,13 @@ if triton is not None:
     def _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
         """The normalised kernel tile K_IJ, recomputed from the saved base-2 log-normalisers
         (hidden entries are −inf, and exp2(−inf − lse) = 0: lse is finite, 0 for an empty row)."""
-        return tl.exp2(_masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT) - lse_rows[:, None])
+        return _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, "fp32")
+
+    @triton.jit
+    def _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
+                          OPERANDS: tl.constexpr):
+        logits = _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+        return tl.exp2(logits - lse_rows[:, None])
 
     @triton.jit
     def _unit_substitution(off_diagonal, rhs, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr):
@@ -175,14 +226,13 @@ if triton is not None:
     @triton.jit
     def _forward_past(
         x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STRICT: tl.constexpr,
+        row_max, row_sum, acc, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STRICT: tl.constexpr,
+        OPERANDS: tl.constexpr,
     ):
-        """Online softmax of rows I over the past columns [first, i0) (flash-attention style): the
-        running max, the running sum and Σ_j exp2(s_ij − max) u_j, from the U rows stored earlier."""
+        """Online softmax of rows I over the past columns [first, i0) (flash-attention style), from
+        (``row_max``, ``row_sum``, ``acc``): the running max, the running sum and Σ_j exp2(s_ij − max) u_j,
+        from the U rows stored earlier."""
         kcols = tl.arange(0, BLOCK_K)
-        row_max = tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
         j0 = first
         while j0 < i0:  # (while, not range: see LOOPS; loads inline: each device call costs the interpreter)
             cols = j0 + tl.arange(0, BLOCK_T)
@@ -190,33 +240,51 @@ if triton is not None:
                              mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
-            logits = _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT)
+            logits = _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, OPERANDS)
             new_max = tl.maximum(row_max, tl.max(logits, 1))
             rescale = tl.exp2(row_max - new_max)
             weights = tl.exp2(logits - new_max[:, None])
             row_sum = row_sum * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + tl.dot(weights, u_tile, input_precision=DOT_PRECISION)
+            acc = acc * rescale[:, None] + _product(weights, u_tile, OPERANDS)
             row_max = new_max
             j0 += BLOCK_T
         return row_max, row_sum, acc
 
     @triton.jit
+    def _span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
+                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAST: tl.constexpr):
+        """Where rows I's online softmax starts: the past spans' partials (running max, sum and
+        mix, :func:`_past_span_kernel`), or nothing seen yet."""
+        if HAS_PAST:
+            row_max = tl.load(max_ptr + rows, mask=rows < length, other=MAX_FLOOR)
+            row_sum = tl.load(sum_ptr + rows, mask=rows < length, other=0.0)
+            acc = _load_rows(acc_ptr, rows, vcols, s_at, s_ad, length, dv)
+        else:
+            row_max = tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32)
+            row_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+        return row_max, row_sum, acc
+
+    @triton.jit
     def _forward_block(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-        s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst, i0, length, dk, dv, scale2, vcols,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
+        s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length, dk, dv,
+        scale2, vcols, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
     ):
         """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
-        (the pointers are those of this batch element and head)."""
+        (the pointers are those of this batch element and head): the span's earlier columns on top of
+        the past spans' partials, then the diagonal tile and the C×C solve."""
         rows = i0 + tl.arange(0, BLOCK_T)
         kcols = tl.arange(0, BLOCK_K)
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
         x_tile = _load_rows(x_ptr, rows, kcols, s_xt, s_xd, length, dk)
-        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
+        first = tl.maximum(_first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), span_start)
+        row_max, row_sum, acc = _span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
+                                               BLOCK_T, BLOCK_V, HAS_PAST)
         row_max, row_sum, acc = _forward_past(
             x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
-            BLOCK_T, BLOCK_K, BLOCK_V, STRICT,
+            row_max, row_sum, acc, BLOCK_T, BLOCK_K, STRICT, "fp32",
         )
         # the diagonal tile closes the softmax
         y_tile = _load_rows(y_ptr, rows, kcols, s_yt, s_yd, length, dk)
@@ -238,14 +306,15 @@ if triton is not None:
 
     @triton.jit
     def _solve_forward_kernel(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr,
+        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_bb, s_bh, s_bt, s_bd,
-        s_ub, s_uh, s_ut, s_ud, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        heads, length, dk, dv, scale2,
+        s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad, s_betab, s_betah, s_betat, s_dsb, s_dst,
+        heads, length, dk, dv, scale2, span_start, span_end,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
     ):
-        """Grid (B·H, value slices): one program solves all T rows of one slice of one head."""
+        """Grid (B·H, value slices): one program solves the rows [span_start, span_end) of one slice
+        of one head in order (all T rows when there is one span)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -255,32 +324,69 @@ if triton is not None:
         y_ptr += bi * s_yb + hi * s_yh
         b_ptr += bi * s_bb + hi * s_bh
         u_ptr += bi * s_ub + hi * s_uh
+        acc_ptr += bi * s_ab + hi * s_ah
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
-        i0 = 0
-        while i0 < length:
+        max_ptr += pid.to(tl.int64) * length
+        sum_ptr += pid.to(tl.int64) * length
+        i0 = span_start
+        while i0 < span_end:
             _forward_block(
-                x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, gamma,
-                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_betat, s_dst, i0, length, dk, dv, scale2, vcols,
-                BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC,
+                x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
+                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
+                dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST,
             )
             # later row blocks load this block's U from global memory: make the stores visible
             tl.debug_barrier()
             i0 += BLOCK_T
 
     @triton.jit
+    def _past_span_kernel(
+        x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr,
+        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad,
+        s_dsb, s_dst, heads, length, dk, dv, scale2, span_start,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+    ):
+        """Grid (B·H, row blocks of the span, value slices), all in parallel: row block I of the span
+        starting at ``span_start`` against every solved column before the span, [first_I, span_start):
+        the online softmax's running max and sum (slice 0 stores them) and Σ_j exp2(s_ij − max) u_j,
+        which :func:`_solve_forward_kernel` continues from. Its products are the off-diagonal ones, the
+        bulk of the solve: on tensor cores unless ``OPERANDS`` is "fp32"."""
+        pid = tl.program_id(0)
+        bi = (pid // heads).to(tl.int64)
+        hi = (pid % heads).to(tl.int64)
+        i0 = span_start + tl.program_id(1) * BLOCK_T
+        rows = i0 + tl.arange(0, BLOCK_T)
+        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        kcols = tl.arange(0, BLOCK_K)
+        ds_ptr += bi * s_dsb
+        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
+        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
+        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
+        row_max, row_sum, acc = _forward_past(
+            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, span_start,
+            s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32),
+            tl.zeros([BLOCK_T], dtype=tl.float32), tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
+            BLOCK_T, BLOCK_K, STRICT, OPERANDS,
+        )
+        _store_rows(acc_ptr + bi * s_ab + hi * s_ah, rows, vcols, s_at, s_ad, length, dv, acc)
+        if tl.program_id(2) == 0:
+            tl.store(max_ptr + pid.to(tl.int64) * length + rows, row_max, mask=rows < length)
+            tl.store(sum_ptr + pid.to(tl.int64) * length + rows, row_sum, mask=rows < length)
+
+    @triton.jit
     def _transposed_later(
-        y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block, end_block,
+        y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, i_block, end_block,
         s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
     ):
-        """Σ_{I>J} A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the later row blocks that see column block J
-        (their db already stored by this program)."""
+        """Σ_I A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the row blocks [i_block, end_block) that see column
+        block J (their db already stored)."""
         kcols = tl.arange(0, BLOCK_K)
         total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        i_block = j_block + 1
         while i_block < end_block:  # loads inline: each device call costs the interpreter
             rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
             inside = rows < length
@@ -295,23 +401,24 @@ if triton is not None:
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
             if HAS_BETA:
                 db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
-            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            total += tl.dot(tl.trans(kernel), db_rows, input_precision=DOT_PRECISION)
+            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+            total += _product(tl.trans(kernel), db_rows, OPERANDS)
             i_block += 1
         return total
 
     @triton.jit
     def _solve_transposed_kernel(
-        x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, end_ptr,
+        x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_gb, s_gh, s_gt, s_gd,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        heads, length, blocks, dk, dv, scale2,
+        s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd, s_betab, s_betah, s_betat, s_dsb, s_dst,
+        heads, length, blocks, dk, dv, scale2, span_first, span_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_FUTURE: tl.constexpr,
     ):
-        """Grid (B·H, value slices): db = A^{-T} dU for one slice, row blocks from the last: block J
-        subtracts A_IJᵀ db_I of the later blocks from dU_J, then back-substitutes its diagonal block.
-        ``end_ptr`` [B, blocks]: one past the last row block that sees each column block."""
+        """Grid (B·H, value slices): db = A^{-T} dU for one slice over the span's row blocks
+        [span_first, span_stop), from the last: block J subtracts A_IJᵀ db_I of the span's later blocks
+        (and the later spans' sum, :func:`_future_span_kernel`) from dU_J, then back-substitutes its
+        diagonal block. ``end_ptr`` [B, blocks]: one past the last row block that sees each column block."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -322,19 +429,22 @@ if triton is not None:
         y_ptr += bi * s_yb + hi * s_yh
         gu_ptr += bi * s_gb + hi * s_gh
         db_ptr += bi * s_dbb + hi * s_dbh
+        fut_ptr += bi * s_fb + hi * s_fh
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
-        j_block = blocks - 1
-        while j_block >= 0:
+        j_block = span_stop - 1
+        while j_block >= span_first:
             cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
             y_tile = _load_rows(y_ptr, cols, kcols, s_yt, s_yd, length, dk)
-            end_block = tl.load(end_ptr + bi * blocks + j_block)
+            end_block = tl.minimum(tl.load(end_ptr + bi * blocks + j_block), span_stop)
             rhs = _load_rows(gu_ptr, cols, vcols, s_gt, s_gd, length, dv) - _transposed_later(
-                y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block, end_block,
+                y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block + 1, end_block,
                 s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-                BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC,
+                BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, "fp32",
             )
+            if HAS_FUTURE:
+                rhs -= _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
             starts = _doc_starts(ds_ptr, cols, s_dst, length, HAS_DOC)
             x_tile = _load_rows(x_ptr, cols, kcols, s_xt, s_xd, length, dk)
             lse_rows = _row_vector(lse_ptr, cols, 1, length, 0.0)
@@ -347,10 +457,39 @@ if triton is not None:
             j_block -= 1
 
     @triton.jit
+    def _future_span_kernel(
+        x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
+        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd,
+        s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, span_first, span_stop,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+    ):
+        """Grid (B·H, column blocks of the span, value slices), all in parallel: column block J of the
+        span [span_first, span_stop) against every row block after the span that sees it,
+        Σ_{I ≥ span_stop} K_IJᵀ (β_I db_I) (their db solved already): the transposed solve's
+        off-diagonal products, on tensor cores unless ``OPERANDS`` is "fp32"."""
+        pid = tl.program_id(0)
+        bi = (pid // heads).to(tl.int64)
+        hi = (pid % heads).to(tl.int64)
+        j_block = span_first + tl.program_id(1)
+        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, tl.arange(0, BLOCK_K), s_yt, s_yd, length, dk)
+        end_block = tl.load(end_ptr + bi * blocks + j_block)
+        total = _transposed_later(
+            y_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
+            beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
+            cols, span_stop, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
+            BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
+        )
+        _store_rows(fut_ptr + bi * s_fb + hi * s_fh, cols, vcols, s_ft, s_fd, length, dv, total)
+
+    @triton.jit
     def _grad_rows_sums(
         x_tile, db_rows, lse_rows, starts, y_ptr, u_ptr, rows, first, i0,
         s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
+        OPERANDS: tl.constexpr,
     ):
         """Over the columns rows I see: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and Σ_j K_ij y_j,
         with S = db uᵀ (one pass; dx follows from the three)."""
@@ -366,11 +505,11 @@ if triton is not None:
                              mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
-            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            products = kernel * tl.dot(db_rows, tl.trans(u_tile), input_precision=DOT_PRECISION)  # K ⊙ (db uᵀ)
+            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+            products = kernel * _product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
             e_rows += tl.sum(products, 1)
-            weighted += tl.dot(products, y_tile, input_precision=DOT_PRECISION)
-            smoothed += tl.dot(kernel, y_tile, input_precision=DOT_PRECISION)
+            weighted += _product(products, y_tile, OPERANDS)
+            smoothed += _product(kernel, y_tile, OPERANDS)
             j0 += BLOCK_T
         return e_rows, weighted, smoothed
 
@@ -382,7 +521,7 @@ if triton is not None:
         s_gxb, s_gxh, s_gxt, s_gxd,
         heads, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
     ):
         """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
         dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j)."""
@@ -402,7 +541,7 @@ if triton is not None:
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
         e_rows, weighted, smoothed = _grad_rows_sums(
             x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, OPERANDS,
         )
         factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
         grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
@@ -414,7 +553,7 @@ if triton is not None:
         y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, cols, j_block, end_block,
         s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
     ):
         """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J."""
         kcols = tl.arange(0, BLOCK_K)
@@ -434,11 +573,11 @@ if triton is not None:
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
             e_rows = tl.load(e_ptr + rows, mask=inside, other=0.0)
-            scores = tl.dot(db_rows, tl.trans(u_tile), input_precision=DOT_PRECISION) - e_rows[:, None]
+            scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]
             if HAS_BETA:
                 scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
-            kernel = _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT)
-            total += tl.dot(tl.trans(kernel * scores), x_tile, input_precision=DOT_PRECISION)
+            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+            total += _product(tl.trans(kernel * scores), x_tile, OPERANDS)
             i_block += 1
         return total
 
@@ -450,7 +589,7 @@ if triton is not None:
         s_gyb, s_gyh, s_gyt, s_gyd,
         heads, length, blocks, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
     ):
         """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i)."""
         pid = tl.program_id(0)
@@ -467,7 +606,7 @@ if triton is not None:
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
             e_ptr + pid.to(tl.int64) * length, cols, j_block, end_block,
             s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
-            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC,
+            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
         )
         _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)
 
@@ -527,6 +666,15 @@ class _Layout:
         self.block_v = min(64, padded_dim(self.dv))
         self.block_dv = padded_dim(self.dv)
         self.blocks = triton.cdiv(self.length, self.block_t)
+        # spans of the chunk-parallel solve: whole row blocks, SPAN_ROWS rows or fewer
+        self.span_blocks = max(1, SPAN_ROWS // self.block_t)
+        self.spans = triton.cdiv(self.blocks, self.span_blocks)
+        self.slices = triton.cdiv(self.dv, self.block_v)
+        # tensor cores for the products across spans and the gradients' products; one span: all fp32
+        self.operands = SPAN_OPERANDS if self.spans > 1 else "fp32"
+        # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
+        self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
+        self.sub_blocks = triton.cdiv(self.length, self.sub_t)
         self.scale, self.scale2, self.strict = float(scale), float(scale) * LOG2E, bool(strict)
         self.has_beta, self.has_doc = beta is not None, doc_start is not None
         self.beta_strides = (0, 0, 0) if beta is None else tuple(beta.stride())
@@ -539,39 +687,113 @@ class _Layout:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
                     HAS_DOC=self.has_doc, num_warps=self.num_warps)
 
+    def substitution_flags(self) -> dict:
+        """The in-span kernels' flags: rows in blocks of ``sub_t``; 8 warps for 128-wide heads (ptxas,
+        sm_90, d = 128: 1.5 KB spilled per thread at 4 warps, none at 8), else 4."""
+        wide = max(self.block_k, self.block_dv) >= 128
+        return self.flags() | dict(BLOCK_T=self.sub_t, num_warps=8 if wide or self.sub_t >= 64 else 4)
+
+    @property
+    def sequential_grid(self) -> tuple[int, int]:
+        """The in-span forward and transposed solves: one program per (batch · head, value slice)."""
+        return (self.batch * self.heads, self.slices)
+
+    def span_blocks_of(self, span: int) -> tuple[int, int]:
+        """The row blocks [first, stop) of span ``span``."""
+        first = span * self.span_blocks
+        return first, min(first + self.span_blocks, self.blocks)
+
+    def span_grid(self, span: int) -> tuple[int, int, int]:
+        """The past / future span kernels: one program per (batch · head, row block of the span, value slice)."""
+        first, stop = self.span_blocks_of(span)
+        return (self.batch * self.heads, stop - first, self.slices)
+
+    @property
+    def block_grid(self) -> tuple[int, int]:
+        """The row and column gradient kernels: one program per (batch · head, row block)."""
+        return (self.batch * self.heads, self.blocks)
+
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
+    """U and the row log-normalisers, span by span: the past spans' products in parallel
+    (:func:`_past_span_kernel`), then the span's own substitution (:func:`_solve_forward_kernel`)."""
     # U laid out [B, T, H, dv] (the callers' layout), seen as [B, H, T, dv]
     u = b.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     lse = x.new_empty(lay.batch, lay.heads, lay.length)  # base-2 row log-normalisers
-    grid = (lay.batch * lay.heads, triton.cdiv(lay.dv, lay.block_v))
-    _solve_forward_kernel[grid](
-        x, y, b, u, x if beta is None else beta, gamma, x if doc_start is None else doc_start, lse,
-        *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *lay.beta_strides, *lay.ds_strides,
-        lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, BLOCK_V=lay.block_v, **lay.flags(),
-    )
+    if lay.spans > 1:  # the past spans' running max, sum and mix of each row
+        row_max, row_sum = x.new_empty(lay.batch, lay.heads, lay.length), x.new_empty(lay.batch, lay.heads, lay.length)
+        acc = b.new_empty(lay.batch, lay.heads, lay.length, lay.dv)
+    else:
+        row_max = row_sum = lse
+        acc = u
+    beta_arg = x if beta is None else beta
+    ds_arg = x if doc_start is None else doc_start
+    flags = lay.flags()
+    for span in range(lay.spans):
+        first, stop = lay.span_blocks_of(span)
+        start, end = first * lay.block_t, min(stop * lay.block_t, lay.length)
+        if span > 0:
+            _past_span_kernel[lay.span_grid(span)](
+                x, y, u, ds_arg, row_max, row_sum, acc, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(acc),
+                *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, BLOCK_T=lay.block_t,
+                BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict, HAS_DOC=lay.has_doc,
+                OPERANDS=lay.operands, num_warps=flags["num_warps"],
+            )
+        _solve_forward_kernel[lay.sequential_grid](
+            x, y, b, u, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
+            *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
+            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end, BLOCK_V=lay.block_v,
+            HAS_PAST=span > 0, **lay.substitution_flags(),
+        )
     return u, lse
+
+
+def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout) -> Tensor:
+    """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
+    (:func:`_future_span_kernel`), then the span's own back substitution (:func:`_solve_transposed_kernel`)."""
+    grad_b = grad_u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
+    future = grad_u.new_empty(lay.batch, lay.heads, lay.length, lay.dv) if lay.spans > 1 else grad_b
+    beta_arg = x if beta is None else beta
+    ds_arg = x if doc_start is None else doc_start
+    common = (*lay.beta_strides, *lay.ds_strides)
+    flags = lay.flags()
+    for span in reversed(range(lay.spans)):
+        first, stop = lay.span_blocks_of(span)
+        later = span < lay.spans - 1
+        if later:
+            _future_span_kernel[lay.span_grid(span)](
+                x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
+                *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2, first, stop,
+                BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
+                HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands, num_warps=flags["num_warps"],
+            )
+        ratio = lay.block_t // lay.sub_t  # the span's bounds in substitution blocks
+        _solve_transposed_kernel[lay.sequential_grid](
+            x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, sub_ends, future,
+            *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
+            lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, first * ratio,
+            min(stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=later, **lay.substitution_flags(),
+        )
+    return grad_b
 
 
 def _solve_backward(grad_u, x, y, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
-    grad_b = u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
+    sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
+                                                                     x.device)
+    grad_b = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay)
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     common = (*lay.beta_strides, *lay.ds_strides)
-    _solve_transposed_kernel[(lay.batch * lay.heads, triton.cdiv(lay.dv, lay.block_v))](
-        x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, ends,
-        *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *common,
-        lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2, BLOCK_V=lay.block_v, **lay.flags(),
-    )
     e = x.new_empty(lay.batch, lay.heads, lay.length)
     grad_x = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-    grid = (lay.batch * lay.heads, lay.blocks)
+    grid = lay.block_grid
     tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
     _grad_rows_kernel[grid](
         x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
-        lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, BLOCK_DV=lay.block_dv, **lay.flags(),
+        lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, BLOCK_DV=lay.block_dv, OPERANDS=lay.operands,
+        **lay.flags(),
     )
     grad_y = None
     if need_y:
@@ -579,7 +801,7 @@ def _solve_backward(grad_u, x, y, beta, gamma, doc_start, u, lse, lay: _Layout, 
         _grad_columns_kernel[grid](
             x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, ends, *tensors, *_strides4(grad_y),
             lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
-            BLOCK_DV=lay.block_dv, **lay.flags(),
+            BLOCK_DV=lay.block_dv, OPERANDS=lay.operands, **lay.flags(),
         )
     return grad_b, (grad_x if need_x else None), grad_y, e
 
@@ -633,3 +855,46 @@ def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None,
     need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)."""
     _check_inputs(x, y, b, beta, gamma, doc_start)
     return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size))
+
+
+_POINTER_TYPES = {"ds_ptr": "*i64", "end_ptr": "*i32"}
+_FLOAT_ARGS = {"scale", "scale2"}
+
+
+def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chunk_size: int, strict: bool,
+                   has_beta: bool, has_doc: bool) -> list[KernelLaunch]:
+    """The kernels one differentiated solve launches at these sizes — the forward (past spans in
+    parallel, then each span's substitution), the backward's transposed solve (later spans, then each
+    span's back substitution), row and column gradients — with the grids, blocks and warps the launches
+    above use (the same ``_Layout``, built on meta tensors: no memory, no GPU). A span kernel's grid is
+    that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed."""
+    if triton is None:
+        raise KernelmixError("the Triton launch plan needs the triton package: pip install triton")
+    x = torch.empty(batch, heads, length, dk, device="meta")
+    b = torch.empty(batch, heads, length, dv, device="meta")
+    beta = torch.empty(batch, heads, length, device="meta") if has_beta else None
+    doc = torch.empty(batch, length, dtype=torch.int64, device="meta") if has_doc else None
+    lay = _Layout(x, b, beta, doc, 1.0, strict, chunk_size)
+    flags = lay.flags()
+    warps = flags.pop("num_warps")
+    several = lay.spans > 1
+    tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
+                 blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
+                 operands=lay.operands)
+    span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
+                HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
+    gradient = {"BLOCK_DV": lay.block_dv, "OPERANDS": lay.operands}
+    substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
+    sub_warps = substitution.pop("num_warps")
+    kernels = [("solve_past_span", _past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
+               ("solve_forward", _solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
+                lay.spans),
+               ("solve_future_span", _future_span_kernel, lay.span_grid(0), span | {"HAS_BETA": lay.has_beta},
+                lay.spans - 1),
+               ("solve_transposed", _solve_transposed_kernel, lay.sequential_grid, substitution | {"HAS_FUTURE": several},
+                lay.spans),
+               ("solve_grad_rows", _grad_rows_kernel, lay.block_grid, flags | gradient, 1),
+               ("solve_grad_columns", _grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
+    return [KernelLaunch(name, kernel, grid, constexprs, sub_warps if name in ("solve_forward", "solve_transposed")
+                         else warps, aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
+            for name, kernel, grid, constexprs, calls in kernels if calls > 0]

@@ -1,0 +1,238 @@
+"""``kernelmix gpu-check --plan``: the launch report of every Triton kernel, made on a CPU.
+
+For each mixer with Triton kernels (Cubit's and DeltaFormer's solve, Performer's and DARKFormer's
+random features) at the plan's shapes (:data:`PLAN_SHAPES`: the gpu-check head B=1, H=16, T=8192,
+d=128, m=128, which is also the 1.3b preset's, and the 125m preset's H=12, d=64), it records:
+
+- the launch grid the op uses at those sizes (the ops' own launch code on meta tensors), programs
+  against the H200's 132 SMs (the target: ≥ 2 per SM, or a reason why fewer is right);
+- what the sm_90 compiler reports, compiling ahead of time here (:mod:`.plan_compile`, its own
+  process): registers per thread, spilled bytes, stack frame, shared memory, compile seconds;
+- the FLOPs and bytes one launch executes and moves (:mod:`.plan_costs`), the arithmetic
+  intensity and a roofline time on an H200; per mixer, forward + backward against SDPA's.
+
+Compiles are kept in ``OUT/compiled.jsonl`` as they finish, keyed by the kernel's source hash,
+its constexprs and warps, and Triton's version: an interrupted plan resumes where it stopped, and a
+kernel whose source changed is compiled again. Writes ``OUT/plan.json``, ``OUT/plan.md`` and
+``OUT/README.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ...errors import KernelmixError
+from ..flops import forward_flops
+from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, mixer_launches
+from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, roofline_seconds,
+                         sdpa_cost, solve_cost)
+
+PLAN_FORMAT = "kernelmix.gpu_plan/1"
+TARGET_SHAPE = "target"
+PLAN_SHAPES = {
+    TARGET_SHAPE: dict(batch=1, heads=16, kv_heads=16, length=8192, head_dim=128, features=128, chunk_size=64),
+    "125m": dict(batch=1, heads=12, kv_heads=12, length=8192, head_dim=64, features=64, chunk_size=64),
+}
+SHAPE_NOTES = {TARGET_SHAPE: "gpu-check's bench head, and the 1.3b preset's (H=16, d=128)",
+               "125m": "the 125m preset's head (H=12, d=64)"}
+LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=255, max_spilled_bytes=0,
+              max_compile_s=60.0)
+# what bounds each kernel's grid: the reason its program count is what it is
+GRID_BOUNDS = {
+    "solve_past_span": "B·H·(row blocks of a span)·⌈d_v/BLOCK_V⌉: every row of the span against the earlier spans",
+    "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows in order (the forward substitution)",
+    "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: every column of the span against the later spans",
+    "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows from the last (the back "
+                        "substitution)",
+    "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
+    "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
+    "features_forward": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state through all chunks in order",
+    "features_query_grad": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state through all chunks in order",
+    "features_key_grad": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state back through all chunks",
+}
+_IN_SPAN = ("a triangular substitution is sequential in its rows: inside a span of {span} rows it is the "
+            "only order-dependent work, {share:.0%} of the solve's products; the rest runs in the span kernels")
+# a kernel whose small grid is right says why (filled in per row by :func:`_why_fewer`)
+WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN}
+ROOFLINE_LENGTHS = (8192, 16384)
+
+
+def launch_cost(mixer: str, launch, shape: dict) -> Cost:
+    """The executed cost of one launch of ``mixer``'s op at ``shape``."""
+    batch_heads = shape["batch"] * shape["heads"]
+    if mixer in FEATURE_MIXERS:
+        return feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[1])
+    return solve_cost(launch.name, launch.tiles, batch_heads, has_beta=bool(launch.constexprs.get("HAS_BETA", False)),
+                      has_doc=bool(launch.constexprs["HAS_DOC"]))
+
+
+def compile_key(mixer: str, label: str, launch) -> str:
+    """What a compile's result depends on: the source of the kernel's module (the kernel and the
+    device functions it calls; the same under Triton's interpreter, which the tests run with), its
+    constexprs and warps (the grid does not enter the binary)."""
+    source = Path(inspect.getsourcefile(launch.kernel.fn)).read_bytes()
+    flags = ",".join(f"{k}={v}" for k, v in sorted(launch.constexprs.items()))
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    return f"{label}/{mixer}/{launch.name}/{digest}/{flags}/warps={launch.num_warps}"
+
+
+def plan_rows(shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None) -> list[dict]:
+    """One row per (shape, mixer, kernel): the launch, its cost and its compile key (not compiled yet)."""
+    rows = []
+    for label, shape in (PLAN_SHAPES if shapes is None else shapes).items():
+        for mixer in mixers:
+            for launch in mixer_launches(mixer, shape):
+                if kernels is not None and launch.name not in kernels:
+                    continue
+                cost = launch_cost(mixer, launch, shape)
+                precision = launch.constexprs.get("OPERANDS", "fp32")
+                rows.append(dict(
+                    name=f"{mixer}/{launch.name}", mixer=mixer, kernel=launch.name, shape=dict(label=label, **shape),
+                    grid=list(launch.grid), programs=launch.programs, calls=launch.calls, num_warps=launch.num_warps,
+                    blocks={k: v for k, v in launch.constexprs.items() if k.startswith("BLOCK")}, precision=precision,
+                    flops=cost.flops, bytes=cost.bytes, intensity=cost.intensity,
+                    roofline_ms=1e3 * launch_seconds(cost, launch),
+                    grid_bound=GRID_BOUNDS[launch.name], why_fewer=_why_fewer(mixer, launch, shape),
+                    key=compile_key(mixer, label, launch)))
+    return rows
+
+
+def launch_seconds(cost: Cost, launch) -> float:
+    """The roofline time of a kernel's launches in one call: fp32 products on CUDA cores, TF32 (and
+    bf16-rounded) operands on tensor cores at the TF32 peak."""
+    peak = H200["fp32_flops"] if launch.constexprs.get("OPERANDS", "fp32") == "fp32" else H200["tf32_flops"]
+    return roofline_seconds(cost, launch.programs, peak)
+
+
+def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
+    """Why a grid under 2 programs per SM is right, for the kernels where it is (else None)."""
+    text = WHY_FEWER.get(launch.name)
+    if text is None or launch.programs >= LIMITS["min_programs"]:
+        return None
+    costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
+    pair = ("solve_past_span", "solve_forward") if launch.name == "solve_forward" else (
+        "solve_future_span", "solve_transposed")
+    share = costs[launch.name] / sum(costs.get(name, 0.0) for name in pair)
+    return text.format(span=launch.tiles["span_blocks"] * launch.tiles["block_t"], share=share)
+
+
+def _load_compiled(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            found[entry["key"]] = entry
+    return found
+
+
+def _compile_missing(rows: list[dict], cache: Path, progress: bool) -> None:
+    """Compile the rows not in ``cache`` in one worker process, appending each result as it comes."""
+    done = _load_compiled(cache)
+    jobs = [dict(key=r["key"], mixer=r["mixer"], kernel=r["kernel"], shape=r["shape"]) for r in rows
+            if r["key"] not in done]
+    if not jobs:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "kernelmix.studies.gpu_check.plan_compile"]
+    worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    worker.stdin.write(json.dumps(jobs))
+    worker.stdin.close()
+    started = time.perf_counter()
+    with cache.open("a") as sink:
+        for count, line in enumerate(worker.stdout, 1):
+            sink.write(line)
+            sink.flush()
+            if progress:
+                entry = json.loads(line)
+                print(f"  compiled {count}/{len(jobs)} {entry['key'].split('/', 3)[:3]} in {entry['compile_s']:.1f} s "
+                      f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
+    error = worker.stderr.read()
+    if worker.wait() != 0:
+        raise KernelmixError(f"compiling the kernels for sm_90 failed (exit {worker.returncode}); the compiles "
+                             f"that finished are kept in {cache}. The worker said:\n{error.strip()[-3000:]}")
+
+
+def compile_rows(rows: list[dict], cache: Path, progress: bool = False) -> list[dict]:
+    """The rows with the compiler's report merged in (compiling what ``cache`` does not hold)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    _compile_missing(rows, cache, progress)
+    done = _load_compiled(cache)
+    # drop what a kernel's changed source (or blocks) superseded: one entry per (shape, mixer, kernel) planned
+    current = {r["key"] for r in rows}
+    planned = {r["key"].split("/", 3)[:3].__str__() for r in rows}
+    kept = {k: v for k, v in done.items() if k in current or k.split("/", 3)[:3].__str__() not in planned}
+    if len(kept) < len(done):
+        cache.write_text("".join(json.dumps(v) + "\n" for v in kept.values()))
+    merged = []
+    for row in rows:
+        report = {k: v for k, v in done[row["key"]].items() if k != "key"}
+        spilled = report["spill_stores"] + report["spill_loads"]
+        merged.append(dict(row, **report, spilled_bytes=spilled, checks=_checks(row, report, spilled)))
+    return merged
+
+
+def _checks(row: dict, report: dict, spilled: int) -> dict:
+    return dict(programs=row["programs"] >= LIMITS["min_programs"] or row["why_fewer"] is not None,
+                registers=report["registers"] <= LIMITS["max_registers"],
+                spills=spilled <= LIMITS["max_spilled_bytes"], compile_s=report["compile_s"] <= LIMITS["max_compile_s"])
+
+
+def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
+    """Forward + backward roofline milliseconds of ``mixer``'s op at ``length`` (the shape's head):
+    the present kernels (fp32 products on CUDA cores, their grids), and the design the issue asks for
+    (the useful products on tensor cores, TF32 or bf16 operands, over a full machine), each against
+    SDPA in bf16."""
+    at = dict(shape, length=length)
+    launches = mixer_launches(mixer, at)
+    kernels = sum(launch_seconds(launch_cost(mixer, x, at), x) for x in launches)
+    sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
+                                                                                   at["head_dim"]))
+    readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
+    if mixer in FEATURE_MIXERS:  # the backward's chain through the feature map: torch products over all rows
+        chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"],
+                                    FEATURE_MIXERS[mixer]["has_transform"])
+        kernels += chain / H200["fp32_flops"]
+    op = "performer" if mixer in FEATURE_MIXERS else mixer
+    useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
+    if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above
+        useful -= 3 * at["batch"] * at["heads"] * forward_flops("softmax", length, at["head_dim"], 0, at["chunk_size"])
+    tf32 = useful / H200["tf32_flops"] + readout
+    bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
+    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), design_tf32_ms=1e3 * tf32,
+                design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
+                design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)
+
+
+def run_plan(out: str | Path, *, shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None,
+             progress: bool = True) -> dict:
+    """Compile, cost and report every planned kernel; write plan.json, plan.md and README.md in ``out``."""
+    out = Path(out)
+    started = time.perf_counter()
+    rows = compile_rows(plan_rows(shapes, mixers, kernels), out / "compiled.jsonl", progress)
+    target = (PLAN_SHAPES if shapes is None else shapes).get(TARGET_SHAPE)
+    roofline = [] if target is None else [mixer_roofline(m, t, target) for m in mixers for t in ROOFLINE_LENGTHS]
+    plan = dict(format=PLAN_FORMAT, target=dict(arch="sm_90", machine="H200", **H200), limits=LIMITS,
+                shapes={k: dict(v, note=SHAPE_NOTES.get(k, "")) for k, v in (PLAN_SHAPES if shapes is None
+                                                                             else shapes).items()},
+                kernels=rows, roofline=roofline, seconds=round(time.perf_counter() - started, 1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+    from .plan_report import plan_markdown, plan_readme  # the text, apart from the measuring
+
+    (out / "plan.md").write_text(plan_markdown(plan))
+    (out / "README.md").write_text(plan_readme(plan))
+    return plan
+
+
+__all__ = ["LIMITS", "PLAN_FORMAT", "PLAN_SHAPES", "TARGET_SHAPE", "compile_rows", "launch_cost", "mixer_roofline",
+           "plan_rows", "run_plan"]

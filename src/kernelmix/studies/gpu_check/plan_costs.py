@@ -1,0 +1,166 @@
+"""The cost model of ``kernelmix gpu-check --plan``: FLOPs and bytes one launch of each Triton kernel
+moves, and a roofline time on an H200 from them.
+
+**What is counted.** The work the kernel *executes*, tile by tile, at its padded block sizes (a
+masked tile costs as much as a full one): the products (``tl.dot``, one multiply-add = 2 FLOPs),
+and the global-memory loads and stores it issues, in bytes (fp32 = 4, int64 document starts = 8).
+Elementwise work (exps, maxima, masks) is left out, as in :mod:`kernelmix.studies.flops`; a tile
+loaded again by another program is counted again, so ``bytes`` is what the kernel asks of the memory
+system, an upper bound on its DRAM traffic (L2 serves some of it).
+
+**The solve** (Cubit, DeltaFormer; ``n`` row blocks of ``C`` rows in spans, ``P`` (row block,
+earlier-span column block) pairs and as many (column block, later-span row block) pairs, ``L`` / ``S``
+tiles on and below / strictly below the diagonal inside the spans, ``L₀ = n(n+1)/2`` in all, ``s``
+value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`), per (batch, head):
+
+    past / future spans   s · P · 2·C²·(K + V)                 logits and mix of every pair (each
+                                                               slice recomputes the logits)
+    forward, transposed   s · (2·c²·K·L + 2·c²·V·S + c²·V·n)   the spans' own tiles, the in-block
+                                                               substitution (in blocks of c rows,
+                                                               ``SUBSTITUTION_ROWS``; L, S, n counted
+                                                               in those blocks)
+    grad rows             2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, two products with y
+    grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
+
+**The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows, head ``D``, features
+``M``, ``s`` value blocks of ``V``; the feature maps cost ``F = 2·(2·C·D·M + [2·C·D²])`` for q and k,
+the bracket with DARKFormer's transform), per (batch, head) and value block, per chunk:
+
+    forward               F + 2·C²·M + 2·C²·V + 4·C·M·V
+    query gradient        F + 2·C²·(M + V) + 4·C·M·V           stores dL/dℓ^q [C, M]
+    key gradient          F + 4·C²·(M + V) + 6·C·M·V           stores dL/dℓ^k [C, M] and dv
+
+Every program recomputes the features of its chunk: the work grows with the value blocks ``s``.
+The backward's chain through the feature map is torch's (:func:`feature_chain_flops`: products
+over all rows, which fill the machine), not a kernel's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+INT64 = 8
+
+# H200 SXM peaks (NVIDIA's datasheet, dense): what the roofline divides by
+H200 = dict(sms=132, fp32_flops=67e12, tf32_flops=495e12, bf16_flops=989e12, hbm_bytes_per_s=4.8e12)
+PROGRAMS_PER_SM_TARGET = 2  # the issue's target: ≥ 2 programs per SM (264 on an H200)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One launch's executed FLOPs and the bytes it loads and stores."""
+
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+def span_tiles(blocks: int, span_blocks: int) -> dict:
+    """Tile counts of the chunk-parallel solve's ``blocks`` row blocks in spans of ``span_blocks``:
+    ``past`` (row block, earlier-span column block) pairs, ``future`` (column block, later-span row
+    block) pairs, and the tiles on and below the diagonal inside the spans (``lower``; ``strict``
+    without the diagonal). Document starts would skip some; the count is the dense case."""
+    past = future = lower = strict = 0
+    for first in range(0, blocks, span_blocks):
+        size = min(span_blocks, blocks - first)
+        past += size * first
+        future += size * (blocks - first - size)
+        lower += size * (size + 1) // 2
+        strict += size * (size - 1) // 2
+    return dict(past=past, future=future, lower=lower, strict=strict)
+
+
+def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc: bool) -> Cost:
+    """The executed cost of one solve kernel, summed over its launches in one call (the module
+    docstring's formulas, with the products split between the span kernels and the spans' own)."""
+    c, k, v, dv, n = tiles["block_t"], tiles["block_k"], tiles["block_v"], tiles["block_dv"], tiles["blocks"]
+    count = span_tiles(n, tiles["span_blocks"])
+    all_lower = n * (n + 1) / 2
+    slices = -(-tiles["dv"] // v)
+    row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
+    several = tiles["spans"] > 1
+    spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
+    if name in ("solve_past_span", "solve_future_span"):
+        pairs = count["past" if name == "solve_past_span" else "future"]
+        flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
+        moved = slices * (pairs * c * ((k + v) * FP32 + (name == "solve_future_span") * row_scalars)
+                          + spanned_rows * ((k + v + 2) * FP32 + row_scalars))
+    elif name in ("solve_forward", "solve_transposed"):
+        # the spans' own rows, in substitution blocks of sub_t rows
+        sub = tiles["sub_t"]
+        blocks = n * c // sub
+        inner = span_tiles(blocks, tiles["span_blocks"] * c // sub)
+        flops = slices * (2 * sub * sub * k * inner["lower"] + 2 * sub * sub * v * inner["strict"]
+                          + sub * sub * v * blocks)
+        # per earlier tile of the span: its key rows and its solved (or db) rows; per block: x, y, b in,
+        # U out, scalars, and the span kernels' partials
+        moved = slices * (inner["strict"] * sub * (k + v) * FP32 + blocks * sub * ((2 * k + 2 * v) * FP32 + row_scalars)
+                          + several * spanned_rows * (v + 2) * FP32)
+        if name == "solve_transposed":  # the later tiles load their row scalars too
+            moved += slices * inner["strict"] * sub * row_scalars
+    elif name == "solve_grad_rows":
+        flops = 2 * c * c * (3 * k + dv) * all_lower
+        moved = all_lower * c * (k + dv) * FP32 + n * c * ((2 * k + dv) * FP32 + row_scalars + FP32)
+    elif name == "solve_grad_columns":
+        flops = 2 * c * c * (2 * k + dv) * all_lower
+        moved = all_lower * c * ((k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
+    else:
+        raise ValueError(f"no cost model for kernel {name!r}")
+    return Cost(batch_heads * flops, batch_heads * moved)
+
+
+def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
+    """The executed cost of one random-feature kernel (the module docstring's formulas)."""
+    c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
+    transform = bool(tiles["has_transform"])
+    feature_maps = 2 * (2 * c * d * m + transform * 2 * c * d * d)
+    parameters = (m * d + transform * d * d) * FP32  # W (and M), loaded again for every chunk
+    inputs = c * (2 * d + v) * FP32 + c * INT64  # q, k and v rows, document starts
+    if name == "features_forward":
+        per_chunk = feature_maps + 2 * c * c * m + 2 * c * c * v + 4 * c * m * v
+        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 / value_blocks
+        tail = 0
+    elif name == "features_query_grad":
+        per_chunk = feature_maps + 2 * c * c * (m + v) + 4 * c * m * v
+        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 + c * m * FP32
+        tail = m * v * FP32  # the initial state's block
+    elif name == "features_key_grad":
+        per_chunk = feature_maps + 4 * c * c * (m + v) + 6 * c * m * v
+        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 + c * (m + v) * FP32
+        tail = 0
+    else:
+        raise ValueError(f"no cost model for kernel {name!r}")
+    programs = batch_heads * value_blocks
+    return Cost(programs * n * per_chunk, programs * (n * per_chunk_bytes + tail))
+
+
+def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
+    """The torch products of the random-feature backward (``_chain_feature_map``), both sides: x' = M x̃
+    again, dx' = dℓ W, dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
+    per_row = 2 * (2 * head_dim * features * 2 + transform * 3 * 2 * head_dim * head_dim)
+    return batch * heads * length * per_row
+
+
+def roofline_seconds(cost: Cost, programs: int, peak_flops: float, machine: dict = H200) -> float:
+    """A lower bound on a launch's time: its FLOPs at the peak that the programs can occupy (a grid
+    of fewer programs than SMs leaves the rest idle) or its bytes at the HBM bandwidth, whichever
+    is slower. Optimistic: one program per SM rarely reaches the SM's peak."""
+    busy = min(1.0, programs / machine["sms"])
+    return max(cost.flops / (peak_flops * busy), cost.bytes / machine["hbm_bytes_per_s"])
+
+
+def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost, Cost]:
+    """Causal flash attention's forward and backward (FLOPs over the causal half; the backward's five
+    products against the forward's two: 2.5×), bytes of q, k, v, o in bf16 (and their gradients)."""
+    forward = 4 * batch * heads * length * length * head_dim / 2
+    tensors = batch * heads * length * head_dim * 2  # one [B, H, T, d] tensor in bf16
+    return Cost(forward, 4 * tensors), Cost(2.5 * forward, 8 * tensors)
+
+
+__all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_chain_flops", "feature_cost", "roofline_seconds",
+           "sdpa_cost", "solve_cost", "span_tiles"]

@@ -1,0 +1,108 @@
+"""The text of ``kernelmix gpu-check --plan``: plan.md (every kernel, the targets, the roofline) and
+the README of its results directory, from the plan's JSON alone."""
+
+from __future__ import annotations
+
+CHECK_NAMES = {"programs": "≥ {min_programs} programs (2 per SM) or a reason", "registers": "≤ {max_registers} registers",
+               "spills": "{max_spilled_bytes} spilled bytes", "compile_s": "compile ≤ {max_compile_s:.0f} s"}
+
+
+def _kernel_table(rows: list[dict], sms: int) -> list[str]:
+    lines = ["| kernel | grid | programs | per SM | launches | products | warps | registers | "
+             "spill stores / loads (B) | stack (B) | shared (KiB) | compile (s) | GFLOP | MB | FLOP/B | roofline (ms) |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        grid = " × ".join(str(g) for g in r["grid"])
+        lines.append(
+            f"| {r['name']} | {grid} | {r['programs']:,} | {r['programs'] / sms:.2f} | {r['calls']} | "
+            f"{r['precision']} | {r['num_warps']} | "
+            f"{r['registers']} | {r['spill_stores']:,} / {r['spill_loads']:,} | {r['stack_bytes']:,} | "
+            f"{r['shared_bytes'] / 1024:.0f} | {r['compile_s']:.1f} | {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e6:.0f} | "
+            f"{r['intensity']:.1f} | {r['roofline_ms']:.2f} |")
+    return lines
+
+
+def _targets(plan: dict) -> list[str]:
+    rows = [r for r in plan["kernels"] if r["shape"]["label"] == "target"]
+    limits = plan["limits"]
+    lines = ["| target | met by | missed by |", "|---|---|---|"]
+    for check, title in CHECK_NAMES.items():
+        met = [r["name"] for r in rows if r["checks"][check]]
+        missed = [r["name"] for r in rows if not r["checks"][check]]
+        lines.append(f"| {title.format(**limits)} | {len(met)} of {len(rows)} | {', '.join(missed) or '–'} |")
+    lines += ["", "The grids under 2 programs per SM, what bounds them, and why that is right where it is:", ""]
+    seen = set()
+    for r in rows:
+        if r["programs"] < limits["min_programs"] and r["kernel"] not in seen:
+            seen.add(r["kernel"])
+            why = f" Why fewer is right: {r['why_fewer']}." if r["why_fewer"] else " Not right: a design limit."
+            lines.append(f"- `{r['kernel']}`: {r['programs']} programs; {r['grid_bound']}.{why}")
+    return lines
+
+
+def _roofline(plan: dict) -> list[str]:
+    lines = ["| mixer | T | SDPA (ms) | present kernels (ms) | × SDPA | design, TF32 (ms) | × SDPA | "
+             "design, bf16 (ms) | × SDPA |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in plan["roofline"]:
+        lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | "
+                     f"{r['present_ratio']:.1f} | {r['design_tf32_ms']:.2f} | {r['design_tf32_ratio']:.2f} | "
+                     f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
+    return lines
+
+
+def plan_markdown(plan: dict) -> str:
+    """plan.md: the kernels per shape, the targets at the target shape, the roofline."""
+    t = plan["target"]
+    out = ["# Launch plan of the Triton kernels (sm_90, compiled ahead of time on a CPU)", "",
+           f"Every Triton kernel of one differentiated call (forward, then backward), compiled for {t['arch']} with "
+           f"the blocks and warps the ops launch with, packed documents on. {t['machine']}: {t['sms']} SMs, "
+           f"fp32 {t['fp32_flops'] / 1e12:.0f}, TF32 {t['tf32_flops'] / 1e12:.0f}, bf16 {t['bf16_flops'] / 1e12:.0f} "
+           f"TFLOP/s (dense), HBM {t['hbm_bytes_per_s'] / 1e12:.1f} TB/s. FLOPs and bytes are what a launch "
+           "executes and asks of memory at its padded tiles (the cost model in "
+           "`kernelmix.studies.gpu_check.plan_costs`), summed over a call's launches (*launches*: the span "
+           "kernels run once per span); the roofline is max(FLOPs / (peak × busy SMs), bytes / HBM bandwidth), "
+           "a lower bound, at the fp32 peak for *products* `fp32` (CUDA cores) and the TF32 peak for `tf32` "
+           "(tensor cores: the chunk-parallel solve's products across spans and its gradients' products, for "
+           "T > 1,024).", ""]
+    for label, shape in plan["shapes"].items():
+        rows = [r for r in plan["kernels"] if r["shape"]["label"] == label]
+        if not rows:
+            continue
+        out += [f"## `{label}`: B={shape['batch']}, H={shape['heads']}, T={shape['length']:,}, d={shape['head_dim']}, "
+                f"m={shape['features']}, chunk {shape['chunk_size']} ({shape['note']})", ""]
+        out += _kernel_table(rows, t["sms"]) + [""]
+    out += ["## The targets at the target shape", ""] + _targets(plan) + [""]
+    if plan["roofline"]:
+        out += ["## Roofline: forward + backward against SDPA", "",
+                "*Present*: the kernels above at their grids (the solve mixers add the softmax read-out over U, "
+                "costed as SDPA). *Design*: the op's useful products (kernelmix.studies.flops, × 3 for forward + "
+                "backward) on tensor cores (TF32 operands, or bf16 operands with fp32 accumulation) over the whole machine, plus the read-out: what a chunk-parallel "
+                "solve and a chunk-parallel random-feature kernel could reach, not a kernel that exists. SDPA: "
+                "causal flash attention in bf16 at peak (backward 2.5× the forward).", ""]
+        out += _roofline(plan) + [""]
+    return "\n".join(out)
+
+
+def plan_readme(plan: dict) -> str:
+    """The results directory's README: the command, what it holds, the headline."""
+    rows = [r for r in plan["kernels"] if r["shape"]["label"] == "target"]
+    small = sum(not r["checks"]["programs"] for r in rows)
+    spilling = sum(r["spilled_bytes"] > 0 for r in rows)
+    slowest = max(rows, key=lambda r: r["compile_s"]) if rows else None
+    compiling = sum(r["compile_s"] for r in plan["kernels"])
+    lines = ["# gpu-plan: the Triton kernels' launch report, made without a GPU", "",
+             "Produced by `kernelmix gpu-check --plan --out results/gpu-plan`: the "
+             f"{len(plan['kernels'])} compiles for sm_90 took {compiling / 60:.1f} min of one CPU core in all "
+             f"(Triton {plan['kernels'][0]['triton'] if plan['kernels'] else '?'}); they are kept in `compiled.jsonl`, "
+             "so a rerun compiles only kernels whose source or blocks changed.", "",
+             "- `plan.md`: every kernel at each shape (grid, programs per SM, registers, spills, shared memory, compile "
+             "seconds, FLOPs, bytes, roofline), the targets, and the forward + backward roofline against SDPA.",
+             "- `plan.json`: the same numbers (`kernels`: one entry per mixer and kernel and shape).", ""]
+    if rows:
+        lines += [f"At the target shape: {len(rows)} kernels; {small} launch fewer than "
+                  f"{plan['limits']['min_programs']} programs without a reason, {spilling} spill, the slowest compile "
+                  f"is {slowest['name']} ({slowest['compile_s']:.0f} s).", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["plan_markdown", "plan_readme"]

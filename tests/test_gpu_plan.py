@@ -1,0 +1,169 @@
+"""``kernelmix gpu-check --plan``: the launch report of the Triton kernels, made without a GPU.
+
+The grids the plan reports must be the grids the ops launch (recorded from real launches under the
+interpreter); the compile of a fast subset at the target shape runs here, so a kernel that spills
+more than the committed plan, or needs more than 255 registers, fails the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernelmix.cli import main  # noqa: E402
+from kernelmix.ops import _triton_features as features  # noqa: E402
+from kernelmix.ops import _triton_solve as solve  # noqa: E402
+from kernelmix.ops._triton_features import feature_launches, triton_random_feature_attention  # noqa: E402
+from kernelmix.ops._triton_solve import solve_launches, triton_kernel_solve  # noqa: E402
+from kernelmix.studies.flops import forward_flops  # noqa: E402
+from kernelmix.studies.gpu_check.plan import LIMITS, PLAN_SHAPES, TARGET_SHAPE, plan_rows, run_plan  # noqa: E402
+from kernelmix.studies.gpu_check.plan_compile import parse_ptxas_log  # noqa: E402
+from kernelmix.studies.gpu_check.plan_report import plan_markdown  # noqa: E402
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "gpu-plan" / "plan.json"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class GridRecorder:
+    """Stands in for a @triton.jit kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel, name: str, grids: list):
+        self.kernel, self.name, self.grids = kernel, name, grids
+
+    def __getitem__(self, grid):
+        self.grids.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+    def __getattr__(self, name):  # arg_names, fn, ...: the kernel's
+        return getattr(self.kernel, name)
+
+
+def record(monkeypatch, module, names: dict) -> list:
+    grids: list = []
+    for attribute, name in names.items():
+        monkeypatch.setattr(module, attribute, GridRecorder(getattr(module, attribute), name, grids))
+    return grids
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
+@pytest.mark.parametrize("strict", [False, True])
+def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
+    grids = record(monkeypatch, solve, {"_solve_forward_kernel": "solve_forward",
+                                        "_solve_transposed_kernel": "solve_transposed",
+                                        "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
+    batch, heads, length, dk, dv, chunk = 2, 3, 37, 8, 80, 16  # dv > 64: two value slices
+    x, y = (torch.randn(batch, heads, length, dk, requires_grad=True) for _ in range(2))
+    b = torch.randn(batch, heads, length, dv, requires_grad=True)
+    beta = torch.rand(batch, heads, length) if strict else None
+    doc = torch.tensor([0] * 20 + [20] * 17).expand(batch, length).contiguous()
+    u = triton_kernel_solve(x, y, b, beta=beta, gamma=torch.ones(heads), scale=0.3, strict=strict, chunk_size=chunk,
+                            doc_start=doc)
+    u.sum().backward()
+    planned = solve_launches(batch, heads, length, dk, dv, chunk_size=chunk, strict=strict, has_beta=strict, has_doc=True)
+    assert grids == [(p.name, p.grid) for p in planned]
+    assert planned[0].grid == (batch * heads, 2)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
+def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypatch):
+    """Spans of 32 rows at T = 100 (4 spans, the last partial): each span kernel launches once per
+    span after the first (before the last), the in-span solves once per span, with the planned grids."""
+    monkeypatch.setattr(solve, "SPAN_ROWS", 32)
+    grids = record(monkeypatch, solve, {"_past_span_kernel": "solve_past_span", "_solve_forward_kernel": "solve_forward",
+                                        "_future_span_kernel": "solve_future_span",
+                                        "_solve_transposed_kernel": "solve_transposed",
+                                        "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
+    batch, heads, length, d, chunk = 1, 2, 100, 8, 16
+    x, y, b = (torch.randn(batch, heads, length, d, requires_grad=True) for _ in range(3))
+    u = triton_kernel_solve(x, y, b, beta=None, gamma=torch.ones(heads), scale=0.3, strict=False, chunk_size=chunk,
+                            doc_start=None)
+    u.sum().backward()
+    planned = solve_launches(batch, heads, length, d, d, chunk_size=chunk, strict=False, has_beta=False, has_doc=False)
+    assert [p.calls for p in planned] == [3, 4, 3, 4, 1, 1]
+    for launch in planned:
+        seen = [grid for name, grid in grids if name == launch.name]
+        assert len(seen) == launch.calls and max(seen) == launch.grid, launch.name
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
+def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
+    grids = record(monkeypatch, features, {"_forward_kernel": "features_forward",
+                                           "_query_grad_kernel": "features_query_grad",
+                                           "_key_grad_kernel": "features_key_grad"})
+    batch, heads, kv_heads, length, d, dv, m, chunk = 1, 4, 2, 29, 8, 24, 16, 8
+    q = torch.randn(batch, length, heads, d, requires_grad=True)
+    k = torch.randn(batch, length, kv_heads, d, requires_grad=True)
+    v = torch.randn(batch, length, kv_heads, dv, requires_grad=True)
+    projection = torch.randn(heads, m, d, requires_grad=True)
+    transform = torch.eye(d).repeat(heads, 1, 1).requires_grad_()
+    out, _, _ = triton_random_feature_attention(q, k, v, projection, transform, chunk_size=chunk, doc_start=None)
+    out.sum().backward()
+    planned = feature_launches(batch, heads, kv_heads, length, d, dv, m, chunk_size=chunk, has_transform=True,
+                               has_doc=False)
+    assert grids == [(p.name, p.grid) for p in planned]
+
+
+def test_the_cost_model_grows_with_the_work():
+    """The solve's executed FLOPs grow as T² and at least its useful products; the features' as T."""
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    longer = dict(shape, length=2 * shape["length"])
+    for mixer, power in (("cubit", 4), ("deltaformer", 4), ("performer", 2), ("darkformer", 2)):
+        short = sum(r["flops"] for r in plan_rows({"a": shape}, (mixer,)))
+        long = sum(r["flops"] for r in plan_rows({"a": longer}, (mixer,)))
+        assert long / short == pytest.approx(power, rel=0.05), mixer  # the spans' own work grows as T
+    forward = sum(r["flops"] for r in plan_rows({"a": shape}, ("cubit",))
+                  if r["kernel"] in ("solve_past_span", "solve_forward"))
+    heads, length, d = shape["heads"], shape["length"], shape["head_dim"]
+    useful = heads * (forward_flops("cubit", length, d, 0, 64) - forward_flops("softmax", length, d, 0, 64))
+    assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here
+
+
+def test_ptxas_report_is_read():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
+           "    3960 bytes stack frame, 5528 bytes spill stores, 14228 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers, 3960 bytes cumulative stack size\n")
+    assert parse_ptxas_log(log) == dict(registers=128, stack_bytes=3960, spill_stores=5528, spill_loads=14228)
+    with pytest.raises(Exception, match="resource report"):
+        parse_ptxas_log("ptxas fatal: Unsupported .version")
+
+
+def test_fast_subset_compiles_for_sm90_within_the_committed_plan(tmp_path):
+    """Two kernels at the target shape, compiled here: no more registers than a thread may have, no
+    more spilled bytes than the committed plan records for them (a regression fails; fewer is fine)."""
+    committed = {(k["name"], k["shape"]["label"]): k for k in json.loads(COMMITTED.read_text())["kernels"]}
+    plan = run_plan(tmp_path, shapes={TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]}, mixers=("cubit",),
+                    kernels=("solve_forward", "solve_grad_columns"), progress=False)
+    assert [k["name"] for k in plan["kernels"]] == ["cubit/solve_forward", "cubit/solve_grad_columns"]
+    for kernel in plan["kernels"]:
+        before = committed[(kernel["name"], TARGET_SHAPE)]
+        assert kernel["registers"] <= LIMITS["max_registers"]
+        assert kernel["spilled_bytes"] <= before["spilled_bytes"], kernel["name"]
+        assert kernel["shared_bytes"] <= 227 * 1024  # an sm_90 block's most shared memory
+        assert kernel["programs"] == before["programs"]
+    assert (tmp_path / "plan.md").read_text().startswith("# Launch plan")
+    again = run_plan(tmp_path, shapes={TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]}, mixers=("cubit",),
+                     kernels=("solve_forward", "solve_grad_columns"), progress=False)  # from compiled.jsonl
+    assert [k["compile_s"] for k in again["kernels"]] == [k["compile_s"] for k in plan["kernels"]]
+
+
+def test_the_committed_plan_holds_every_kernel_at_the_target_shape():
+    plan = json.loads(COMMITTED.read_text())
+    target = [k for k in plan["kernels"] if k["shape"]["label"] == TARGET_SHAPE]
+    assert {k["name"] for k in target} == {r["name"] for r in plan_rows({TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]})}
+    for kernel in target:
+        assert {"name", "shape", "programs", "registers", "spilled_bytes", "shared_bytes", "compile_s", "flops",
+                "bytes", "why_fewer"} <= set(kernel)
+        assert kernel["checks"]["programs"] == (kernel["programs"] >= 264 or kernel["why_fewer"] is not None)
+    assert (COMMITTED.parent / "plan.md").read_text() == plan_markdown(plan)
+
+
+def test_plan_takes_only_out(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gpu-check", "--plan", "--skip", "a", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--plan" in capsys.readouterr().err
