@@ -514,6 +514,31 @@ if triton is not None:
         return e_rows, weighted, smoothed
 
     @triton.jit
+    def _grad_rows_shifted(
+        x_tile, db_rows, lse_rows, e_rows, starts, y_ptr, u_ptr, rows, first, i0,
+        s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
+        OPERANDS: tl.constexpr,
+    ):
+        """Σ_j K_ij (S_ij − e_i) y_j over the columns rows I see, e given: one accumulator, not
+        :func:`_grad_rows_sums`' two (registers: the two spilled on sm_90 at 64 rows × d = 128)."""
+        kcols = tl.arange(0, BLOCK_K)
+        vcols = tl.arange(0, BLOCK_DV)
+        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        j0 = first
+        while j0 <= i0:  # loads inline: each device call costs the interpreter
+            cols = j0 + tl.arange(0, BLOCK_T)
+            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
+                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
+            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
+                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
+            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+            scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
+            total += _product(kernel * scores, y_tile, OPERANDS)
+            j0 += BLOCK_T
+        return total
+
+    @triton.jit
     def _grad_rows_kernel(
         x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
@@ -522,9 +547,11 @@ if triton is not None:
         heads, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        HAS_E: tl.constexpr,
     ):
         """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
-        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j)."""
+        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j); with ``HAS_E`` e is given (read
+        from ``e_ptr``) and dx_I = −scale β_I Σ_j K_ij (S_ij − e_I) y_j."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -539,14 +566,24 @@ if triton is not None:
         db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
         lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        e_rows, weighted, smoothed = _grad_rows_sums(
-            x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, OPERANDS,
-        )
         factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
-        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
+        if HAS_E:
+            e_rows = tl.load(e_ptr + rows, mask=rows < length, other=0.0)
+            total = _grad_rows_shifted(
+                x_tile, db_rows, lse_rows, e_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+                rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+                OPERANDS,
+            )
+            grad_x = factor[:, None] * total
+        else:
+            e_rows, weighted, smoothed = _grad_rows_sums(
+                x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+                rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+                OPERANDS,
+            )
+            grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
+            tl.store(e_ptr + rows, e_rows, mask=rows < length)
         _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
-        tl.store(e_ptr + rows, e_rows, mask=rows < length)
 
     @triton.jit
     def _grad_columns_sum(
@@ -777,8 +814,10 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     return grad_b
 
 
-def _solve_backward(grad_u, x, y, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
-    """db (the gradient of b), dx, dy and e (−dβ) of one solve."""
+def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
+    """db (the gradient of b), dx, dy and e (−dβ) of one solve. Without β (Cubit), e_i = db_i·(K U)_i
+    is O(T·d) from the forward's own system, K U = b − γ U, and the row kernel keeps one
+    accumulator; with β (DeltaFormer) dividing by β_i could amplify rounding, so the kernel sums e."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
@@ -786,14 +825,18 @@ def _solve_backward(grad_u, x, y, beta, gamma, doc_start, u, lse, lay: _Layout, 
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     common = (*lay.beta_strides, *lay.ds_strides)
-    e = x.new_empty(lay.batch, lay.heads, lay.length)
+    given = b is not None  # (β is None: K U = b − γ U)
+    if given:
+        e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
+    else:
+        e = x.new_empty(lay.batch, lay.heads, lay.length)
     grad_x = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
     grid = lay.block_grid
     tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
     _grad_rows_kernel[grid](
         x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
         lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, BLOCK_DV=lay.block_dv, OPERANDS=lay.operands,
-        **lay.flags(),
+        HAS_E=given, **lay.flags(),
     )
     grad_y = None
     if need_y:
@@ -821,21 +864,21 @@ class _TritonSolve(torch.autograd.Function):
         else:
             with _launch_device(x):
                 u, lse = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
-        ctx.save_for_backward(x, y, beta, gamma, doc_start, u, lse)
+        ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, lse)
         ctx.layout = lay
         return u
 
     @staticmethod
     @once_differentiable  # a gradient of this gradient is not implemented: say so clearly
     def backward(ctx, grad_u):
-        x, y, beta, gamma, doc_start, u, lse = ctx.saved_tensors
+        x, y, b, beta, gamma, doc_start, u, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if ctx.layout.length == 0:
             return (torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(u), None if beta is None else
                     torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None)
         with _launch_device(x):
             grad_b, grad_x, grad_y, e = _solve_backward(
-                grad_u.float(), x, y, beta, gamma, doc_start, u, lse, ctx.layout, needs[0], needs[1]
+                grad_u.float(), x, y, b, beta, gamma, doc_start, u, lse, ctx.layout, needs[0], needs[1]
             )
         grad_beta = -e if beta is not None and needs[3] else None
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
@@ -884,6 +927,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     gradient = {"BLOCK_DV": lay.block_dv, "OPERANDS": lay.operands}
+    row_gradient = gradient | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
     kernels = [("solve_past_span", _past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
@@ -893,7 +937,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 lay.spans - 1),
                ("solve_transposed", _solve_transposed_kernel, lay.sequential_grid, substitution | {"HAS_FUTURE": several},
                 lay.spans),
-               ("solve_grad_rows", _grad_rows_kernel, lay.block_grid, flags | gradient, 1),
+               ("solve_grad_rows", _grad_rows_kernel, lay.block_grid, flags | row_gradient, 1),
                ("solve_grad_columns", _grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
     return [KernelLaunch(name, kernel, grid, constexprs, sub_warps if name in ("solve_forward", "solve_transposed")
                          else warps, aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)

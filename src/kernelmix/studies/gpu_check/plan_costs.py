@@ -20,6 +20,7 @@ value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
     grad rows             2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, two products with y
+                                                               (Cubit: one, e from K U = b − γ U)
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows, head ``D``, features
@@ -103,8 +104,8 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
                           + several * spanned_rows * (v + 2) * FP32)
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
-    elif name == "solve_grad_rows":
-        flops = 2 * c * c * (3 * k + dv) * all_lower
+    elif name == "solve_grad_rows":  # Cubit (no β) reads e from K U = b − γ U: one product with y fewer
+        flops = 2 * c * c * ((3 if has_beta else 2) * k + dv) * all_lower
         moved = all_lower * c * (k + dv) * FP32 + n * c * ((2 * k + dv) * FP32 + row_scalars + FP32)
     elif name == "solve_grad_columns":
         flops = 2 * c * c * (2 * k + dv) * all_lower
