@@ -18,6 +18,18 @@ def _row(result: dict, layers: str, variant: str, stage: str | None = None) -> d
     return None
 
 
+def _distillation(result: dict) -> str:
+    """The logit distillation after the transfer, when the report ran one (``kl_steps`` > 0)."""
+    s = result["settings"]
+    if not s.get("kl_steps"):
+        return ""
+    done = [row["kl"] for row in result["rows"] if row.get("kl")]
+    span = "; ".join(f"KL to the host {kl['first']:.3f} → {kl['last']:.3f}" for kl in done)
+    return (f" After each transfer, {s['kl_steps']} steps of end-to-end logit distillation at lr {s['kl_lr']} "
+            f"(the kernels trained on KL(host ‖ converted), host frozen{'; ' + span if span else ''}): the "
+            "transfer rows include it.")
+
+
 def report_markdown(result: dict) -> str:
     s = result["settings"]
     host = result["host_loss"]
@@ -33,7 +45,7 @@ def report_markdown(result: dict) -> str:
         f"finetuning saw; attention error: ‖out − exact‖² / ‖exact‖² per converted layer on the host's own q/k/v of a "
         f"held-out {s['error_len']}-token window (the median over layers in the table). Transfer: {s['transfer_steps']} "
         f"steps per layer on {s['calib_seqs']} × {s['calib_len']} calibration tokens; LoRA: {s['lora_steps']} steps × "
-        f"{s['lora_seq_len']} tokens, lr {s['lora_lr']}. One seed ({s['seed']}).",
+        f"{s['lora_seq_len']} tokens, lr {s['lora_lr']}.{_distillation(result)} One seed ({s['seed']}).",
         "",
         f"**Host: {host:.4f} nats/token.**",
         "",
