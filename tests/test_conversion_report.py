@@ -49,6 +49,7 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     assert (tmp_path / "work" / "transfer-global-darkformer-m=16").is_dir()
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "## The gap against the number of features" in readme and "| 16 |" in readme
+    assert "2 steps of end-to-end logit distillation at lr 0.01" in readme  # the rows' numbers include it
 
 
 def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):

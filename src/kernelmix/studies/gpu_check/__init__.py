@@ -32,6 +32,9 @@ the code runs.
 One module per part: :mod:`.settings` (the parts, their sizes and :class:`GpuCheckConfig`: the
 standard library only), :mod:`.measure` (what (a) and (b) share), :mod:`.checks` (a), :mod:`.bench`
 (b), :mod:`.running` ((c) and the run), :mod:`.report` (JSON, markdown, console) and :mod:`.plots`.
+``--plan`` (no GPU: every kernel compiled for sm_90 here, its grid, registers, spills and a roofline)
+is :mod:`.plan` with :mod:`.plan_compile`, :mod:`.plan_costs` and :mod:`.plan_report`, imported by
+the command itself.
 They import only torch, the standard library, :mod:`kernelmix.ops`, :mod:`kernelmix.errors` and
 :mod:`kernelmix.output` at import time (no pydantic): the GPU machine they are for may not have it.
 Every name is importable from ``kernelmix.studies.gpu_check`` as before; a submodule is imported

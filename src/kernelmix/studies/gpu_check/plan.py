@@ -168,9 +168,12 @@ def compile_rows(rows: list[dict], cache: Path, progress: bool = False) -> list[
     _compile_missing(rows, cache, progress)
     done = _load_compiled(cache)
     # drop what a kernel's changed source (or blocks) superseded: one entry per (shape, mixer, kernel) planned
+    def launch_of(key: str) -> tuple[str, ...]:  # (shape, mixer, kernel)
+        return tuple(key.split("/", 3)[:3])
+
     current = {r["key"] for r in rows}
-    planned = {r["key"].split("/", 3)[:3].__str__() for r in rows}
-    kept = {k: v for k, v in done.items() if k in current or k.split("/", 3)[:3].__str__() not in planned}
+    planned = {launch_of(r["key"]) for r in rows}
+    kept = {k: v for k, v in done.items() if k in current or launch_of(k) not in planned}
     if len(kept) < len(done):
         cache.write_text("".join(json.dumps(v) + "\n" for v in kept.values()))
     merged = []
