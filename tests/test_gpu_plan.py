@@ -134,7 +134,8 @@ def test_ptxas_report_is_read():
 
 def test_fast_subset_compiles_for_sm90_within_the_committed_plan(tmp_path):
     """Two kernels at the target shape, compiled here: no more registers than a thread may have, no
-    more spilled bytes than the committed plan records for them (a regression fails; fewer is fine)."""
+    more spilled bytes than the committed plan records for them with the same Triton (a regression
+    fails; fewer is fine; under another Triton, regenerate the plan to move the baseline)."""
     committed = {(k["name"], k["shape"]["label"]): k for k in json.loads(COMMITTED.read_text())["kernels"]}
     plan = run_plan(tmp_path, shapes={TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]}, mixers=("cubit",),
                     kernels=("solve_forward", "solve_grad_columns"), progress=False)
@@ -142,7 +143,8 @@ def test_fast_subset_compiles_for_sm90_within_the_committed_plan(tmp_path):
     for kernel in plan["kernels"]:
         before = committed[(kernel["name"], TARGET_SHAPE)]
         assert kernel["registers"] <= LIMITS["max_registers"]
-        assert kernel["spilled_bytes"] <= before["spilled_bytes"], kernel["name"]
+        if kernel["triton"] == before["triton"]:  # another Triton's ptxas allocates registers its own way
+            assert kernel["spilled_bytes"] <= before["spilled_bytes"], kernel["name"]
         assert kernel["shared_bytes"] <= 227 * 1024  # an sm_90 block's most shared memory
         assert kernel["programs"] == before["programs"]
     assert (tmp_path / "plan.md").read_text().startswith("# Launch plan")
