@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from kernelmix.data import TokenizedSplit, prepare_dataset
 from kernelmix.evaluate import cap_split, evaluate_loss
@@ -40,7 +39,6 @@ def main() -> None:
     parser.add_argument("--out", default="results/compare/code-pages.md")
     parser.add_argument("--length", type=int, default=256)
     args = parser.parse_args()
-    torch.manual_seed(0)
     config = CompareConfig(out_dir=args.runs)
     dataset = prepare_dataset(config.corpus, config.tokenizer)
     val = dataset.val

@@ -568,15 +568,14 @@ def _chain_feature_map(x: Tensor, d_logits: Tensor, weights: Tensor, transform: 
 
 
 def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,
-                     features: int, *, chunk_size: int, has_transform: bool, has_doc: bool,
-                     shared_projection: bool = False) -> list[KernelLaunch]:
+                     features: int, *, chunk_size: int, has_transform: bool, has_doc: bool) -> list[KernelLaunch]:
     """The three kernels one differentiated call launches at these sizes (the forward, the query and
     the key gradients), with the grids, blocks and warps of the launches above (the same
     ``_Geometry``, built on meta tensors: no memory, no GPU)."""
     q = torch.empty(batch, length, heads, head_dim, device="meta")
     k = torch.empty(batch, length, kv_heads, head_dim, device="meta")
     v = torch.empty(batch, length, kv_heads, value_dim, device="meta")
-    projection = torch.empty(*(() if shared_projection else (heads,)), features, head_dim, device="meta")
+    projection = torch.empty(heads, features, head_dim, device="meta")  # per head (a shared one launches the same)
     geometry = _Geometry(q, k, v, projection, chunk_size, 0)
     blocks = geometry.blocks()
     warps = blocks.pop("num_warps")

@@ -486,16 +486,18 @@ if triton is not None:
 
     @triton.jit
     def _grad_rows_sums(
-        x_tile, db_rows, lse_rows, starts, y_ptr, u_ptr, rows, first, i0,
+        x_tile, db_rows, lse_rows, e_given, starts, y_ptr, u_ptr, rows, first, i0,
         s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr,
+        OPERANDS: tl.constexpr, HAS_E: tl.constexpr,
     ):
-        """Over the columns rows I see: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and Σ_j K_ij y_j,
-        with S = db uᵀ (one pass; dx follows from the three)."""
+        """Over the columns rows I see, with S = db uᵀ: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and
+        Σ_j K_ij y_j (one pass; dx follows from the three). With ``HAS_E`` (e given in ``e_given``)
+        one accumulator instead of two, Σ_j K_ij (S_ij − e_i) y_j, and the third stays 0 (the two
+        spilled on sm_90 at 64 rows × d = 128)."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
-        e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
+        e_rows = e_given
         weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         j0 = first
@@ -506,37 +508,16 @@ if triton is not None:
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            products = kernel * _product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
-            e_rows += tl.sum(products, 1)
-            weighted += _product(products, y_tile, OPERANDS)
-            smoothed += _product(kernel, y_tile, OPERANDS)
+            if HAS_E:
+                scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
+                weighted += _product(kernel * scores, y_tile, OPERANDS)
+            else:
+                products = kernel * _product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
+                e_rows += tl.sum(products, 1)
+                weighted += _product(products, y_tile, OPERANDS)
+                smoothed += _product(kernel, y_tile, OPERANDS)
             j0 += BLOCK_T
         return e_rows, weighted, smoothed
-
-    @triton.jit
-    def _grad_rows_shifted(
-        x_tile, db_rows, lse_rows, e_rows, starts, y_ptr, u_ptr, rows, first, i0,
-        s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr,
-    ):
-        """Σ_j K_ij (S_ij − e_i) y_j over the columns rows I see, e given: one accumulator, not
-        :func:`_grad_rows_sums`' two (registers: the two spilled on sm_90 at 64 rows × d = 128)."""
-        kcols = tl.arange(0, BLOCK_K)
-        vcols = tl.arange(0, BLOCK_DV)
-        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        j0 = first
-        while j0 <= i0:  # loads inline: each device call costs the interpreter
-            cols = j0 + tl.arange(0, BLOCK_T)
-            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
-                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
-            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
-                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
-            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
-            total += _product(kernel * scores, y_tile, OPERANDS)
-            j0 += BLOCK_T
-        return total
 
     @triton.jit
     def _grad_rows_kernel(
@@ -566,22 +547,18 @@ if triton is not None:
         db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
         lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
         if HAS_E:
-            e_rows = tl.load(e_ptr + rows, mask=rows < length, other=0.0)
-            total = _grad_rows_shifted(
-                x_tile, db_rows, lse_rows, e_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-                rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
-                OPERANDS,
-            )
-            grad_x = factor[:, None] * total
+            e_given = tl.load(e_ptr + rows, mask=rows < length, other=0.0)
         else:
-            e_rows, weighted, smoothed = _grad_rows_sums(
-                x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-                rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
-                OPERANDS,
-            )
-            grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
+            e_given = tl.zeros([BLOCK_T], dtype=tl.float32)
+        e_rows, weighted, smoothed = _grad_rows_sums(
+            x_tile, db_rows, lse_rows, e_given, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+            OPERANDS, HAS_E,
+        )
+        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
+        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)  # (smoothed is 0 with HAS_E)
+        if not HAS_E:
             tl.store(e_ptr + rows, e_rows, mask=rows < length)
         _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
 

@@ -159,7 +159,8 @@ def _compile_missing(rows: list[dict], cache: Path, progress: bool) -> None:
     error = worker.stderr.read()
     if worker.wait() != 0:
         raise KernelmixError(f"compiling the kernels for sm_90 failed (exit {worker.returncode}); the compiles "
-                             f"that finished are kept in {cache}. The worker said:\n{error.strip()[-3000:]}")
+                             f"that finished are kept in {cache}, so the same command resumes after the cause is "
+                             f"fixed (a kernel ptxas rejects: see its message). The worker said:\n{error.strip()[-3000:]}")
 
 
 def compile_rows(rows: list[dict], cache: Path, progress: bool = False) -> list[dict]:

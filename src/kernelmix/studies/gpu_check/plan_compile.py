@@ -51,7 +51,9 @@ def parse_ptxas_log(log: str) -> dict:
     """Registers per thread, stack frame and spill stores/loads (bytes) from ``ptxas -v``'s log."""
     registers, frame = _REGISTERS.search(log), _FRAME.search(log)
     if registers is None or frame is None:
-        raise KernelmixError(f"could not read ptxas's resource report from its log:\n{log.strip()[:2000]}")
+        raise KernelmixError("could not read ptxas's resource report (registers, stack frame, spills) from its log; "
+                             "this Triton's ptxas may print another format: run with a Triton whose ptxas -v says "
+                             f"'Used N registers' (3.9 does), or extend parse_ptxas_log. The log:\n{log.strip()[:2000]}")
     stack, stores, loads = (int(x) for x in frame.groups())
     return dict(registers=int(registers.group(1)), stack_bytes=stack, spill_stores=stores, spill_loads=loads)
 
@@ -86,8 +88,8 @@ def compile_launch(launch) -> dict:
 def main() -> int:
     """Read ``[{"key", "mixer", "shape", "kernel"}]`` on stdin; print one JSON line per compiled kernel."""
     if os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0"):
-        print("TRITON_INTERPRET is set: the kernels are defined for the interpreter and cannot be compiled",
-              file=sys.stderr)
+        print("TRITON_INTERPRET is set: the kernels are defined for the interpreter and cannot be compiled; "
+              "unset it (kernelmix gpu-check --plan starts this worker without it)", file=sys.stderr)
         return 2
     for job in json.load(sys.stdin):
         launch = next(x for x in mixer_launches(job["mixer"], job["shape"]) if x.name == job["kernel"])
