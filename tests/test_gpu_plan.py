@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -92,8 +93,12 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
-    grids = record(monkeypatch, features, {"_forward_kernel": "features_forward",
+    grids = record(monkeypatch, features, {"_chunk_state_kernel": "features_chunk_states",
+                                           "_state_scan_kernel": "features_state_scan",
+                                           "_forward_kernel": "features_forward",
                                            "_query_grad_kernel": "features_query_grad",
+                                           "_reverse_state_kernel": "features_reverse_states",
+                                           "_reverse_scan_kernel": "features_reverse_scan",
                                            "_key_grad_kernel": "features_key_grad"})
     batch, heads, kv_heads, length, d, dv, m, chunk = 1, 4, 2, 29, 8, 24, 16, 8
     q = torch.randn(batch, length, heads, d, requires_grad=True)
@@ -105,7 +110,10 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
     out.sum().backward()
     planned = feature_launches(batch, heads, kv_heads, length, d, dv, m, chunk_size=chunk, has_transform=True,
                                has_doc=False)
-    assert grids == [(p.name, p.grid) for p in planned]
+    # every kernel at its planned grid, as many times as planned (the states and their scan twice:
+    # the forward's, recomputed in the backward)
+    assert Counter(grids) == {(p.name, p.grid): p.calls for p in planned}
+    assert [name for name, _ in grids][:3] == ["features_chunk_states", "features_state_scan", "features_forward"]
 
 
 def test_the_cost_model_grows_with_the_work():
@@ -133,7 +141,7 @@ def test_ptxas_report_is_read():
 
 
 def test_fast_subset_compiles_for_sm90_within_the_committed_plan(tmp_path):
-    """Two kernels at the target shape, compiled here: no more registers than a thread may have, no
+    """Three kernels at the target shape, compiled here: no more registers than a thread may have, no
     more spilled bytes than the committed plan records for them with the same Triton (a regression
     fails; fewer is fine; under another Triton, regenerate the plan to move the baseline)."""
     committed = {(k["name"], k["shape"]["label"]): k for k in json.loads(COMMITTED.read_text())["kernels"]}
@@ -148,6 +156,14 @@ def test_fast_subset_compiles_for_sm90_within_the_committed_plan(tmp_path):
         assert kernel["shared_bytes"] <= 227 * 1024  # an sm_90 block's most shared memory
         assert kernel["programs"] == before["programs"]
     assert (tmp_path / "plan.md").read_text().startswith("# Launch plan")
+    # and the random features' heaviest kernel, which the chunk-parallel design compiles without spills
+    features = run_plan(tmp_path / "features", shapes={TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]},
+                        mixers=("darkformer",), kernels=("features_key_grad",), progress=False)["kernels"]
+    assert [k["name"] for k in features] == ["darkformer/features_key_grad"]
+    before = committed[("darkformer/features_key_grad", TARGET_SHAPE)]
+    assert features[0]["registers"] <= LIMITS["max_registers"] and features[0]["programs"] == before["programs"]
+    if features[0]["triton"] == before["triton"]:
+        assert features[0]["spilled_bytes"] <= before["spilled_bytes"]
     again = run_plan(tmp_path, shapes={TARGET_SHAPE: PLAN_SHAPES[TARGET_SHAPE]}, mixers=("cubit",),
                      kernels=("solve_forward", "solve_grad_columns"), progress=False)  # from compiled.jsonl
     assert [k["compile_s"] for k in again["kernels"]] == [k["compile_s"] for k in plan["kernels"]]

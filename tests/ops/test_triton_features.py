@@ -1,8 +1,11 @@
-"""The Triton kernel of causal positive random-feature attention (ops/_triton_features), run on CPU
+"""The Triton kernels of causal positive random-feature attention (ops/_triton_features), run on CPU
 under Triton's interpreter, against the dense float64 reference (random_feature_attention_naive):
 values and gradients w.r.t. q, k, v, projection and transform; odd T, chunks that do not divide T,
-documents, grouped heads, Performer and DARKFormer, bf16-rounded inputs, continuation from a
-state, logits that would overflow an unstabilised kernel, underflowing rows and the errors."""
+documents (crossing chunk edges, starting on one, spanning several chunks), grouped heads,
+Performer and DARKFormer, bf16-rounded inputs, continuation from a state, logits that would
+overflow an unstabilised kernel, underflowing rows and the errors. The products run in full fp32
+here (``FEATURE_OPERANDS``, held to 1e-4), and on tensor cores (TF32, bf16 operands, rounded in the
+kernels as the GPU does) to their measured bounds."""
 
 from __future__ import annotations
 
@@ -76,12 +79,22 @@ def _kernel(inputs, doc_start, grad_out, chunk_size, initial_state=None):
 
 NAMES = ["q", "k", "v", "projection", "transform"]
 
+
+@pytest.fixture(autouse=True)
+def fp32_products(monkeypatch):
+    """Full-fp32 products, so that the 1e-4 bounds check the algorithm (the tensor-core operands
+    have a test of their own, below)."""
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "fp32")
+
 CASES = {
     # name: (batch, T, H, H_kv, chunk, darkformer, per-head projection, document starts per batch row)
     "T1-performer-shared": (1, 1, 2, 2, 16, False, False, None),
     "T37-darkformer-gqa-3docs": (1, 37, 4, 2, 16, True, True, [[0, 10, 30]]),
     "T37-performer-2batch-docs": (2, 37, 2, 1, 16, False, True, [[0, 20], [0]]),
     "T130-darkformer-chunk24-2docs": (1, 130, 2, 1, 24, True, False, [[0, 61]]),
+    # 7 chunks of 16: documents starting on a chunk's first row (32, 80), one of a single row (32),
+    # one spanning three chunks (33-79): the scans' restarts and carries across several chunks
+    "T97-darkformer-chunk16-docs-on-edges": (1, 97, 2, 2, 16, True, True, [[0, 32, 33, 80]]),
 }
 
 
@@ -98,6 +111,24 @@ def test_values_and_gradients_match_the_float64_reference(case):
     assert rel_rmse(out, ref) <= 1e-4
     for name, got, want in zip(NAMES, grads, ref_grads):
         assert got.shape == want.shape and rel_rmse(got, want) <= 1e-4, name
+
+
+# The products of features, states and values on tensor cores. Measured against float64 on the
+# cases above (largest relative error over the output and the five gradients): TF32 3.3e-4 in the
+# output, 1.1e-3 in the gradients; bf16 3.0e-3 and 7.9e-3.
+@pytest.mark.parametrize("operands, bound", [("tf32", 2e-3), ("bf16", 2e-2)])
+@pytest.mark.parametrize("case", ["T37-darkformer-gqa-3docs", "T97-darkformer-chunk16-docs-on-edges"])
+def test_tensor_core_products_within_their_measured_error(monkeypatch, operands, bound, case):
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", operands)
+    batch, length, heads, kv_heads, chunk, darkformer, per_head, starts = CASES[case]
+    inputs = _problem(batch, length, heads, kv_heads, darkformer=darkformer, per_head=per_head)
+    doc_start = _documents(length, starts)
+    grad_out = torch.randn(batch, length, heads, 8, generator=torch.Generator().manual_seed(5), dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, chunk)
+    errors = [rel_rmse(out, ref)] + [rel_rmse(got, want) for got, want in zip(grads, ref_grads)]
+    assert max(errors) <= bound, errors
+    assert max(errors) >= 1e-6, "no rounding seen: the operands did not reach the products"
 
 
 def test_several_value_blocks(monkeypatch):
@@ -248,46 +279,43 @@ AOT_SCRIPT = textwrap.dedent("""
         source = triton.compiler.ASTSource
     except (ImportError, AttributeError) as error:
         sys.exit(f"SKIP: this Triton has no ahead-of-time compile API ({error})")
-    FLOATS = {"scale", "floor"}
-    # the tests' block sizes only: at gpu-check's d = m = 128 ptxas takes minutes per kernel here
-    for blocks in (dict(BLOCK_T=16, BLOCK_D=16, BLOCK_M=16, BLOCK_V=16),):
-        constexprs = dict(HAS_TRANSFORM=True, HAS_DOC=True) | blocks
-        for name in ("_forward_kernel", "_query_grad_kernel", "_key_grad_kernel"):
-            kernel = getattr(features, name)
-            signature = {
-                arg: "constexpr" if arg in constexprs else ("*i64" if arg == "doc_ptr" else "*fp32")
-                if arg.endswith("_ptr") else "fp32" if arg in FLOATS else "i32"
-                for arg in kernel.arg_names
-            }
-            compiled = triton.compile(source(fn=kernel, signature=signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 32))
-            assert compiled.asm["cubin"], name
-            print(name, blocks["BLOCK_M"], "compiled", compiled.metadata.shared, "bytes shared")
+    # the tests' head (d = 6, m = 12: blocks of 16); the launch plan compiles gpu-check's sizes
+    for launch in features.feature_launches(1, 2, 1, 37, 6, 8, 12, chunk_size=16, has_transform=True, has_doc=True):
+        compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=launch.num_warps))
+        assert compiled.asm["cubin"], launch.name
+        print(launch.name, "compiled", compiled.metadata.shared, "bytes shared")
 """)
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the three kernels for sm_90
+    """The interpreter accepts code the GPU compiler rejects: compile the seven kernels for sm_90
     down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=3)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=7)
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
-    """At d = m = 128 (gpu-check's head), where the kernels take blocks of 32 rows and 32 value
-    columns: about 2 minutes of ptxas on this CPU (64 and 64 took minutes per kernel)."""
-    script = AOT_SCRIPT.replace("dict(BLOCK_T=16, BLOCK_D=16, BLOCK_M=16, BLOCK_V=16),",
-                                "dict(BLOCK_T=32, BLOCK_D=128, BLOCK_M=128, BLOCK_V=32),")
+    """At d = m = d_v = 128 (gpu-check's head and the 1.3b preset's), with the blocks the launches
+    take there (``kernelmix gpu-check --plan`` reports their registers and spills)."""
+    script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,", "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=3, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=7, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
-    """The block sizes of gpu-check's head (d = m = d_v = 128): 32 rows, 32 value columns."""
+    """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 32 rows, value blocks of 64
+    (the key gradient's of 32), the logits over the head in steps of 16 (what ptxas compiled without
+    spills); at d = 64, chunks of 64."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
     q = torch.zeros(1, 5, 1, 128)
-    geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0)
-    assert kernels.LARGE_TILE == 128 and (geometry.block_t, geometry.block_v, geometry.value_blocks) == (32, 32, 4)
+    geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0, True)
+    assert kernels.LARGE_TILE == 128
+    assert (geometry.block_t, geometry.block_v, geometry.value_blocks) == (32, 64, 2)
+    assert (geometry.key_block_v, geometry.key_value_blocks, geometry.blocks()["D_STEP"]) == (32, 4, 16)
+    small = torch.zeros(1, 5, 1, 64)
+    geometry = getattr(kernels, "_Geometry")(small, small, small, torch.zeros(64, 64), 64, 0, True)
+    assert (geometry.block_t, geometry.block_v, geometry.key_block_v) == (64, 64, 32)

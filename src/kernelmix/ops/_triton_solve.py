@@ -32,7 +32,7 @@ then, in parallel over row blocks, e and dx (``_grad_rows_kernel``; dx_i = −sc
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
 Softmax, normalisers and systems are fp32, and so are the in-span products (``input_precision=
-"ieee"``, ``DOT_PRECISION``); with more than one span, the products across spans and the gradient
+"ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans and the gradient
 kernels' products take ``SPAN_OPERANDS`` (TF32 by default; the error measured against float64 is
 at the constant).
 
@@ -57,6 +57,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
+from ._triton_products import product
 
 try:
     import triton
@@ -69,9 +70,6 @@ LOG2E = 1.0 / math.log(2.0)
 # The running maximum starts at a finite floor, not −inf: a row whose visible columns all lie in
 # later blocks then keeps exp2(s − m) = 0 and a rescale factor of 1, with no inf − inf = NaN.
 MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
-# Every product feeds a triangular system: full fp32 ("ieee"), not TF32. One constant, so that a
-# GPU run can measure "tf32" against the accuracy bounds.
-DOT_PRECISION = "ieee" if tl is None else tl.constexpr("ieee")
 # The chunk-parallel solve cuts the rows into spans of SPAN_ROWS (whole row blocks): per span, one
 # launch computes every row's products with all earlier spans in parallel (the bulk of the work, on
 # tensor cores with SPAN_OPERANDS), and one sequential launch solves the span's own rows.
@@ -142,27 +140,6 @@ if triton is not None:
         return 0
 
     @triton.jit
-    def _rounded(x, OPERANDS: tl.constexpr):
-        """``x`` rounded to the operand precision of a tensor-core product (to nearest, ties away from
-        zero, as the GPU's conversion): "tf32" keeps 10 mantissa bits, "bf16" 7, "fp32" all. Explicit,
-        so that the interpreter, which computes every product in fp32, gives what the GPU would."""
-        if OPERANDS == "tf32":
-            return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        elif OPERANDS == "bf16":
-            return ((x.to(tl.uint32, bitcast=True) + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        else:
-            return x
-
-    @triton.jit
-    def _product(a, b, OPERANDS: tl.constexpr):
-        """a @ b with fp32 accumulation: full fp32 ("fp32": CUDA cores) or on tensor cores from TF32
-        operands ("tf32") or bf16-rounded ones ("bf16", exact in TF32, so the same instruction)."""
-        if OPERANDS == "fp32":
-            return tl.dot(a, b, input_precision=DOT_PRECISION)
-        else:
-            return tl.dot(_rounded(a, OPERANDS), _rounded(b, OPERANDS), input_precision="tf32")
-
-    @triton.jit
     def _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
         """Base-2 logits scale·log2(e)·x_i·y_j of a tile, −inf where column j is hidden from row i
         (the future, the diagonal when ``STRICT``, other documents, padding)."""
@@ -172,7 +149,7 @@ if triton is not None:
     def _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
                             OPERANDS: tl.constexpr):
         """:func:`_masked_logits` with the product's operand precision (the span kernels')."""
-        logits = _product(x_tile, tl.trans(y_tile), OPERANDS) * scale2
+        logits = product(x_tile, tl.trans(y_tile), OPERANDS) * scale2
         visible = (cols[None, :] >= starts[:, None]) & (rows[:, None] < length) & (cols[None, :] < length)
         if STRICT:
             visible = visible & (cols[None, :] < rows[:, None])
@@ -245,7 +222,7 @@ if triton is not None:
             rescale = tl.exp2(row_max - new_max)
             weights = tl.exp2(logits - new_max[:, None])
             row_sum = row_sum * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + _product(weights, u_tile, OPERANDS)
+            acc = acc * rescale[:, None] + product(weights, u_tile, OPERANDS)
             row_max = new_max
             j0 += BLOCK_T
         return row_max, row_sum, acc
@@ -402,7 +379,7 @@ if triton is not None:
             if HAS_BETA:
                 db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            total += _product(tl.trans(kernel), db_rows, OPERANDS)
+            total += product(tl.trans(kernel), db_rows, OPERANDS)
             i_block += 1
         return total
 
@@ -509,13 +486,13 @@ if triton is not None:
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
             if HAS_E:
-                scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
-                weighted += _product(kernel * scores, y_tile, OPERANDS)
+                scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
+                weighted += product(kernel * scores, y_tile, OPERANDS)
             else:
-                products = kernel * _product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
+                products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
                 e_rows += tl.sum(products, 1)
-                weighted += _product(products, y_tile, OPERANDS)
-                smoothed += _product(kernel, y_tile, OPERANDS)
+                weighted += product(products, y_tile, OPERANDS)
+                smoothed += product(kernel, y_tile, OPERANDS)
             j0 += BLOCK_T
         return e_rows, weighted, smoothed
 
@@ -587,11 +564,11 @@ if triton is not None:
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
             e_rows = tl.load(e_ptr + rows, mask=inside, other=0.0)
-            scores = _product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]
+            scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]
             if HAS_BETA:
                 scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            total += _product(tl.trans(kernel * scores), x_tile, OPERANDS)
+            total += product(tl.trans(kernel * scores), x_tile, OPERANDS)
             i_block += 1
         return total
 

@@ -53,9 +53,13 @@ GRID_BOUNDS = {
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
     "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
-    "features_forward": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state through all chunks in order",
-    "features_query_grad": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state through all chunks in order",
-    "features_key_grad": "B·H·⌈d_v/BLOCK_V⌉: one program carries the state back through all chunks",
+    "features_chunk_states": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the chunks in order",
+    "features_forward": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "features_query_grad": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "features_reverse_states": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "features_reverse_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the chunks back",
+    "features_key_grad": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
 }
 _IN_SPAN = ("a triangular substitution is sequential in its rows: inside a span of {span} rows it is the "
             "only order-dependent work, {share:.0%} of the solve's products; the rest runs in the span kernels")
@@ -68,7 +72,9 @@ def launch_cost(mixer: str, launch, shape: dict) -> Cost:
     """The executed cost of one launch of ``mixer``'s op at ``shape``."""
     batch_heads = shape["batch"] * shape["heads"]
     if mixer in FEATURE_MIXERS:
-        return feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[1])
+        once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2])
+        # the chunk states and their scan run twice per call (the backward recomputes them)
+        return Cost(launch.calls * once.flops, launch.calls * once.bytes, launch.calls * once.split_flops)
     return solve_cost(launch.name, launch.tiles, batch_heads, has_beta=bool(launch.constexprs.get("HAS_BETA", False)),
                       has_doc=bool(launch.constexprs["HAS_DOC"]))
 

@@ -23,17 +23,25 @@ value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span
                                                                (Cubit: one, e from K U = b − γ U)
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
 
-**The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows, head ``D``, features
-``M``, ``s`` value blocks of ``V``; the feature maps cost ``F = 2·(2·C·D·M + [2·C·D²])`` for q and k,
-the bracket with DARKFormer's transform), per (batch, head) and value block, per chunk:
+**The random features** (Performer, DARKFormer; chunk-parallel: ``n`` chunks of ``C`` rows, head
+``D``, features ``M``, ``s`` value blocks of ``V``; one side's feature logits cost
+``F = 2·C·D·M + [2·C·D²]``, the bracket with DARKFormer's transform), per (batch, head), chunk and
+value block (one program each):
 
-    forward               F + 2·C²·M + 2·C²·V + 4·C·M·V
-    query gradient        F + 2·C²·(M + V) + 4·C·M·V           stores dL/dℓ^q [C, M]
-    key gradient          F + 4·C²·(M + V) + 6·C·M·V           stores dL/dℓ^k [C, M] and dv
+    chunk states          F + 2·C·M·V                          keys' logits, ΔS = φᵀ v
+    forward               2F + 2·C²·(M + V) + 2·C·M·V          scores, their mix, the entering state
+    query gradient        2F + 2·C²·(M + V) + 2·C·M·V          stores dL/dℓ^q [C, M]
+    reverse states        F + 2·C·M·V                          queries' logits, ΔR = φᵀ ĝ
+    key gradient          2F + 4·C²·(M + V) + 4·C·M·V          stores dL/dℓ^k [C, M] and dv
 
-Every program recomputes the features of its chunk: the work grows with the value blocks ``s``.
-The backward's chain through the feature map is torch's (:func:`feature_chain_flops`: products
-over all rows, which fill the machine), not a kernel's.
+The feature logits (``F``) stay fp32-accurate: each is three TF32 products on tensor cores
+(``Cost.split_flops``, at a third of the TF32 peak); the rest take the kernels' operands (TF32 by
+default). The two scans over chunks have no products: per (batch, head) and chunk they read and
+write the m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's
+features: the logits' work grows with ``s``. W is read by every program of a head but counted
+once per head: the chunks of a head share it through L2 (1 MB for all heads at the target). The backward's chain
+through the feature map is torch's (:func:`feature_chain_flops`: products over all rows, which fill
+the machine), not a kernel's.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class Cost:
 
     flops: float
     bytes: float
+    split_flops: float = 0.0  # of ``flops``, those at fp32 accuracy as three TF32 products ("tf32x3")
 
     @property
     def intensity(self) -> float:
@@ -116,28 +125,38 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
 
 
 def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
-    """The executed cost of one random-feature kernel (the module docstring's formulas)."""
+    """The executed cost of one launch of a random-feature kernel (the module docstring's formulas)."""
     c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
-    transform = bool(tiles["has_transform"])
-    feature_maps = 2 * (2 * c * d * m + transform * 2 * c * d * d)
-    parameters = (m * d + transform * d * d) * FP32  # W (and M), loaded again for every chunk
-    inputs = c * (2 * d + v) * FP32 + c * INT64  # q, k and v rows, document starts
-    if name == "features_forward":
-        per_chunk = feature_maps + 2 * c * c * m + 2 * c * c * v + 4 * c * m * v
-        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 / value_blocks
-        tail = 0
-    elif name == "features_query_grad":
-        per_chunk = feature_maps + 2 * c * c * (m + v) + 4 * c * m * v
-        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 + c * m * FP32
-        tail = m * v * FP32  # the initial state's block
+    if name in ("features_state_scan", "features_reverse_scan"):
+        scan_m, scan_v = tiles["scan_tile"]
+        state = -(-tiles["features"] // scan_m) * scan_m * -(-tiles["value_dim"] // scan_v) * scan_v
+        normaliser = -(-tiles["features"] // scan_m) * scan_m
+        per_chunk = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
+        return Cost(0.0, batch_heads * (n * per_chunk + 2 * (state + normaliser) * FP32))
+    side = 2 * c * d * m  # one side's feature logits (a transform is applied by torch before the kernels)
+    parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
+    rows = c * d * FP32  # one side's rows
+    values = c * v * FP32
+    state = (m * v + m) * FP32
+    scalars = 3 * c * FP32 + c * INT64  # shift, query max or c_i, and document starts
+    if name == "features_chunk_states":
+        logits, products = side, 2 * c * m * v
+        moved = rows + values + scalars + state
+    elif name in ("features_forward", "features_query_grad"):
+        logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v
+        stored = values if name == "features_forward" else c * m * FP32
+        moved = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + state + stored
+    elif name == "features_reverse_states":
+        logits, products = side, 2 * c * m * v
+        moved = rows + values + scalars + state
     elif name == "features_key_grad":
-        per_chunk = feature_maps + 4 * c * c * (m + v) + 6 * c * m * v
-        per_chunk_bytes = parameters + inputs + c * v * FP32 + 3 * c * FP32 + c * (m + v) * FP32
-        tail = 0
+        logits, products = 2 * side, 4 * c * c * (m + v) + 4 * c * m * v
+        moved = 2 * rows + 3 * values + scalars + state + c * m * FP32
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
-    programs = batch_heads * value_blocks
-    return Cost(programs * n * per_chunk, programs * (n * per_chunk_bytes + tail))
+    programs = batch_heads * value_blocks * n
+    return Cost(programs * (logits + products), programs * moved + batch_heads * parameters,
+                split_flops=programs * logits)
 
 
 def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
@@ -149,10 +168,12 @@ def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, feat
 
 def roofline_seconds(cost: Cost, programs: int, peak_flops: float, machine: dict = H200) -> float:
     """A lower bound on a launch's time: its FLOPs at the peak that the programs can occupy (a grid
-    of fewer programs than SMs leaves the rest idle) or its bytes at the HBM bandwidth, whichever
-    is slower. Optimistic: one program per SM rarely reaches the SM's peak."""
+    of fewer programs than SMs leaves the rest idle; ``cost.split_flops`` as three TF32 products, the
+    rest at ``peak_flops``) or its bytes at the HBM bandwidth, whichever is slower. Optimistic: one
+    program per SM rarely reaches the SM's peak."""
     busy = min(1.0, programs / machine["sms"])
-    return max(cost.flops / (peak_flops * busy), cost.bytes / machine["hbm_bytes_per_s"])
+    compute = (cost.flops - cost.split_flops) / peak_flops + 3 * cost.split_flops / machine["tf32_flops"]
+    return max(compute / busy, cost.bytes / machine["hbm_bytes_per_s"])
 
 
 def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost, Cost]:

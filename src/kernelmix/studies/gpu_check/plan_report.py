@@ -60,10 +60,12 @@ def plan_markdown(plan: dict) -> str:
            f"TFLOP/s (dense), HBM {t['hbm_bytes_per_s'] / 1e12:.1f} TB/s. FLOPs and bytes are what a launch "
            "executes and asks of memory at its padded tiles (the cost model in "
            "`kernelmix.studies.gpu_check.plan_costs`), summed over a call's launches (*launches*: the span "
-           "kernels run once per span); the roofline is max(FLOPs / (peak × busy SMs), bytes / HBM bandwidth), "
+           "kernels run once per span; the random features' chunk states and their scan twice, the backward "
+           "recomputes them); the roofline is max(FLOPs / (peak × busy SMs), bytes / HBM bandwidth), "
            "a lower bound, at the fp32 peak for *products* `fp32` (CUDA cores) and the TF32 peak for `tf32` "
            "(tensor cores: the chunk-parallel solve's products across spans and its gradients' products, for "
-           "T > 1,024).", ""]
+           "T > 1,024; the random features' products of features, states and values, while their feature "
+           "logits stay fp32, at the fp32 peak).", ""]
     for label, shape in plan["shapes"].items():
         rows = [r for r in plan["kernels"] if r["shape"]["label"] == label]
         if not rows:
@@ -76,8 +78,8 @@ def plan_markdown(plan: dict) -> str:
         out += ["## Roofline: forward + backward against SDPA", "",
                 "*Present*: the kernels above at their grids (the solve mixers add the softmax read-out over U, "
                 "costed as SDPA). *Design*: the op's useful products (kernelmix.studies.flops, × 3 for forward + "
-                "backward) on tensor cores (TF32 operands, or bf16 operands with fp32 accumulation) over the whole machine, plus the read-out: what a chunk-parallel "
-                "solve and a chunk-parallel random-feature kernel could reach, not a kernel that exists. SDPA: "
+                "backward) on tensor cores (TF32 operands, or bf16 operands with fp32 accumulation) over the whole machine, plus the read-out: a bound no kernel of "
+                "this op passes. SDPA: "
                 "causal flash attention in bf16 at peak (backward 2.5× the forward).", ""]
         out += _roofline(plan) + [""]
     return "\n".join(out)

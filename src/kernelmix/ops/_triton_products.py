@@ -1,0 +1,52 @@
+"""The products the Triton kernels share: a tile product with fp32 accumulation from full-fp32,
+TF32 or bf16-rounded operands, with the rounding done explicitly so that Triton's CPU interpreter
+(which computes every product in fp32) gives what the GPU's tensor cores would.
+
+Used by the solve (``_triton_solve``: the products across spans and the gradients) and the random
+features (``_triton_features``: the products of features, states and values; the feature logits
+themselves stay full fp32). The measured errors of each choice are in docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # importable without Triton (the ops then say what to install)
+    triton = None
+    tl = None
+
+#: Operand precisions a product may take: CUDA cores in full fp32, or tensor cores.
+OPERAND_CHOICES = ("fp32", "tf32x3", "tf32", "bf16")
+
+if triton is not None:
+
+    @triton.jit
+    def rounded(x, OPERANDS: tl.constexpr):
+        """``x`` rounded to the operand precision of a tensor-core product (to nearest, ties away from
+        zero, as the GPU's conversion): "tf32" keeps 10 mantissa bits, "bf16" 7, "fp32" all. Explicit,
+        so that the interpreter, which computes every product in fp32, gives what the GPU would."""
+        if OPERANDS == "tf32":
+            return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        elif OPERANDS == "bf16":
+            return ((x.to(tl.uint32, bitcast=True) + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            return x
+
+    @triton.jit
+    def product(a, b, OPERANDS: tl.constexpr):
+        """a @ b with fp32 accumulation: full fp32 ("fp32": CUDA cores), on tensor cores at fp32
+        accuracy from three TF32 products ("tf32x3"), or from TF32 operands ("tf32") or bf16-rounded
+        ones ("bf16", exact in TF32, so the same instruction)."""
+        if OPERANDS == "fp32":
+            return tl.dot(a, b, input_precision="ieee")
+        elif OPERANDS == "tf32x3":
+            # fp32 accuracy on tensor cores: a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, each part a TF32
+            # number (the lo·lo term, 2^-22 relative, is dropped); Triton's own "tf32x3" does the same
+            a_hi = rounded(a, "tf32")
+            b_hi = rounded(b, "tf32")
+            small = tl.dot(a_hi, rounded(b - b_hi, "tf32"), input_precision="tf32")
+            small = tl.dot(rounded(a - a_hi, "tf32"), b_hi, acc=small, input_precision="tf32")
+            return tl.dot(a_hi, b_hi, acc=small, input_precision="tf32")
+        else:
+            return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), input_precision="tf32")
