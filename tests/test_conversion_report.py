@@ -36,9 +36,9 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     """feature_sweep adds global DARKFormer-after-transfer rows at other m (first stage only, their
     own transfer), kl_steps distils every transferred row on the host's logits, and the README tabulates
     the gap against m."""
-    host = tiny_gemma(layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    host = tiny_gemma(layer_types=("full_attention", "sliding_attention", "full_attention"))
     settings = _settings(corpus, layers=["global"], variants=["darkformer"], lora_variants=[], feature_sweep=[16],
-                         kl_steps=2, kl_lr=1e-2)
+                         kl_steps=2, kl_lr=1e-2, layer_gaps=True)
     result = conversion_report(settings, tmp_path / "out", tmp_path / "work", model=host,
                                tokenizer=SavableByteTokenizer(), log=lambda msg: None)
     rows = {(r["layers"], r["variant"], r["stage"]): r for r in result["rows"]}
@@ -50,6 +50,11 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "## The gap against the number of features" in readme and "| 16 |" in readme
     assert "2 steps of end-to-end logit distillation at lr 0.01" in readme  # the rows' numbers include it
+    # layer_gaps: one converted global layer at a time, the other back on the host's attention
+    gaps = result["layer_gaps"]
+    both = rows[("global", "darkformer", "transfer")]["loss"]
+    assert set(gaps) == {"0", "2"} and len({gaps["0"], gaps["2"], both, result["host_loss"]}) == 4
+    assert "## Which layer carries the gap" in readme and "| all 2 | " in readme
 
 
 def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):

@@ -234,6 +234,30 @@ def _chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
 
 
 @triton.jit
+def _scan_tile(H, m_feats, dv, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
+    """A scan program's tile of its (batch, head)'s m × d_v state, from the grid (B·H, feature tiles,
+    value tiles): (pid_bh, pid_m, pid_v, b, feature rows, value columns, feature mask, tile mask)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    offs_m = pid_m * SCAN_M + tl.arange(0, SCAN_M)
+    cols = pid_v * SCAN_V + tl.arange(0, SCAN_V)
+    feat_ok = offs_m < m_feats
+    return pid_bh, pid_m, pid_v, (pid_bh // H).to(tl.int64), offs_m, cols, feat_ok, feat_ok[:, None] & (cols < dv)[None, :]
+
+
+@triton.jit
+def _restarts(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Whether chunk c's last row's document begins inside the chunk (the state before it is dropped);
+    without documents, only at position 0."""
+    if HAS_DOC:
+        doc_last = tl.load(doc_ptr + b * T + tl.minimum(T, (c + 1) * BLOCK_T) - 1)
+    else:
+        doc_last = 0
+    return doc_last >= start + c * BLOCK_T
+
+
+@triton.jit
 def _state_scan_kernel(ds_ptr, dz_ptr, dsig_ptr, doc_ptr, s0_ptr, z0_ptr, shift0_ptr, carried_ptr,
                        s_out_ptr, z_out_ptr, shift_out_ptr, T, H, dv, m_feats, start, n_chunks,
                        HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
@@ -243,14 +267,7 @@ def _state_scan_kernel(ds_ptr, dz_ptr, dsig_ptr, doc_ptr, s0_ptr, z0_ptr, shift0
     exp(σ'_c − σ_c) ΔS_c with σ_c = max(σ_{c−1}, σ'_c), or ΔS_c alone where the chunk's last
     document begins inside it. The next chunk's ΔS is loaded before this one's is used (a ``while``
     loop is not pipelined by the compiler: this hides one load latency per step)."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    offs_m = pid_m * SCAN_M + tl.arange(0, SCAN_M)
-    cols = pid_v * SCAN_V + tl.arange(0, SCAN_V)
-    feat_ok = offs_m < m_feats
-    mask = feat_ok[:, None] & (cols < dv)[None, :]
+    pid_bh, pid_m, pid_v, b, offs_m, cols, feat_ok, mask = _scan_tile(H, m_feats, dv, SCAN_M, SCAN_V)
     head_rows = pid_bh * m_feats + offs_m
     state = tl.load(s0_ptr + head_rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
     state_z = tl.load(z0_ptr + head_rows, mask=feat_ok, other=0.0)
@@ -270,12 +287,7 @@ def _state_scan_kernel(ds_ptr, dz_ptr, dsig_ptr, doc_ptr, s0_ptr, z0_ptr, shift0
             tl.store(dz_ptr + rows, state_z, mask=feat_ok)
             if pid_m == 0:
                 tl.store(carried_ptr + pid_bh * n_chunks + c, sigma)
-        if HAS_DOC:
-            last = tl.minimum(T, (c + 1) * BLOCK_T) - 1
-            doc_last = tl.load(doc_ptr + b * T + last)
-        else:
-            doc_last = 0
-        restarts = doc_last >= start + c * BLOCK_T
+        restarts = _restarts(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
         new_sigma = tl.where(restarts, local, tl.maximum(sigma, local))
         keep = tl.where(restarts, 0.0, tl.exp(sigma - new_sigma))
         add = tl.exp(local - new_sigma)
@@ -458,14 +470,7 @@ def _reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, 
     overwritten by R_c = Σ over the later chunks' rows of the same document, at scale exp(σ_c), read by
     chunk c's keys; then R_{c−1} = exp(σ_{c−1} − σ_c) R_c + ΔR_c, or ΔR_c alone where chunk c's
     last document begins inside it. The scales are the forward's saved shifts: no maximum to track."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    offs_m = pid_m * SCAN_M + tl.arange(0, SCAN_M)
-    cols = pid_v * SCAN_V + tl.arange(0, SCAN_V)
-    feat_ok = offs_m < m_feats
-    mask = feat_ok[:, None] & (cols < dv)[None, :]
+    pid_bh, pid_m, pid_v, b, offs_m, cols, feat_ok, mask = _scan_tile(H, m_feats, dv, SCAN_M, SCAN_V)
     later = tl.zeros([SCAN_M, SCAN_V], dtype=tl.float32)
     later_z = tl.zeros([SCAN_M], dtype=tl.float32)
     rows = (pid_bh * n_chunks + n_chunks - 1).to(tl.int64) * m_feats + offs_m
@@ -480,14 +485,9 @@ def _reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, 
         tl.store(rs_ptr + rows[:, None] * dv + cols[None, :], later, mask=mask)
         if pid_v == 0:
             tl.store(rz_ptr + rows, later_z, mask=feat_ok)
-        last = tl.minimum(T, (c + 1) * BLOCK_T) - 1
-        if HAS_DOC:
-            doc_last = tl.load(doc_ptr + b * T + last)
-        else:
-            doc_last = 0
-        sigma = tl.load(shift_ptr + pid_bh * T + last)
+        sigma = tl.load(shift_ptr + pid_bh * T + tl.minimum(T, (c + 1) * BLOCK_T) - 1)  # the chunk's last row's
         carried = tl.load(carried_ptr + pid_bh * n_chunks + c)
-        back = tl.where(doc_last < start + c * BLOCK_T, tl.exp(carried - sigma), 0.0)
+        back = tl.where(_restarts(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(carried - sigma))
         later = back * later + delta
         later_z = back * later_z + delta_z
         rows = next_rows

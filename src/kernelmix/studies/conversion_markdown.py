@@ -57,7 +57,8 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {row['layers']} | {row['variant']} | {row['stage']} | {row['loss']:.4f} | "
                      f"{row['loss'] - host:+.4f} | {err} |")
     lines += ["", "![held-out loss](loss.png)", "", "![per-layer attention error](attention_error.png)", ""]
-    lines += _per_layer_table(result) + _feature_sweep(result) + _decode_table(result) + _targets(result)
+    lines += (_per_layer_table(result) + _feature_sweep(result) + _layer_gaps(result) + _decode_table(result)
+              + _targets(result))
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +102,24 @@ def _feature_sweep(result: dict) -> list[str]:
         per_layer = ", ".join(f"{i}: {e:.3f}" for i, e in sorted(r["per_layer_error"].items(), key=lambda x: int(x[0])))
         lines.append(f"| {m} | {r['loss'] - host:+.4f} | {r['attention_error']:.3f} | {per_layer} |")
     return lines + [""]
+
+
+def _layer_gaps(result: dict) -> list[str]:
+    """Which global layer carries the gap: the loss with one converted layer at a time."""
+    gaps = result.get("layer_gaps")
+    row = _row(result, "global", "darkformer", "transfer")
+    if not gaps or row is None:
+        return []
+    host = result["host_loss"]
+    lines = ["## Which layer carries the gap", "",
+             "Global layers, DARKFormer after transfer, with one converted layer at a time (the other global layers "
+             "back on the host's exact attention):", "",
+             "| converted layer | attention error | loss | − host |", "|---:|---:|---:|---:|"]
+    for layer, loss in sorted(gaps.items(), key=lambda item: int(item[0])):
+        lines.append(f"| {layer} | {row['per_layer_error'][layer]:.3f} | {loss:.4f} | {loss - host:+.4f} |")
+    lines += [f"| all {len(gaps)} | {row['attention_error']:.3f} (median) | {row['loss']:.4f} | {row['loss'] - host:+.4f} |",
+              "", f"The one-layer gaps add to {sum(gaps.values()) - len(gaps) * host:+.4f}.", ""]
+    return lines
 
 
 def _decode_table(result: dict) -> list[str]:

@@ -96,9 +96,13 @@ def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) ->
             rows.extend(_variant_rows(settings, model, data, "global", "darkformer", work, done, progress, log,
                                       num_features=m))
             write_json_atomic(rows_file, {"key": key, "rows": done})
+    if settings.layer_gaps and "global" in settings.layers and "darkformer" in settings.variants:
+        _cached(done, "layer_gaps", lambda: _layer_gaps(settings, model, data, work, log), log)
+        write_json_atomic(rows_file, {"key": key, "rows": done})
     decode = _cached(done, "decode", lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
     write_json_atomic(rows_file, {"key": key, "rows": done})
     result = {"host_loss": host_loss, "rows": rows, "decode": decode, "settings": asdict(settings),
+              "layer_gaps": done.get("layer_gaps"),
               "row_seconds": done.get("seconds", {}),
               "tokens": {name: int(x.numel()) for name, x in data.items()}, "machine": _machine(),
               "seconds": time.perf_counter() - started}
@@ -226,6 +230,23 @@ def _attention_errors(host, model, windows) -> dict[int, float]:
         with torch.no_grad():
             out[i] = sum(relative_error(kernels(model)[i], p).item() for p in pieces) / len(pieces)
     return out
+
+
+def _layer_gaps(settings, host, data, work, log) -> dict[str, float]:
+    """The held-out loss of the global-layer DARKFormer after transfer with only layer i converted
+    (the other global layers back on the host's exact attention), for each converted layer i."""
+    model, _ = _converted(settings, host, data, "global", "darkformer", work, False, log)
+    converted = {i: model.model.layers[i].self_attn.kernelmix_rf for i in kernels(model)}
+    losses = {}
+    for only in converted:
+        for i, kernel in converted.items():  # a layer without a kernel runs transformers' SDPA (the host's)
+            if i == only:
+                model.model.layers[i].self_attn.kernelmix_rf = kernel
+            elif hasattr(model.model.layers[i].self_attn, "kernelmix_rf"):
+                del model.model.layers[i].self_attn.kernelmix_rf
+        losses[str(only)] = _loss(model, data["held_out"])
+        log(f"layer gap: only layer {only} converted: loss {losses[str(only)]:.4f}")
+    return losses
 
 
 def _decode_model(settings, host, data, work, log):

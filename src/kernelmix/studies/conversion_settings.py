@@ -55,6 +55,9 @@ class ConversionReportSettings:
     decode_contexts: Annotated[list[PositiveInt], Distinct("context"),
                                Field(description="context lengths of the decode measurement")] = (1024, 8192, 32768)
     decode_tokens: PositiveInt = 16
+    layer_gaps: Annotated[bool, Field(description="also the held-out loss of the global-layer DARKFormer after "
+                                                  "transfer with one converted layer at a time (the others exact): "
+                                                  "which layer carries the gap")] = False
 
     def __post_init__(self) -> None:
         check(self)
