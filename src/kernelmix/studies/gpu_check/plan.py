@@ -208,9 +208,11 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
-    if mixer in FEATURE_MIXERS:  # the backward's chain through the feature map: torch products over all rows
+    high = None  # the random features with torch's matmuls at TF32 (set_float32_matmul_precision("high"))
+    if mixer in FEATURE_MIXERS:  # the transform and the backward's chain: torch products over all rows
         chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"],
                                     FEATURE_MIXERS[mixer]["has_transform"])
+        high = 1e3 * (kernels + chain / H200["tf32_flops"])
         kernels += chain / H200["fp32_flops"]
     op = "performer" if mixer in FEATURE_MIXERS else mixer
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
@@ -220,6 +222,7 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
     return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
+                present_tf32_torch_ms=high,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)
 
 

@@ -160,9 +160,10 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
 
 
 def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
-    """The torch products of the random-feature backward (``_chain_feature_map``), both sides: x' = M x̃
-    again, dx' = dℓ W, dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
-    per_row = 2 * (2 * head_dim * features * 2 + transform * 3 * 2 * head_dim * head_dim)
+    """The torch products of a random-feature call, both sides: with a transform x' = M x̃ in the
+    forward and again in the backward; the backward's chain (``_chain_feature_map``) dx' = dℓ W,
+    dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
+    per_row = 2 * (2 * head_dim * features * 2 + transform * 4 * 2 * head_dim * head_dim)
     return batch * heads * length * per_row
 
 

@@ -47,6 +47,13 @@ def _roofline(plan: dict) -> list[str]:
         lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | "
                      f"{r['present_ratio']:.1f} | {r['design_tf32_ms']:.2f} | {r['design_tf32_ratio']:.2f} | "
                      f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
+    high = [r for r in plan["roofline"] if r.get("present_tf32_torch_ms") is not None]
+    if high:
+        lines += ["", "The random features' *present* includes torch's products (DARKFormer's transform, the backward's "
+                  "chain through the feature map) at the fp32 peak, torch's default; with "
+                  "`torch.set_float32_matmul_precision(\"high\")` they take TF32: " + "; ".join(
+                      f"{r['mixer']} {r['length']:,}: {r['present_tf32_torch_ms']:.2f} ms "
+                      f"({r['present_tf32_torch_ms'] / r['sdpa_ms']:.2f}× SDPA)" for r in high) + "."]
     return lines
 
 
@@ -64,8 +71,8 @@ def plan_markdown(plan: dict) -> str:
            "recomputes them); the roofline is max(FLOPs / (peak × busy SMs), bytes / HBM bandwidth), "
            "a lower bound, at the fp32 peak for *products* `fp32` (CUDA cores) and the TF32 peak for `tf32` "
            "(tensor cores: the chunk-parallel solve's products across spans and its gradients' products, for "
-           "T > 1,024; the random features' products of features, states and values, while their feature "
-           "logits stay fp32, at the fp32 peak).", ""]
+           "T > 1,024; the random features' products of features, states and values; their feature logits "
+           "stay fp32-accurate as three TF32 products, at a third of the TF32 peak).", ""]
     for label, shape in plan["shapes"].items():
         rows = [r for r in plan["kernels"] if r["shape"]["label"] == label]
         if not rows:
