@@ -125,12 +125,14 @@ def test_random_feature_attention_by_triton_is_the_reference(monkeypatch):
     out = random_feature_attention(*inputs[:3], w, transform=inputs[3], chunk_size=16, doc_start=doc, backend="triton")
     ref_inputs = [x.double().requires_grad_(True) for x in (q, k, v, transform)]
     ref = random_feature_attention_naive(*ref_inputs[:3], w.double(), transform=ref_inputs[3], doc_start=doc)
-    assert rel_error(out, ref) <= 1e-4
+    # the kernels' default products take TF32 operands (measured ≤ 3.3e-4 in the output, ≤ 1.1e-3 in the
+    # gradients: tests/ops/test_triton_features.py, which also holds full-fp32 products to 1e-4)
+    assert rel_error(out, ref) <= 2e-3
     cotangent = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, inputs, cotangent)
     ref_grads = torch.autograd.grad(ref, ref_inputs, cotangent.double())
     for name, got, want in zip("q k v transform".split(), grads, ref_grads):
-        assert rel_error(got, want) <= 1e-4, name
+        assert rel_error(got, want) <= 2e-3, name
     bf16 = random_feature_attention(*(x.bfloat16() for x in (q, k, v)), w, transform=transform, chunk_size=16,
                                     doc_start=doc, backend="triton")
     assert bf16.dtype == torch.bfloat16
@@ -141,8 +143,10 @@ def test_random_feature_attention_by_triton_is_the_reference(monkeypatch):
 
 @needs_triton
 def test_random_feature_prefill_by_triton_then_decode(monkeypatch):
-    """A Triton prefill's state continues with the decode step exactly as the torch prefill's."""
+    """A Triton prefill's state continues with the decode step exactly as the torch prefill's (the
+    kernels' products in full fp32: their TF32 default has a test of its own)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("kernelmix.ops._triton_features.FEATURE_OPERANDS", "fp32")
     from kernelmix.ops import random_feature_attention_step
 
     g = torch.Generator().manual_seed(1)
@@ -160,8 +164,10 @@ def test_random_feature_prefill_by_triton_then_decode(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("mixer", ["cubit", "darkformer"])
 def test_a_model_with_the_triton_backend_trains_like_the_torch_one(mixer, monkeypatch):
-    """ModelConfig.backend reaches the ops: the same loss and gradients from both backends."""
+    """ModelConfig.backend reaches the ops: the same loss and gradients from both backends (the
+    random-feature kernels' products in full fp32, so that the bounds are float32's)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("kernelmix.ops._triton_features.FEATURE_OPERANDS", "fp32")
     from kernelmix.model import CausalLM
 
     tokens = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))

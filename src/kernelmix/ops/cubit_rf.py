@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import KernelmixError
-from ._backend import check_backend
+from ._backend import check_backend, resolve_backend
 from ._common import (
     autocast_off, check_4d, check_chunk_size, check_doc_start, check_per_token_heads, check_qkv, check_state,
     check_tensor, compute_dtype, expand_heads, find_nonfinite, per_head, reaches_causal, recompute_segments,
@@ -241,8 +241,9 @@ def _carry(inputs: list[Tensor], state: Tensor, rescale: Tensor, step) -> tuple[
     return torch.stack(before, dim=2), state
 
 
-def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial):
-    """U ``[B, T, H, d_v]`` of the row-normalised substitution and the Gram side's final state."""
+def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial, recurrence: str = "torch"):
+    """U ``[B, T, H, d_v]`` of the row-normalised substitution and the Gram side's final state; the
+    state's recurrence over the chunks by torch or by the Triton kernels (``recurrence``)."""
     batch, length, heads, m = b_logits.shape
     dv = values.shape[-1]
     R, z, carried, start = _starting_state(initial, values, m)
@@ -269,7 +270,12 @@ def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initi
     def produce(state, x_v, x_a, own_c):
         return own_c.transpose(-1, -2) @ (x_v - x_a @ state)
 
-    r_before, R = _carry([solved[..., :dv], solved[..., dv:], own], R, rescale, produce)
+    if recurrence == "triton":
+        from ._triton_cubit_rf import triton_state_recurrence  # imports triton: only when asked for
+
+        r_before, R = triton_state_recurrence(solved[..., :dv], solved[..., dv:], own, rescale, R)
+    else:
+        r_before, R = _carry([solved[..., :dv], solved[..., dv:], own], R, rescale, produce)
     u = solved[..., :dv] - solved[..., dv:] @ r_before
     u = u.reshape(batch, heads, n_chunks * chunk, dv)[:, :, :length].transpose(1, 2)
     return u, RandomFeatureState(S=R, z=z, shift=chunks.last[..., -1], length=start + length)
@@ -376,8 +382,10 @@ def cubit_rf_attention(
     solve and the read-out. ``initial_state`` continues an earlier call; ``return_state`` returns
     ``(out, CubitRFState)``. Output ``[B, T, H, d_v]`` in v's dtype; solves and states in float32
     (float64 for float64 inputs). A Gram row whose normaliser underflows gets u = 0 (and warns once,
-    as the random-feature ops). ``backend`` ("auto", "torch" or "triton") is the read-out's, as in
-    :func:`~kernelmix.ops.random_features.random_feature_attention`; the solve is PyTorch's for every backend."""
+    as the random-feature ops). ``backend`` ("auto", "torch" or "triton"), as in
+    :func:`~kernelmix.ops.random_features.random_feature_attention`: with "triton" (or "auto" on a
+    GPU in float32) the read-out runs the random-feature kernels and the solve's recurrence over the
+    chunks runs ``_triton_cubit_rf``'s; the solve's per-chunk systems are batched torch solves."""
     check_chunk_size(chunk_size)
     check_backend(backend)
     _check_inputs(q, k, v, r, projection, rho, transform)
@@ -390,10 +398,11 @@ def cubit_rf_attention(
     initial_state, state_bad = _finite_state(initial_state)
     with autocast_off(q):  # solves, logits and states stay ≥ fp32 (the precision policy, _common)
         dtype = compute_dtype(q, k, v, r, projection)
+        recurrence = resolve_backend(backend, q.device, dtype)
 
         def solve(r, v, rho, doc_start, initial):
             lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
-            return _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial)
+            return _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial, recurrence)
 
         u, reference = _recomputed_solve(solve, r, v, rho, doc_start, initial_state, chunk_size)
         out, readout = random_feature_attention(

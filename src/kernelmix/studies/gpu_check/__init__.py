@@ -5,7 +5,7 @@ Three parts, each written to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` as 
 
 (a) **Op checks** on the device against float64 references: ``cubit_attention``, ``cubit_solve``,
     ``deltaformer_attention``, ``random_feature_attention`` (Performer: no transform; DARKFormer:
-    a transform) and ``cubit_rf_attention`` (with a transform; its backend is its read-out's) with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and
+    a transform) and ``cubit_rf_attention`` (with a transform; its backend is its read-out's and its state recurrence's) with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and
     bfloat16 inputs, an odd T with a chunk that does not divide it, grouped-query heads, and a case
     with packed documents (``doc_start``). The references are the ``*_naive`` ops (and a dense
     solve for ``cubit_solve``) in float64 on the same device, on the inputs rounded to the checked
