@@ -42,7 +42,10 @@ def test_the_entry_names_the_layer_the_calls_and_the_metadata_the_layer_carries(
     assert registry.op_call(NAME) is calls.cubit_rf and registry.step_call(NAME) is calls.cubit_rf_step
     assert info.family == CubitRFMixer.family == "random-features" and info.family in registry.FAMILIES
     assert info.constant_cache is CubitRFMixer.constant_cache is True
-    assert info.leaves == ("q", "k", "v", "r", "rho") and info.variants == () and info.in_defaults is False
+    assert info.leaves == ("q", "k", "v", "r", "rho") and info.in_defaults is False
+    # its variants are the dense ablation (ops/cubit_rf_parts), which the op-level call does not take
+    assert {v.name for v in info.variants} == {"cubit-rf-exact-readout", "cubit-rf-exact-gram", "cubit-rf-exact"}
+    assert not any(v.op_level for v in info.variants)
 
 
 def test_a_choice_everywhere_but_not_in_the_trained_studies_defaults():

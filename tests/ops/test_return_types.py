@@ -45,14 +45,32 @@ def test_each_has_the_two_overloads(name):
     assert first.__annotations__["return_state"] == "Literal[False]" and first.__annotations__["return"] == "Tensor"
     assert second.__annotations__["return_state"] == "Literal[True]"
     assert fn.__annotations__["return"] == f"Tensor | tuple[Tensor, {state}]"
-    # the overloads take exactly the implementation's parameters, with the same defaults but return_state's
+    # the overloads take the implementation's positional parameters, return_state, and **options: a
+    # TypedDict whose keys are exactly the implementation's other keywords, with the same annotations
     real = inspect.signature(fn).parameters
+    keywords = [p for p, param in real.items() if param.kind is param.KEYWORD_ONLY and p != "return_state"]
+    positional = [p for p, param in real.items() if param.kind is param.POSITIONAL_OR_KEYWORD]
     for overload in (first, second):
         params = inspect.signature(overload).parameters
-        assert list(params) == list(real)
-        assert all(params[p].default == real[p].default for p in real if p != "return_state")
+        assert list(params) == [*positional, "return_state", "options"]
+        assert params["options"].kind is inspect.Parameter.VAR_KEYWORD
+        options_type = getattr(importlib.import_module(fn.__module__), _unpacked(overload.__annotations__["options"]))
+        annotations = {key: _text(value) for key, value in options_type.__annotations__.items()}
+        assert list(annotations) == keywords
+        assert all(annotations[key].removeprefix("Required[").removesuffix("]") == fn.__annotations__[key] for key in keywords)
+        assert options_type.__total__ is False and all(p in options_type.__optional_keys__ or real[p].default is
+                                                       inspect.Parameter.empty for p in keywords)
     assert inspect.signature(first).parameters["return_state"].default is False
     assert inspect.signature(second).parameters["return_state"].default is inspect.Parameter.empty
+
+
+def _unpacked(annotation: str) -> str:
+    assert annotation.startswith("Unpack[") and annotation.endswith("]"), annotation
+    return annotation.removeprefix("Unpack[").removesuffix("]")
+
+
+def _text(annotation) -> str:
+    return annotation.__forward_arg__ if isinstance(annotation, typing.ForwardRef) else str(annotation)
 
 
 def test_what_the_annotation_says_is_what_runs():

@@ -8,15 +8,26 @@ and whitening) whose op is :func:`~kernelmix.ops.cubit_rf.cubit_rf_attention`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from ..errors import KernelmixError
 from ..ops.cubit_rf import CubitRFState, cubit_rf_attention, cubit_rf_attention_step
+from ..ops.cubit_rf_parts import ESTIMATES, cubit_rf_parts_attention
+from .base import check_choice
 from .cubit import CubitMixer
 from .feature_map import RandomFeatureMap
 from .random_features import DarkFormerMixer
+
+
+@dataclass(frozen=True)
+class AblationState:
+    """The cache state of an ablation layer (``estimate`` other than "both"): it holds nothing, so that
+    a cache built by one is refused rather than read as an empty state."""
+
+    estimate: str
 
 
 class CubitRFMixer(CubitMixer, RandomFeatureMap):
@@ -36,7 +47,11 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
       keeps the read-out's kernel exactly, but not the Gram's: M is shared and r is not folded.
 
     and Cubit's (:class:`CubitMixer`): ``reference="separate"|"key"``, ``reference_rope=True``,
-    ``lrr=True``, ``lrr_range=(0.5, 2.0)``, ``ridge=1e-6``.
+    ``lrr=True``, ``lrr_range=(0.5, 2.0)``, ``ridge=1e-6``; and
+
+    * ``estimate="both"``: which kernels are random-feature estimates. ``"gram"`` (the read-out exact),
+      ``"readout"`` (the Gram exact) and ``"none"`` (exact Cubit) are the ablation of
+      :mod:`~kernelmix.ops.cubit_rf_parts`: dense T × T, for training short sequences, with no decode cache.
 
     Parameters: those of :class:`CubitMixer` (and ``transform`` M when ``data_aware``). Buffers:
     ``projection`` W ``[H, m, d]`` (persistent, drawn at construction; :meth:`~RandomFeatureMap.redraw_`
@@ -51,7 +66,8 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     family = "random-features"
     constant_cache = True
     #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``)
-    OPTIONS = ("num_features", "projection", "data_aware", "reference", "reference_rope", "lrr", "lrr_range", "ridge")
+    OPTIONS = ("num_features", "projection", "data_aware", "reference", "reference_rope", "lrr", "lrr_range", "ridge",
+               "estimate")
 
     def __init__(
         self,
@@ -64,12 +80,14 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         lrr: bool = True,
         lrr_range: tuple[float, float] = (0.5, 2.0),
         ridge: float = 1e-6,
+        estimate: str = "both",
         **shared: Any,
     ) -> None:
         super().__init__(
             reference=reference, reference_rope=reference_rope, lrr=lrr, lrr_range=lrr_range, ridge=ridge, **shared
         )
         self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware)
+        self.estimate = check_choice("estimate", estimate, ESTIMATES)
 
     # whiten_'s calibration samples: the rotated queries (before the fold) and keys, as DARKFormer's
     qk_samples = DarkFormerMixer.qk_samples
@@ -80,12 +98,19 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         RandomFeatureMap.reset_parameters(self)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {self.feature_repr()}"
+        ablation = "" if self.estimate == "both" else f", estimate={self.estimate!r}"
+        return f"{super().extra_repr()}, {self.feature_repr()}{ablation}"
 
     def _op_options(self, extras: dict) -> dict:
         return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"], **self._coefficients()}
 
-    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitRFState]:
+    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
+        if self.estimate != "both":  # the ablation: dense, and a marker state that a later call refuses
+            if state is not None:
+                raise KernelmixError(self._no_cache_message())
+            out = cubit_rf_parts_attention(q, k, v, extras["r"], self.projection, estimate=self.estimate,
+                                           **self._op_options(extras))
+            return out, AblationState(self.estimate)
         return cubit_rf_attention(
             q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, initial_state=state, return_state=True,
             backend=self.backend, **self._op_options(extras),
@@ -107,7 +132,13 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         """One token (T = 1, ``q`` already folded) from ``state``."""
         return cubit_rf_attention_step(q, k, v, extras["r"], self.projection, state, **self._op_options(extras))
 
+    def _no_cache_message(self) -> str:
+        return (f"this {self.mixer_name} layer has estimate={self.estimate!r}, a dense training ablation with no decode "
+                "cache; decode with estimate='both' (or run the whole sequence without a cache)")
+
     def _check_cache(self, cache: Any, batch_size: int) -> None:
+        if self.estimate != "both" or isinstance(getattr(cache, "state", None), AblationState):
+            raise KernelmixError(self._no_cache_message())
         super()._check_cache(cache, batch_size)  # (its batch check reads a state's first tensor field; ours holds two states)
         state_batch = cache.state.readout.S.shape[0]
         if state_batch != batch_size:
@@ -121,4 +152,4 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
             raise KernelmixError(f"cache holds {features} random features, this layer has num_features={self.num_features}")
 
 
-__all__ = ["CubitRFMixer"]
+__all__ = ["AblationState", "CubitRFMixer"]

@@ -55,11 +55,13 @@ FAMILIES = ("softmax", "solve", "random-features")
 @dataclass(frozen=True)
 class Variant:
     """Another setting of a mixer that compare and recall train as a mixer of its own: ``name``
-    (``cubit-nolrr``), the layer ``options`` it sets and a ``note`` for tables (``no LRR``)."""
+    (``cubit-nolrr``), the layer ``options`` it sets and a ``note`` for tables (``no LRR``); ``op_level=False``
+    for a setting the op-level call does not take (Cubit-RF's dense ablation), which demo then leaves out."""
 
     name: str
     options: Mapping[str, Any]
     note: str
+    op_level: bool = True  # the op call takes its options too (demo checks it there); False: a layer-only setting
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ REGISTRY: dict[str, MixerInfo] = {}
 # the layers' own options (each class's OPTIONS, spelt again here so that reading them needs no torch)
 CUBIT_OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge")
 RANDOM_FEATURE_OPTIONS = ("num_features", "projection")
-CUBIT_RF_OPTIONS = ("num_features", "projection", "data_aware", *CUBIT_OPTIONS)
+CUBIT_RF_OPTIONS = ("num_features", "projection", "data_aware", *CUBIT_OPTIONS, "estimate")
 
 
 def register(info: MixerInfo) -> MixerInfo:
@@ -222,7 +224,11 @@ register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMix
 # job (`kernelmix compare`, ≈ 16 min for the six others) — train it with --mixers ...,cubit-rf.
 register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True, options=CUBIT_RF_OPTIONS,
                    op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
-                   leaves=("q", "k", "v", "r", "rho"), in_defaults=False))
+                   leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
+                   # the ablation of results/recall-cubit-rf: which estimate costs the recall (dense, no decode)
+                   variants=(Variant("cubit-rf-exact-readout", {"estimate": "gram"}, "Gram estimated, exact read-out", op_level=False),
+                             Variant("cubit-rf-exact-gram", {"estimate": "readout"}, "exact Gram, read-out estimated", op_level=False),
+                             Variant("cubit-rf-exact", {"estimate": "none"}, "both kernels exact (dense Cubit)", op_level=False))))
 
 
 __all__ = [

@@ -14,7 +14,7 @@ decodes one token from a (k, u, r̂) cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -27,6 +27,9 @@ from ._common import (
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Unpack
 
 REFERENCE_NORM_EPS = 1e-6
 
@@ -162,41 +165,30 @@ def _cubit_solve(
     return u, (r * factor[..., None] if want_r_hat else None)
 
 
+class CubitOptions(TypedDict, total=False):
+    """The keywords of :func:`cubit_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    rho: Tensor | None
+    ridge: float | Tensor
+    ref_scale: float | Tensor
+    scale: float | None
+    chunk_size: int
+    doc_start: Tensor | None
+    solver: str
+    backend: str
+
+
 @overload
 def cubit_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    return_state: Literal[False] = False,
-    solver: str = "auto",
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[CubitOptions],
 ) -> Tensor: ...
 
 
 @overload
 def cubit_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    return_state: Literal[True],
-    solver: str = "auto",
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, return_state: Literal[True],
+    **options: Unpack[CubitOptions],
 ) -> tuple[Tensor, CubitState]: ...
 
 

@@ -29,7 +29,7 @@ other row is what the clean input gives (as ``cubit_attention`` and ``random_fea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -51,6 +51,9 @@ from .random_features import (
     random_feature_attention_step,
     underflow_floor,
 )
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -90,7 +93,8 @@ def _check_projection(projection: Tensor, transform: Tensor | None, heads: int, 
             )
 
 
-def _check_inputs(q, k, v, r, projection, rho, transform) -> None:
+def check_cubit_rf_inputs(q, k, v, r, projection, rho, transform) -> None:
+    """The op's argument checks (shared with the dense ablation, ``cubit_rf_parts``)."""
     check_qkv(q, k, v)
     check_4d("r", r)
     if tuple(r.shape) != tuple(q.shape):
@@ -315,43 +319,30 @@ def _starting_state(initial: RandomFeatureState | None, values: Tensor, m: int):
 # The ops
 
 
+class CubitRFOptions(TypedDict, total=False):
+    """The keywords of :func:`cubit_rf_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    rho: Tensor | None
+    ridge: float | Tensor
+    ref_scale: float | Tensor
+    transform: Tensor | None
+    doc_start: Tensor | None
+    chunk_size: int
+    initial_state: CubitRFState | None
+    backend: str
+
+
 @overload
 def cubit_rf_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    projection: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    transform: Tensor | None = None,
-    doc_start: Tensor | None = None,
-    chunk_size: int = 64,
-    initial_state: CubitRFState | None = None,
-    return_state: Literal[False] = False,
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, projection: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[CubitRFOptions],
 ) -> Tensor: ...
 
 
 @overload
 def cubit_rf_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    projection: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    transform: Tensor | None = None,
-    doc_start: Tensor | None = None,
-    chunk_size: int = 64,
-    initial_state: CubitRFState | None = None,
-    return_state: Literal[True],
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, projection: Tensor, *, return_state: Literal[True],
+    **options: Unpack[CubitRFOptions],
 ) -> tuple[Tensor, CubitRFState]: ...
 
 
@@ -388,7 +379,7 @@ def cubit_rf_attention(
     chunks runs ``_triton_cubit_rf``'s; the solve's per-chunk systems are batched torch solves."""
     check_chunk_size(chunk_size)
     check_backend(backend)
-    _check_inputs(q, k, v, r, projection, rho, transform)
+    check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     heads = q.shape[2]
     if initial_state is not None:
         _check_cubit_rf_state("cubit_rf_attention", initial_state, q.shape[0], heads, projection.shape[-2], v.shape[3])
@@ -478,7 +469,7 @@ def cubit_rf_attention_naive(
 ) -> Tensor:
     """Dense float64 reference, straight from the definition: the T × T estimated Gram matrix,
     row-normalised, one ``solve_triangular``, the T × T estimated read-out weights. Output in v's dtype."""
-    _check_inputs(q, k, v, r, projection, rho, transform)
+    check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     batch, length, heads, d = q.shape
     check_doc_start(doc_start, batch, length)
     guard, (k, v, r, rho) = zero_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)
@@ -547,7 +538,7 @@ def cubit_rf_attention_step(
     """Decode one token (T = 1) in O(m·d) work and state, whatever the position:
     u_t = (ρ_t v_t − g_t·R / n_t) / (g_tt + λ) from the Gram state, then the random-feature read-out
     step with v := u_t. ``doc_start`` ``[B, 1]``: where it equals ``state.length`` both states restart."""
-    _check_inputs(q, k, v, r, projection, rho, transform)
+    check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_rf_attention for prefill")
     heads = q.shape[2]

@@ -11,7 +11,7 @@ i.e. (I + diag(β) P) U = V with P the strictly-causal softmax of w kᵀ. ``w`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -24,6 +24,9 @@ from ._common import (
 )
 from ._triangular import kernel_triangular_solve
 from .softmax import causal_softmax_attention, softmax_attention_naive
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -63,37 +66,29 @@ def _check_inputs(q, k, v, beta, w) -> None:
             )
 
 
+class DeltaFormerOptions(TypedDict, total=False):
+    """The keywords of :func:`deltaformer_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    beta: Tensor | None
+    w: Tensor | None
+    scale: float | None
+    chunk_size: int
+    doc_start: Tensor | None
+    solver: str
+    backend: str
+
+
 @overload
 def deltaformer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None = None,
-    w: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    return_state: Literal[False] = False,
-    solver: str = "auto",
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[DeltaFormerOptions],
 ) -> Tensor: ...
 
 
 @overload
 def deltaformer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None = None,
-    w: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    return_state: Literal[True],
-    solver: str = "auto",
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, *, return_state: Literal[True],
+    **options: Unpack[DeltaFormerOptions],
 ) -> tuple[Tensor, DeltaFormerState]: ...
 
 

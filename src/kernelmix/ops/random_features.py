@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from ._common import (
     check_tensor, compute_dtype, expand_heads, find_nonfinite, reaches_causal, recompute_in_segments,
     recompute_segments, scan_syncs, segmented_cummax,
 )
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -268,35 +271,27 @@ def _running_shift(key_max: Tensor, doc_start: Tensor | None) -> Tensor:
     return segmented_cummax(key_max, doc_start)
 
 
+class RandomFeatureOptions(TypedDict, total=False):
+    """The keywords of :func:`random_feature_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    transform: Tensor | None
+    chunk_size: int
+    doc_start: Tensor | None
+    initial_state: RandomFeatureState | None
+    backend: str
+
+
 @overload
 def random_feature_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    *,
-    transform: Tensor | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    initial_state: RandomFeatureState | None = None,
-    return_state: Literal[False] = False,
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[RandomFeatureOptions],
 ) -> Tensor: ...
 
 
 @overload
 def random_feature_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    *,
-    transform: Tensor | None = None,
-    chunk_size: int = 64,
-    doc_start: Tensor | None = None,
-    initial_state: RandomFeatureState | None = None,
-    return_state: Literal[True],
-    backend: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, *, return_state: Literal[True],
+    **options: Unpack[RandomFeatureOptions],
 ) -> tuple[Tensor, RandomFeatureState]: ...
 
 

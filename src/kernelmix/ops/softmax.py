@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from ._common import (
     step_nonfinite,
     visible,
 )
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -61,27 +64,24 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return out.to(torch.bfloat16)
 
 
+class SoftmaxOptions(TypedDict, total=False):
+    """The keywords of :func:`softmax_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    scale: float | None
+    doc_start: Tensor | None
+
+
 @overload
 def softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float | None = None,
-    doc_start: Tensor | None = None,
-    return_state: Literal[False] = False,
+    q: Tensor, k: Tensor, v: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[SoftmaxOptions],
 ) -> Tensor: ...
 
 
 @overload
 def softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float | None = None,
-    doc_start: Tensor | None = None,
-    return_state: Literal[True],
+    q: Tensor, k: Tensor, v: Tensor, *, return_state: Literal[True],
+    **options: Unpack[SoftmaxOptions],
 ) -> tuple[Tensor, SoftmaxState]: ...
 
 

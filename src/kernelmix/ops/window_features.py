@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -52,6 +52,9 @@ from ._common import (
     scan_syncs,
 )
 from .random_features import RandomFeatureState, causal_feature_sums, safe_ratio, underflow_floor
+
+if TYPE_CHECKING:  # the overloads' **options (typing.Unpack from Python 3.11)
+    from typing_extensions import Required, Unpack
 
 
 @dataclass
@@ -99,41 +102,29 @@ def _check_features(q: Tensor, k: Tensor, q_features: Tensor, k_features: Tensor
         )
 
 
+class WindowFeatureOptions(TypedDict, total=False):
+    """The keywords of :func:`window_feature_attention` besides ``return_state`` (its overloads' ``**options``)."""
+
+    window: Required[int]
+    sinks: int
+    scale: float | None
+    relative_features: bool
+    doc_start: Tensor | None
+    chunk_size: int
+    initial_state: WindowFeatureState | None
+
+
 @overload
 def window_feature_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    *,
-    window: int,
-    sinks: int = 0,
-    scale: float | None = None,
-    relative_features: bool = False,
-    doc_start: Tensor | None = None,
-    chunk_size: int = 64,
-    initial_state: WindowFeatureState | None = None,
-    return_state: Literal[False] = False,
+    q: Tensor, k: Tensor, v: Tensor, q_features: Tensor, k_features: Tensor, *, return_state: Literal[False] = False,
+    **options: Unpack[WindowFeatureOptions],
 ) -> Tensor: ...
 
 
 @overload
 def window_feature_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    *,
-    window: int,
-    sinks: int = 0,
-    scale: float | None = None,
-    relative_features: bool = False,
-    doc_start: Tensor | None = None,
-    chunk_size: int = 64,
-    initial_state: WindowFeatureState | None = None,
-    return_state: Literal[True],
+    q: Tensor, k: Tensor, v: Tensor, q_features: Tensor, k_features: Tensor, *, return_state: Literal[True],
+    **options: Unpack[WindowFeatureOptions],
 ) -> tuple[Tensor, WindowFeatureState]: ...
 
 

@@ -57,7 +57,8 @@ def mixer_cases(batch: int, length: int, heads: int, head_dim: int, num_features
     cases = []
     for mixer in registry.op_mixers():
         cases.append((mixer, mixer, {}))
-        cases += [(f"{mixer} ({v.note})", mixer, dict(v.options)) for v in registry.mixer_info(mixer).variants]
+        cases += [(f"{mixer} ({v.note})", mixer, dict(v.options)) for v in registry.mixer_info(mixer).variants
+                  if v.op_level]
     return cases, x
 
 
