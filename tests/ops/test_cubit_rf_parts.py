@@ -37,7 +37,7 @@ def inputs(seed: int = 0, transform: bool = True) -> dict:
 DOCS = torch.tensor([[0] * 4 + [4] * 7, [0] * T])  # two documents in the first row
 
 
-def composed(x: dict, estimate: str, doc_start=None) -> torch.Tensor:
+def composed(x: dict, estimate: str, doc_start=None, readout: str = "keys") -> torch.Tensor:
     """The definition, float64: φ(x)_m = exp(w_mᵀ M x̃ − ½‖M x̃‖²)/√m, x̃ = d^{-1/4} x; each kernel
     exact or Σ_m φ·φ, masked, row-normalised; U = (G + λI)⁻¹ (ρ v); o = A U."""
     q, r, w, tr = x["q"], x["r"], x["projection"], x["transform"]
@@ -67,7 +67,13 @@ def composed(x: dict, estimate: str, doc_start=None) -> torch.Tensor:
     gram = normalised(kernel(r, r_hat, 1.0, estimate in ("both", "gram")))
     system = gram + x["ridge"][:, None, None] * torch.eye(T, dtype=F64)
     u = torch.linalg.solve(system, (x["rho"][..., None] * v).transpose(1, 2))
-    return (normalised(kernel(q, k, D**-0.5, estimate in ("both", "readout"))) @ u).transpose(1, 2)
+    if readout == "linear":
+        weights = (torch.einsum("bihd,bjhd->bhij", q, k) / D**0.5).masked_fill(~visible, 0.0)
+    elif readout == "reference":
+        weights = normalised(kernel(q, r_hat, 1.0, estimate in ("both", "readout")))
+    else:
+        weights = normalised(kernel(q, k, D**-0.5, estimate in ("both", "readout")))
+    return (weights @ u).transpose(1, 2)
 
 
 def call(x: dict, estimate: str, **kw) -> torch.Tensor:
@@ -82,6 +88,21 @@ def test_each_setting_equals_the_composed_definition(estimate, docs):
     x = inputs()
     doc_start = DOCS if docs else None
     torch.testing.assert_close(call(x, estimate, doc_start=doc_start), composed(x, estimate, doc_start), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize(("estimate", "readout"), [("both", "reference"), ("none", "reference"), ("gram", "linear"),
+                                                   ("none", "linear")])
+def test_the_other_readouts_equal_the_composed_definition(estimate, readout):
+    x = inputs(seed=2)
+    torch.testing.assert_close(call(x, estimate, doc_start=DOCS, readout=readout),
+                               composed(x, estimate, DOCS, readout=readout), rtol=1e-9, atol=1e-10)
+
+
+def test_a_linear_readout_has_no_estimate_to_make():
+    with pytest.raises(KernelmixError, match="readout='linear' has no kernel to estimate"):
+        call(inputs(), "both", readout="linear")
+    with pytest.raises(KernelmixError, match="readout must be one of keys, reference, linear"):
+        call(inputs(), "both", readout="values")
 
 
 def test_both_is_cubit_rf_and_none_is_cubit():
@@ -142,7 +163,7 @@ def test_an_ablation_layer_trains_and_refuses_a_decode_cache():
     out.square().mean().backward()
     assert out.shape == (2, 9, 16) and mixer.r_proj.weight.grad.abs().sum() > 0
     assert "estimate='readout'" in repr(mixer)
-    with pytest.raises(KernelmixError, match="estimate='readout', a dense training ablation with no decode cache"):
+    with pytest.raises(KernelmixError, match="estimate='readout', readout='keys', a dense training ablation with no decode cache"):
         mixer(x[:, :1], cache)
     with pytest.raises(KernelmixError, match="a dense training ablation"):  # nor is its cache read by a decoding layer
         layer("both")(x[:, :1], cache)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ..ops.cubit_rf import CubitRFState, cubit_rf_attention, cubit_rf_attention_step
-from ..ops.cubit_rf_parts import ESTIMATES, cubit_rf_parts_attention
+from ..ops.cubit_rf_parts import ESTIMATES, READOUTS, cubit_rf_parts_attention
 from .base import check_choice
 from .cubit import CubitMixer
 from .feature_map import RandomFeatureMap
@@ -24,10 +24,11 @@ from .random_features import DarkFormerMixer
 
 @dataclass(frozen=True)
 class AblationState:
-    """The cache state of an ablation layer (``estimate`` other than "both"): it holds nothing, so that
+    """The cache state of an ablation layer (:attr:`CubitRFMixer.ablation`): it holds nothing, so that
     a cache built by one is refused rather than read as an empty state."""
 
     estimate: str
+    readout: str = "keys"
 
 
 class CubitRFMixer(CubitMixer, RandomFeatureMap):
@@ -52,6 +53,8 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     * ``estimate="both"``: which kernels are random-feature estimates. ``"gram"`` (the read-out exact),
       ``"readout"`` (the Gram exact) and ``"none"`` (exact Cubit) are the ablation of
       :mod:`~kernelmix.ops.cubit_rf_parts`: dense T × T, for training short sequences, with no decode cache.
+    * ``readout="keys"``: Cubit's read-out over U. ``"reference"`` (the regression's prediction at the
+      query) and ``"linear"`` (q kᵀ/√d over U) are read-outs of that same ablation (dense, no decode).
 
     Parameters: those of :class:`CubitMixer` (and ``transform`` M when ``data_aware``). Buffers:
     ``projection`` W ``[H, m, d]`` (persistent, drawn at construction; :meth:`~RandomFeatureMap.redraw_`
@@ -67,7 +70,7 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     constant_cache = True
     #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``)
     OPTIONS = ("num_features", "projection", "data_aware", "reference", "reference_rope", "lrr", "lrr_range", "ridge",
-               "estimate")
+               "estimate", "readout")
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         lrr_range: tuple[float, float] = (0.5, 2.0),
         ridge: float = 1e-6,
         estimate: str = "both",
+        readout: str = "keys",
         **shared: Any,
     ) -> None:
         super().__init__(
@@ -88,6 +92,9 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         )
         self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware)
         self.estimate = check_choice("estimate", estimate, ESTIMATES)
+        self.readout = check_choice("readout", readout, READOUTS)
+        if readout == "linear" and estimate in ("both", "readout"):
+            raise KernelmixError(f"readout='linear' has no kernel to estimate; use estimate='gram' or 'none', got {estimate!r}")
 
     # whiten_'s calibration samples: the rotated queries (before the fold) and keys, as DARKFormer's
     qk_samples = DarkFormerMixer.qk_samples
@@ -98,19 +105,19 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         RandomFeatureMap.reset_parameters(self)
 
     def extra_repr(self) -> str:
-        ablation = "" if self.estimate == "both" else f", estimate={self.estimate!r}"
+        ablation = f", estimate={self.estimate!r}, readout={self.readout!r}" if self.ablation else ""
         return f"{super().extra_repr()}, {self.feature_repr()}{ablation}"
 
     def _op_options(self, extras: dict) -> dict:
         return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"], **self._coefficients()}
 
     def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
-        if self.estimate != "both":  # the ablation: dense, and a marker state that a later call refuses
+        if self.ablation:  # dense, and a marker state that a later call refuses
             if state is not None:
                 raise KernelmixError(self._no_cache_message())
             out = cubit_rf_parts_attention(q, k, v, extras["r"], self.projection, estimate=self.estimate,
-                                           **self._op_options(extras))
-            return out, AblationState(self.estimate)
+                                           readout=self.readout, **self._op_options(extras))
+            return out, AblationState(self.estimate, self.readout)
         return cubit_rf_attention(
             q, k, v, extras["r"], self.projection, chunk_size=self.chunk_size, initial_state=state, return_state=True,
             backend=self.backend, **self._op_options(extras),
@@ -132,12 +139,18 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         """One token (T = 1, ``q`` already folded) from ``state``."""
         return cubit_rf_attention_step(q, k, v, extras["r"], self.projection, state, **self._op_options(extras))
 
+    @property
+    def ablation(self) -> bool:
+        """Whether this layer runs the dense ablation (:mod:`~kernelmix.ops.cubit_rf_parts`) rather than the op."""
+        return self.estimate != "both" or self.readout != "keys"
+
     def _no_cache_message(self) -> str:
-        return (f"this {self.mixer_name} layer has estimate={self.estimate!r}, a dense training ablation with no decode "
-                "cache; decode with estimate='both' (or run the whole sequence without a cache)")
+        return (f"this {self.mixer_name} layer has estimate={self.estimate!r}, readout={self.readout!r}, a dense "
+                "training ablation with no decode cache; decode with estimate='both', readout='keys' (or run the "
+                "whole sequence without a cache)")
 
     def _check_cache(self, cache: Any, batch_size: int) -> None:
-        if self.estimate != "both" or isinstance(getattr(cache, "state", None), AblationState):
+        if self.ablation or isinstance(getattr(cache, "state", None), AblationState):
             raise KernelmixError(self._no_cache_message())
         super()._check_cache(cache, batch_size)  # (its batch check reads a state's first tensor field; ours holds two states)
         state_batch = cache.state.readout.S.shape[0]

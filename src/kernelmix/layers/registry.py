@@ -89,7 +89,7 @@ REGISTRY: dict[str, MixerInfo] = {}
 # the layers' own options (each class's OPTIONS, spelt again here so that reading them needs no torch)
 CUBIT_OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge")
 RANDOM_FEATURE_OPTIONS = ("num_features", "projection")
-CUBIT_RF_OPTIONS = ("num_features", "projection", "data_aware", *CUBIT_OPTIONS, "estimate")
+CUBIT_RF_OPTIONS = ("num_features", "projection", "data_aware", *CUBIT_OPTIONS, "estimate", "readout")
 
 
 def register(info: MixerInfo) -> MixerInfo:

@@ -11,6 +11,14 @@ is exact:
 * ``"readout"``: Cubit's exact Gram, the read-out estimated;
 * ``"none"``: exact Cubit (equal to ``cubit_attention_naive``), the control.
 
+``readout="reference"`` reads the solve's own regression instead: the weights of row i are those of the
+Gram's kernel at the query, softmax_j(q_iᵀ r̂_j) (estimated: φ(q_i d^¼)·φ(r̂_j d^¼)), so that o_i is the
+kernel ridge regression's prediction at q_i, Σ_j g(q_i, r̂_j) u_j — in the linear-time form a read of the
+solve's state R with the query's features, one state instead of two (k is then unused).
+``readout="linear"`` weighs U by the plain causal products q_iᵀ k_j / √d, no exponential and no
+normalisation (linear attention over U, a d × d_v state): there is no kernel to estimate, so ``estimate``
+is "gram" or "none" with it.
+
 Each weight matrix is a causal softmax over its logits: exact, ℓ_ij = x_iᵀ y_j (Cubit's Gram:
 r_iᵀ r̂_j; the read-out: q_iᵀ k_j / √d; with DARKFormer's M, of M x and M y); estimated,
 ℓ_ij = log Σ_m φ(x_i)_m φ(y_j)_m, a log-sum-exp over the features, so that a row normalised by its
@@ -30,6 +38,7 @@ from .cubit_rf import check_cubit_rf_inputs
 from .random_features import feature_logits
 
 ESTIMATES = ("both", "gram", "readout", "none")
+READOUTS = ("keys", "reference", "linear")
 
 
 def _visible(batch_doc_start: Tensor | None, length: int, device: torch.device) -> Tensor:
@@ -68,6 +77,7 @@ def cubit_rf_parts_attention(
     projection: Tensor,
     *,
     estimate: str = "both",
+    readout: str = "keys",
     rho: Tensor | None = None,
     ridge: float | Tensor = 1e-6,
     ref_scale: float | Tensor = 1.0,
@@ -80,6 +90,8 @@ def cubit_rf_parts_attention(
         q, r: ``[B, T, H, d]``; k, v: ``[B, T, H_kv, d]`` (grouped heads expanded).
         projection: W ``[m, d]`` or ``[H, m, d]``; transform: M ``[H, d, d]`` or None (both parts).
         estimate: one of :data:`ESTIMATES` (the module docstring).
+        readout: ``"keys"`` (Cubit's read-out, softmax(q kᵀ/√d) over U), ``"reference"`` (the
+            regression's prediction at q, softmax(q r̂ᵀ) over U) or ``"linear"`` (q kᵀ/√d over U, causal).
         rho, ridge, ref_scale, doc_start: as :func:`~kernelmix.ops.cubit_rf.cubit_rf_attention`.
 
     Returns:
@@ -88,6 +100,10 @@ def cubit_rf_parts_attention(
     """
     if estimate not in ESTIMATES:
         raise KernelmixError(f"estimate must be one of {', '.join(ESTIMATES)}, got {estimate!r}")
+    if readout not in READOUTS:
+        raise KernelmixError(f"readout must be one of {', '.join(READOUTS)}, got {readout!r}")
+    if readout == "linear" and estimate in ("both", "readout"):
+        raise KernelmixError(f"readout='linear' has no kernel to estimate; use estimate='gram' or 'none', got {estimate!r}")
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     out_dtype = v.dtype
     batch, length, heads, d = q.shape
@@ -105,9 +121,13 @@ def cubit_rf_parts_attention(
         values = v if rho is None else rho.to(dtype)[..., None] * v
         system = gram + lam[:, None, None] * torch.eye(length, dtype=dtype, device=q.device)
         u = torch.linalg.solve_triangular(system, values.transpose(1, 2), upper=False)  # [B, H, T, d_v]
-        readout = _weights(_logits(q, k, w, m, estimated=estimate in ("both", "readout"), scale=d**-0.5), visible)
-        out = (readout @ u).transpose(1, 2)
+        if readout == "linear":
+            weights = (d**-0.5 * torch.einsum("bihd,bjhd->bhij", q, k)).masked_fill(~visible, 0.0)
+        else:
+            keys, scale = (k, d**-0.5) if readout == "keys" else (r_hat, 1.0)
+            weights = _weights(_logits(q, keys, w, m, estimated=estimate in ("both", "readout"), scale=scale), visible)
+        out = (weights @ u).transpose(1, 2)
     return guard.poison_visible(out, visible).to(out_dtype)
 
 
-__all__ = ["ESTIMATES", "cubit_rf_parts_attention"]
+__all__ = ["ESTIMATES", "READOUTS", "cubit_rf_parts_attention"]
