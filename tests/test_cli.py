@@ -15,8 +15,8 @@ def test_demo_runs_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     rows = json.loads(out.read_text())
-    assert {row["mixer"] for row in rows} == {"softmax", "cubit", "cubit (no LRR)", "deltaformer", "performer", "darkformer",
-                                              "cubit-rf"}
+    assert {row["mixer"] for row in rows} == {"softmax", "cubit", "cubit (no LRR)", "deltaformer", "performer",
+                                              "darkformer", "cubit-rf"}
     assert all(row["forward_error"] < 1e-4 and row["grad_error"] < 1e-4 for row in rows)
     assert all(row["shape"] == [1, 17, 2, 8] for row in rows)
     assert "peak memory at T=64" in printed
@@ -47,7 +47,8 @@ def test_op_bench_runs_and_writes_valid_json(tmp_path, capsys):
 def test_op_bench_under_autocast_writes_valid_json(tmp_path, capsys):
     code = main(["bench", "--mixers", "softmax,cubit,deltaformer,darkformer", "--lengths", "33",
                  "--decode-positions", "16", "--heads", "2", "--head-dim", "8", "--num-features", "8",
-                 "--chunk-size", "16", "--repeats", "1", "--autocast", "bfloat16", "--no-memory", "--out", str(tmp_path)])
+                 "--chunk-size", "16", "--repeats", "1", "--autocast", "bfloat16", "--no-memory", "--out",
+                 str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["autocast"] == "bfloat16" and report["dtype"] == "float32"

@@ -84,8 +84,8 @@ def test_compare_writes_results_and_reuses_finished_runs(tmp_path):
 def test_seeds_give_mean_and_spread_and_cli(tmp_path, capsys):
     out = tmp_path / "cli"
     code = cli_main(["compare", "--mixers", "softmax", "--lengths", "32", "--seeds", "0,1", "--steps", "2",
-                     "--warmup-steps", "1", "--tokens-per-step", "64", "--corpus", CORPUS, "--eval-docs", "2", "--out", str(out),
-                     "--set", "hidden_size=32", "--threads", str(torch.get_num_threads())])
+                     "--warmup-steps", "1", "--tokens-per-step", "64", "--corpus", CORPUS, "--eval-docs", "2", "--out",
+                     str(out), "--set", "hidden_size=32", "--threads", str(torch.get_num_threads())])
     assert code == 0
     data = json.loads((out / "results.json").read_text())
     (row,) = data["summary"]
@@ -120,8 +120,8 @@ def test_torchrun_two_processes_match_one(tmp_path):
     import subprocess
     import sys
 
-    args = ["--preset", "tiny", "--mixers", "softmax,performer", "--lengths", "32", "--steps", "3", "--tokens-per-step", "128",
-            "--corpus", CORPUS, "--eval-docs", "2", "--warmup-steps", "1"]
+    args = ["--preset", "tiny", "--mixers", "softmax,performer", "--lengths", "32", "--steps", "3", "--tokens-per-step",
+            "128", "--corpus", CORPUS, "--eval-docs", "2", "--warmup-steps", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "kernelmix.cli",
          "compare", *args, "--out", str(tmp_path / "two")],
@@ -138,7 +138,8 @@ def test_torchrun_two_processes_match_one(tmp_path):
 
 
 def test_mixer_options_reach_only_their_mixer():
-    config = CompareConfig(mixers=["softmax", "performer"], model={"mixer_options": {"performer": {"num_features": 64}}})
+    config = CompareConfig(mixers=["softmax", "performer"],
+                           model={"mixer_options": {"performer": {"num_features": 64}}})
     assert "mixer_options" not in config.model_overrides("softmax")
     assert config.model_overrides("performer")["mixer_options"] == {"performer": {"num_features": 64}}
     with pytest.raises(ValueError, match=r"mixer_options for performer, which no compared run uses.*add the mixer"):
@@ -190,12 +191,14 @@ class TestFlopBudget:
             assert abs(run["flops"] - reference) <= training_flops(mixer, length) * 128 / 2  # the nearest step
             assert run["train_s"] > 0
             trained = json.loads((Path(run["run_dir"]) / "config.json").read_text())["train"]
-            assert trained["steps"] == expected and trained["warmup_steps"] == round(expected / 10)  # warmup 1 of 10, scaled
+            # warmup 1 of 10, scaled
+            assert trained["steps"] == expected and trained["warmup_steps"] == round(expected / 10)
         assert differ  # Performer costs more per token than softmax at these lengths: fewer steps
         md = (tmp_path / "flops" / "results.md").read_text()
         assert md.splitlines()[2].startswith("Equal budget: **training FLOPs**")
         assert "| performer | 32 | " in md  # the cost table: steps, tokens, FLOPs, seconds per run
-        assert len(results["plots"]) == 4 and all((tmp_path / "flops" / p).read_bytes()[:8] == PNG for p in results["plots"])
+        assert len(results["plots"]) == 4 and all((tmp_path / "flops" / p).read_bytes()[:8] == PNG
+                                                  for p in results["plots"])
 
         # the progress lines: run i of n, elapsed, and the time left once a run has finished
         text = console_text.getvalue()
@@ -261,7 +264,8 @@ class TestTokenBudget:
 
 class TestBudgetErrors:
     def test_seconds_without_the_time_budget_names_the_fix(self, tmp_path, capsys):
-        with pytest.raises(KernelmixError, match=r"--seconds sets the time budget.*add --budget time, or drop --seconds"):
+        with pytest.raises(KernelmixError,
+                           match=r"--seconds sets the time budget.*add --budget time, or drop --seconds"):
             small(tmp_path, seconds=30.0)
         with pytest.raises(SystemExit):
             cli_main(["compare", "--seconds", "30", "--out", str(tmp_path / "x")])
@@ -296,7 +300,8 @@ def test_results_md_says_when_reused_runs_trained_with_other_threads():
     from kernelmix.studies.compare import _threads_text
 
     runs = [{"threads": 1}, {"threads": 2}, {}]  # {}: a run saved before threads were recorded
-    assert _threads_text({"machine": {"threads": 2}, "runs": runs}) == "2 torch threads now; the runs trained with 1 / 2"
+    assert (_threads_text({"machine": {"threads": 2}, "runs": runs})
+            == "2 torch threads now; the runs trained with 1 / 2")
     assert _threads_text({"machine": {"threads": 2}, "runs": runs[1:]}) == "2 torch threads"
 
 

@@ -30,11 +30,13 @@ class Toy:
     lr: PositiveFloat = 1e-3
     betas: Annotated[tuple[Fraction, Fraction], Field(examples=["betas=[0.9,0.95]"])] = (0.9, 0.95)
     lengths: Annotated[list[PositiveInt], Field(min_length=1)] = field(default_factory=lambda: [4, 8])
-    lrs: Annotated[list[PositiveFloat], Arg(flag="--rates"), Field(title="learning rates")] = field(default_factory=lambda: [1.0])
+    lrs: Annotated[list[PositiveFloat], Arg(flag="--rates"), Field(title="learning rates")] = (
+        field(default_factory=lambda: [1.0]))
     layers: Annotated[str, Choice(("all", "global"), "layer selection", "or a list of indices")] | list[int] = "all"
     mixers: Annotated[list[str], Choice(("softmax", "cubit"), "mixer")] = field(default_factory=lambda: ["softmax"])
     preset: Annotated[str, Choice(("tiny", "small"), "preset")] = "tiny"
-    model: Annotated[dict[str, Any], Arg(cli=False), Field(examples=["model.mixer=cubit"])] = field(default_factory=dict)
+    model: Annotated[dict[str, Any], Arg(cli=False), Field(examples=["model.mixer=cubit"])] = (
+        field(default_factory=dict))
     limit: Annotated[PositiveInt, Arg(group="size")] | None = None
     unlimited: Annotated[bool, Arg(group="size")] = False
     memory: Annotated[bool, Field(description="skip the memory probe")] = True
@@ -184,7 +186,8 @@ def test_every_command_is_built_from_dataclasses():
 @pytest.mark.parametrize("argv, message", [
     (["convert", "x", "--layers", "1,a", "--out", "unused"], "--layers: unknown layer selection '1,a'"),
     (["bench", "--mixers", "foo"], "--mixers: unknown mixer(s) 'foo'"),
-    (["diagnose", "x", "--variants", "cubit"], "--variants: unknown variant(s) 'cubit' (choose from: performer, whiten, distill; identity"),
+    (["diagnose", "x", "--variants", "cubit"],
+     "--variants: unknown variant(s) 'cubit' (choose from: performer, whiten, distill; identity"),
     (["eval", "unused", "--tasks", "foo"], "--tasks: unknown task(s) 'foo'"),
     (["compare", "--buckets", "5,0", "--out", "unused"], "bucket edges must start at 0 and increase"),
     (["compare", "--min-lr", "1", "--out", "unused"], "min_lr must be at most lr"),

@@ -83,7 +83,8 @@ def test_conversion_keeps_host_and_generates(make, mixer):
 
 def test_save_load_round_trip(tmp_path):
     host = tiny_gemma()
-    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=48, seed=3),
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=48,
+                                                                seed=3),
                        calibration=ids(2, 32, seed=5), init="whiten")
     cv.set_num_features(model, 40, seed=7)  # a redraw with another m also round-trips
     x = ids()
@@ -110,7 +111,8 @@ def test_logits_approach_host_as_m_grows():
     for m in (64, 4096):
         errs = []
         for seed in range(3):
-            model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=m, seed=seed))
+            model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer",
+                                                                        num_features=m, seed=seed))
             errs.append(rel(logits(model, x), ref))
         errors[m] = sum(errs) / len(errs)
     assert errors[4096] < 0.35 * errors[64], errors
@@ -131,7 +133,8 @@ def test_whitening_singular_covariance_preserves_kernel():
         for m in (64, 4096):
             errs = []
             for seed in range(3):
-                model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=m, seed=seed),
+                model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer",
+                                                                            num_features=m, seed=seed),
                                    calibration=calib, init=init)
                 for k in cv.kernels(model).values():
                     assert torch.isfinite(k.transform).all() and torch.isfinite(k.query_fold).all()
@@ -191,12 +194,14 @@ def test_layer_selection_and_trainable():
     assert cv.resolve_layers(host, "global") == [1]
     assert cv.resolve_layers(host, "local") == [0]
     assert cv.resolve_layers(host, [-1, 0]) == [0, 1]
-    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", layers="global", num_features=8))
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", layers="global",
+                                                                num_features=8))
     assert list(cv.kernels(model)) == [1]
     params = cv.set_trainable(model)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names == {f"model.layers.1.self_attn.{s}" for s in
-                     ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_norm.weight", "k_norm.weight", "kernelmix_rf.transform")}
+                     ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_norm.weight", "k_norm.weight",
+                      "kernelmix_rf.transform")}
     assert len(params) == len(names)
 
 
@@ -217,11 +222,13 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         pretrained.resolve(tmp_path / "empty")
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert",
+                                                               "architectures": ["BertForMaskedLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         pretrained.resolve(tmp_path / "bert")
     (tmp_path / "enc").mkdir()
-    (tmp_path / "enc" / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}))
+    (tmp_path / "enc" / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                              "architectures": ["LlamaForSequenceClassification"]}))
     with pytest.raises(ValueError, match="not a causal LM"):
         pretrained.resolve(tmp_path / "enc")
     with pytest.raises(ValueError, match="unknown pretrained model"):
@@ -248,7 +255,8 @@ def test_gemma3_270m_real():
             "Over the following centuries it grew into a market town, and by the middle ages it had a cathedral. ") * 3
     x = tok(text, return_tensors="pt").input_ids[:, :128]
     ref = logits(model, x)
-    conv = cv.convert(model, cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", layers="global", num_features=256),
+    conv = cv.convert(model, cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", layers="global",
+                                                 num_features=256),
                       calibration=x, init="whiten")
     out = logits(conv, x)
     assert torch.isfinite(out).all()
@@ -295,7 +303,9 @@ def test_cubit_conversion_approaches_host_as_ridge_grows():
     host = tiny_gemma(layer_types=("full_attention", "full_attention"))
     x = ids(2, 33)
     ref = logits(host, x)
-    errors = [rel(logits(cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="cubit", ridge=r)), x), ref)
+    errors = [
+        rel(logits(cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="cubit", ridge=r)), x),
+            ref)
               for r in (0.5, 8.0, 512.0)]
     assert errors[0] > errors[1] > errors[2], errors
     assert errors[2] < 1e-2 and errors[0] > 1e-2, errors  # λ → ∞ is the host; small λ really changes the layer
@@ -304,7 +314,8 @@ def test_cubit_conversion_approaches_host_as_ridge_grows():
 @pytest.mark.parametrize("make", [tiny_gemma, tiny_llama])
 def test_cubit_conversion_generates_saves_and_pads(make, tmp_path):
     layers = "global" if make is tiny_gemma else "all"
-    model = cv.convert(make(), cv.ConversionConfig(window=0, sinks=0, mixer="cubit", layers=layers, ridge=1.0, chunk_size=5))
+    model = cv.convert(make(), cv.ConversionConfig(window=0, sinks=0, mixer="cubit", layers=layers, ridge=1.0,
+                                                   chunk_size=5))
     x = ids(1, 19)
     # cached generation equals a full forward at every step
     gen = model.generate(x[:, :7], max_new_tokens=9, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -351,7 +362,8 @@ def test_distillation_with_redraws_generalises_to_fresh_features():
     distilled M is judged on draws it never saw and must beat the identity start there too."""
     host = tiny_gemma(layer_types=("full_attention",), qk_scale=0.0)
     x = ids(2, 32, seed=4)
-    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8, seed=0))
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8,
+                                                                seed=0))
     own = cv.kernels(model)[0].projection.clone()
     captured = cv.capture(model, x)
     c = captured[0][0]
@@ -381,11 +393,13 @@ def test_a_converted_layer_uses_the_layers_random_feature_map():
     and cache are their own."""
     from kernelmix.layers import PerformerMixer, RandomFeatureMap
 
-    model = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=16, seed=0))
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=16,
+                                                         seed=0))
     kernel = cv.kernels(model)[0]
     assert isinstance(kernel, RandomFeatureMap) and kernel.data_aware
     layer = PerformerMixer(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_features=16)
-    assert torch.equal(kernel.redraw_(torch.Generator().manual_seed(3)), layer.redraw_(torch.Generator().manual_seed(3)))
+    assert torch.equal(kernel.redraw_(torch.Generator().manual_seed(3)),
+                       layer.redraw_(torch.Generator().manual_seed(3)))
     x = ids()
     before = logits(model, x)
     kernel.reset_parameters()  # M = F = I: identity initialisation, W kept
@@ -394,7 +408,8 @@ def test_a_converted_layer_uses_the_layers_random_feature_map():
     q, k = cv.token_samples(captured[0], kernel)
     assert kernel.whiten_(q, k) is kernel
     assert not torch.allclose(kernel.query_fold, torch.eye(16).expand(4, 16, 16))
-    performer = cv.kernels(cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="performer", num_features=16)))[0]
+    performer = cv.kernels(cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="performer",
+                                                                        num_features=16)))[0]
     assert performer.transform is None and performer.query_fold is None
     with pytest.raises(ValueError, match="data-aware"):
         performer.whiten_(q, k)
@@ -402,12 +417,14 @@ def test_a_converted_layer_uses_the_layers_random_feature_map():
 
 def test_convert_uses_the_configs_init_unless_told_otherwise():
     x = ids(batch=2, length=24)
-    whitened = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8, init="whiten"), calibration=x)
+    whitened = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8,
+                                                            init="whiten"), calibration=x)
     assert cv.conversion_config(whitened).init == "whiten"
     eye = torch.eye(16)
     assert all(not torch.allclose(k.transform[0], eye) for k in cv.kernels(whitened).values())
     # an explicit init= wins over the config's
-    plain = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8, init="whiten"), init="identity")
+    plain = cv.convert(tiny_llama(), cv.ConversionConfig(window=0, sinks=0, mixer="darkformer", num_features=8,
+                                                         init="whiten"), init="identity")
     assert cv.conversion_config(plain).init == "identity"
     assert all(torch.equal(k.transform[0], eye) for k in cv.kernels(plain).values())
 

@@ -34,7 +34,8 @@ def test_generation_from_the_window_cache_equals_the_parallel_forward(make, mixe
 
 
 def test_the_cache_does_not_grow_with_the_generated_length():
-    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=16, window=4, layers="global"))
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=16, window=4,
+                                                         layers="global"))
     host = tiny_gemma()
     prompt = ids(1, 8)
     sizes, host_sizes = [], []
@@ -84,9 +85,11 @@ def test_a_record_without_a_window_loads_as_features_only(tmp_path):
 def test_a_window_as_long_as_the_text_is_the_host_and_a_short_one_is_not():
     host = tiny_gemma()
     x = ids(2, 24)
-    whole = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", num_features=8, window=24, layers="global"))
+    whole = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", num_features=8, window=24,
+                                                                layers="global"))
     torch.testing.assert_close(logits(whole, x), logits(host, x), atol=1e-5, rtol=1e-5)
-    short = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", num_features=8, window=4, layers="global"))
+    short = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="performer", num_features=8, window=4,
+                                                                layers="global"))
     assert not torch.allclose(logits(short, x), logits(host, x), atol=1e-3)
 
 

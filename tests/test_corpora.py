@@ -59,7 +59,8 @@ def test_summary_over_two_corpora_and_its_markdown(tmp_path):
     assert summary["corpora"]["prose"]["bigram"] == 2.2
     assert set(summary["corpora"]["code"]["claims"]) == {claim}  # no runs of the other claims' mixers
     text = corpora_markdown(summary)
-    assert "| Cubit reaches a lower loss than softmax | prose | T=256: -0.140 ± 0.057 (2/2 below 0) | 0.020 | held |" in text
+    assert ("| Cubit reaches a lower loss than softmax | prose | T=256: -0.140 ± 0.057 (2/2 below 0) | 0.020 | held |"
+            in text)
     assert "held on prose; not held on code" in text
 
 

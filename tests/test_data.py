@@ -41,7 +41,8 @@ from kernelmix.data import dataset as dataset_module
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = FIXTURES / "corpus"
 JSONL = FIXTURES / "docs.jsonl"
-FIXTURE_DOCS = {"rivers.txt", "lighthouse.md", "kitchen/cafe.txt", "kitchen/bread.md", "code/queue.md", "code/fibonacci.txt"}
+FIXTURE_DOCS = {"rivers.txt", "lighthouse.md", "kitchen/cafe.txt", "kitchen/bread.md", "code/queue.md",
+                "code/fibonacci.txt"}
 NON_ASCII = "Hélène — « naïve » smørrebrød, Kraków, 日本語のメニュー, Ōsaka, 2,50 €, ❄ and 🎉\n\ttabs"
 
 
@@ -457,7 +458,8 @@ def test_windows_inside_documents():
 
 def test_sampler_errors():
     split = toy_split()
-    with pytest.raises(ValueError, match=r"no document of split 'train' is long enough for seq_len = 64.*longest has 40"):
+    with pytest.raises(ValueError,
+                       match=r"no document of split 'train' is long enough for seq_len = 64.*longest has 40"):
         WindowSampler(split, 64, 2, cross_documents=False, pad_short=False)
     with pytest.raises(ValueError, match=r"has 101 tokens, fewer than seq_len = 128"):
         WindowSampler(split, 128, 2)

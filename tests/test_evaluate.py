@@ -57,7 +57,8 @@ def trained_run(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         train(TrainConfig(preset="tiny", corpus=CORPUS, seq_len=64, batch_size=4, steps=6, lr=3e-3, warmup_steps=1,
-                          eval_every=0, eval_batches=1, val_fraction=0.3, out_dir=str(out), device="cpu"), progress=False)
+                          eval_every=0, eval_batches=1, val_fraction=0.3, out_dir=str(out), device="cpu"),
+              progress=False)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -219,7 +220,8 @@ def test_scope_split_defaults_and_all():
     capped, scope = scope_split(split, [8192], max_docs=1)  # the default cap grows to the longest length
     assert capped.doc_lengths.tolist() == [5000] and scope.doc_tokens is None
     capped, scope = scope_split(split, [256], max_docs="all")
-    assert scope.whole and capped.num_bytes == 123 and scope.describe() == f"val: all 12 documents, {split.num_tokens:,} tokens"
+    assert (scope.whole and capped.num_bytes == 123
+            and scope.describe() == f"val: all 12 documents, {split.num_tokens:,} tokens")
     capped, scope = scope_split(split, [256], max_docs="all", doc_tokens=10)
     assert not scope.whole and capped.doc_lengths.max() == 10
     with pytest.raises(ValueError, match="max_docs must be a positive int or 'all'"):
@@ -397,8 +399,8 @@ def test_ngram_losses_match_a_counting_reference():
     train_docs = [list(rng.integers(0, 7, n)) for n in (5, 1, 12, 9)]
     val_docs = [list(rng.integers(0, 7, n)) for n in (4, 6, 1)] + [[8, 8]]  # a pair never seen in training
     vocab = 9
-    got = ngram_losses(TokenizedSplit.from_token_lists(train_docs), TokenizedSplit.from_token_lists(val_docs, name="val"),
-                       vocab)
+    got = ngram_losses(TokenizedSplit.from_token_lists(train_docs),
+                       TokenizedSplit.from_token_lists(val_docs, name="val"), vocab)
     unigram = Counter(t for d in train_docs for t in d)
     total = sum(unigram.values())
     pairs = Counter((a, b) for d in train_docs for a, b in zip(d, d[1:]))  # inside documents only

@@ -51,7 +51,8 @@ def trainable_names(model):
 def test_modes_train_what_they_say():
     model, params = pt.prepare_trainable(converted(), config(mode="partial"))
     names = trainable_names(model)
-    assert names and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "kernelmix_rf.transform")) for n in names)
+    assert names and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
+                                              "kernelmix_rf.transform")) for n in names)
     assert "model.layers.0.self_attn.kernelmix_rf.transform" in names
     assert not any("projection" in n for n in names)  # W is a buffer, never trained
     assert len(params) == len(names)
@@ -133,7 +134,8 @@ def test_compare_finetune_outputs_and_reuse(tmp_path):
     x = windows()
     host = tiny_gemma()
     logs = []
-    report = ft.compare_finetune(host, x, x[:2], config(steps=6, eval_every=3), variants=("softmax", "performer", "darkformer"),
+    report = ft.compare_finetune(host, x, x[:2], config(steps=6, eval_every=3),
+                                 variants=("softmax", "performer", "darkformer"),
                                  lrs=(1e-3, 3e-3), num_features=16, init="whiten", out_dir=tmp_path, log=logs.append)
     assert not cv.kernels(host)  # host untouched
     assert [(r["variant"], r["lr"]) for r in report["runs"]] == [
@@ -190,7 +192,8 @@ def test_cli_finetune(tmp_path, capsys, monkeypatch):
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained",
+                        lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):
@@ -205,8 +208,8 @@ def test_cli_finetune(tmp_path, capsys, monkeypatch):
     # an already converted model is finetuned as it is and saved
     conv = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8))
     cv.save_converted(conv, tmp_path / "conv")
-    rc = main(["finetune", str(tmp_path / "conv"), "--out", str(tmp_path / "out2"), "--text", str(corpus), "--steps", "2",
-               "--seq-len", "32", "--eval-every", "2", "--eval-seqs", "1", "--val-fraction", "0.3"])
+    rc = main(["finetune", str(tmp_path / "conv"), "--out", str(tmp_path / "out2"), "--text", str(corpus), "--steps",
+               "2", "--seq-len", "32", "--eval-every", "2", "--eval-seqs", "1", "--val-fraction", "0.3"])
     assert rc == 0, capsys.readouterr().err
     assert cv.kernels(cv.load_converted(tmp_path / "out2" / "model"))
     with pytest.raises(SystemExit):  # argparse names the choices
@@ -228,7 +231,8 @@ def test_cubit_variant_finetunes():
 def test_resumed_run_metrics_have_each_step_once(tmp_path):
     x = windows()
     cfg = config(steps=8, eval_every=4)
-    pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)  # steps 5, 6 logged after the step-4 checkpoint
+    # steps 5, 6 logged after the step-4 checkpoint
+    pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, stop_at=6)
     pt.finetune(converted(), x, x[:2], cfg, out_dir=tmp_path, resume=True)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if r["kind"] == "train"]
@@ -267,7 +271,8 @@ def test_non_finite_losses_in_a_row_stop_the_run_as_diverged():
 
     x = windows()
     model = converted()
-    model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan") if module.training else None)
+    model.lm_head.register_forward_hook(
+        lambda module, inputs, output: output * float("nan") if module.training else None)
     model, result = pt.finetune(model, x, x[:2], config(steps=12, max_bad_steps=3))
     assert result["diverged"] and result["finished"] and result["steps_done"] == 3
     assert result["skipped_updates"] == 3 and result["num_spikes"] == 3

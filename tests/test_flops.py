@@ -124,7 +124,8 @@ class TestRandomFeatureOpsAreCountedAsTheyRun:
         k, v = (torch.randn(batch, length, kv_heads, d, generator=g) for _ in range(2))
         projection = ops.orthogonal_random_features(m, d, num_heads=heads, generator=g)
         transform = torch.eye(d) + 0.1 * torch.randn(heads, d, d, generator=g) if mixer == "darkformer" else None
-        _, seen = counted(lambda: ops.random_feature_attention(q, k, v, projection, transform=transform, chunk_size=chunk))
+        _, seen = counted(lambda: ops.random_feature_attention(q, k, v, projection, transform=transform,
+                                                               chunk_size=chunk))
         assert seen["Global"] == forward_flops(mixer, length, d, m, chunk) * batch * heads  # per query head
 
     @pytest.mark.parametrize("length, chunk", [(5, 16), (16, 16), (37, 16), (40, 8)])

@@ -111,8 +111,10 @@ def test_top_k_one_and_tiny_top_p_are_greedy(softmax_model):
     ids, mask = left_padded(LENGTHS, 10)
     greedy = generate(softmax_model, ids, NEW, temperature=0.0, attention_mask=mask)
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(generate(softmax_model, ids, NEW, top_k=1, temperature=2.0, attention_mask=mask, generator=g), greedy)
-    assert torch.equal(generate(softmax_model, ids, NEW, top_p=1e-6, temperature=2.0, attention_mask=mask, generator=g), greedy)
+    assert torch.equal(generate(softmax_model, ids, NEW, top_k=1, temperature=2.0, attention_mask=mask, generator=g),
+                       greedy)
+    assert torch.equal(generate(softmax_model, ids, NEW, top_p=1e-6, temperature=2.0, attention_mask=mask, generator=g),
+                       greedy)
 
 
 def test_temperature_scales_the_logits(softmax_model):
@@ -192,7 +194,8 @@ def _bad_calls():
         ("top_p 0", lambda: generate(model, ids, 2, top_p=0.0), "top_p must be in (0, 1]"),
         ("top_p > 1", lambda: generate(model, ids, 2, top_p=1.5), "top_p must be in (0, 1]"),
         ("top_k 0", lambda: generate(model, ids, 2, top_k=0), "top_k must be an int >= 1"),
-        ("mask shape", lambda: generate(model, ids, 2, attention_mask=mask[:, 1:]), "attention_mask must have the shape"),
+        ("mask shape", lambda: generate(model, ids, 2, attention_mask=mask[:, 1:]),
+         "attention_mask must have the shape"),
         ("right padding", lambda: generate(model, ids, 2, attention_mask=right), "LEFT padding"),
         ("mask values", lambda: generate(model, ids, 2, attention_mask=mask * 2), "only 0 (padding) and 1"),
         ("too long", lambda: generate(model, ids, 247), "max_seq_len = 256"),
@@ -253,7 +256,8 @@ def test_benchmark_generation_takes_its_config():
     rows = benchmark_generation(config)
     assert [(r.mixer, r.cached_tokens, r.uncached_tokens) for r in rows] == [("softmax", 3, 0), ("performer", 3, 0)]
     assert all(r.cached_tokens_per_s > 0 and r.uncached_tokens_per_s is None and r.speedup is None for r in rows)
-    with pytest.raises(ValueError, match=r"new tokens 300 is beyond the preset's max_seq_len = 256; ask for at most 224"):
+    with pytest.raises(ValueError,
+                       match=r"new tokens 300 is beyond the preset's max_seq_len = 256; ask for at most 224"):
         GenerateBenchConfig(preset="tiny", new_tokens=300)
     with pytest.raises(ValueError, match="uncached_new_tokens must be an integer >= 0, got -1"):
         GenerateBenchConfig(uncached_new_tokens=-1)
@@ -286,7 +290,8 @@ def test_generate_bench_cli(tmp_path, capsys):
         (["--preset", "huge"], "invalid choice: 'huge' (choose from 'tiny', 'mini', 'small'"),
         (["--new-tokens", "0"], "must be a positive integer"),
         (["--preset", "tiny", "--prompt-length", "200", "--new-tokens", "100"], "max_seq_len = 256"),
-        (["--preset", "tiny", "--prompt-length", "256"], "leaves no room for new tokens within the preset's max_seq_len"),
+        (["--preset", "tiny", "--prompt-length", "256"],
+         "leaves no room for new tokens within the preset's max_seq_len"),
         (["--uncached-new-tokens", "-1"], "--uncached-new-tokens must be an integer >= 0, got -1"),
         (["--device", "cuda:x"], "unknown device 'cuda:x'"),
     ],

@@ -129,8 +129,10 @@ def test_targets_read_the_ratios_of_the_run():
                _record("deltaformer", 8192, 26.0, 250.0), _record("softmax", 16384, 40.0),
                _record("performer", 16384, 10.0), _record("darkformer", 16384, 20.0),
                _record("cubit", 65536, 900.0), _record(gpu_check.FLA_PEER, 8192, 30.0)]
-    decode = [{"mixer": "performer", "position": 1024, "step_ms": 1.0}, {"mixer": "performer", "position": 32768, "step_ms": 1.1},
-              {"mixer": "darkformer", "position": 1024, "step_ms": 1.0}, {"mixer": "darkformer", "position": 32768, "step_ms": 1.5}]
+    decode = [{"mixer": "performer", "position": 1024, "step_ms": 1.0},
+              {"mixer": "performer", "position": 32768, "step_ms": 1.1},
+              {"mixer": "darkformer", "position": 1024, "step_ms": 1.0},
+              {"mixer": "darkformer", "position": 32768, "step_ms": 1.5}]
     rows = {row["target"]: row for row in gpu_check.evaluate_targets(records, decode, sizes, fla_ran=True)}
     assert rows["cubit fwd+bwd ≤ 2.5× SDPA's at T=8192"]["passed"] is True  # 2.4×
     assert rows["deltaformer fwd+bwd ≤ 2.5× SDPA's at T=8192"]["passed"] is False  # 2.6×
@@ -155,7 +157,8 @@ def test_the_full_cli_lists_gpu_check_with_the_same_options(capsys):
                                       "--lengths", "16,32"])
     assert args.func is command.run
     options = command.options_from(args)
-    assert (options.device, options.quick, options.skip, options.lengths, options.threads) == ("cpu", True, "b,c", "16,32", None)
+    assert ((options.device, options.quick, options.skip, options.lengths, options.threads)
+            == ("cpu", True, "b,c", "16,32", None))
     assert command.parse_lengths(options.lengths) == (16, 32) and command.parse_skip(options.skip) == ("b", "c")
     with pytest.raises(SystemExit):
         main(["--help"])

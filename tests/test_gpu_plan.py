@@ -56,7 +56,8 @@ def record(monkeypatch, module, names: dict) -> list:
 def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
     grids = record(monkeypatch, solve, {"_solve_forward_kernel": "solve_forward",
                                         "_solve_transposed_kernel": "solve_transposed",
-                                        "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
+                                        "_grad_rows_kernel": "solve_grad_rows",
+                                        "_grad_columns_kernel": "solve_grad_columns"})
     batch, heads, length, dk, dv, chunk = 2, 3, 37, 8, 80, 16  # dv > 64: two value slices
     x, y = (torch.randn(batch, heads, length, dk, requires_grad=True) for _ in range(2))
     b = torch.randn(batch, heads, length, dv, requires_grad=True)
@@ -65,7 +66,8 @@ def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
     u = triton_kernel_solve(x, y, b, beta=beta, gamma=torch.ones(heads), scale=0.3, strict=strict, chunk_size=chunk,
                             doc_start=doc)
     u.sum().backward()
-    planned = solve_launches(batch, heads, length, dk, dv, chunk_size=chunk, strict=strict, has_beta=strict, has_doc=True)
+    planned = solve_launches(batch, heads, length, dk, dv, chunk_size=chunk, strict=strict, has_beta=strict,
+                             has_doc=True)
     assert grids == [(p.name, p.grid) for p in planned]
     assert planned[0].grid == (batch * heads, 2)
 
@@ -75,10 +77,11 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
     """Spans of 32 rows at T = 100 (4 spans, the last partial): each span kernel launches once per
     span after the first (before the last), the in-span solves once per span, with the planned grids."""
     monkeypatch.setattr(solve, "SPAN_ROWS", 32)
-    grids = record(monkeypatch, solve, {"_past_span_kernel": "solve_past_span", "_solve_forward_kernel": "solve_forward",
-                                        "_future_span_kernel": "solve_future_span",
-                                        "_solve_transposed_kernel": "solve_transposed",
-                                        "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
+    grids = record(monkeypatch, solve,
+                   {"_past_span_kernel": "solve_past_span", "_solve_forward_kernel": "solve_forward",
+                    "_future_span_kernel": "solve_future_span",
+                    "_solve_transposed_kernel": "solve_transposed",
+                    "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
     batch, heads, length, d, chunk = 1, 2, 100, 8, 16
     x, y, b = (torch.randn(batch, heads, length, d, requires_grad=True) for _ in range(3))
     u = triton_kernel_solve(x, y, b, beta=None, gamma=torch.ones(heads), scale=0.3, strict=False, chunk_size=chunk,
@@ -116,11 +119,31 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
     assert [name for name, _ in grids][:3] == ["features_chunk_states", "features_state_scan", "features_forward"]
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
+def test_cubit_rf_plan_grids_are_the_grids_its_recurrence_launches(monkeypatch):
+    from kernelmix.ops import _triton_cubit_rf as recurrence
+    from kernelmix.ops import cubit_rf_attention
+    from kernelmix.ops._triton_cubit_rf import recurrence_launches
+
+    grids = record(monkeypatch, recurrence, {"_recurrence_forward_kernel": "cubit_rf_recurrence",
+                                             "_recurrence_backward_kernel": "cubit_rf_recurrence_backward"})
+    batch, heads, length, d, dv, m, chunk = 1, 2, 29, 8, 40, 16, 8  # dv = 40: three blocks of 16 columns
+    q, r = (torch.randn(batch, length, heads, d, requires_grad=True) for _ in range(2))
+    k = torch.randn(batch, length, heads, d, requires_grad=True)
+    v = torch.randn(batch, length, heads, dv, requires_grad=True)
+    out = cubit_rf_attention(q, k, v, r, torch.randn(heads, m, d), ridge=0.1, chunk_size=chunk, backend="triton")
+    out.sum().backward()
+    planned = recurrence_launches(batch, heads, length, m, dv, chunk_size=chunk)
+    # the forward twice (the solve is recomputed in the backward), the backward once, at the planned grids
+    assert Counter(grids) == {(p.name, p.grid): p.calls for p in planned}
+    assert planned[0].grid == (batch * heads, 3)
+
+
 def test_the_cost_model_grows_with_the_work():
     """The solve's executed FLOPs grow as T² and at least its useful products; the features' as T."""
     shape = PLAN_SHAPES[TARGET_SHAPE]
     longer = dict(shape, length=2 * shape["length"])
-    for mixer, power in (("cubit", 4), ("deltaformer", 4), ("performer", 2), ("darkformer", 2)):
+    for mixer, power in (("cubit", 4), ("deltaformer", 4), ("performer", 2), ("darkformer", 2), ("cubit-rf", 2)):
         short = sum(r["flops"] for r in plan_rows({"a": shape}, (mixer,)))
         long = sum(r["flops"] for r in plan_rows({"a": longer}, (mixer,)))
         assert long / short == pytest.approx(power, rel=0.05), mixer  # the spans' own work grows as T

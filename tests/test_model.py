@@ -251,12 +251,16 @@ def _error_cases():
         ("mask gap", _forward(model, input_ids=ids, attention_mask=gap), "padding between real tokens"),
         ("mask shape", _forward(model, input_ids=ids, attention_mask=gap[:, :4]), "attention_mask must have shape"),
         ("1-D ids", _forward(model, input_ids=ids[0]), "input_ids must be a [B, T] tensor"),
-        ("unknown preset", lambda: ModelConfig.preset("tinyy"), "unknown preset 'tinyy' (choose from: tiny, mini, small"),
+        ("unknown preset", lambda: ModelConfig.preset("tinyy"),
+         "unknown preset 'tinyy' (choose from: tiny, mini, small"),
         ("unknown mixer", lambda: ModelConfig.preset("tiny", mixer="cubt"), "unknown mixer 'cubt' (choose from:"),
-        ("unknown mixer in list", lambda: ModelConfig.preset("tiny", mixers=["softmax", "perf"]), "unknown mixer 'perf'"),
+        ("unknown mixer in list", lambda: ModelConfig.preset("tiny", mixers=["softmax", "perf"]),
+         "unknown mixer 'perf'"),
         ("unknown option", lambda: ModelConfig.preset("tiny", mixer_options={"cubit": {"lrrr": False}}), "'lrrr'"),
-        ("option of unknown mixer", lambda: ModelConfig.preset("tiny", mixer_options={"cubt": {}}), "unknown mixer 'cubt'"),
-        ("options not a dict", lambda: ModelConfig.preset("tiny", mixer_options={"cubit": 3}), "mixer_options must map"),
+        ("option of unknown mixer", lambda: ModelConfig.preset("tiny", mixer_options={"cubt": {}}),
+         "unknown mixer 'cubt'"),
+        ("options not a dict", lambda: ModelConfig.preset("tiny", mixer_options={"cubit": 3}),
+         "mixer_options must map"),
         ("mixers length", lambda: ModelConfig.preset("tiny", mixers=["softmax"] * 3), "mixers lists 3 names"),
         ("mixers a string", lambda: ModelConfig.preset("tiny", mixers="softmax"), "must be a list of mixer names"),
         ("unknown field", lambda: ModelConfig.preset("tiny", hidden=3), "unknown config field(s) ['hidden']"),
@@ -346,7 +350,8 @@ def test_rows_of_only_minus_100_add_no_tokens_to_the_mean():
 
 def test_options_of_a_mixer_one_layer_of_a_hybrid_has_apply():
     # mixer_options for a mixer no layer has are refused (tests/reliability); one layer is enough
-    config = ModelConfig.preset("tiny", mixers=["softmax", "performer"], mixer_options={"performer": {"num_features": 24}})
+    config = ModelConfig.preset("tiny", mixers=["softmax", "performer"],
+                                mixer_options={"performer": {"num_features": 24}})
     model = CausalLM(config)
     assert model.blocks[1].mixer.num_features == 24
     assert ModelConfig.from_dict(json.loads(config.to_json())) == config

@@ -151,11 +151,13 @@ class TestRun:
 
         assert cli_main(ARGS + ["--out", str(out)]) == 0  # the same command again: every cell reused
         again = json.loads((out / "results.json").read_text())
-        assert again["reused_cells"] == 4 and [c["accuracy"] for c in again["cells"]] == [c["accuracy"] for c in data["cells"]]
+        assert (again["reused_cells"] == 4
+                and [c["accuracy"] for c in again["cells"]] == [c["accuracy"] for c in data["cells"]])
 
     def test_a_changed_setting_trains_again(self, tmp_path):
         run_recall(tiny(tmp_path, mixers=["softmax"], pairs=[2]), progress=False, note=lambda _: None)
-        results = run_recall(tiny(tmp_path, mixers=["softmax"], pairs=[2], lr=1e-3), progress=False, note=lambda _: None)
+        results = run_recall(tiny(tmp_path, mixers=["softmax"], pairs=[2], lr=1e-3), progress=False,
+                             note=lambda _: None)
         assert results["reused_cells"] == 0 and len(list((tmp_path / "cells").glob("*.json"))) == 2
 
     def test_training_and_held_out_data_come_from_different_seeds(self):

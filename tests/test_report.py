@@ -40,7 +40,8 @@ def test_darkformer_report_quick(tmp_path):
     assert json.loads((out / "summary.json").read_text())["timings"]["total_s"] > 0
     # a second run reuses the diagnostics and every finished finetuning run
     logs.clear()
-    rp.darkformer_report(settings, out, work, model=tiny_gemma(), tokenizer=ByteTokenizer(), progress=False, log=logs.append)
+    rp.darkformer_report(settings, out, work, model=tiny_gemma(), tokenizer=ByteTokenizer(), progress=False,
+                         log=logs.append)
     assert any("diagnostics: reusing" in line for line in logs)
     assert sum("reusing the finished run" in line for line in logs) == len(runs)
 

@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # every command's options come from torch-free modules (kernelmix.cli.commands lists them all)
-LIGHT = ("compare", "recall", "bench", "demo", "generate-bench", "gpu-check", "model-info", "eval", "train", "pretrained",
-         "convert", "diagnose", "finetune", "report")
+LIGHT = ("compare", "recall", "bench", "demo", "generate-bench", "gpu-check", "model-info", "eval", "train",
+         "pretrained", "convert", "diagnose", "finetune", "report")
 SUBCOMMAND_HELP = [["pretrained", "prepare", "--help"], ["pretrained", "list", "--help"],
                    ["report", "darkformer", "--help"], ["report", "conversion", "--help"]]
 MISTAKES = [
@@ -43,9 +43,10 @@ NAMED_MISTAKES = [
     (["report", "darkformer", "--steps", "0"], "--steps must be a positive integer"),
     (["report", "conversion", "--window", "-1"], "--window must be a positive integer"),
 ]
-HEAVY = ("torch", "transformers", "kernelmix.ops", "kernelmix.model", "kernelmix.training.loop", "kernelmix.pretrained.convert",
-         "kernelmix.pretrained.load", "kernelmix.studies.compare.running", "kernelmix.studies.diagnose",
-         "kernelmix.studies.finetune", "kernelmix.studies.conversion_report", "kernelmix.studies.darkformer_report")
+HEAVY = ("torch", "transformers", "kernelmix.ops", "kernelmix.model", "kernelmix.training.loop",
+         "kernelmix.pretrained.convert", "kernelmix.pretrained.load", "kernelmix.studies.compare.running",
+         "kernelmix.studies.diagnose", "kernelmix.studies.finetune", "kernelmix.studies.conversion_report",
+         "kernelmix.studies.darkformer_report")
 
 PROBE = textwrap.dedent("""
     import contextlib, io, json, sys

@@ -48,7 +48,8 @@ def test_the_load_measured_now_wins_over_a_lagging_load_average(machine):
 @pytest.mark.parametrize("load, expected", [(0.1, 2), (1.0, 1), (3.7, 1)])
 def test_without_a_measurement_the_load_average_decides(machine, load, expected):
     machine(2, load=load, busy=None)
-    assert threads.auto_threads(2) == (expected, f"load {load:.1f} on 2 cores leaves {max(1, 2 - int(load + 0.5))} idle")
+    assert threads.auto_threads(2) == (expected,
+                                       f"load {load:.1f} on 2 cores leaves {max(1, 2 - int(load + 0.5))} idle")
 
 
 def test_neither_keeps_the_default(machine):

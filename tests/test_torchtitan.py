@@ -103,7 +103,8 @@ def test_registry_has_a_config_per_preset_and_mixer():
             function = getattr(config_registry, f"kernelmix_{suffix}_{mixer}")
             assert function.__name__ == f"kernelmix_{suffix}_{mixer}"
     spec = config_registry.kernelmix_125m(mixer="performer").model_spec
-    assert (spec.name, spec.flavor, spec.model.mixer, spec.model.preset) == ("kernelmix", "125m-performer", "performer", "125m")
+    assert ((spec.name, spec.flavor, spec.model.mixer, spec.model.preset)
+            == ("kernelmix", "125m-performer", "performer", "125m"))
     assert config_registry.kernelmix_1p3b_cubit().model_spec.model.preset == "1.3b"
     with pytest.raises(KernelmixError, match="unknown mixer 'cubt'"):
         config_registry.kernelmix_tiny(mixer="cubt")
@@ -141,7 +142,8 @@ def test_checkpointing_and_compile_options_change_no_number(tmp_path):
     # backend (dynamo traces the blocks, inductor's minutes of C++ building are left out)
     config = trainer_config("kernelmix_tiny_cubit", "--training.seq_len", "64", "--compile.enable",
                             "--compile.backend", "eager", "activation_checkpoint:selective", tmp_path=tmp_path)
-    model = titan_model(config, tmp_path, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1))
+    model = titan_model(config, tmp_path, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1,
+                                                       world_size=1))
     assert [block.recompute for block in model.lm.blocks] == ["none", "block"]
     assert all(block._compiled_call_impl is not None for block in model.lm.blocks)
     assert [name for name, _ in model.named_parameters()][0].startswith("lm.")  # no _orig_mod. or wrapper prefixes
@@ -182,8 +184,10 @@ def test_fsdp_settings_are_mapped(tmp_path, monkeypatch):
     assert seen["fsdp"] is True and seen["fsdp_options"] == expected
     with pytest.raises(KernelmixError, match=r"training.mixed_precision_param / mixed_precision_reduce \('bf16' / "
                                              r"'float32'\): param_dtype must be one of float32, bfloat16, float16"):
-        titan_parallelize.fsdp_options(types.SimpleNamespace(mixed_precision_param="bf16", mixed_precision_reduce="float32"), None)
-    with pytest.raises(KernelmixError, match=r"fsdp_reshard_after_forward = 'sometimes': choose from default, always, never"):
+        titan_parallelize.fsdp_options(types.SimpleNamespace(mixed_precision_param="bf16",
+                                                             mixed_precision_reduce="float32"), None)
+    with pytest.raises(KernelmixError,
+                       match=r"fsdp_reshard_after_forward = 'sometimes': choose from default, always, never"):
         titan_parallelize.fsdp_options(None, types.SimpleNamespace(fsdp_reshard_after_forward="sometimes"))
 
 
@@ -290,7 +294,7 @@ print(f"RESULT rank={dist.get_rank()} sharded={sharded} same_init={same} tied={m
       f"loss_error={abs(loss.item() - expected.item()) / expected.item():.3g} grad_error={worst:.3g} "
       f"compute={seen[0]} params={sorted({str(p.dtype) for p in model.parameters()})}", flush=True)
 dist.destroy_process_group()
-'''
+'''  # noqa: E501  (a script's text: splitting its lines would change the string)
 
 # torchtitan 0.3's Trainer on the CPU: its accelerator globals pointed at torch.cpu, a memory
 # monitor that reports nothing, and no post-step barrier (it passes device_ids, which gloo refuses)
@@ -382,8 +386,8 @@ def test_torchtitan_trainer_runs_steps_on_cpu(mixer, processes, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAINER_SHIM)
     output = torchrun(
-        script, processes, "--module", MODULE, "--config", f"kernelmix_tiny_{mixer}", "--hf_assets_path", str(tokenizer),
-        "--dataloader.dataset_path", str(data), "--training.steps", "3", "--training.seq_len", "64",
+        script, processes, "--module", MODULE, "--config", f"kernelmix_tiny_{mixer}", "--hf_assets_path",
+        str(tokenizer), "--dataloader.dataset_path", str(data), "--training.steps", "3", "--training.seq_len", "64",
         "--training.local_batch_size", "2", "--training.disable_cuda_graphs", "--metrics.log_freq", "1",
         "--dump_folder", str(tmp_path / "out"), cwd=tmp_path,
     )

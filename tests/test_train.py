@@ -226,7 +226,8 @@ def test_failed_checkpoint_write_raises_and_keeps_the_previous_one(reference, tm
 
     monkeypatch.setattr(checkpoint, "write_weights", disk_full)
     with pytest.raises(CheckpointError, match=r"cannot write '.*step_00000008': No space left on device; free space or "
-                                              r"choose another --out; the previous checkpoint '.*step_00000004' is intact"):
+                                              r"choose another --out; "
+                                              r"the previous checkpoint '.*step_00000004' is intact"):
         train(TrainConfig(**REF, out_dir=str(out)), progress=False)
     assert [s for s, _ in list_checkpoints(out)] == [4]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # the temporary dir is gone
@@ -239,7 +240,8 @@ def test_failed_checkpoint_write_raises_and_keeps_the_previous_one(reference, tm
 # 3. Many processes: torchrun, gloo
 
 
-def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2, raw: bool = False) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, out: Path, sets: list[str], nproc: int = 2,
+              raw: bool = False) -> subprocess.CompletedProcess:
     args = sets if raw else [arg for s in sets for arg in ("--set", s)]
     # --standalone: a local rendezvous on a free port; OMP_NUM_THREADS=1: two processes on two cores
     return subprocess.run(
@@ -256,7 +258,8 @@ DIST = dict(
 )
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-checkpointed", pytest.param("ddp-compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode",
+                         ["ddp", "fsdp", "fsdp-checkpointed", pytest.param("ddp-compiled", marks=pytest.mark.slow)])
 def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode):
     """2 processes × batch 4 (DDP or FSDP2 over gloo) vs 1 process × batch 4 × grad_accum 2.
 
@@ -316,7 +319,8 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, mode
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         resumed = {r["step"]: r["loss"] for r in metric_lines(out) if r["kind"] == "train"}
     else:
-        resumed = train(TrainConfig(**DIST, grad_accum=2, **compiled, out_dir=str(out)), resume=True, progress=False).losses
+        resumed = train(TrainConfig(**DIST, grad_accum=2, **compiled, out_dir=str(out)), resume=True,
+                        progress=False).losses
     for step in (3, 4):
         assert resumed[step] == pytest.approx(losses[step], rel=1e-4), (step, resumed, losses)
 
@@ -346,7 +350,8 @@ def test_resume_refuses_a_checkpoint_of_another_config(finished_run, change, mes
     before = snapshot(finished_run)
     with pytest.raises(CheckpointError, match=message) as error:
         train(TrainConfig(**{**REF, **change, "steps": 12}, out_dir=str(finished_run)), resume=True, progress=False)
-    assert "--resume --out DIR` without --config/--set reuses them" in str(error.value) or "grad_accum" in str(error.value)
+    assert ("--resume --out DIR` without --config/--set reuses them" in str(error.value)
+            or "grad_accum" in str(error.value))
     assert snapshot(finished_run) == before
 
 
@@ -368,8 +373,9 @@ def test_every_checkpoint_damaged_is_reported_and_nothing_changes(finished_run):
         data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
         state.write_bytes(bytes(data))
     before = snapshot(finished_run)
-    with pytest.raises(CheckpointError, match=r"every checkpoint of .* is damaged \(.*step_00000008/state.pt' is corrupt "
-                                              r"\(SHA-256 mismatch\); .*step_00000004/state.pt' is corrupt.*another --out"):
+    with pytest.raises(CheckpointError, match=r"every checkpoint of .* is damaged \(.*step_00000008/state.pt' is "
+                                              r"corrupt \(SHA-256 mismatch\); "
+                                              r".*step_00000004/state.pt' is corrupt.*another --out"):
         train(TrainConfig(**REF, out_dir=str(finished_run)), resume=True, progress=False)
     assert snapshot(finished_run) == before
 
@@ -379,7 +385,8 @@ def test_a_fresh_run_never_overwrites_and_resume_needs_a_checkpoint(finished_run
     with pytest.raises(ValueError, match=r"already holds a training run \(checkpoints up to step 8\); pass --resume"):
         train(TrainConfig(**REF, out_dir=str(finished_run)), progress=False)
     assert snapshot(finished_run) == before
-    with pytest.raises(CheckpointError, match="nothing to resume: .* does not exist; check --out, or run without --resume"):
+    with pytest.raises(CheckpointError,
+                       match="nothing to resume: .* does not exist; check --out, or run without --resume"):
         train(TrainConfig(**REF, out_dir=str(tmp_path / "empty")), resume=True, progress=False)
     with pytest.raises(ValueError, match="stop_at must be a step >= 1"):
         train(TrainConfig(**REF, out_dir=str(tmp_path / "empty")), stop_at=0, progress=False)
@@ -543,8 +550,8 @@ def test_a_skipped_update_leaves_parameters_and_optimizer_as_they_were():
     assert not outcome.updated and torch.isfinite(outcome.loss) and not torch.isfinite(outcome.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters())) and not optimizer.state
     assert all(p.grad is None for p in layer.parameters())
-    outcome = optimizer_step(optimizer, [x, x], lambda batch: layer(batch).pow(2).mean(), params=list(layer.parameters()),
-                             grad_clip=0.0)
+    outcome = optimizer_step(optimizer, [x, x], lambda batch: layer(batch).pow(2).mean(),
+                             params=list(layer.parameters()), grad_clip=0.0)
     assert outcome.updated and not torch.equal(before[0], layer.weight)  # two micro-batches, one update
 
 
@@ -616,8 +623,8 @@ def test_resume_may_change_the_backend_but_not_the_model(tmp_path):
     may change it; any other model field is still refused."""
     settings = {**REF, "steps": 4, "eval_every": 0, "checkpoint_every": 2, "out_dir": str(tmp_path / "run")}
     train(TrainConfig(**{**settings, "steps": 2}), progress=False)
-    resumed = train(TrainConfig(**{**settings, "model": {**REF["model"], "backend": "torch"}}), resume=True, progress=False,
-                    reschedule=True)
+    resumed = train(TrainConfig(**{**settings, "model": {**REF["model"], "backend": "torch"}}), resume=True,
+                    progress=False, reschedule=True)
     assert resumed.start_step == 2
     with pytest.raises(CheckpointError, match="dropout: 0.1 in the checkpoint, 0.0 now"):
         train(TrainConfig(**{**settings, "steps": 6, "model": {"mixer": "performer"}}), resume=True, progress=False)

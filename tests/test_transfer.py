@@ -28,7 +28,8 @@ def _held_out_error(model, layer, held):
 @pytest.mark.parametrize("mixer", ["darkformer", "hedgehog"])
 def test_transfer_lowers_the_held_out_error_and_leaves_the_host(mixer):
     host = tiny_gemma(qk_scale=1.0)  # sharper attention than a random init's near-uniform one: something to learn
-    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer=mixer, num_features=16, window=1, sinks=0, layers="all"))
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer=mixer, num_features=16, window=1, sinks=0,
+                                                                layers="all"))
     before_host = {k: v.clone() for k, v in model.state_dict().items() if ".kernelmix_rf." not in k}
     held = ids(2, 24, seed=7)
     before = _held_out_error(model, 1, held)
@@ -97,7 +98,8 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained",
+                        lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):
@@ -110,7 +112,8 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "transfer layer 1: relative error" in printed and "after attention transfer" in printed
     loaded = cv.load_converted(out)
-    assert cv.kernels(loaded)[1].mixer == "hedgehog" and (out / "transfer.json").is_file() and not (out / "transfer").exists()
+    assert (cv.kernels(loaded)[1].mixer == "hedgehog" and (out / "transfer.json").is_file()
+            and not (out / "transfer").exists())
     with pytest.raises(SystemExit):  # --resume without --transfer
         main(args[:-3] + ["--resume"])
     assert "pass --transfer" in capsys.readouterr().err
@@ -123,7 +126,8 @@ def test_cli_convert_with_transfer_then_logit_distillation(tmp_path, capsys, mon
 
     host = tiny_gemma()
     host.save_pretrained(tmp_path / "host")
-    monkeypatch.setattr("kernelmix.pretrained.load_pretrained", lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
+    monkeypatch.setattr("kernelmix.pretrained.load_pretrained",
+                        lambda name, **kw: (cv.load_converted(name), SavableByteTokenizer()))
     corpus = tmp_path / "text"
     corpus.mkdir()
     for i in range(6):
@@ -131,7 +135,8 @@ def test_cli_convert_with_transfer_then_logit_distillation(tmp_path, capsys, mon
     base = ["convert", str(tmp_path / "host"), "--mixer", "darkformer", "--num-features", "8", "--window", "4",
             "--calib-text", str(corpus), "--seq-len", "32", "--calib-seqs", "2", "--transfer", "--transfer-steps", "3"]
     assert main(base + ["--out", str(tmp_path / "plain")]) == 0, capsys.readouterr().err
-    assert main(base + ["--out", str(tmp_path / "kl"), "--kl-steps", "3", "--kl-lr", "1e-2"]) == 0, capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "kl"), "--kl-steps", "3", "--kl-lr", "1e-2"]) == 0, (
+        capsys.readouterr().err)
     printed = capsys.readouterr().out
     assert "logit distillation: KL(host ‖ converted)" in printed and "3 steps of logit distillation" in printed
     record = json.loads((tmp_path / "kl" / "distill.json").read_text())

@@ -84,7 +84,8 @@ class Choice:
         if unknown:
             what = self.what if isinstance(value, str) else f"{self.what}(s)"
             more = self.more if self.more.startswith(";") else f", {self.more}" if self.more else ""
-            raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))} (choose from: {', '.join(self.options)}{more})")
+            raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))} "
+                             f"(choose from: {', '.join(self.options)}{more})")
         return value
 
 
@@ -414,6 +415,7 @@ def _bounds(meta: list[Any], noun: str) -> str:
 
 
 __all__ = [
-    "Arg", "Choice", "Distinct", "Field", "FieldError", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Spec",
-    "accepts", "check", "check_value", "choice_of", "expectation", "item_type", "specs", "union_members", "unwrap",
+    "Arg", "Choice", "Distinct", "Field", "FieldError", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat",
+    "PositiveInt", "Spec", "accepts", "check", "check_value", "choice_of", "expectation", "item_type", "specs",
+    "union_members", "unwrap",
 ]

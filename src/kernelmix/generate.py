@@ -91,7 +91,8 @@ def _check_generate_args(
             f"{config.vocab_size - 1}); pass input_ids.long()"
         )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise KernelmixError(f"input_ids must hold at least one prompt token per row, got shape {tuple(input_ids.shape)}")
+        raise KernelmixError("input_ids must hold at least one prompt token per row, "
+                             f"got shape {tuple(input_ids.shape)}")
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= config.vocab_size:
         raise KernelmixError(

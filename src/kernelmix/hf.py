@@ -451,7 +451,8 @@ def _check_lengths(kwargs: dict[str, Any], generation_config: Any) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)):
-            whole = (isinstance(value, str) and value.strip().isdigit()) or (isinstance(value, float) and value.is_integer())
+            whole = (isinstance(value, str) and value.strip().isdigit()) or (
+                isinstance(value, float) and value.is_integer())
             example = f"{name}={int(value)}" if whole else f"{name}=20"
             raise KernelmixError(
                 f"{name} must be an int (a number of tokens), got {value!r} ({type(value).__name__}); pass an int, "

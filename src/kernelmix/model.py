@@ -368,7 +368,8 @@ class CausalLM(nn.Module):
 
     def _check_cache(self, cache: Any, batch: int) -> None:
         if not isinstance(cache, ModelCache):
-            raise KernelmixError(f"cache must be a ModelCache returned by this model (or None), got {type(cache).__name__}")
+            raise KernelmixError("cache must be a ModelCache returned by this model (or None), "
+                                 f"got {type(cache).__name__}")
         mixers = tuple(self.config.layer_mixers())
         if cache.layer_mixers != mixers:
             raise KernelmixError(
@@ -462,7 +463,8 @@ class CausalLM(nn.Module):
         has_gap, any_not_binary = torch.stack([(seen_real & remaining_real & ~mask).any(), not_binary.any()]).tolist()
         if any_not_binary:  # .bool() would read 0.5 or 2 as a real token without a word
             raise KernelmixError(
-                f"attention_mask must hold only 0 (padding) and 1 (real token), got {attention_mask[not_binary][:5].tolist()}"
+                "attention_mask must hold only 0 (padding) and 1 (real token), "
+                f"got {attention_mask[not_binary][:5].tolist()}"
             )
         if has_gap:
             raise KernelmixError(

@@ -2,8 +2,8 @@
 presets: :mod:`kernelmix.presets`).
 
 This module imports no torch (``mixer_options`` is checked against the option names in the mixers'
-registry entries, not their layer classes), so that ``kernelmix train`` reads and checks its settings without the model code; :mod:`kernelmix.model` exports everything here as before
-(``from kernelmix.model import ModelConfig``).
+registry entries, not their layer classes), so that ``kernelmix train`` reads and checks its settings without the model
+code; :mod:`kernelmix.model` exports everything here as before (``from kernelmix.model import ModelConfig``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def _options_message(value: Any, handler: Any) -> Any:
         return handler(value)
     except ValidationError:
         raise ValueError(
-            f"mixer_options must map a mixer name to a dict of options, e.g. {{'cubit': {{'lrr': False}}}}; got {value!r}"
+            "mixer_options must map a mixer name to a dict of options, e.g. "
+            f"{{'cubit': {{'lrr': False}}}}; got {value!r}"
         ) from None
 
 
@@ -110,9 +111,9 @@ class ModelConfig:
                 given = ", ".join(f"mixer_options.{name}.{option}" for option in sorted(options))
                 verb = "is" if len(options) == 1 else "are"
                 raise KernelmixError(
-                    f"{given} {verb} given, but no layer of this model is {name!r} (its layers' mixers: {', '.join(present)}), "
-                    f"so the option would be ignored; use the mixer (mixer={name!r}, or name it in mixers= for the "
-                    f"layers that should have it) or remove mixer_options[{name!r}]"
+                    f"{given} {verb} given, but no layer of this model is {name!r} (its layers' mixers: "
+                    f"{', '.join(present)}), so the option would be ignored; use the mixer (mixer={name!r}, or name it "
+                    f"in mixers= for the layers that should have it) or remove mixer_options[{name!r}]"
                 )
 
     def layer_mixers(self) -> list[str]:

@@ -44,7 +44,8 @@ def test_reset_parameters_with_a_std_draws_every_projection(name):
 
 
 def test_the_shared_options_are_spelled_once():
-    assert SHARED_OPTIONS == ("hidden_size", "num_heads", "head_dim", "num_kv_heads", "rope_theta", "bias", "chunk_size", "backend")
+    assert SHARED_OPTIONS == ("hidden_size", "num_heads", "head_dim", "num_kv_heads", "rope_theta", "bias",
+                              "chunk_size", "backend")
     for name in MIXERS:
         assert mixer_options(name)[: len(SHARED_OPTIONS)] == SHARED_OPTIONS
     with pytest.raises(TypeError, match="ridg"):

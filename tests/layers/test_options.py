@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _keyword_names(init) -> tuple[str, ...]:
-    return tuple(p.name for p in inspect.signature(init).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in inspect.signature(init).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def test_the_shared_options_are_mixer_layer_s_arguments():

@@ -144,7 +144,8 @@ def test_a_standalone_map_draws_like_a_layer_and_redraws_another_m():
     torch.manual_seed(0)
     layer = PerformerMixer(**BASE, num_features=12)
     g = torch.Generator().manual_seed(7)
-    feature_map = RandomFeatureMap(num_heads=HEADS, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, num_features=12, generator=g)
+    feature_map = RandomFeatureMap(num_heads=HEADS, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, num_features=12,
+                                   generator=g)
     assert torch.equal(feature_map.projection, layer.redraw_(torch.Generator().manual_seed(7)))
     kept = feature_map.projection
     assert feature_map.redraw_(torch.Generator().manual_seed(8)) is kept  # same m: in place

@@ -181,7 +181,8 @@ def test_a_model_with_the_triton_backend_trains_like_the_torch_one(mixer, monkey
         results[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-6)
     for name, grad in results["torch"][1].items():
-        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def solve_inputs(seed: int) -> dict:
@@ -207,8 +208,8 @@ def test_the_solves_by_triton_are_the_reference(op, monkeypatch):
         if op == "cubit":
             fn = cubit_attention if fast else cubit_attention_naive
             kw = {"chunk_size": 16, "backend": "triton"} if fast else {}
-            return fn(tensors["q"], tensors["k"], tensors["v"], tensors["r"], rho=tensors["rho"], ridge=tensors["ridge"],
-                      ref_scale=tensors["ref_scale"], doc_start=x["doc_start"], **kw)
+            return fn(tensors["q"], tensors["k"], tensors["v"], tensors["r"], rho=tensors["rho"],
+                      ridge=tensors["ridge"], ref_scale=tensors["ref_scale"], doc_start=x["doc_start"], **kw)
         fn = deltaformer_attention if fast else deltaformer_attention_naive
         kw = {"chunk_size": 16, "backend": "triton"} if fast else {}
         return fn(tensors["q"], tensors["k"], tensors["v"], beta=tensors["beta"], doc_start=x["doc_start"], **kw)

@@ -33,7 +33,8 @@ MIXERS = {
                 lambda x: ops.softmax_attention_naive(x["q"], x["k"], x["v"]), ["q", "k", "v"]),
     "cubit": (lambda x, **kw: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], chunk_size=16, **kw),
               lambda x: ops.cubit_attention_naive(x["q"], x["k"], x["v"], x["r"], rho=x["rho"]), ["q", "k", "v", "r"]),
-    "deltaformer": (lambda x, **kw: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"], chunk_size=16, **kw),
+    "deltaformer": (lambda x, **kw: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"], chunk_size=16,
+                                                              **kw),
                     lambda x: ops.deltaformer_attention_naive(x["q"], x["k"], x["v"], beta=x["beta"]), ["q", "k", "v"]),
 }
 

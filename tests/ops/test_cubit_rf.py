@@ -61,7 +61,8 @@ def fast(x: dict, **kw):
 
 
 def naive(x: dict, **kw):
-    return cubit_rf_attention_naive(x["q"], x["k"], x["v"], x["r"], x["projection"], **{n: x[n] for n in COEFFICIENTS}, **kw)
+    return cubit_rf_attention_naive(x["q"], x["k"], x["v"], x["r"], x["projection"], **{n: x[n] for n in COEFFICIENTS},
+                                    **kw)
 
 
 def step(x: dict, state, **kw):
@@ -99,7 +100,8 @@ def test_fast_float32_matches_float64_reference(T, chunk_size):
 @pytest.mark.parametrize("with_transform", [True, False])
 @pytest.mark.parametrize("h_kv", [1, 4])
 def test_options_match_reference(with_rho, with_transform, h_kv):
-    x = make_inputs(21, seed=3, h_kv=h_kv, with_rho=with_rho, with_transform=with_transform, shared_projection=h_kv == 1)
+    x = make_inputs(21, seed=3, h_kv=h_kv, with_rho=with_rho, with_transform=with_transform,
+                    shared_projection=h_kv == 1)
     assert rel_rmse(fast(x, chunk_size=8), naive(x)) <= 1e-12
 
 
@@ -120,9 +122,11 @@ def test_packed_documents_match_reference_and_separate_sequences(chunk_size):
     for b in range(B):  # every document alone gives the same rows
         for start in doc_start[b].unique().tolist():
             stop = int((doc_start[b] == start).sum()) + start
-            alone = {n: None if t is None else (t[b : b + 1, start:stop] if n in PER_TOKEN else t) for n, t in x.items()}
+            alone = {n: None if t is None else (t[b : b + 1, start:stop] if n in PER_TOKEN else t)
+                     for n, t in x.items()}
             solo = fast(alone, chunk_size=chunk_size)
-            assert (fast(x, chunk_size=chunk_size, doc_start=doc_start)[b : b + 1, start:stop] - solo).abs().max() <= 1e-10
+            assert ((fast(x, chunk_size=chunk_size, doc_start=doc_start)[b : b + 1, start:stop] - solo).abs().max()
+                    <= 1e-10)
 
 
 def test_empty_sequence_keeps_the_state():
@@ -173,7 +177,8 @@ def test_state_size_does_not_grow_with_the_length():
     for T in (3, 40, 130):
         _, state = fast(make_inputs(T, seed=9), chunk_size=16, return_state=True)
         _, state = step(tokens(make_inputs(T + 1, seed=9), T, T + 1), state)
-        shapes.append([tuple(t.shape) for part in (state.reference, state.readout) for t in (part.S, part.z, part.shift)])
+        shapes.append([tuple(t.shape) for part in (state.reference, state.readout)
+                       for t in (part.S, part.z, part.shift)])
     assert shapes[0] == shapes[1] == shapes[2]
     assert shapes[0][0] == (B, H, M, D_V) and shapes[0][3] == (B, H, M, D_V)
 
@@ -291,8 +296,8 @@ BAD = {
     "r": r"r must have the query's shape", "projection_dim": "projection must be a tensor",
     "projection_heads": "projection has 3 heads", "transform": r"transform \(M\) must have shape",
     "rho_shape": r"rho must have shape \[B, T, H\]", "rho_sign": "rho must lie in", "ridge": "ridge must be > 0",
-    "ridge_tensor": "ridge must be > 0 for every head", "ref_scale": r"ref_scale must be a float or a tensor of shape \[H\]",
-    "k": "sequence lengths differ",
+    "ridge_tensor": "ridge must be > 0 for every head",
+    "ref_scale": r"ref_scale must be a float or a tensor of shape \[H\]", "k": "sequence lengths differ",
 }
 
 

@@ -76,7 +76,8 @@ def errors_against_cubit(x: dict, m_values, draws: int = 4, seed: int = 100) -> 
     for m in m_values:
         sums = {"total": 0.0, "gram": 0.0, "readout": 0.0}
         for draw in range(draws):
-            w = orthogonal_random_features(m, d, num_heads=heads, generator=torch.Generator().manual_seed(seed + draw), dtype=F64)
+            w = orthogonal_random_features(m, d, num_heads=heads, generator=torch.Generator().manual_seed(seed + draw),
+                                           dtype=F64)
             sums["total"] += rel_rmse(cubit_rf_attention(x["q"], x["k"], x["v"], x["r"], w, **coefficients), exact)
             gram_only = softmax_attention_naive(x["q"], x["k"], _estimated_solution(x, w))
             sums["gram"] += rel_rmse(gram_only, exact)
@@ -132,10 +133,12 @@ def trained_layer_inputs(run_dir: str, text: str, length: int) -> list[tuple[str
         def capture(q, k, v, extras, state, layer=layer, original=original, index=index):
             heads = q.shape[2]
             coefficients = {n: c.detach().double() for n, c in layer._coefficients().items()}
-            tensors = {"q": q, "k": expand_heads(k, heads), "v": expand_heads(v, heads), "r": extras["r"], "rho": extras["rho"]}
+            tensors = {"q": q, "k": expand_heads(k, heads), "v": expand_heads(v, heads), "r": extras["r"],
+                       "rho": extras["rho"]}
             if tensors["rho"] is None:
                 tensors["rho"] = torch.ones(q.shape[:3])
-            captured.append((f"layer {index}", {**{n: t.detach().double() for n, t in tensors.items()}, **coefficients}))
+            captured.append((f"layer {index}", {**{n: t.detach().double() for n, t in tensors.items()},
+                                                **coefficients}))
             return original(q, k, v, extras, state)
 
         layer._mix = capture

@@ -29,7 +29,8 @@ def inputs(seed: int = 0, transform: bool = True) -> dict:
     return {
         "q": randn(B, T, H, D), "k": randn(B, T, H_KV, D), "v": randn(B, T, H_KV, D), "r": randn(B, T, H, D, scale=0.7),
         "projection": randn(H, M, D), "rho": 0.5 + torch.rand(B, T, H, generator=g, dtype=F64),
-        "ridge": torch.tensor([1e-3, 1e-2, 0.1, 0.5], dtype=F64), "ref_scale": torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=F64),
+        "ridge": torch.tensor([1e-3, 1e-2, 0.1, 0.5], dtype=F64),
+        "ref_scale": torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=F64),
         "transform": torch.eye(D, dtype=F64) + 0.1 * randn(H, D, D) if transform else None,
     }
 
@@ -87,7 +88,8 @@ def call(x: dict, estimate: str, **kw) -> torch.Tensor:
 def test_each_setting_equals_the_composed_definition(estimate, docs):
     x = inputs()
     doc_start = DOCS if docs else None
-    torch.testing.assert_close(call(x, estimate, doc_start=doc_start), composed(x, estimate, doc_start), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(call(x, estimate, doc_start=doc_start), composed(x, estimate, doc_start), rtol=1e-9,
+                               atol=1e-10)
 
 
 @pytest.mark.parametrize(("estimate", "readout"), [("both", "reference"), ("none", "reference"), ("gram", "linear"),
@@ -163,7 +165,8 @@ def test_an_ablation_layer_trains_and_refuses_a_decode_cache():
     out.square().mean().backward()
     assert out.shape == (2, 9, 16) and mixer.r_proj.weight.grad.abs().sum() > 0
     assert "estimate='readout'" in repr(mixer)
-    with pytest.raises(KernelmixError, match="estimate='readout', readout='keys', a dense training ablation with no decode cache"):
+    with pytest.raises(KernelmixError,
+                       match="estimate='readout', readout='keys', a dense training ablation with no decode cache"):
         mixer(x[:, :1], cache)
     with pytest.raises(KernelmixError, match="a dense training ablation"):  # nor is its cache read by a decoding layer
         layer("both")(x[:, :1], cache)

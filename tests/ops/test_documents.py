@@ -134,7 +134,8 @@ def test_decode_with_documents_equals_parallel(name, prefill):
     full = _call(fast, name, t, doc_start=doc_start, **chunk)
     outs, state = [], None
     if prefill:
-        o, state = _call(fast, name, t, sl=slice(0, prefill), doc_start=doc_start[:, :prefill], return_state=True, **chunk)
+        o, state = _call(fast, name, t, sl=slice(0, prefill), doc_start=doc_start[:, :prefill], return_state=True,
+                         **chunk)
         outs.append(o)
     for i in range(prefill, total):
         o, state = _call(step, name, t, sl=slice(i, i + 1), state=state, step=True, doc_start=doc_start[:, i : i + 1])
@@ -186,7 +187,8 @@ def test_gradcheck_blocked_solve_with_documents():
     )
 
 
-@pytest.mark.parametrize("bad", ["shape", "float", "future", "negative", "sliding-window", "back-to-an-earlier-document"])
+@pytest.mark.parametrize("bad", ["shape", "float", "future", "negative", "sliding-window",
+                                 "back-to-an-earlier-document"])
 def test_bad_doc_start_is_rejected(bad):
     # a doc_start that is not contiguous documents (a sliding window max(0, i - 2), or a token that
     # returns to an earlier document) was accepted before, and the paths disagreed on it

@@ -28,18 +28,23 @@ def _inputs(seed: int = 0, dtype=torch.float64) -> dict:
     }
 
 
-PROJECTION = ops.orthogonal_random_features(16, D, num_heads=H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+PROJECTION = ops.orthogonal_random_features(16, D, num_heads=H, generator=torch.Generator().manual_seed(1),
+                                            dtype=torch.float64)
 DOC_START = torch.tensor([[0] * T, [0] * 9 + [9] * 14])
 
 OPS = {
     "softmax": lambda x: ops.softmax_attention(x["q"], x["k"], x["v"], doc_start=DOC_START),
-    "cubit": lambda x: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], chunk_size=5, doc_start=DOC_START),
+    "cubit": lambda x: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], chunk_size=5,
+                                           doc_start=DOC_START),
     "cubit_blocked": lambda x: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], chunk_size=5, solver="blocked"),
-    "deltaformer": lambda x: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"], chunk_size=5, doc_start=DOC_START),
-    "performer": lambda x: ops.random_feature_attention(x["q"], x["k"], x["v"], PROJECTION, chunk_size=5, doc_start=DOC_START),
+    "deltaformer": lambda x: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"], chunk_size=5,
+                                                       doc_start=DOC_START),
+    "performer": lambda x: ops.random_feature_attention(x["q"], x["k"], x["v"], PROJECTION, chunk_size=5,
+                                                        doc_start=DOC_START),
     "masked": lambda x: ops.random_feature_attention_masked(x["q"], x["k"], x["v"], PROJECTION,
                                                             torch.ones(B, T, T, dtype=torch.bool).tril())[0],
-    "softmax_masked": lambda x: ops.softmax_attention_masked(x["q"], x["k"], x["v"], torch.ones(1, T, T, dtype=torch.bool).triu())[0],
+    "softmax_masked": lambda x: ops.softmax_attention_masked(x["q"], x["k"], x["v"],
+                                                             torch.ones(1, T, T, dtype=torch.bool).triu())[0],
 }
 
 
@@ -83,7 +88,8 @@ def test_accelerator_form_equals_the_cpu_form(name, monkeypatch):
 
 
 STEPS = {
-    "softmax": lambda x, s, t: ops.softmax_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1], x["v"][:, t:t + 1], s),
+    "softmax": lambda x, s, t: ops.softmax_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1], x["v"][:, t:t + 1],
+                                                          s),
     "cubit": lambda x, s, t: ops.cubit_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1], x["v"][:, t:t + 1],
                                                       x["r"][:, t:t + 1], s, rho=x["rho"][:, t:t + 1]),
     "deltaformer": lambda x, s, t: ops.deltaformer_attention_step(x["q"][:, t:t + 1], x["k"][:, t:t + 1],
@@ -125,13 +131,16 @@ def test_random_feature_state_carries_nan_only_within_its_document():
     q, k, v = x["q"], x["k"], x["v"]
     v_nan = v.clone()
     v_nan[1, 3, 0, 0] = NAN  # batch row 1, document [0, 9)
-    _, state = ops.random_feature_attention(q, k, v_nan, PROJECTION, doc_start=DOC_START, chunk_size=5, return_state=True)
+    _, state = ops.random_feature_attention(q, k, v_nan, PROJECTION, doc_start=DOC_START, chunk_size=5,
+                                            return_state=True)
     assert torch.isfinite(state.S).all()  # the last document [9, 23) never saw it
     _, state = ops.random_feature_attention(q[:, :8], k[:, :8], v_nan[:, :8], PROJECTION, return_state=True)
-    assert torch.isnan(state.S[1, :2]).all() and torch.isfinite(state.S[0]).all() and torch.isfinite(state.S[1, 2:]).all()
+    assert (torch.isnan(state.S[1, :2]).all() and torch.isfinite(state.S[0]).all()
+            and torch.isfinite(state.S[1, 2:]).all())
     # continuing that state: the rows of its document are NaN, a new document's rows are clean
     doc = DOC_START[:, 8:]
-    out = ops.random_feature_attention(q[:, 8:], k[:, 8:], v[:, 8:], PROJECTION, initial_state=state, doc_start=doc, chunk_size=5)
+    out = ops.random_feature_attention(q[:, 8:], k[:, 8:], v[:, 8:], PROJECTION, initial_state=state, doc_start=doc,
+                                       chunk_size=5)
     whole = ops.random_feature_attention(q, k, v_nan, PROJECTION, doc_start=DOC_START, chunk_size=5)[:, 8:]
     assert torch.equal(out.isnan(), whole.isnan())
     assert torch.isnan(out[1, 0, :2]).all() and torch.isfinite(out[1, 1:]).all()
@@ -198,4 +207,5 @@ def test_decode_keeps_a_cached_nan_in_its_document(name, accelerator, monkeypatc
                     rows.append(out)
                 got = torch.cat(rows, dim=1)
                 assert torch.equal(got.isnan(), want.isnan()), (which, value, prefill)
-                assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-12), (which, value, prefill)
+                assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-12), (
+                    which, value, prefill)

@@ -38,7 +38,8 @@ def test_fast_path_matches_reference_forward_and_gradients(dtype, tol, length, c
     heads, head_dim, m = 4, 8, 16
     q, k, v, transform = _inputs(2, length, heads, 2, head_dim)
     gen = torch.Generator().manual_seed(1)
-    projection = orthogonal_random_features(m, head_dim, num_heads=heads if per_head else None, generator=gen, dtype=F64)
+    projection = orthogonal_random_features(m, head_dim, num_heads=heads if per_head else None, generator=gen,
+                                            dtype=F64)
     base = [q, k, v] + ([transform] if darkformer else [])
     ref_in = [x.clone().requires_grad_() for x in base]
     ref = random_feature_attention_naive(*ref_in[:3], projection, transform=ref_in[3] if darkformer else None)
@@ -159,7 +160,8 @@ def _estimates(x, y, projection, transform):
     xs = x.expand(1, 1, n, -1)
     ys = y.expand(1, 1, n, -1)
     tf = None if transform is None else transform.expand(n, -1, -1)
-    return (positive_random_features(xs, projection, transform=tf) * positive_random_features(ys, projection, transform=tf)).sum(-1)[0, 0]
+    return (positive_random_features(xs, projection, transform=tf)
+            * positive_random_features(ys, projection, transform=tf)).sum(-1)[0, 0]
 
 
 def _exact(x, y, transform):
@@ -186,7 +188,8 @@ def test_iid_features_are_unbiased_within_a_derived_monte_carlo_bound(darkformer
     head_dim, m, n = 8, 4, 50_000
     x, y, mt = _pair(head_dim, seed=0)
     transform = mt if darkformer else None
-    projection = gaussian_random_features(m, head_dim, num_heads=n, generator=torch.Generator().manual_seed(1), dtype=F64)
+    projection = gaussian_random_features(m, head_dim, num_heads=n, generator=torch.Generator().manual_seed(1),
+                                          dtype=F64)
     estimates = _estimates(x, y, projection, transform)
     exact = _exact(x, y, transform)
     (_, _, second, _, _), a2 = _single_feature_moments(x, y, transform)
@@ -199,7 +202,8 @@ def test_orthogonal_features_are_unbiased():
     stays unbiased; the bound uses the empirical standard error of the N independent draws."""
     head_dim, n = 8, 20_000
     x, y, mt = _pair(head_dim, seed=2)
-    projection = orthogonal_random_features(head_dim, head_dim, num_heads=n, generator=torch.Generator().manual_seed(3), dtype=F64)
+    projection = orthogonal_random_features(head_dim, head_dim, num_heads=n, generator=torch.Generator().manual_seed(3),
+                                            dtype=F64)
     for transform in (None, mt):
         estimates = _estimates(x, y, projection, transform)
         standard_error = estimates.std() / math.sqrt(n)
@@ -213,7 +217,8 @@ def test_darkformer_variance_formula_holds_empirically(m):
     (for a mean of m iid terms: μ4/m³ + 3(m−1)σ⁴/m³)."""
     head_dim, n = 8, 100_000
     x, y, mt = _pair(head_dim, seed=4, norm=0.6)
-    projection = gaussian_random_features(m, head_dim, num_heads=n, generator=torch.Generator().manual_seed(5), dtype=F64)
+    projection = gaussian_random_features(m, head_dim, num_heads=n, generator=torch.Generator().manual_seed(5),
+                                          dtype=F64)
     estimates = _estimates(x, y, projection, mt)
     kernel = _exact(x, y, mt)
     formula = kernel**2 * (torch.exp(((mt @ (x + y)) * head_dim**-0.25).pow(2).sum()) - 1) / m
@@ -238,8 +243,10 @@ def test_attention_approaches_exact_kernel_attention_as_m_grows():
     for m in (8, 64, 512, 4096):
         per_seed = []
         for seed in range(4):
-            proj = orthogonal_random_features(m, 8, num_heads=2, generator=torch.Generator().manual_seed(seed), dtype=F64)
-            per_seed.append(rel_rmse(random_feature_attention(q, k, v, proj, transform=transform, chunk_size=10), exact))
+            proj = orthogonal_random_features(m, 8, num_heads=2, generator=torch.Generator().manual_seed(seed),
+                                              dtype=F64)
+            per_seed.append(rel_rmse(random_feature_attention(q, k, v, proj, transform=transform, chunk_size=10),
+                                     exact))
         errors.append(sum(per_seed) / len(per_seed))
     assert all(later < earlier for earlier, later in zip(errors, errors[1:])), errors
     assert errors[-1] < errors[0] / 8, errors  # ~1/sqrt(m): 8 → 4096 predicts a factor ≈ 22

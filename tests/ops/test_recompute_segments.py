@@ -70,7 +70,8 @@ def test_segmented_random_features_match_the_reference(monkeypatch, T, chunk, do
     out = random_feature_attention(*fast_in[:3], projection.float(), transform=fast_in[3], chunk_size=chunk,
                                    doc_start=doc_start, backend="torch")
     assert rel_rmse(out, ref) <= TOL
-    for name, got, want in zip(["q", "k", "v", "transform"], torch.autograd.grad(out, fast_in, grad_out.float()), ref_grads):
+    for name, got, want in zip(["q", "k", "v", "transform"], torch.autograd.grad(out, fast_in, grad_out.float()),
+                               ref_grads):
         assert rel_rmse(got, want) <= TOL, name
 
 
@@ -102,7 +103,8 @@ def test_segmented_cubit_rf_matches_the_reference(monkeypatch, T, chunk, documen
         "q": torch.randn(B, T, H, D, generator=g, dtype=F64), "k": torch.randn(B, T, H_KV, D, generator=g, dtype=F64),
         "v": torch.randn(B, T, H_KV, D, generator=g, dtype=F64), "r": torch.randn(B, T, H, D, generator=g, dtype=F64),
         "rho": 0.5 + torch.rand(B, T, H, generator=g, dtype=F64),
-        "ridge": torch.tensor([1e-6, 1e-2, 0.1, 0.5], dtype=F64), "ref_scale": torch.tensor([1.0, 0.5, 2.0, 3.0], dtype=F64),
+        "ridge": torch.tensor([1e-6, 1e-2, 0.1, 0.5], dtype=F64),
+        "ref_scale": torch.tensor([1.0, 0.5, 2.0, 3.0], dtype=F64),
         "transform": torch.eye(D, dtype=F64) + 0.2 * torch.randn(H, D, D, generator=g, dtype=F64),
     }
     projection = orthogonal_random_features(M, D, num_heads=H, generator=g, dtype=F64)
@@ -114,8 +116,8 @@ def test_segmented_cubit_rf_matches_the_reference(monkeypatch, T, chunk, documen
     weights = torch.randn(ref.shape, generator=g, dtype=F64)
     ref_grads = torch.autograd.grad((ref * weights).sum(), [ref_in[n] for n in names])
     fast_in = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    out = cubit_rf_attention(fast_in["q"], fast_in["k"], fast_in["v"], fast_in["r"], projection.float(), chunk_size=chunk,
-                             doc_start=doc_start, backend="torch",
+    out = cubit_rf_attention(fast_in["q"], fast_in["k"], fast_in["v"], fast_in["r"], projection.float(),
+                             chunk_size=chunk, doc_start=doc_start, backend="torch",
                              **{n: fast_in[n] for n in ("rho", "ridge", "ref_scale", "transform")})
     assert rel_rmse(out, ref) <= TOL
     fast_grads = torch.autograd.grad((out * weights.float()).sum(), [fast_in[n] for n in names])
@@ -149,7 +151,8 @@ def test_segments_cut_the_peak_memory_of_forward_and_backward():
     from kernelmix.studies.bench import MEMORY_PROBE_ENV
 
     def peak(segment_tokens: int) -> float:
-        done = subprocess.run([sys.executable, "-c", PROBE, str(segment_tokens)], env={**os.environ, **MEMORY_PROBE_ENV},
+        done = subprocess.run([sys.executable, "-c", PROBE, str(segment_tokens)],
+                              env={**os.environ, **MEMORY_PROBE_ENV},
                               capture_output=True, text=True, check=True, timeout=300)
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -57,7 +57,8 @@ def test_each_has_the_two_overloads(name):
         options_type = getattr(importlib.import_module(fn.__module__), _unpacked(overload.__annotations__["options"]))
         annotations = {key: _text(value) for key, value in options_type.__annotations__.items()}
         assert list(annotations) == keywords
-        assert all(annotations[key].removeprefix("Required[").removesuffix("]") == fn.__annotations__[key] for key in keywords)
+        assert all(annotations[key].removeprefix("Required[").removesuffix("]") == fn.__annotations__[key]
+                   for key in keywords)
         assert options_type.__total__ is False and all(p in options_type.__optional_keys__ or real[p].default is
                                                        inspect.Parameter.empty for p in keywords)
     assert inspect.signature(first).parameters["return_state"].default is False

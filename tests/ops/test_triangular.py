@@ -75,7 +75,8 @@ def solve_path(request, monkeypatch):
 def _forward_and_grads(call, t, names, grad_out):
     leaves = {n: x.clone().requires_grad_() for n, x in t.items()}
     out = call(leaves)
-    return out, torch.autograd.grad(out, [leaves[n] for n in names], grad_out, allow_unused=True, materialize_grads=True)
+    return out, torch.autograd.grad(out, [leaves[n] for n in names], grad_out, allow_unused=True,
+                                    materialize_grads=True)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["one-doc", "docs"])

@@ -14,7 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed (the test extra brings it on Linux; it has no wheels elsewhere)")
+pytest.importorskip("triton",
+                    reason="triton is not installed (the test extra brings it on Linux; it has no wheels elsewhere)")
 
 from kernelmix.errors import KernelmixError  # noqa: E402
 from kernelmix.ops._triton_cubit_rf import triton_state_recurrence  # noqa: E402

@@ -17,7 +17,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed (the test extra brings it on Linux; it has no wheels elsewhere)")
+pytest.importorskip("triton",
+                    reason="triton is not installed (the test extra brings it on Linux; it has no wheels elsewhere)")
 
 from kernelmix.errors import KernelmixError  # noqa: E402
 from kernelmix.ops._triton_features import triton_random_feature_attention  # noqa: E402
@@ -299,7 +300,8 @@ def test_kernels_compile_for_a_gpu(tmp_path):
 def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     """At d = m = d_v = 128 (gpu-check's head and the 1.3b preset's), with the blocks the launches
     take there (``kernelmix gpu-check --plan`` reports their registers and spills)."""
-    script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,", "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
+    script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
+                                "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
     compile_ahead_of_time(script, tmp_path, kernels=7, timeout=1200)
 

@@ -36,8 +36,8 @@ def _steps(inputs, window, relative=False, doc_start=None, sinks=0):
     for t in range(inputs[0].shape[1]):
         token = [x[:, t:t + 1] for x in inputs]
         ds = None if doc_start is None else doc_start[:, t:t + 1]
-        out, state = window_feature_attention_step(*token, state, window=window, sinks=sinks, relative_features=relative,
-                                                   doc_start=ds)
+        out, state = window_feature_attention_step(*token, state, window=window, sinks=sinks,
+                                                   relative_features=relative, doc_start=ds)
         outs.append(out)
     return torch.cat(outs, 1), state
 
@@ -53,7 +53,8 @@ def test_chunked_step_and_continued_equal_the_reference(length, chunk, window, r
     out = window_feature_attention(*inputs, chunk_size=chunk, **options)
     assert rel_rmse(out, ref) < 1e-12
     split = length // 3
-    first, state = window_feature_attention(*[x[:, :split] for x in inputs], chunk_size=chunk, return_state=True, **options)
+    first, state = window_feature_attention(*[x[:, :split] for x in inputs], chunk_size=chunk, return_state=True,
+                                            **options)
     second = window_feature_attention(*[x[:, split:] for x in inputs], chunk_size=chunk, initial_state=state, **options)
     assert rel_rmse(torch.cat([first, second], 1), ref) < 1e-12
     stepped, _ = _steps(inputs, window, relative, sinks=sinks)
@@ -73,8 +74,8 @@ def test_documents_are_kept_apart_in_every_form(window, sinks):
     out = window_feature_attention(*inputs, window=window, sinks=sinks, chunk_size=4, doc_start=doc_start)
     assert rel_rmse(out, ref) < 1e-12
     for split in (4, 7, 16):  # inside a document, at a boundary's first tokens (its sinks split), …
-        first, state = window_feature_attention(*[x[:, :split] for x in inputs], window=window, sinks=sinks, chunk_size=3,
-                                                doc_start=doc_start[:, :split], return_state=True)
+        first, state = window_feature_attention(*[x[:, :split] for x in inputs], window=window, sinks=sinks,
+                                                chunk_size=3, doc_start=doc_start[:, :split], return_state=True)
         second = window_feature_attention(*[x[:, split:] for x in inputs], window=window, sinks=sinks, chunk_size=3,
                                           doc_start=doc_start[:, split:], initial_state=state)
         assert rel_rmse(torch.cat([first, second], 1), ref) < 1e-12
@@ -143,8 +144,8 @@ def test_a_window_longer_than_the_sequence_is_exact_softmax():
     q, k, v, qf, kf = _inputs(20)
     out = window_feature_attention(q, k, v, qf, kf, window=64)
     keys, values = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                            is_causal=True).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                                            values.transpose(1, 2), is_causal=True).transpose(1, 2)
     assert rel_rmse(out, sdpa) < 1e-12
 
 

@@ -107,11 +107,12 @@ class TestCtrlC:
 
 class TestOSErrorsNamePathReasonAndFix:
     @pytest.mark.parametrize("error, reason, fix", [
-        (OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors"), "No space left on device (ENOSPC)",
-         "free some space on that disk or write somewhere else (another --out)"),
-        (PermissionError(errno.EACCES, "Permission denied", "/data/out"), "Permission denied (EACCES)", "check its permissions"),
-        (FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/corpus.txt"), "No such file or directory (ENOENT)",
-         "it does not exist"),
+        (OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors"),
+         "No space left on device (ENOSPC)", "free some space on that disk or write somewhere else (another --out)"),
+        (PermissionError(errno.EACCES, "Permission denied", "/data/out"), "Permission denied (EACCES)",
+         "check its permissions"),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/corpus.txt"),
+         "No such file or directory (ENOENT)", "it does not exist"),
     ])
     def test_environment_errors(self, error, reason, fix, monkeypatch, capsys):
         _command_raising(monkeypatch, error)
@@ -162,7 +163,8 @@ class TestDebugShowsTheTraceback:
 
 class TestBugsKeepTheirTraceback:
     @pytest.mark.parametrize("bug", [RuntimeError("a bug"), TypeError("a bug"),
-                                     ModuleNotFoundError("No module named 'kernelmix.nothing'", name="kernelmix.nothing")])
+                                     ModuleNotFoundError("No module named 'kernelmix.nothing'",
+                                                         name="kernelmix.nothing")])
     def test_other_exceptions_propagate(self, bug, monkeypatch, capsys):
         _command_raising(monkeypatch, KernelmixError("a user error"))
         assert main(["model-info", "tiny"]) == 1  # a user error is a message ...
@@ -379,10 +381,12 @@ class TestDamagedModelDirectory:
 
 class TestOutputPathsCheckedBeforeTheWork:
     @pytest.mark.parametrize("argv, patch, message", [
-        (["bench", "--lengths", "16", "--out", "{file}"], "kernelmix.studies.bench.run_bench", "--out {file} is a file"),
-        (["demo", "--length", "16", "--json", "{dir}"], "kernelmix.studies.demo.run_demo", "--json {dir} is a directory"),
-        (["generate-bench", "--preset", "tiny", "--json", "{dir}"], "kernelmix.studies.generate_bench.benchmark_generation",
+        (["bench", "--lengths", "16", "--out", "{file}"], "kernelmix.studies.bench.run_bench",
+         "--out {file} is a file"),
+        (["demo", "--length", "16", "--json", "{dir}"], "kernelmix.studies.demo.run_demo",
          "--json {dir} is a directory"),
+        (["generate-bench", "--preset", "tiny", "--json", "{dir}"],
+         "kernelmix.studies.generate_bench.benchmark_generation", "--json {dir} is a directory"),
         (["diagnose", "{host}", "--out", "{file}"], "kernelmix.pretrained.load_pretrained", "--out {file} is a file"),
         (["pretrained", "prepare", "gemma3-270m", "--cache", "{file}"], "kernelmix.pretrained.prepare",
          "--cache {file} is a file"),
@@ -415,7 +419,8 @@ class TestRepeatedItemsInListOptions:
     @pytest.mark.parametrize("argv, message", [
         (["compare", "--seeds", "0,0"], "--seeds: [0, 0] repeats 0: list each seed once"),
         (["compare", "--lengths", "256,512,256"], "--lengths: [256, 512, 256] repeats 256: list each length once"),
-        (["compare", "--mixers", "softmax,cubit,softmax"], "--mixers: ['softmax', 'cubit', 'softmax'] repeats 'softmax'"),
+        (["compare", "--mixers", "softmax,cubit,softmax"],
+         "--mixers: ['softmax', 'cubit', 'softmax'] repeats 'softmax'"),
         (["recall", "--pairs", "2,2", "--widths", "32"], "--pairs: [2, 2] repeats 2: list each pair count once"),
         (["eval", "{run}", "--lengths", "64,64"], "--lengths: [64, 64] repeats 64: list each length once"),
         (["eval", "{run}", "--tasks", "cloze,cloze"], "--tasks: ['cloze', 'cloze'] repeats 'cloze'"),
@@ -423,8 +428,9 @@ class TestRepeatedItemsInListOptions:
         (["generate-bench", "--mixers", "cubit,cubit"], "--mixers: ['cubit', 'cubit'] repeats 'cubit'"),
     ])
     def test_refused_naming_the_option_the_item_and_the_fix(self, argv, message, tmp_path, monkeypatch, capsys):
-        for work in ("kernelmix.studies.compare.run_compare", "kernelmix.studies.recall.run_recall", "kernelmix.training.load_run",
-                     "kernelmix.studies.bench.run_bench", "kernelmix.studies.generate_bench.benchmark_generation"):
+        for work in ("kernelmix.studies.compare.run_compare", "kernelmix.studies.recall.run_recall",
+                     "kernelmix.training.load_run", "kernelmix.studies.bench.run_bench",
+                     "kernelmix.studies.generate_bench.benchmark_generation"):
             monkeypatch.setattr(work, _never)
         with pytest.raises(SystemExit) as exit_:
             main([a.format(run=tmp_path) for a in argv])

@@ -79,7 +79,8 @@ class TestDefaultScopeIsBoundedAndStated:
         assert cli_main(["eval", str(run_dir), "--data", str(folder), "--json", str(out)]) == 0
         text = capsys.readouterr().out
         expected_tokens = sum(min(n, 4096) for n in lengths[:8])
-        assert f"first 8 of 10 documents, at most 4,096 tokens each ({expected_tokens:,} of {sum(lengths):,} tokens)" in text
+        assert (f"first 8 of 10 documents, at most 4,096 tokens each ({expected_tokens:,} of {sum(lengths):,} tokens)"
+                in text)
         assert "--max-docs all for the whole split" in text
         data = _strict_json(out)
         assert data["losses"][0]["tokens"] == sum(min(n, 4096) - 1 for n in lengths[:8])
@@ -152,7 +153,8 @@ class TestWindowsAreBatched:
         model = CausalLM(ModelConfig.preset("tiny")).eval()
         windows = torch.randint(0, 256, (7, 32), generator=torch.Generator().manual_seed(1))
         forwards = []
-        handle = model.register_forward_hook(lambda module, args, kwargs, out: forwards.append(kwargs["input_ids"].shape[0]),
+        handle = model.register_forward_hook(
+            lambda module, args, kwargs, out: forwards.append(kwargs["input_ids"].shape[0]),
                                              with_kwargs=True)
         try:
             result = evaluate_windows(model, windows)
@@ -171,7 +173,8 @@ class TestWindowsAreBatched:
         split = split_from_texts(["abcdefghij" * 9, "0123456789" * 5], ByteTokenizer())
         seen = []
         handle = model.register_forward_hook(
-            lambda module, args, kwargs, out: seen.append((tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask"))),
+            lambda module, args, kwargs, out: seen.append((tuple(kwargs["input_ids"].shape),
+                                                           kwargs.get("attention_mask"))),
             with_kwargs=True)
         try:
             evaluate_loss(model, split, [16], batch_size=4)

@@ -51,10 +51,12 @@ class TestLockHeldByALiveProcess:
         code = ("import sys, time; from kernelmix.locks import run_directory_lock\n"
                 f"with run_directory_lock({str(tmp_path)!r}, 'kernelmix report'):\n"
                 "    print('held', flush=True); sys.stdin.readline()\n")
-        holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
         try:
             assert holder.stdout.readline().strip() == "held"
-            with pytest.raises(RunDirectoryBusy, match=rf"`kernelmix report` \(pid {holder.pid} on .*write to another "):
+            with pytest.raises(RunDirectoryBusy,
+                               match=rf"`kernelmix report` \(pid {holder.pid} on .*write to another "):
                 with run_directory_lock(tmp_path, "kernelmix train"):
                     pass
         finally:

@@ -130,7 +130,8 @@ class TestHuggingFaceGenerateRefusesRightPadding:
     def test_padding_between_real_tokens_is_refused(self):
         model = hf_model()
         mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-        with pytest.raises(KernelmixError, match=r'row 0 .*padding after a real token at index 1.*padding_side = "left"'):
+        with pytest.raises(KernelmixError,
+                           match=r'row 0 .*padding after a real token at index 1.*padding_side = "left"'):
             model.generate(ids(2, 6), attention_mask=mask, max_new_tokens=3, do_sample=False)
 
     def test_kernelmix_generate_names_the_same_fix(self):
@@ -237,7 +238,8 @@ class TestIgnoreMismatchedSizes:
         from kernelmix.hf import KernelMixForCausalLM
 
         path, _ = saved_hf
-        with pytest.raises(KernelmixError, match=r"ignore_mismatched_sizes=True .*uninitialised.*resize_token_embeddings"):
+        with pytest.raises(KernelmixError,
+                           match=r"ignore_mismatched_sizes=True .*uninitialised.*resize_token_embeddings"):
             KernelMixForCausalLM.from_pretrained(path, vocab_size=300, ignore_mismatched_sizes=True)
 
 
@@ -320,7 +322,8 @@ class TestHuggingFaceGenerateBeyondMaxSeqLen:
         calls = []
         hook = model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
         try:
-            with pytest.raises(KernelmixError, match=r"6 tokens plus 300 new tokens .*max_seq_len = 256.*max_new_tokens=250"):
+            with pytest.raises(KernelmixError,
+                               match=r"6 tokens plus 300 new tokens .*max_seq_len = 256.*max_new_tokens=250"):
                 model.generate(ids(2, 6), max_new_tokens=300, do_sample=False)
             with pytest.raises(KernelmixError, match=r"max_new_tokens=250"):
                 model.generate(ids(2, 6), max_length=300, do_sample=False)
@@ -398,7 +401,8 @@ class TestHuggingFaceGenerateLengthNotAnInt:
     def test_ints_still_run(self):
         import numpy as np
 
-        assert hf_model().generate(ids(1, 4), max_new_tokens=np.int64(2), min_new_tokens=0, do_sample=False).shape == (1, 6)
+        assert hf_model().generate(ids(1, 4), max_new_tokens=np.int64(2), min_new_tokens=0,
+                                   do_sample=False).shape == (1, 6)
 
 
 @needs_hf
@@ -444,7 +448,8 @@ class TestIdsAndLabelsOfAnyIntegerDtype:
         x = ids()
         with torch.no_grad():
             expected = model(x, labels=x, use_cache=False)
-            for id_dtype, label_dtype in ((torch.int32, torch.int32), (torch.uint8, torch.int16), (torch.int16, torch.uint8)):
+            for id_dtype, label_dtype in ((torch.int32, torch.int32), (torch.uint8, torch.int16),
+                                          (torch.int16, torch.uint8)):
                 out = model(x.to(id_dtype), labels=x.to(label_dtype), use_cache=False)
                 assert torch.equal(out.logits, expected.logits), id_dtype
                 assert out.loss.item() == expected.loss.item(), label_dtype
@@ -457,12 +462,14 @@ class TestPositionIdsOfTheWrongKind:
 
     @pytest.mark.parametrize("bad", [[[0] * 8] * 2, torch.ones(2, 8, dtype=torch.bool)], ids=["list", "bool"])
     def test_not_an_integer_tensor(self, bad):
-        with pytest.raises(KernelmixError, match=r"position_ids must be an integer tensor of shape \[B, T\] = \(2, 8\).*0, 1, 2"):
+        with pytest.raises(KernelmixError,
+                           match=r"position_ids must be an integer tensor of shape \[B, T\] = \(2, 8\).*0, 1, 2"):
             tiny()(ids(), position_ids=bad)
 
     def test_negative_positions(self):
         positions = torch.arange(8).expand(2, 8) - 3
-        with pytest.raises(KernelmixError, match=r"position_ids must be >= 0, got a minimum of -3; positions count 0, 1, 2"):
+        with pytest.raises(KernelmixError,
+                           match=r"position_ids must be >= 0, got a minimum of -3; positions count 0, 1, 2"):
             tiny()(ids(), position_ids=positions)
 
 

@@ -63,15 +63,17 @@ OPS = {
     "softmax_masked": (lambda x, d: ops.softmax_attention_masked(x["q"], x["k"], x["v"], _mask(d))[0], "kv"),
     "cubit_blocked": (lambda x, d: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], chunk_size=CHUNK,
                                                        doc_start=d, solver="blocked"), ("k", "v", "r", "rho")),
-    "cubit_rectangles": (lambda x, d: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], chunk_size=CHUNK,
-                                                          doc_start=d, solver="rectangles"), ("k", "v", "r", "rho")),
+    "cubit_rectangles": (lambda x, d: ops.cubit_attention(x["q"], x["k"], x["v"], x["r"], rho=x["rho"],
+                                                          chunk_size=CHUNK, doc_start=d, solver="rectangles"),
+                         ("k", "v", "r", "rho")),
     "cubit_naive": (lambda x, d: ops.cubit_attention_naive(x["q"], x["k"], x["v"], x["r"], rho=x["rho"], doc_start=d),
                     ("k", "v", "r", "rho")),
     "deltaformer_blocked": (lambda x, d: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"], w=x["w"],
                                                                    chunk_size=CHUNK, doc_start=d, solver="blocked"),
                             ("k", "v", "beta", "w")),
     "deltaformer_rectangles": (lambda x, d: ops.deltaformer_attention(x["q"], x["k"], x["v"], beta=x["beta"],
-                                                                      chunk_size=CHUNK, doc_start=d, solver="rectangles"),
+                                                                      chunk_size=CHUNK, doc_start=d,
+                                                                      solver="rectangles"),
                                ("k", "v", "beta")),
     "deltaformer_naive": (lambda x, d: ops.deltaformer_attention_naive(x["q"], x["k"], x["v"], beta=x["beta"], w=x["w"],
                                                                        doc_start=d), ("k", "v", "beta", "w")),
@@ -263,7 +265,8 @@ class TestUnderflowIsReported:
         q, k, v, projection = _scaled_case(512)
         with pytest.warns(RuntimeWarning, match="exactly 0"):
             if form == "masked":
-                ops.random_feature_attention_masked(q, k, v, projection, torch.ones(1, 512, 512, dtype=torch.bool).tril())
+                ops.random_feature_attention_masked(q, k, v, projection,
+                                                    torch.ones(1, 512, 512, dtype=torch.bool).tril())
             elif form == "step":
                 _, state = ops.random_feature_attention(q[:, :-1], k[:, :-1], v[:, :-1], projection, return_state=True)
                 ops.random_feature_attention_step(q[:, -1:], k[:, -1:], v[:, -1:], projection, state)
@@ -310,7 +313,8 @@ class TestEmptySequences:
         x = _inputs()
         no_keys = torch.zeros(B, T, 0, dtype=torch.bool)
         for out, weights in (ops.softmax_attention_masked(x["q"], x["k"][:, :0], x["v"][:, :0], no_keys),
-                             ops.random_feature_attention_masked(x["q"], x["k"][:, :0], x["v"][:, :0], PROJECTION, no_keys)):
+                             ops.random_feature_attention_masked(x["q"], x["k"][:, :0], x["v"][:, :0], PROJECTION,
+                                                                 no_keys)):
             assert out.shape == (B, T, H, D) and (out == 0).all() and weights.shape == (B, H, T, 0)
 
 
@@ -325,7 +329,8 @@ class TestNonTensorArguments:
         listed = [[0.0] * D]
         calls = {
             "q": [lambda a: ops.softmax_attention(a, k, v), lambda a: ops.cubit_attention(a, k, v, r),
-                  lambda a: ops.deltaformer_attention(a, k, v), lambda a: ops.random_feature_attention(a, k, v, PROJECTION),
+                  lambda a: ops.deltaformer_attention(a, k, v),
+                  lambda a: ops.random_feature_attention(a, k, v, PROJECTION),
                   lambda a: ops.softmax_attention_masked(a, k, v, mask), lambda a: ops.softmax_attention_naive(a, k, v),
                   lambda a: ops.random_feature_attention_masked(a, k, v, PROJECTION, mask),
                   lambda a: ops.cubit_attention_naive(a, k, v, r), lambda a: ops.deltaformer_attention_naive(a, k, v),
@@ -334,13 +339,15 @@ class TestNonTensorArguments:
                   lambda a: ops.cubit_attention_step(a, k[:, :1], v[:, :1], r[:, :1], None),
                   lambda a: ops.deltaformer_attention_step(a, k[:, :1], v[:, :1], None),
                   lambda a: ops.random_feature_attention_step(a, k[:, :1], v[:, :1], PROJECTION, None)],
-            "k": [lambda a: ops.random_feature_attention(q, a, v, PROJECTION), lambda a: ops.deltaformer_attention(q, a, v)],
+            "k": [lambda a: ops.random_feature_attention(q, a, v, PROJECTION),
+                  lambda a: ops.deltaformer_attention(q, a, v)],
             "v": [lambda a: ops.softmax_attention(q, k, a), lambda a: ops.cubit_solve(r, a)],
             "r": [lambda a: ops.cubit_attention(q, k, v, a), lambda a: ops.cubit_solve(a, v)],
             "rho": [lambda a: ops.cubit_attention(q, k, v, r, rho=a)],
             "beta": [lambda a: ops.deltaformer_attention(q, k, v, beta=a)],
             "w": [lambda a: ops.deltaformer_attention(q, k, v, w=a)],
-            "projection": [lambda a: ops.random_feature_attention(q, k, v, a), lambda a: ops.positive_random_features(q, a)],
+            "projection": [lambda a: ops.random_feature_attention(q, k, v, a),
+                           lambda a: ops.positive_random_features(q, a)],
             "transform": [lambda a: ops.random_feature_attention(q, k, v, PROJECTION, transform=a)],
             "mask": [lambda a: ops.softmax_attention_masked(q, k, v, a)],
             "x": [lambda a: ops.positive_random_features(a, PROJECTION), lambda a: ops.expand_heads(a, 4)],
@@ -348,7 +355,8 @@ class TestNonTensorArguments:
         }
         for name, fns in calls.items():
             for fn in fns:
-                with pytest.raises(KernelmixError, match=rf"{name} must be a torch\.Tensor.*got list; pass a torch\.Tensor"):
+                with pytest.raises(KernelmixError,
+                                   match=rf"{name} must be a torch\.Tensor.*got list; pass a torch\.Tensor"):
                     fn(listed)
 
 
@@ -366,10 +374,12 @@ class TestDecodeStatesAreChecked:
                                        ops.softmax_attention(four["q"], four["k"], four["v"], return_state=True)[1],
                                        "SoftmaxState"),
             "cubit_attention_step": (lambda s: ops.cubit_attention_step(one["q"], one["k"], one["v"], one["r"], s),
-                                     ops.cubit_attention(four["q"], four["k"], four["v"], four["r"], return_state=True)[1],
+                                     ops.cubit_attention(four["q"], four["k"], four["v"], four["r"],
+                                                         return_state=True)[1],
                                      "CubitState"),
             "deltaformer_attention_step": (lambda s: ops.deltaformer_attention_step(one["q"], one["k"], one["v"], s),
-                                           ops.deltaformer_attention(four["q"], four["k"], four["v"], return_state=True)[1],
+                                           ops.deltaformer_attention(four["q"], four["k"], four["v"],
+                                                                     return_state=True)[1],
                                            "DeltaFormerState"),
             "random_feature_attention_step": (
                 lambda s: ops.random_feature_attention_step(one["q"], one["k"], one["v"], projection, s),
@@ -380,19 +390,22 @@ class TestDecodeStatesAreChecked:
     def test_wrong_type(self):
         for op, (step, _, cls) in self._steps().items():
             for bad in ("cache", (1, 2), {"k": 1}):
-                with pytest.raises(KernelmixError, match=rf"{op}: state must be a {cls} .*or None.*got {type(bad).__name__}"):
+                with pytest.raises(KernelmixError,
+                                   match=rf"{op}: state must be a {cls} .*or None.*got {type(bad).__name__}"):
                     step(bad)
 
     def test_wrong_heads(self):
         for op, (step, other_layer_state, _) in self._steps().items():
-            with pytest.raises(KernelmixError, match=rf"{op}: the state does not fit: state\.\w+ has shape .*expected \[B, "):
+            with pytest.raises(KernelmixError,
+                               match=rf"{op}: the state does not fit: state\.\w+ has shape .*expected \[B, "):
                 step(other_layer_state)
 
     def test_wrong_shape_of_one_field(self):
         steps = self._steps()
         _, state = ops.cubit_attention(*(_inputs()[n][:, :3] for n in ("q", "k", "v", "r")), return_state=True)
         state.u = state.u[..., :3]
-        with pytest.raises(KernelmixError, match=r"state\.u has shape \(2, 3, 4, 3\), expected \[B, t, H, d_v\] = \(2, t, 4, 8\)"):
+        with pytest.raises(KernelmixError,
+                           match=r"state\.u has shape \(2, 3, 4, 3\), expected \[B, t, H, d_v\] = \(2, t, 4, 8\)"):
             steps["cubit_attention_step"][0](state)
         state.u = torch.zeros(2, 2, 4, 8)  # 2 cached u for 3 cached keys
         with pytest.raises(KernelmixError, match="cached lengths differ"):
@@ -410,7 +423,8 @@ class TestAutocastIsOff:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             mixed = ops.positive_random_features(x, projection)
         assert mixed.dtype == torch.float32 and torch.equal(mixed, plain)
-        reference = torch.exp((x.double() / 2) @ projection.double().T - (x.double() / 2).pow(2).sum(-1, keepdim=True) / 2)
+        reference = torch.exp(
+            (x.double() / 2) @ projection.double().T - (x.double() / 2).pow(2).sum(-1, keepdim=True) / 2)
         assert torch.allclose(plain.double(), reference / 8**0.5, rtol=1e-5, atol=0)  # x̃ = x / 16^{1/4}
 
     def test_softmax_attention_masked(self):
@@ -432,7 +446,8 @@ class TestCalibrationRefusesNonFinite:
         q, k = torch.randn(50, H, D, generator=g), torch.randn(50, HKV, D, generator=g)
         q[7, 1, 2] = float("nan")
         q[9, 0, 0] = float("inf")
-        with pytest.raises(KernelmixError, match=r"q_samples holds NaN or ±inf in 2 of 50 samples \(the first at sample 7\).*float32"):
+        with pytest.raises(KernelmixError,
+                           match=r"q_samples holds NaN or ±inf in 2 of 50 samples \(the first at sample 7\).*float32"):
             ops.data_aware_transform(q, k)
         layer = build_mixer("darkformer", hidden_size=32, num_heads=H, num_kv_heads=HKV, num_features=M)
         with pytest.raises(KernelmixError, match="q_samples holds NaN"):
@@ -495,8 +510,8 @@ class TestRhoOutsideItsRangeRefused:
         rho = torch.ones(1, 5, 2)
         rho[0, 4, 1] = value
         with pytest.raises(KernelmixError, match=rf"rho must lie in \(0, ∞\) for every token and head, got "
-                                                 rf"{value:g} at \[b, t, h\] = \[0, (4|0), 1\].*rho = lo \+ \(hi - lo\) "
-                                                 r"\* torch.sigmoid\(x\).*rho=None"):
+                                                 rf"{value:g} at \[b, t, h\] = \[0, (4|0), 1\].*rho = lo \+ \(hi - "
+                                                 r"lo\) \* torch.sigmoid\(x\).*rho=None"):
             _factor_calls(rho=rho)[op]()
 
     def test_in_range_and_non_finite_still_run(self):

@@ -206,7 +206,8 @@ class TestConcurrentWriters:
     def test_a_second_train_is_refused_naming_the_holder(self, held):
         out, pid = held
         with pytest.raises(RunDirectoryBusy, match=rf"is being written by `kernelmix train` \(pid {pid} on .*\)\. Wait "
-                                                   r"for it to finish, stop it, or write to another directory \(--out\)"):
+                                                   r"for it to finish, stop it, "
+                                                   r"or write to another directory \(--out\)"):
             train(config(out), progress=False)
         assert sorted(p.name for p in out.iterdir()) == [".kernelmix.lock", ".kernelmix.lock.json"]  # nothing of ours
 
@@ -233,7 +234,8 @@ class TestConcurrentWriters:
         with pytest.raises(RunDirectoryBusy, match=rf"pid {pid}"):
             pt.finetune(converted(), x, x[:2], pt.FinetuneConfig(steps=2, seq_len=32), out_dir=out)
         with pytest.raises(RunDirectoryBusy, match=rf"pid {pid}"):
-            rp.darkformer_report(rp.DarkformerReportSettings.quick(), out, out.parent / "work", model=object(), tokenizer=None)
+            rp.darkformer_report(rp.DarkformerReportSettings.quick(), out, out.parent / "work", model=object(),
+                                 tokenizer=None)
         assert sorted(p.name for p in out.iterdir()) == [".kernelmix.lock", ".kernelmix.lock.json"]
 
     def test_train_holds_the_lock_while_it_runs(self, tmp_path, monkeypatch):
@@ -278,7 +280,8 @@ class TestNonFiniteUpdates:
         def check(trainer, step):
             if step == 3:
                 seen["handle"].remove()
-                seen["unchanged"] = all(torch.equal(seen["before"][n], p) for n, p in trainer.raw_model.named_parameters())
+                seen["unchanged"] = all(
+                    torch.equal(seen["before"][n], p) for n, p in trainer.raw_model.named_parameters())
                 seen["moments_unchanged"] = all(
                     torch.equal(a, s["exp_avg"]) for a, s in zip(seen["moments"], trainer.optimizer.state.values()))
 
@@ -326,16 +329,18 @@ class TestNonFiniteUpdates:
 
         hook_before_step(monkeypatch, corrupt)
         out = tmp_path / "run"
-        with pytest.raises(KernelmixError, match=r"refusing to write the checkpoint of step 4 in .*: \d+ of \d+ tensors "
-                                                 r"hold NaN or Inf \(blocks\.1\.mixer\.v_proj\.weight.*nothing was written "
-                                                 r"and the previous checkpoint '.*step_00000002' is intact\. Resume from it"):
+        with pytest.raises(KernelmixError, match=r"refusing to write the checkpoint of step 4 in .*: \d+ of \d+ "
+                                                 r"tensors hold NaN or Inf \(blocks\.1\.mixer\.v_proj\.weight.*nothing "
+                                                 r"was written and the previous checkpoint '.*step_00000002' "
+                                                 r"is intact\. Resume from it"):
             train(config(out, checkpoint_every=2), progress=False)
         assert [s for s, _ in list_checkpoints(out)] == [2] and every_checkpoint_is_finite(out)
         assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())
 
     def test_save_checkpoint_checks_the_optimizer_state_too(self, tmp_path):
         state = {"step": 1, "optimizer": {"state": {0: {"exp_avg": torch.tensor([1.0, float("inf")])}}}}
-        with pytest.raises(KernelmixError, match=r"1 of 2 tensors hold NaN or Inf \(state\.optimizer\.state\.0\.exp_avg\)"):
+        with pytest.raises(KernelmixError,
+                           match=r"1 of 2 tensors hold NaN or Inf \(state\.optimizer\.state\.0\.exp_avg\)"):
             checkpoint_module.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, state, {})
         assert not (tmp_path / "checkpoints").exists()
 
@@ -412,7 +417,8 @@ class TestInterruption:
             with catch_stop_signals() as stop:
                 seen["inside"] = signal.getsignal(signal.SIGINT)
                 seen["received"] = stop.received
-            seen["result"] = train(config(tmp_path / "run", steps=2, warmup_steps=1, checkpoint_every=0), progress=False)
+            seen["result"] = train(config(tmp_path / "run", steps=2, warmup_steps=1, checkpoint_every=0),
+                                   progress=False)
 
         thread = threading.Thread(target=body)
         thread.start()
@@ -460,9 +466,9 @@ class TestInterruption:
                 os.kill(os.getpid(), signal.SIGINT)
 
         hook_after_step(monkeypatch, stop_performer)
-        with pytest.raises(Interrupted, match=r"kernelmix compare interrupted by SIGINT while training performer T=32 seed "
-                                              r"0: its progress is saved in '.*step_00000002'; run the same command "
-                                              r"again to continue") as stopped:
+        with pytest.raises(Interrupted, match=r"kernelmix compare interrupted by SIGINT while training performer T=32 "
+                                              r"seed 0: its progress is saved in '.*step_00000002'; run the same "
+                                              r"command again to continue") as stopped:
             run_compare(settings(tmp_path / "cut"), progress=False)
         assert stopped.value.exit_code == 130
         monkeypatch.undo()
@@ -575,9 +581,10 @@ class TestDiskFull:
             real(state, path)
 
         monkeypatch.setattr(checkpoint_module, "write_state", disk_full)
-        with pytest.raises(KernelmixError, match=rf"cannot write '{re.escape(str(out / 'checkpoints' / 'step_00000008'))}': No space left "
-                                                 r"on device; free space or choose another --out; the previous checkpoint "
-                                                 r"'.*step_00000004' is intact"):
+        with pytest.raises(KernelmixError, match=r"cannot write "
+                                                 rf"'{re.escape(str(out / 'checkpoints' / 'step_00000008'))}': "
+                                                 r"No space left on device; free space or choose another --out; "
+                                                 r"the previous checkpoint '.*step_00000004' is intact"):
             train(config(out), progress=False)
         assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]
         assert load_checkpoint(out / "checkpoints" / "step_00000004").step == 4  # verifies against its manifest
@@ -594,7 +601,8 @@ class TestDiskFull:
                                   f'"{Path(path).parent / ".tmpX1"}"')
 
         monkeypatch.setattr(safetensors.torch, "save_file", full)
-        with pytest.raises(KernelmixError, match=r"step_00000001': No space left on device; free space or choose another"):
+        with pytest.raises(KernelmixError,
+                           match=r"step_00000001': No space left on device; free space or choose another"):
             checkpoint_module.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {"step": 1}, {})
         assert list((tmp_path / "checkpoints").iterdir()) == []
 
@@ -618,7 +626,8 @@ class TestDiskFull:
 
         monkeypatch.setattr(reporter, "open", lambda *args, **kwargs: Failing(open(*args, **kwargs)), raising=False)
         out = tmp_path / "run"
-        with pytest.raises(KernelmixError, match=rf"cannot write '{re.escape(str(out / 'metrics.jsonl'))}': {os.strerror(code)}; {fix}"):
+        with pytest.raises(KernelmixError, match=rf"cannot write '{re.escape(str(out / 'metrics.jsonl'))}': "
+                                                 rf"{os.strerror(code)}; {fix}"):
             train(config(out), progress=False)
 
 
@@ -646,7 +655,8 @@ class TestOutIsAFile:
         assert a_file.read_text() == "mine\n"
 
     def test_compare(self, a_file, capsys):
-        assert cli_main(["compare", "--mixers", "softmax", "--lengths", "32", "--corpus", CORPUS, "--out", str(a_file)]) == 2
+        assert cli_main(["compare", "--mixers", "softmax", "--lengths", "32", "--corpus", CORPUS, "--out",
+                         str(a_file)]) == 2
         assert self.MESSAGE in capsys.readouterr().err
 
     def test_finetune(self, a_file, capsys, monkeypatch):
@@ -696,7 +706,8 @@ class TestRunKilledBeforeItsFirstCheckpoint:
         out = tmp_path / "project"
         out.mkdir()
         (out / "config.json").write_text('{"name": "not a training run"}\n')
-        with pytest.raises(KernelmixError, match="holds a config.json that is not a kernelmix training run; choose another"):
+        with pytest.raises(KernelmixError,
+                           match="holds a config.json that is not a kernelmix training run; choose another"):
             train(config(out), progress=False)
         assert (out / "config.json").read_text() == '{"name": "not a training run"}\n'
 
@@ -737,8 +748,8 @@ class TestLoadingARunWithADamagedNewestCheckpoint:
         shutil.copytree(reference.out_dir, out)
         newest = out / "checkpoints" / "step_00000008"
         (newest / "model.safetensors").write_bytes((newest / "model.safetensors").read_bytes()[:1000])
-        with pytest.warns(UserWarning, match=rf"the newest checkpoint '{re.escape(str(newest))}' is damaged; loading the "
-                                             r"newest valid one .*step_00000004' \(step 4\) instead"):
+        with pytest.warns(UserWarning, match=rf"the newest checkpoint '{re.escape(str(newest))}' is damaged; loading "
+                                             r"the newest valid one .*step_00000004' \(step 4\) instead"):
             run = load_run(out)
         assert run.step == 4
         with pytest.raises(ValueError, match=r"truncated or corrupt"):  # a checkpoint asked for by name is not replaced
@@ -814,7 +825,8 @@ class TestOneDocumentCorpus:
     def test_none_when_validation_is_switched_off(self, tmp_path, recwarn):
         corpus = tmp_path / "one.txt"
         corpus.write_text("def f(x):\n    return x + 1\n" * 200)
-        train(config(tmp_path / "run", corpus=str(corpus), steps=2, warmup_steps=1, val_fraction=0.0, checkpoint_every=0), progress=False)
+        train(config(tmp_path / "run", corpus=str(corpus), steps=2, warmup_steps=1, val_fraction=0.0,
+                     checkpoint_every=0), progress=False)
         assert not [w for w in recwarn if "no validation" in str(w.message)]
 
 
@@ -845,7 +857,8 @@ class TestForeignPickleCheckpoint:
         marker = tmp_path / "ran"
         state.write_bytes(pickle.dumps({"step": 8, "payload": _Foreign(marker)}, protocol=2))
         manifest = json.loads((newest / "manifest.json").read_text())
-        manifest["files"]["state.pt"] = {"bytes": state.stat().st_size, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+        manifest["files"]["state.pt"] = {"bytes": state.stat().st_size,
+                                         "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
         (newest / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(KernelmixError) as error:
             train(config(out), resume=True, progress=False)

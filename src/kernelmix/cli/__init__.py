@@ -39,7 +39,8 @@ STANDALONE_COMMAND = "gpu-check"  # parsed without the full CLI (no pydantic nee
 
 def debug_requested(args: argparse.Namespace | None = None) -> bool:
     """Whether ``--debug`` was given or ``KERNELMIX_DEBUG`` is set to something other than 0/empty."""
-    return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false")
+    return (bool(getattr(args, "debug", False))
+            or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false"))
 
 
 def command_word(argv: list[str]) -> str | None:

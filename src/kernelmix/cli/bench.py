@@ -17,7 +17,8 @@ from .paths import output_dir
 class BenchOutput:
     """Where ``kernelmix bench`` writes (what it measures: :class:`~kernelmix.studies.settings.BenchConfig`)."""
 
-    out: Annotated[str, Field(description="directory for bench.json / bench.png (the committed runs: results/bench*)")] = (
+    out: Annotated[str,
+                   Field(description="directory for bench.json / bench.png (the committed runs: results/bench*)")] = (
         "runs/bench")
 
     def __post_init__(self) -> None:

@@ -19,7 +19,8 @@ from .options import add_options, from_args
 @dataclass
 class CompareOptions:
     overrides: Annotated[list[str], Arg(flag="--set", repeat=True, metavar="KEY=VALUE"), Field(
-        description="model override for every run, e.g. hidden_size=128 or mixer_options.performer.num_features=64")] = (
+        description="model override for every run, e.g. hidden_size=128 or "
+                    "mixer_options.performer.num_features=64")] = (
         field(default_factory=list))
 
     def __post_init__(self) -> None:

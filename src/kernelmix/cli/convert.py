@@ -44,8 +44,8 @@ class ConvertOptions:
     transfer_lr: Annotated[PositiveFloat | None, Field(description="attention-transfer learning rate (default: per "
                                                                    "mixer, darkformer 3e-4, hedgehog 1e-2)")] = None
     kl_steps: Annotated[NonNegativeInt, Field(description="after --transfer: steps of end-to-end logit distillation "
-                                                          "(the kernels trained on KL(host ‖ converted) of the next-token "
-                                                          "distributions, host frozen; 0 = none)")] = 0
+                                                          "(the kernels trained on KL(host ‖ converted) of the "
+                                                          "next-token distributions, host frozen; 0 = none)")] = 0
     kl_lr: Annotated[PositiveFloat, Field(description="learning rate of the logit distillation")] = 1e-4
     resume: Annotated[bool, Field(description="continue an interrupted --transfer saved in --out")] = False
 
@@ -102,8 +102,8 @@ def _cli_convert(args) -> int:
         calibration = None
         if config.init != "identity" or opts.transfer:
             if tok is None:
-                raise KernelmixError(f"--init {config.init} / --transfer need the model's tokenizer, and {opts.model} has "
-                                     "no tokenizer files: copy them in, or use --init identity without --transfer")
+                raise KernelmixError(f"--init {config.init} / --transfer need the model's tokenizer, and {opts.model} "
+                                     "has no tokenizer files: copy them in, or use --init identity without --transfer")
             train_docs, _ = split_texts(load_corpus(opts.calib_text).documents())
             # with --transfer: windows as long as the report's held-out ones (fitted at 1,024 tokens, the
             # global layers' error at 2,048 was 1.4-1.5x larger, and the loss gap 0.215 against 0.165)
@@ -128,8 +128,9 @@ def _cli_convert(args) -> int:
     done = " after attention transfer" if opts.transfer else ""
     done += f" and {opts.kl_steps} steps of logit distillation" if opts.kl_steps else ""
     config = conversion_config(model)  # as applied: the layer indices resolved, cubit's window 0
-    print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, window={config.window}, "
-          f"init={config.init}){done}; saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
+    print(f"converted layers {config.layer_indices} to {config.mixer} (m={config.num_features}, "
+          f"window={config.window}, init={config.init}){done}; "
+          f"saved to {out} — reload with kernelmix.pretrained.load_converted({str(out)!r})")
     return 0
 
 

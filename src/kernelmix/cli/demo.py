@@ -40,7 +40,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     print(
         f"kernelmix demo: every mixer on one random batch B={config.batch} T={config.length} H={config.heads} "
-        f"d={config.head_dim} (random features m={config.num_features}), fast path in {config.dtype} vs float64 reference\n"
+        f"d={config.head_dim} (random features m={config.num_features}), "
+        f"fast path in {config.dtype} vs float64 reference\n"
     )
     rows = run_demo(config, progress=True)
     print(format_table(rows))

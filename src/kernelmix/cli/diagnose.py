@@ -44,7 +44,8 @@ def _cli_diagnose(args) -> int:
             raise KernelmixError(f"{opts.model} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
                                  "diagnose needs one: copy them into the model directory")
         docs = [d.text for d in load_corpus(opts.text).documents()]
-        result = diagnose(model, tok, docs, opts.out, config, progress=True, log=lambda msg: print(f"  {msg}", flush=True))
+        result = diagnose(model, tok, docs, opts.out, config, progress=True,
+                          log=lambda msg: print(f"  {msg}", flush=True))
     print(markdown(result))
     print(f"wrote {opts.out}/diagnostics.json, diagnostics.md and PNG plots")
     return 0

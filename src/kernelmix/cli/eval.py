@@ -28,14 +28,17 @@ All = Annotated[str, Choice(("all",), "value", more="or a positive integer")]
 
 @dataclass
 class EvalOptions:
-    run: Annotated[str, Arg(positional=True), Field(description="a run directory (kernelmix train --out) or a checkpoint directory")]
-    data: Annotated[str, Field(description="val (default) or train: the run's own split; or a text file/dir/glob/.jsonl")] = "val"
+    run: Annotated[str, Arg(positional=True), Field(description="a run directory (kernelmix train --out) "
+                                                                "or a checkpoint directory")]
+    data: Annotated[str, Field(description="val (default) or train: the run's own split; "
+                                           "or a text file/dir/glob/.jsonl")] = "val"
     lengths: Annotated[list[Annotated[int, Field(ge=2)]], Distinct("length"), Field(min_length=1, description=(
         "context lengths, e.g. 128,256,512,1024 (default: the training length)"))] | None = None
     buckets: Annotated[list[NonNegativeInt], Field(description=(
         "position-bucket edges, e.g. 0,64,256,1024 (default ×4 from 64)"))] | None = None
     batch_size: Annotated[PositiveInt | None, Field(description=(
-        "windows per forward (default: up to 16, fewer for long windows or a large vocabulary); 8 for the tasks"))] = None
+        "windows per forward (default: up to 16, fewer for long windows or a large vocabulary); "
+        "8 for the tasks"))] = None
     max_docs: Annotated[PositiveInt | All, Field(description=(
         f"evaluate the first N documents of the split, or all (default: {DEFAULT_MAX_DOCS}; with --doc-tokens' "
         "default about 10 s a length for the small preset on 2 CPU cores)"))] = DEFAULT_MAX_DOCS
@@ -43,7 +46,8 @@ class EvalOptions:
         f"evaluate the first N tokens of each document, or all (default: {DEFAULT_DOC_TOKENS:,} or the longest "
         "--lengths if longer; whole documents with --max-docs all)"))] = None
     tasks: Annotated[list[str], Choice((*TASKS, "all", "none"), "task"), Distinct("task"), Field(
-        description=f"zero-shot tasks: {','.join(TASKS)} | all | none (default)")] = field(default_factory=lambda: ["none"])
+        description=f"zero-shot tasks: {','.join(TASKS)} | all | none (default)")] = (
+        field(default_factory=lambda: ["none"]))
     items: Annotated[PositiveInt, Field(description="items per zero-shot task")] = 100
     context_tokens: Annotated[PositiveInt, Field(description="context of a zero-shot item (tokens)")] = 256
     backend: Annotated[str, Choice(BACKENDS, "backend"), Field(

@@ -36,7 +36,8 @@ class FinetuneOptions:
     text: Annotated[str, Field(description="corpus name, dir, glob or file (split by document)")] = "shakespeare"
     val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
     lrs: Annotated[list[PositiveFloat], Arg(flag="--lr"), Distinct("learning rate"), Field(
-        min_length=1, title="learning rates", description="learning rate, or several (comma-separated) for a sweep")] = (
+        min_length=1, title="learning rates",
+        description="learning rate, or several (comma-separated) for a sweep")] = (
         field(default_factory=lambda: [1e-4]))
     calib_seqs: Annotated[PositiveInt, Field(description="training windows used to whiten/distill")] = 2
     distill_steps: NonNegativeInt = 100
@@ -119,10 +120,10 @@ def add_command(sub) -> None:
     p = sub.add_parser(
         "finetune",
         help=summary("finetune"),
-        description="Convert MODEL per variant (softmax = the host unchanged), finetune each with the same data, steps, m "
-                    "and seed at each learning rate, and write finetune.json/md and curves. A MODEL directory that is "
-                    "already converted (kernelmix convert) is finetuned as it is and saved to OUT/model. Finished runs "
-                    "in OUT are reused; an interrupted run continues from its last checkpoint.",
+        description="Convert MODEL per variant (softmax = the host unchanged), finetune each with the same data, "
+                    "steps, m and seed at each learning rate, and write finetune.json/md and curves. A MODEL directory "
+                    "that is already converted (kernelmix convert) is finetuned as it is and saved to OUT/model. "
+                    "Finished runs in OUT are reused; an interrupted run continues from its last checkpoint.",
     )
     add_options(p, FinetuneOptions, FinetuneConfig, exclude=("lr",))
     p.set_defaults(func=_cli_finetune, parser=p)

@@ -59,8 +59,9 @@ def _generate_bench(args: argparse.Namespace) -> int:
     )
     if out.json:
         Path(out.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(out.json).expanduser(), [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length,
-                                          batch=config.batch, dtype=config.dtype, device=where) for row in rows])
+        write_json_atomic(Path(out.json).expanduser(),
+                          [dict(row.__dict__, speedup=row.speedup, prompt_length=config.prompt_length,
+                                batch=config.batch, dtype=config.dtype, device=where) for row in rows])
         print(f"wrote {out.json}")
     return 0
 

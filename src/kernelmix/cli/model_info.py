@@ -17,7 +17,8 @@ from .options import add_options, from_args
 class ModelInfoOptions:
     preset: Annotated[str, Choice(PRESETS, "preset"), Arg(positional=True, metavar="PRESET"),
                       Field(description=f"one of: {', '.join(PRESETS)}")]
-    mixer: Annotated[str, Choice(MIXERS, "mixer"), Arg(group="mixer"), Field(description="the mixer of every layer")] = (
+    mixer: Annotated[str, Choice(MIXERS, "mixer"), Arg(group="mixer"),
+                     Field(description="the mixer of every layer")] = (
         "softmax")
     mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Arg(group="mixer"),
                       Field(min_length=1, description="one mixer per layer, comma-separated (a hybrid)")] | None = None

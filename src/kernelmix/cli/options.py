@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 from typing import Annotated, Any
 
-from ..config import Arg, Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs, union_members, unwrap
+from ..config import (Arg, Field, FieldError, PositiveInt, Spec, accepts, choice_of, expectation, item_type, specs,
+                      union_members, unwrap)
 from ..errors import KernelmixError
 
 

@@ -43,7 +43,8 @@ def _writable(path: Path, flag: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing != path and not existing.is_dir():
-        raise KernelmixError(f"{flag} {path}: {existing} is a file, not a directory: fix the path or move the file away")
+        raise KernelmixError(f"{flag} {path}: {existing} is a file, not a directory: "
+                             "fix the path or move the file away")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise KernelmixError(f"{flag} {path}: {existing} is not writable by you: check its permissions (ls -ld "
                              f"{existing}) or choose a path you own")

@@ -20,7 +20,8 @@ class ReportOptions:
 
     out: Annotated[str, Field(description="output directory")] = (
         "runs/darkformer-report")
-    work: Annotated[str | None, Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
+    work: Annotated[str | None,
+                    Field(description="checkpoints and reusable results (default runs/report-darkformer)")] = None
     quick: Annotated[bool, Field(description="a smoke-sized run of the whole pipeline")] = False
 
     def __post_init__(self) -> None:
@@ -91,18 +92,20 @@ def add_command(sub) -> None:
         "darkformer",
         help="kernel diagnostics + finetuning comparison of Performer vs DARKFormer on a real pretrained model",
         description="Diagnostics of every layer (anisotropy, error vs m, estimator variance, end-to-end loss) and a "
-                    "small finetuning comparison (softmax / Performer / DARKFormer at equal m and budget, a learning-rate "
-                    "sweep counting loss spikes) on Gemma 3 270M by default: about an hour on 2 CPU cores. Interrupted "
-                    "runs continue where they stopped. The defaults shown are the full run's; --quick shrinks them.",
+                    "small finetuning comparison (softmax / Performer / DARKFormer at equal m and budget, a "
+                    "learning-rate sweep counting loss spikes) on Gemma 3 270M by default: about an hour on 2 CPU "
+                    "cores. Interrupted runs continue where they stopped. "
+                    "The defaults shown are the full run's; --quick shrinks them.",
     )
     add_options(d, ReportOptions, DarkformerReportSettings)
     d.set_defaults(func=_cli_report, parser=d)
     c = reports.add_parser(
         "conversion",
-        help="conversion that keeps the host: window + sinks + features, attention transfer, LoRA, constant-memory decode",
+        help="conversion that keeps the host: window + sinks + features, attention transfer, "
+             "LoRA, constant-memory decode",
         description="Gemma 3 270M converted on its global or all layers (window, Performer, whitened and transferred "
-                    "DARKFormer, transferred Hedgehog), before and after LoRA: held-out loss, per-layer attention error, "
-                    "and decode memory and time at 1k/8k/32k tokens of context against the host. Resumable.",
+                    "DARKFormer, transferred Hedgehog), before and after LoRA: held-out loss, per-layer attention "
+                    "error, and decode memory and time at 1k/8k/32k tokens of context against the host. Resumable.",
     )
     add_options(c, ConversionReportOptions, ConversionReportSettings)
     c.set_defaults(func=_cli_conversion, parser=c)

@@ -21,7 +21,8 @@ from .options import add_options, from_args
 class TrainOptions:
     """Where the settings come from; the settings themselves are :class:`~kernelmix.training.TrainConfig`'s."""
 
-    config: Annotated[str | None, Field(description="a .toml, .yaml or .json file of settings (or a run's config.json)")] = None
+    config: Annotated[str | None,
+                      Field(description="a .toml, .yaml or .json file of settings (or a run's config.json)")] = None
     overrides: Annotated[list[str], Arg(flag="--set", repeat=True, metavar="KEY=VALUE"), Field(
         description="override one setting (repeatable)")] = field(default_factory=list)
     resume: Annotated[bool, Field(description="continue the run in --out from its newest checkpoint")] = False
@@ -33,7 +34,8 @@ class TrainOptions:
     def __post_init__(self) -> None:
         check(self)
         if self.reschedule and not self.resume:
-            raise KernelmixError("--reschedule changes the schedule of a resumed run: add --resume, or drop --reschedule")
+            raise KernelmixError("--reschedule changes the schedule of a resumed run: "
+                                 "add --resume, or drop --reschedule")
 
 
 def settings_help(cls: type = TrainConfig) -> str:

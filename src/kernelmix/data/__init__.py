@@ -39,7 +39,8 @@ from .dataset import TokenizedDataset, TokenizedSplit, default_cache_dir, open_d
 from .sampling import IGNORE_INDEX, Batch, WindowSampler, eval_batches, eval_windows, loader_throughput
 from .recall import mqar_batch, query_accuracy  # synthetic MQAR sequences (kernelmix recall)
 from .windows import load_text_windows, split_texts, text_windows
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
+from .tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec,
+                        train_bpe)
 
 __all__ = [
     "BUILTIN_CORPORA",

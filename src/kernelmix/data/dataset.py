@@ -36,7 +36,8 @@ import numpy as np
 
 from ..output import progress_bar
 from .corpus import Corpus, Document, load_corpus, split_documents
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec, train_bpe
+from .tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer, load_tokenizer, parse_tokenizer_spec,
+                        train_bpe)
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -73,7 +74,8 @@ class TokenizedSplit:
     fingerprint: str = ""  # identifies the data (cache key + split), recorded in sampler state
 
     @classmethod
-    def from_token_lists(cls, documents: Sequence[Sequence[int]], name: str = "train", names: Sequence[str] | None = None):
+    def from_token_lists(cls, documents: Sequence[Sequence[int]], name: str = "train",
+                         names: Sequence[str] | None = None):
         """An in-memory split from lists of token ids (tests, small experiments)."""
         lengths = [len(doc) for doc in documents]
         offsets = np.zeros(len(documents) + 1, dtype=np.int64)
@@ -128,7 +130,8 @@ class TokenizedDataset:
         lines = [f"{self.meta['corpus']['source']} with tokenizer {self.meta['tokenizer']['spec']} "
                  f"(vocab {self.vocab_size}) at {self.path}"]
         for split in (self.train, self.val):
-            lines.append(f"  {split.name}: {len(split)} documents, {split.num_tokens:,} tokens, {split.num_bytes:,} bytes")
+            lines.append(f"  {split.name}: {len(split)} documents, {split.num_tokens:,} tokens, "
+                         f"{split.num_bytes:,} bytes")
         return "\n".join(lines)
 
 
@@ -203,7 +206,8 @@ def open_dataset(path: str | Path, *, reused: bool = True) -> TokenizedDataset:
     except (OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r} is not a tokenized dataset (no readable meta.json): {error}") from error
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{str(path)!r} has dataset format {meta.get('format')!r}, expected {FORMAT_VERSION}; prepare it again")
+        raise ValueError(f"{str(path)!r} has dataset format {meta.get('format')!r}, "
+                         f"expected {FORMAT_VERSION}; prepare it again")
     try:
         tokenizer = load_tokenizer(path)
         dtype = np.dtype(meta["dtype"])
@@ -211,7 +215,8 @@ def open_dataset(path: str | Path, *, reused: bool = True) -> TokenizedDataset:
         for name in SPLITS:
             splits[name] = _open_split(path, name, meta, dtype)
     except (KeyError, OSError, TypeError) as error:
-        raise ValueError(f"{str(path)!r} is an incomplete tokenized dataset ({type(error).__name__}: {error}); prepare it again") from error
+        raise ValueError(f"{str(path)!r} is an incomplete tokenized dataset "
+                         f"({type(error).__name__}: {error}); prepare it again") from error
     return TokenizedDataset(path, splits["train"], splits["val"], tokenizer, meta, reused=reused)
 
 
@@ -220,13 +225,15 @@ def _open_split(path: Path, name: str, meta: dict, dtype: np.dtype) -> Tokenized
     offsets = np.load(path / f"{name}.offsets.npy")
     token_file = path / f"{name}.tokens"
     expected = info["num_tokens"] * dtype.itemsize
-    if len(offsets) != info["num_documents"] + 1 or int(offsets[-1]) != info["num_tokens"] or token_file.stat().st_size != expected:
+    if (len(offsets) != info["num_documents"] + 1 or int(offsets[-1]) != info["num_tokens"]
+            or token_file.stat().st_size != expected):
         raise ValueError(f"{str(path)!r}: {name} split does not match meta.json (truncated?); prepare it again")
     if info["num_tokens"]:
         tokens = np.memmap(token_file, dtype=dtype, mode="r", shape=(info["num_tokens"],))
     else:
         tokens = np.zeros(0, dtype=dtype)  # numpy cannot map an empty file
-    return TokenizedSplit(name, tokens, offsets, info["doc_names"], info["num_bytes"], fingerprint=f"{meta['key']}:{name}")
+    return TokenizedSplit(name, tokens, offsets, info["doc_names"], info["num_bytes"],
+                          fingerprint=f"{meta['key']}:{name}")
 
 
 def _tokenizer_key(spec) -> tuple[str, Tokenizer | None, int | None]:

@@ -82,7 +82,8 @@ def check_mqar(vocab_size: Any, seq_len: Any, num_pairs: Any, batch: Any = 1, po
         if num_queries > slots:
             raise KernelmixError(
                 f"num_queries {num_queries} is more queries than the {slots} slots that seq_len {seq_len} leaves after "
-                f"{num_pairs} pairs (two tokens each); ask at most {slots} or use seq_len >= {2 * num_pairs + 2 * num_queries}")
+                f"{num_pairs} pairs (two tokens each); ask at most {slots} or use seq_len >= "
+                f"{2 * num_pairs + 2 * num_queries}")
 
 
 def mqar_batch(vocab_size: int, seq_len: int, num_pairs: int, batch: int, generator: torch.Generator, *,
@@ -127,12 +128,13 @@ def query_accuracy(predictions: Tensor, labels: Tensor) -> tuple[int, int]:
     ``predictions``: logits ``[B, T, V]`` (their argmax is taken) or predicted ids ``[B, T]``; the
     prediction at position t is for the token at t + 1, as in the model's loss."""
     if not isinstance(predictions, Tensor) or not isinstance(labels, Tensor) or labels.dim() != 2:
-        raise KernelmixError("query_accuracy takes tensors: logits [B, T, V] or predicted ids [B, T], and labels [B, T]")
+        raise KernelmixError("query_accuracy takes tensors: "
+                             "logits [B, T, V] or predicted ids [B, T], and labels [B, T]")
     if predictions.dim() == 3:
         predictions = predictions.argmax(dim=-1)
     if predictions.shape != labels.shape:
-        raise KernelmixError(f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} differ in shape; "
-                             "pass the model's logits for the same input_ids the labels belong to")
+        raise KernelmixError(f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} differ in "
+                             "shape; pass the model's logits for the same input_ids the labels belong to")
     target = labels[:, 1:]
     scored = target != IGNORE_INDEX
     correct = (predictions[:, :-1] == target) & scored

@@ -254,7 +254,8 @@ def eval_windows(split: TokenizedSplit, seq_len: int) -> Iterator[tuple[int, int
             yield start, min(seq_len, end - start)
 
 
-def eval_batches(split: TokenizedSplit, seq_len: int, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
+def eval_batches(split: TokenizedSplit, seq_len: int, batch_size: int,
+                 max_batches: int | None = None) -> Iterator[Batch]:
     """Deterministic batches covering ``split`` for validation loss (see :func:`eval_windows`):
     each window within one document, right-padded (``attention_mask`` always given,
     ``position_ids`` None); the last batch may have fewer rows. Summing ``loss ·
@@ -273,7 +274,8 @@ def eval_batches(split: TokenizedSplit, seq_len: int, batch_size: int, max_batch
             f"split {split.name!r} has nothing to evaluate ({len(split)} documents, {split.num_tokens} tokens); "
             "use a corpus with at least two documents and val_fraction > 0"
         )
-    windows = iter(spread_windows(split, seq_len, max_batches * batch_size) if max_batches else eval_windows(split, seq_len))
+    windows = iter(spread_windows(split, seq_len, max_batches * batch_size) if max_batches
+                   else eval_windows(split, seq_len))
     produced = 0
     while max_batches is None or produced < max_batches:
         chunk = [w for _, w in zip(range(batch_size), windows)]
@@ -314,5 +316,5 @@ def loader_throughput(sampler: WindowSampler, n_batches: int = 50, *, first_step
     return n_batches * sampler.batch_size * sampler.seq_len / max(elapsed, 1e-9)
 
 
-__all__ = ["IGNORE_INDEX", "Batch", "WindowSampler", "eval_batches", "eval_windows", "loader_throughput", "spread_windows",
-           "window_documents"]
+__all__ = ["IGNORE_INDEX", "Batch", "WindowSampler", "eval_batches", "eval_windows", "loader_throughput",
+           "spread_windows", "window_documents"]

@@ -189,7 +189,8 @@ def evaluate_loss(
     ranges = {T: parse_buckets(buckets, T) if buckets is not None else default_buckets(T) for T in seq_lens}
     if predicted_tokens(split) == 0:
         raise KernelmixError(f"split {split.name!r} has no token to predict: no document has 2 tokens or more")
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
         raise KernelmixError(f"max_batches must be a positive int or None, got {max_batches!r}")
     vocab = getattr(model.config, "vocab_size", None)
     reports = []
@@ -219,7 +220,8 @@ def evaluate_windows(model, windows: torch.Tensor, batch_size: int | None = None
     token after a window's first predicted (:func:`sum_token_losses`), ``batch_size`` windows
     per forward (default :func:`auto_batch_size` for the model's ``config.vocab_size``)."""
     if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
-        raise KernelmixError(f"windows must be [N, T] with N ≥ 1 and T ≥ 2 (a token to predict), got {tuple(windows.shape)}")
+        raise KernelmixError("windows must be [N, T] with N ≥ 1 and T ≥ 2 (a token to predict), "
+                             f"got {tuple(windows.shape)}")
     size = batch_size or auto_batch_size(windows.shape[1], getattr(getattr(model, "config", None), "vocab_size", None))
     sums = sum_token_losses(model, (Batch(x, x) for x in windows.split(size)))
     return {"loss": sums.mean, "accuracy": sums.correct / sums.tokens, "tokens": sums.tokens}
@@ -288,7 +290,8 @@ def sum_token_losses(
                 nll, mask, hits = _token_scores(model, batch)
             if counted:
                 positions = torch.arange(1, batch.input_ids.shape[1], device=device)  # of each predicted token
-                bucket = torch.zeros_like(positions) if bounds is None else torch.bucketize(positions, bounds, right=True) - 1
+                bucket = (torch.zeros_like(positions) if bounds is None
+                          else torch.bucketize(positions, bounds, right=True) - 1)
                 sums[:buckets].index_add_(0, bucket, (nll.double() * mask).sum(0))
                 sums[buckets:-2].index_add_(0, bucket, mask.sum(0).double())
                 sums[-2] += hits.sum()  # on the device: no sync per batch
@@ -322,7 +325,8 @@ def _token_scores(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     float32, 0 where not predicted), the mask of tokens that count (label ≠ -100) and of those the
     model's most likely token hits."""
     inputs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
-    logits = model(input_ids=batch.input_ids, **{k: v for k, v in inputs.items() if v is not None}, use_cache=False).logits
+    logits = model(input_ids=batch.input_ids, **{k: v for k, v in inputs.items() if v is not None},
+                   use_cache=False).logits
     logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     labels = batch.labels[:, 1:]
     mask = labels != -100

@@ -36,7 +36,8 @@ def loglikelihoods(
         if not cont:
             raise ValueError(f"empty continuation after {context[-40:]!r}: nothing to score")
         if not ctx:
-            raise ValueError(f"empty context before {continuation[:40]!r}: the model has no start token to condition on")
+            raise ValueError(f"empty context before {continuation[:40]!r}: "
+                             "the model has no start token to condition on")
         if len(cont) >= limit:
             raise ValueError(f"continuation of {len(cont)} tokens does not fit max_seq_len {limit} with any context")
         ctx = ctx[-(limit - len(cont)):]
@@ -161,7 +162,8 @@ def write_lm_eval_tasks(tasks: dict[str, list[dict[str, Any]]], task_dir: str | 
 
 
 def _metric(name: str, aggregation: str, higher_is_better: bool) -> list[str]:
-    return [f"  - metric: {name}", f"    aggregation: {aggregation}", f"    higher_is_better: {str(higher_is_better).lower()}"]
+    return [f"  - metric: {name}", f"    aggregation: {aggregation}",
+            f"    higher_is_better: {str(higher_is_better).lower()}"]
 
 
 def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8, progress: Callable[[int], None] | None = None):

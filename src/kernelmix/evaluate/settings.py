@@ -36,7 +36,8 @@ def parse_buckets(edges: Sequence[int] | str, seq_len: int) -> list[tuple[int, i
         try:
             edges = [int(e) for e in edges.split(",") if e.strip()]
         except ValueError:
-            raise KernelmixError(f"bucket edges must be comma-separated integers, e.g. 0,64,256; got {edges!r}") from None
+            raise KernelmixError(
+                f"bucket edges must be comma-separated integers, e.g. 0,64,256; got {edges!r}") from None
     edges = list(edges)
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise KernelmixError(f"bucket edges must start at 0 and increase, e.g. [0, 64, 256]; got {edges}")

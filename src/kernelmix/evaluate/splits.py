@@ -16,7 +16,8 @@ from ..errors import KernelmixError
 from .settings import DEFAULT_DOC_TOKENS, DEFAULT_MAX_DOCS
 
 
-def split_from_texts(texts: Sequence[str], tokenizer, names: Sequence[str] | None = None, name: str = "text") -> TokenizedSplit:
+def split_from_texts(texts: Sequence[str], tokenizer, names: Sequence[str] | None = None,
+                     name: str = "text") -> TokenizedSplit:
     """An in-memory split: each text one document, tokenized with ``tokenizer``."""
     return TokenizedSplit.from_token_lists([tokenizer.encode(t) for t in texts], name=name, names=names)
 
@@ -95,7 +96,8 @@ def scope_split(
     ``max_docs`` is "all", else :data:`DEFAULT_DOC_TOKENS` or the longest length if that is more,
     so the longest windows still fit). Refuses a scope with no token to predict."""
     for label, value in (("max_docs", max_docs), ("doc_tokens", doc_tokens)):
-        if value != "all" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value != "all" and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                     or value < 1):
             raise KernelmixError(f"{label} must be a positive int or 'all', got {value!r}")
     if max_docs is None:
         raise KernelmixError("max_docs must be a positive int or 'all', got None")

@@ -37,7 +37,8 @@ def build_continuation_task(
     if len(hosts) == 0 or len(donors) < 2:
         raise ValueError(
             f"split {split.name!r} ({len(split)} documents) cannot give continuation items: it needs a document of "
-            f"≥ {context_tokens + span_tokens} tokens and another of ≥ {span_tokens}; use shorter context_tokens/span_tokens"
+            f"≥ {context_tokens + span_tokens} tokens and another of ≥ {span_tokens}; "
+            "use shorter context_tokens/span_tokens"
         )
     rng = np.random.default_rng([seed, 0xC0])
     out: list[dict[str, Any]] = []
@@ -65,7 +66,8 @@ def build_continuation_task(
             continue
         label = int(rng.integers(0, num_choices))
         choices = distractors[:label] + [true] + distractors[label:]
-        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": context, "choices": choices, "label": label})
+        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": context, "choices": choices,
+                    "label": label})
     if len(out) < items:
         raise ValueError(f"could only build {len(out)} of {items} continuation items from split {split.name!r}")
     return out
@@ -103,7 +105,8 @@ def build_cloze_task(
     for index in sorted(rng.choice(len(candidates), size=items, replace=False).tolist()):
         doc, start, word = candidates[index]
         prefix_ids = tokenizer.encode(texts[doc][:start])[-context_tokens:]
-        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": tokenizer.decode(prefix_ids), "target": word})
+        out.append({"id": len(out), "doc": _doc_name(split, doc), "context": tokenizer.decode(prefix_ids),
+                    "target": word})
     return out
 
 

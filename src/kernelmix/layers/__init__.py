@@ -39,7 +39,8 @@ def _mixer_class(name: str) -> type:
     declared = registry.mixer_info(name).options
     if tuple(cls.OPTIONS) != declared:  # a registered mixer whose entry and class were changed apart
         raise KernelmixError(f"mixer {name!r}: its registry entry names the options {declared}, its class "
-                             f"{cls.__name__} {tuple(cls.OPTIONS)}; make MixerInfo.options equal {cls.__name__}.OPTIONS")
+                             f"{cls.__name__} {tuple(cls.OPTIONS)}; "
+                             f"make MixerInfo.options equal {cls.__name__}.OPTIONS")
     return cls
 
 

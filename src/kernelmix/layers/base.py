@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from ..errors import KernelmixError
 from ..ops import check_backend
 from .rope import DEFAULT_THETA, RopeTables, apply_rope, rope_positions
-from .settings import SHARED_OPTIONS, check_bool, check_choice, check_head_geometry, check_positive_int  # torch-free: exported here as before
+# torch-free: exported here as before
+from .settings import SHARED_OPTIONS, check_bool, check_choice, check_head_geometry, check_positive_int
 
 
 @dataclass
@@ -221,7 +222,8 @@ class MixerLayer(nn.Module):
             )
         length = getattr(cache.state, "length", None)
         if length is not None and length != cache.position:
-            raise KernelmixError(f"cache is inconsistent: position {cache.position} but its state holds {length} tokens")
+            raise KernelmixError("cache is inconsistent: "
+                                 f"position {cache.position} but its state holds {length} tokens")
         state_batch = _state_batch_size(cache.state)
         if state_batch is not None and state_batch != batch_size:
             raise KernelmixError(
@@ -311,4 +313,5 @@ class MixerLayer(nn.Module):
         raise NotImplementedError
 
 
-__all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_head_geometry", "check_positive_int", "init_linear"]
+__all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_head_geometry",
+           "check_positive_int", "init_linear"]

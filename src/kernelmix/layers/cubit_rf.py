@@ -94,7 +94,8 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         self.estimate = check_choice("estimate", estimate, ESTIMATES)
         self.readout = check_choice("readout", readout, READOUTS)
         if readout == "linear" and estimate in ("both", "readout"):
-            raise KernelmixError(f"readout='linear' has no kernel to estimate; use estimate='gram' or 'none', got {estimate!r}")
+            raise KernelmixError("readout='linear' has no kernel to estimate; "
+                                 f"use estimate='gram' or 'none', got {estimate!r}")
 
     # whiten_'s calibration samples: the rotated queries (before the fold) and keys, as DARKFormer's
     qk_samples = DarkFormerMixer.qk_samples
@@ -109,7 +110,8 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
         return f"{super().extra_repr()}, {self.feature_repr()}{ablation}"
 
     def _op_options(self, extras: dict) -> dict:
-        return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"], **self._coefficients()}
+        return {"rho": extras["rho"], "transform": self.transform, "doc_start": extras["doc_start"],
+                **self._coefficients()}
 
     def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
         if self.ablation:  # dense, and a marker state that a later call refuses
@@ -152,17 +154,21 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
     def _check_cache(self, cache: Any, batch_size: int) -> None:
         if self.ablation or isinstance(getattr(cache, "state", None), AblationState):
             raise KernelmixError(self._no_cache_message())
-        super()._check_cache(cache, batch_size)  # (its batch check reads a state's first tensor field; ours holds two states)
+        # (its batch check reads a state's first tensor field; ours holds two states)
+        super()._check_cache(cache, batch_size)
         state_batch = cache.state.readout.S.shape[0]
         if state_batch != batch_size:
-            raise KernelmixError(f"cache was built for batch size {state_batch}, hidden_states has batch size {batch_size}")
+            raise KernelmixError(f"cache was built for batch size {state_batch}, "
+                                 f"hidden_states has batch size {batch_size}")
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, CubitRFState):
-            raise KernelmixError(f"a {self.mixer_name} layer's cache state must be a CubitRFState, got {type(state).__name__}")
+            raise KernelmixError(f"a {self.mixer_name} layer's cache state must be a CubitRFState, "
+                                 f"got {type(state).__name__}")
         features = state.readout.S.shape[2] if state.readout.S.dim() == 4 else "?"
         if features != self.num_features:
-            raise KernelmixError(f"cache holds {features} random features, this layer has num_features={self.num_features}")
+            raise KernelmixError(f"cache holds {features} random features, "
+                                 f"this layer has num_features={self.num_features}")
 
 
 __all__ = ["AblationState", "CubitRFMixer"]

@@ -57,7 +57,8 @@ class DeltaFormerMixer(MixerLayer):
         )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, DeltaFormerState]:
-        return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"], doc_start=extras["doc_start"])
+        return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"],
+                                          doc_start=extras["doc_start"])
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, DeltaFormerState):

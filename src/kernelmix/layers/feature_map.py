@@ -80,7 +80,8 @@ class RandomFeatureMap(nn.Module):
         self.num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.backend = check_backend(backend)
-        self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware, generator=generator)
+        self.init_feature_map(num_features=num_features, projection=projection, data_aware=data_aware,
+                              generator=generator)
 
     def init_feature_map(
         self, *, num_features: int, projection: str, data_aware: bool, generator: torch.Generator | None = None
@@ -162,14 +163,16 @@ class RandomFeatureMap(nn.Module):
                     f"torch.Tensor (e.g. from {type(self).__name__}.qk_samples)"
                 )
         if q_samples.dim() == 3 and q_samples.shape[1] != self.num_heads:
-            raise KernelmixError(f"q_samples have {q_samples.shape[1]} heads, this layer has num_heads={self.num_heads}")
+            raise KernelmixError(f"q_samples have {q_samples.shape[1]} heads, "
+                                 f"this layer has num_heads={self.num_heads}")
         if k_samples.dim() == 3 and k_samples.shape[1] not in (self.num_kv_heads, self.num_heads):
             raise KernelmixError(
                 f"k_samples have {k_samples.shape[1]} heads, expected num_kv_heads={self.num_kv_heads} "
                 f"(or num_heads={self.num_heads})"
             )
         if q_samples.dim() == 3 and q_samples.shape[2] != self.head_dim:
-            raise KernelmixError(f"q_samples have head dim {q_samples.shape[2]}, this layer has head_dim={self.head_dim}")
+            raise KernelmixError(f"q_samples have head dim {q_samples.shape[2]}, "
+                                 f"this layer has head_dim={self.head_dim}")
         m, fold = data_aware_transform(q_samples, k_samples, eps)
         self.transform.copy_(m.to(self.transform))
         self.query_fold.copy_(fold.to(self.query_fold))

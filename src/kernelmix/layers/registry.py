@@ -81,7 +81,8 @@ class MixerInfo:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise KernelmixError(f"mixer {self.name!r}: unknown family {self.family!r} (choose from: {', '.join(FAMILIES)})")
+            raise KernelmixError(f"mixer {self.name!r}: "
+                                 f"unknown family {self.family!r} (choose from: {', '.join(FAMILIES)})")
 
 
 REGISTRY: dict[str, MixerInfo] = {}
@@ -206,14 +207,17 @@ OP_MIXERS = View(_with_op)
 register(MixerInfo("softmax", "kernelmix.layers.softmax:SoftmaxMixer", "softmax", constant_cache=False,
                    op="kernelmix.ops.calls:softmax", step="kernelmix.ops.calls:softmax_step"))
 register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False, options=CUBIT_OPTIONS,
-                   op="kernelmix.ops.calls:cubit", step="kernelmix.ops.calls:cubit_step", leaves=("q", "k", "v", "r", "rho"),
-                   variants=(Variant("cubit-nolrr", {"lrr": False}, "no LRR"),)))
-register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False, options=("w",),
-                   op="kernelmix.ops.calls:deltaformer", step="kernelmix.ops.calls:deltaformer_step", leaves=("q", "k", "v", "beta")))
+                   op="kernelmix.ops.calls:cubit", step="kernelmix.ops.calls:cubit_step",
+                   leaves=("q", "k", "v", "r", "rho"), variants=(Variant("cubit-nolrr", {"lrr": False}, "no LRR"),)))
+register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False,
+                   options=("w",), op="kernelmix.ops.calls:deltaformer", step="kernelmix.ops.calls:deltaformer_step",
+                   leaves=("q", "k", "v", "beta")))
 register(MixerInfo("performer", "kernelmix.layers.random_features:PerformerMixer", "random-features",
-                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:performer", step="kernelmix.ops.calls:performer_step"))
+                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:performer",
+                   step="kernelmix.ops.calls:performer_step"))
 register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMixer", "random-features",
-                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:darkformer", step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
+                   constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:darkformer",
+                   step="kernelmix.ops.calls:darkformer_step", leaves=("q", "k", "v", "transform")))
 # Cubit-RF (docs/math.md §12): Cubit's ridge solve, but on random features. Its family is
 # "random-features", not "solve": a family says what the cost grows like and which targets and peers
 # a mixer is measured against (gpu-check part (b): the "solve" family gets the T² targets — within
@@ -222,16 +226,20 @@ register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMix
 # O(m·d) state, and issue 27's targets for it are the linear ones. in_defaults=False: no results of it
 # are committed yet under results/compare or results/recall, and it would lengthen the README's main
 # job (`kernelmix compare`, ≈ 16 min for the six others) — train it with --mixers ...,cubit-rf.
-register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True, options=CUBIT_RF_OPTIONS,
-                   op="kernelmix.ops.calls:cubit_rf", step="kernelmix.ops.calls:cubit_rf_step",
-                   leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
+register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True,
+                   options=CUBIT_RF_OPTIONS, op="kernelmix.ops.calls:cubit_rf",
+                   step="kernelmix.ops.calls:cubit_rf_step", leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
                    # the ablation of results/recall-cubit-rf: which estimate costs the recall (dense, no decode)
-                   variants=(Variant("cubit-rf-exact-readout", {"estimate": "gram"}, "Gram estimated, exact read-out", op_level=False),
-                             Variant("cubit-rf-exact-gram", {"estimate": "readout"}, "exact Gram, read-out estimated", op_level=False),
-                             Variant("cubit-rf-exact", {"estimate": "none"}, "both kernels exact (dense Cubit)", op_level=False))))
+                   variants=(Variant("cubit-rf-exact-readout", {"estimate": "gram"}, "Gram estimated, exact read-out",
+                                     op_level=False),
+                             Variant("cubit-rf-exact-gram", {"estimate": "readout"}, "exact Gram, read-out estimated",
+                                     op_level=False),
+                             Variant("cubit-rf-exact", {"estimate": "none"}, "both kernels exact (dense Cubit)",
+                                     op_level=False))))
 
 
 __all__ = [
-    "CUBIT_OPTIONS", "CUBIT_RF_OPTIONS", "FAMILIES", "RANDOM_FEATURE_OPTIONS", "REGISTRY", "MixerInfo", "Variant", "View", "default_variants", "layer_class", "load", "mixer_info", "mixer_names",
-    "OP_MIXERS", "op_call", "op_mixers", "register", "step_call", "unregister", "variants",
+    "CUBIT_OPTIONS", "CUBIT_RF_OPTIONS", "FAMILIES", "RANDOM_FEATURE_OPTIONS", "REGISTRY", "MixerInfo", "Variant",
+    "View", "default_variants", "layer_class", "load", "mixer_info", "mixer_names", "OP_MIXERS", "op_call", "op_mixers",
+    "register", "step_call", "unregister", "variants",
 ]

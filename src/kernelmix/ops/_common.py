@@ -213,13 +213,15 @@ def per_head(name: str, value: float | Tensor, num_heads: int, like: Tensor, *, 
         if value.dim() == 0:
             value = value.expand(num_heads)
         if tuple(value.shape) != (num_heads,):
-            raise KernelmixError(f"{name} must be a float or a tensor of shape [H] = ({num_heads},), got {tuple(value.shape)}")
+            raise KernelmixError(f"{name} must be a float or a tensor of shape [H] = "
+                                 f"({num_heads},), got {tuple(value.shape)}")
         # the value check syncs: under torch.compile it would break the graph, so it runs eagerly only
         if positive and not torch.compiler.is_compiling() and bool((value.detach() <= 0).any()):
             raise KernelmixError(f"{name} must be > 0 for every head, got min {value.detach().min().item():g}")
         return value.to(dtype=like.dtype, device=like.device)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KernelmixError(f"{name} must be a float or a torch.Tensor of shape [H] = ({num_heads},), got {type(value).__name__}")
+        raise KernelmixError(f"{name} must be a float or a torch.Tensor of shape [H] = ({num_heads},), "
+                             f"got {type(value).__name__}")
     value = float(value)
     if positive and not value > 0:
         raise KernelmixError(f"{name} must be > 0, got {value:g}")
@@ -253,7 +255,8 @@ def check_state(op: str, state, cls: type, fields: dict[str, tuple[tuple, str]],
             )
     lengths = {name: getattr(state, name).shape[1] for name in same_length if getattr(state, name) is not None}
     if len(set(lengths.values())) > 1:
-        raise KernelmixError(f"{op}: the state is inconsistent: its cached lengths differ ({lengths}); pass an unmodified state")
+        raise KernelmixError(f"{op}: the state is inconsistent: "
+                             f"its cached lengths differ ({lengths}); pass an unmodified state")
 
 
 def check_chunk_size(chunk_size: int) -> None:

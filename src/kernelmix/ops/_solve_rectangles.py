@@ -217,7 +217,8 @@ class _RectangleSolve(torch.autograd.Function):
             beta_block = None if beta is None else beta[bs, :, i0:i1]
             rhs = rhs - (past if beta_block is None else beta_block[..., None] * past)
             small = None if beta_block is None else beta_block < BETA_EXACT
-            exact_kernel = kernel.clone() if small is not None and small.any() else None  # K, before it becomes the system
+            # K, before it becomes the system
+            exact_kernel = kernel.clone() if small is not None and small.any() else None
             u_block = torch.linalg.solve_triangular(_system_(kernel, beta_block, gamma), rhs, upper=False)
             if exact_kernel is not None:  # these rows keep Y = K U
                 at = small.nonzero()
@@ -238,7 +239,8 @@ class _RectangleSolve(torch.autograd.Function):
                     out, rect_lse = flash(x[bs, :, r0:r1], keys, u[bs, :, c0:c1], 0.0, False, scale=scale)
                     acc, acc_lse = u[bs, :, r0:r1], lse[bs, :, r0:r1]  # rows not solved yet
                     merged = torch.logaddexp(acc_lse, rect_lse)
-                    acc.mul_(torch.exp(acc_lse - merged)[..., None]).add_(out.mul_(torch.exp(rect_lse - merged)[..., None]))
+                    acc.mul_(torch.exp(acc_lse - merged)[..., None]).add_(
+                        out.mul_(torch.exp(rect_lse - merged)[..., None]))
                     acc_lse.copy_(merged)
                     del out, rect_lse  # before the next call allocates its own
             solve(bs, mid, hi)
@@ -285,8 +287,9 @@ class _RectangleSolve(torch.autograd.Function):
         def leaf_backward(bs, i0, i1):
             x_block = x[bs, :, i0:i1]
             db, d_gamma, e, grad_x_block, grad_y_block = _leaf_gradients(
-                x_block, _keys(x, y, y_scale, bs, i0, i1), lse[bs, :, i0:i1], None if beta is None else beta[bs, :, i0:i1],
-                gamma, grad_b[bs, :, i0:i1], u[bs, :, i0:i1], full_rows(bs, i0, i1), scale, offset,
+                x_block, _keys(x, y, y_scale, bs, i0, i1), lse[bs, :, i0:i1],
+                None if beta is None else beta[bs, :, i0:i1], gamma, grad_b[bs, :, i0:i1], u[bs, :, i0:i1],
+                full_rows(bs, i0, i1), scale, offset,
             )
             grad_b[bs, :, i0:i1] = db
             grad_gamma.sub_(d_gamma)

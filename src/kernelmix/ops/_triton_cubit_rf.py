@@ -31,25 +31,29 @@ import triton.language as tl
 from torch import Tensor
 
 from ..errors import KernelmixError
-from ._backend import defined_for_the_interpreter
+from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
 
-#: Value columns per program (its part of R is m × VALUE_BLOCK fp32).
-VALUE_BLOCK = 64
+#: Value columns per program (its part of R is m × VALUE_BLOCK fp32, held twice: R_{c−1} and R_c).
+VALUE_BLOCK = 16
+#: Rows of a chunk read at a time (ROW_BLOCK × m tiles of A_c and K_c: whole C × m tiles spilled tens of KB).
+ROW_BLOCK = 16
+#: Warps per program: the states R_{c−1} and R_c (or G_c and G_{c−1} with R_{c−1}) spread over 256 threads
+WARPS = 8
 #: Largest number of features the kernels hold in one tile (m × VALUE_BLOCK and C × m).
 MAX_FEATURES = 256
 
 
 @triton.jit
-def _chunk_tile(ptr, c, width, cols, cols_ok, BLOCK_C: tl.constexpr, C):
-    """Chunk c's ``[C, width]`` rows of a ``[N, C, width]`` tensor (this head's), columns ``cols``."""
-    rows = tl.arange(0, BLOCK_C)
+def _chunk_tile(ptr, c, first, width, cols, cols_ok, ROWS: tl.constexpr, C):
+    """Rows first … first + ROWS − 1 of chunk c of a ``[N, C, width]`` tensor (this head's), columns ``cols``."""
+    rows = first + tl.arange(0, ROWS)
     offsets = (c * C + rows).to(tl.int64)[:, None] * width + cols[None, :]
     return tl.load(ptr + offsets, mask=(rows < C)[:, None] & cols_ok[None, :], other=0.0)
 
 
 @triton.jit
-def _store_chunk_tile(ptr, c, width, cols, cols_ok, value, BLOCK_C: tl.constexpr, C):
-    rows = tl.arange(0, BLOCK_C)
+def _store_chunk_tile(ptr, c, first, width, cols, cols_ok, value, ROWS: tl.constexpr, C):
+    rows = first + tl.arange(0, ROWS)
     offsets = (c * C + rows).to(tl.int64)[:, None] * width + cols[None, :]
     tl.store(ptr + offsets, value, mask=(rows < C)[:, None] & cols_ok[None, :])
 
@@ -63,8 +67,9 @@ def _head_pointers(x_ptr, a_ptr, k_ptr, N, C, m, dv):
 
 @triton.jit
 def _recurrence_forward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, r0_ptr, before_ptr, final_ptr, N, C, m, dv,
-                               BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """R_c = a_c R_{c−1} + K_cᵀ (X_c − A_c R_{c−1}) over the chunks, storing R_{c−1} for each."""
+                               BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """R_c = a_c R_{c−1} + K_cᵀ (X_c − A_c R_{c−1}) over the chunks, storing R_{c−1} for each. A chunk's
+    rows are independent given R_{c−1}, so they are read BLOCK_R at a time (C × m tiles would spill)."""
     bh = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     cols_ok = cols < dv
@@ -77,11 +82,16 @@ def _recurrence_forward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, r0_ptr, before_
     c = 0
     while c < N:  # (a while loop: see the note at the top)
         tl.store(before_ptr + (bh * N + c) * m * dv + state_offsets, state, mask=state_mask)
-        x = _chunk_tile(x_head, c, dv, cols, cols_ok, BLOCK_C, C)
-        a = _chunk_tile(a_head, c, m, feats, feats_ok, BLOCK_C, C)
-        k = _chunk_tile(k_head, c, m, feats, feats_ok, BLOCK_C, C)
-        solved = x - tl.dot(a, state, input_precision="ieee")  # U_c: the chunk's rows
-        state = tl.load(rescale_ptr + bh * N + c) * state + tl.dot(tl.trans(k), solved, input_precision="ieee")
+        carried = tl.load(rescale_ptr + bh * N + c) * state
+        first = 0
+        while first < C:
+            x = _chunk_tile(x_head, c, first, dv, cols, cols_ok, BLOCK_R, C)
+            a = _chunk_tile(a_head, c, first, m, feats, feats_ok, BLOCK_R, C)
+            k = _chunk_tile(k_head, c, first, m, feats, feats_ok, BLOCK_R, C)
+            solved = x - tl.dot(a, state, input_precision="ieee")  # these rows of U_c
+            carried += tl.dot(tl.trans(k), solved, input_precision="ieee")
+            first += BLOCK_R
+        state = carried
         c += 1
     tl.store(final_ptr + bh * m * dv + state_offsets, state, mask=state_mask)
 
@@ -89,9 +99,10 @@ def _recurrence_forward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, r0_ptr, before_
 @triton.jit
 def _recurrence_backward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, before_ptr, g_before_ptr, g_final_ptr,
                                 dx_ptr, da_ptr, dk_ptr, drescale_ptr, dr0_ptr, N, C, m, dv, BH,
-                                BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+                                BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """The chunks from the last: dX_c, this value block's parts of dA_c, dK_c and da_c, and
-    G_{c−1} = a_c G_c − A_cᵀ K_c G_c + dL/dR_{c−1}; dR_{−1} at the end (module docstring)."""
+    G_{c−1} = a_c G_c − A_cᵀ K_c G_c + dL/dR_{c−1}; dR_{−1} at the end (module docstring). Rows BLOCK_R
+    at a time, as the forward."""
     bh = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -110,35 +121,41 @@ def _recurrence_backward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, before_ptr, g_
     while step < N:  # (a while loop: see the note at the top)
         c = N - 1 - step
         previous = tl.load(before_ptr + (bh * N + c) * m * dv + state_offsets, mask=state_mask, other=0.0)
-        x = _chunk_tile(x_head, c, dv, cols, cols_ok, BLOCK_C, C)
-        a = _chunk_tile(a_head, c, m, feats, feats_ok, BLOCK_C, C)
-        k = _chunk_tile(k_head, c, m, feats, feats_ok, BLOCK_C, C)
-        rescale = tl.load(rescale_ptr + bh * N + c)
-        weighted = tl.dot(k, grad, input_precision="ieee")  # W_c = K_c G_c
-        _store_chunk_tile(dx_head, c, dv, cols, cols_ok, weighted, BLOCK_C, C)
-        _store_chunk_tile(da_head, c, m, feats, feats_ok, -tl.dot(weighted, tl.trans(previous), input_precision="ieee"),
-                          BLOCK_C, C)
-        solved = x - tl.dot(a, previous, input_precision="ieee")
-        _store_chunk_tile(dk_head, c, m, feats, feats_ok, tl.dot(solved, tl.trans(grad), input_precision="ieee"),
-                          BLOCK_C, C)
         tl.store(drescale_ptr + part * N + c, tl.sum(tl.sum(grad * previous, axis=1), axis=0))
         direct = tl.load(g_before_ptr + (bh * N + c) * m * dv + state_offsets, mask=state_mask, other=0.0)
-        grad = rescale * grad - tl.dot(tl.trans(a), weighted, input_precision="ieee") + direct
+        earlier = tl.load(rescale_ptr + bh * N + c) * grad + direct
+        first = 0
+        while first < C:
+            x = _chunk_tile(x_head, c, first, dv, cols, cols_ok, BLOCK_R, C)
+            a = _chunk_tile(a_head, c, first, m, feats, feats_ok, BLOCK_R, C)
+            k = _chunk_tile(k_head, c, first, m, feats, feats_ok, BLOCK_R, C)
+            weighted = tl.dot(k, grad, input_precision="ieee")  # these rows of W_c = K_c G_c
+            _store_chunk_tile(dx_head, c, first, dv, cols, cols_ok, weighted, BLOCK_R, C)
+            _store_chunk_tile(da_head, c, first, m, feats, feats_ok,
+                              -tl.dot(weighted, tl.trans(previous), input_precision="ieee"), BLOCK_R, C)
+            solved = x - tl.dot(a, previous, input_precision="ieee")
+            _store_chunk_tile(dk_head, c, first, m, feats, feats_ok,
+                              tl.dot(solved, tl.trans(grad), input_precision="ieee"), BLOCK_R, C)
+            earlier -= tl.dot(tl.trans(a), weighted, input_precision="ieee")
+            first += BLOCK_R
+        grad = earlier
         step += 1
     tl.store(dr0_ptr + bh * m * dv + state_offsets, grad, mask=state_mask)
 
 
 class _Blocks:
-    """The kernels' tile sizes for C rows, m features and d_v value columns (powers of two ≥ 16)."""
+    """The kernels' tile sizes for C rows, m features and d_v value columns (powers of two ≥ 16): rows
+    ROW_BLOCK at a time, all m features, VALUE_BLOCK value columns per program."""
 
     def __init__(self, chunk: int, features: int, value_dim: int) -> None:
-        self.block_c = max(16, triton.next_power_of_2(chunk))
+        self.block_r = ROW_BLOCK
+        self.rows = triton.cdiv(chunk, ROW_BLOCK) * ROW_BLOCK  # the rows a chunk's loop reads, padding included
         self.block_m = max(16, triton.next_power_of_2(features))
         self.block_v = min(VALUE_BLOCK, max(16, triton.next_power_of_2(value_dim)))
         self.value_blocks = triton.cdiv(value_dim, self.block_v)
 
     def constexprs(self) -> dict:
-        return dict(BLOCK_C=self.block_c, BLOCK_M=self.block_m, BLOCK_V=self.block_v)
+        return dict(BLOCK_R=self.block_r, BLOCK_M=self.block_m, BLOCK_V=self.block_v)
 
 
 def _check(x: Tensor, a: Tensor, keys: Tensor, rescale: Tensor, initial: Tensor) -> None:
@@ -169,7 +186,7 @@ class _Recurrence(torch.autograd.Function):
         before = x.new_empty(batch, heads, n, m, dv)
         final = torch.empty_like(initial)
         _recurrence_forward_kernel[(batch * heads, blocks.value_blocks)](
-            x, a, keys, rescale, initial, before, final, n, chunk, m, dv, **blocks.constexprs())
+            x, a, keys, rescale, initial, before, final, n, chunk, m, dv, **blocks.constexprs(), num_warps=WARPS)
         ctx.save_for_backward(x, a, keys, rescale, before)
         ctx.blocks = blocks
         return before, final
@@ -189,8 +206,25 @@ class _Recurrence(torch.autograd.Function):
         dr0 = x.new_empty(batch, heads, m, dv)
         _recurrence_backward_kernel[(bh, parts)](
             x, a, keys, rescale, before, g_before, g_final, dx, da, dk, drescale, dr0, n, chunk, m, dv, bh,
-            **blocks.constexprs())
+            **blocks.constexprs(), num_warps=WARPS)
         return dx, da.sum(0), dk.sum(0), drescale.sum(0), dr0
+
+
+def recurrence_launches(batch: int, heads: int, length: int, features: int, value_dim: int, *,
+                        chunk_size: int) -> list[KernelLaunch]:
+    """The recurrence's launches in one differentiated Cubit-RF call at these sizes (for ``gpu-check
+    --plan``): the forward twice (the solve is recomputed in the backward) and the backward once, with the
+    grids and blocks of the launches above. Cubit-RF's read-out adds the random-feature kernels."""
+    chunk = min(chunk_size, length)
+    blocks = _Blocks(chunk, features, value_dim)
+    grid = (batch * heads, blocks.value_blocks)
+    constexprs = blocks.constexprs()
+    tiles = dict(block_c=blocks.rows, block_m=blocks.block_m, block_v=blocks.block_v,
+                 chunks=triton.cdiv(length, chunk), features=features, value_dim=value_dim)
+    return [KernelLaunch(name, kernel, grid, constexprs, WARPS, aot_signature(kernel, constexprs, {}, set()),
+                         tiles, calls)
+            for name, kernel, calls in (("cubit_rf_recurrence", _recurrence_forward_kernel, 2),
+                                        ("cubit_rf_recurrence_backward", _recurrence_backward_kernel, 1))]
 
 
 def triton_state_recurrence(x: Tensor, a: Tensor, keys: Tensor, rescale: Tensor,

@@ -243,7 +243,8 @@ def _scan_tile(H, m_feats, dv, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
     offs_m = pid_m * SCAN_M + tl.arange(0, SCAN_M)
     cols = pid_v * SCAN_V + tl.arange(0, SCAN_V)
     feat_ok = offs_m < m_feats
-    return pid_bh, pid_m, pid_v, (pid_bh // H).to(tl.int64), offs_m, cols, feat_ok, feat_ok[:, None] & (cols < dv)[None, :]
+    return (pid_bh, pid_m, pid_v, (pid_bh // H).to(tl.int64), offs_m, cols, feat_ok,
+            feat_ok[:, None] & (cols < dv)[None, :])
 
 
 @triton.jit
@@ -705,7 +706,8 @@ def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_siz
     s0, z0, shift0 = _state_tensors(state, geometry, v)
     if geometry.length == 0 or geometry.batch == 0:  # nothing to mix: no launch, the state as it was
         out = v.repeat_interleave(geometry.heads // geometry.kv_heads, dim=2)  # empty, and autograd sees v
-        return out, v.new_zeros(geometry.batch, geometry.heads, geometry.length), (s0, z0, shift0, start + geometry.length)
+        return (out, v.new_zeros(geometry.batch, geometry.heads, geometry.length),
+                (s0, z0, shift0, start + geometry.length))
     doc = None if doc_start is None else doc_start.to(device=q.device, dtype=torch.int64).contiguous()
     out, denominator, s, z, shift = _RandomFeatureAttention.apply(
         q, k, v, projection, transform, doc, (s0, z0, shift0), geometry)

@@ -12,8 +12,8 @@ head, slice of value columns) walks the span's row blocks in order (``_solve_for
 Forward: for row block I, an online softmax (running max, running sum, flash-attention style) over
 the past column blocks mixes the stored U rows — the earlier spans' in ``_past_span_kernel``, which
 leaves its running max, sum and mix per row, the span's own in ``_solve_forward_kernel``, which
-continues from them in blocks of ``SUBSTITUTION_ROWS``; the diagonal tile closes the softmax, which gives K_II, the mix of the past
-Σ_{j<i0} K_ij u_j and the row log-normaliser (base 2, saved for the backward); then the C×C system
+continues from them in blocks of ``SUBSTITUTION_ROWS``; the diagonal tile closes the softmax, which gives K_II, the mix
+of the past Σ_{j<i0} K_ij u_j and the row log-normaliser (base 2, saved for the backward); then the C×C system
 β_I K_II + γ I is solved in registers (rows divided by their pivots, then a column-oriented
 forward substitution: two reductions per row) and U_I stored. The solve is
 independent per column of b, so programs split the value columns (``BLOCK_V``); each recomputes the
@@ -889,8 +889,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 lay.spans),
                ("solve_future_span", _future_span_kernel, lay.span_grid(0), span | {"HAS_BETA": lay.has_beta},
                 lay.spans - 1),
-               ("solve_transposed", _solve_transposed_kernel, lay.sequential_grid, substitution | {"HAS_FUTURE": several},
-                lay.spans),
+               ("solve_transposed", _solve_transposed_kernel, lay.sequential_grid,
+                substitution | {"HAS_FUTURE": several}, lay.spans),
                ("solve_grad_rows", _grad_rows_kernel, lay.block_grid, flags | row_gradient, 1),
                ("solve_grad_columns", _grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
     return [KernelLaunch(name, kernel, grid, constexprs, sub_warps if name in ("solve_forward", "solve_transposed")

@@ -107,5 +107,5 @@ def darkformer_step(x: dict, state) -> tuple[Tensor, Any]:
     return random_feature_attention_step(x["q"], x["k"], x["v"], x["projection"], state, transform=x["transform"])
 
 
-__all__ = ["cubit", "cubit_rf", "cubit_rf_step", "cubit_step", "darkformer", "darkformer_step", "deltaformer", "deltaformer_step", "performer",
-           "performer_step", "softmax", "softmax_step"]
+__all__ = ["cubit", "cubit_rf", "cubit_rf_step", "cubit_step", "darkformer", "darkformer_step", "deltaformer",
+           "deltaformer_step", "performer", "performer_step", "softmax", "softmax_step"]

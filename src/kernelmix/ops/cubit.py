@@ -114,7 +114,8 @@ def cubit_solve(
     return _poisoned_solution(guard, u, r_hat, doc_start)
 
 
-def _poisoned_solution(guard: NonFinite | None, u: Tensor, r_hat: Tensor | None, doc_start) -> tuple[Tensor, Tensor | None]:
+def _poisoned_solution(guard: NonFinite | None, u: Tensor, r_hat: Tensor | None,
+                       doc_start) -> tuple[Tensor, Tensor | None]:
     """U (and r̂) of a solve on zeroed inputs, with NaN back where the inputs had it: the rows of U
     that see a non-finite token, and r̂ of a non-finite reference."""
     if guard is None:
@@ -303,7 +304,8 @@ def cubit_attention_step(
     """
     _check_cubit_inputs(q, k, v, r, rho)
     if q.shape[1] != 1:
-        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "
+                             "use cubit_attention for prefill")
     heads = q.shape[2]
     if state is not None:
         batch = q.shape[0]
@@ -318,11 +320,13 @@ def cubit_attention_step(
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible: −inf logits
-    hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
+    hidden = (None if doc_start is None
+              else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None])
     # hidden logits are selected away (−inf), but u is multiplied: a flagged u is cached as 0
     flag, nonfinite = step_nonfinite(find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads),
                                      None if state is None else state.nonfinite, hidden, position)
-    with autocast_off(q):  # the Gram row, the substitution and the cached u stay fp32 under bf16 autocast (the policy, _common)
+    # the Gram row, the substitution and the cached u stay fp32 under bf16 autocast (the policy, _common)
+    with autocast_off(q):
         dtype = compute_dtype(q, k, v, r) if state is None else state.u.dtype
         r_t = r.to(dtype)
         lam = per_head("ridge", ridge, heads, r_t, positive=True)

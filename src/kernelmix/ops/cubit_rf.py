@@ -115,14 +115,16 @@ def _check_cubit_rf_state(op: str, state, batch: int, heads: int, m: int, dv: in
         check_state(f"{op} (state.{part})", getattr(state, part), RandomFeatureState, fields)
     lengths = (state.reference.length, state.readout.length)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths) or lengths[0] != lengths[1]:
-        raise KernelmixError(f"{op}: the state is inconsistent: its parts hold {lengths} tokens; pass an unmodified state")
+        raise KernelmixError(f"{op}: the state is inconsistent: "
+                             f"its parts hold {lengths} tokens; pass an unmodified state")
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
 
 
-def reference_logits(r: Tensor, ref_scale: Tensor, projection: Tensor, transform: Tensor | None) -> tuple[Tensor, Tensor]:
+def reference_logits(r: Tensor, ref_scale: Tensor, projection: Tensor,
+                     transform: Tensor | None) -> tuple[Tensor, Tensor]:
     """The Gram's log-features ``[B, T, H, m]`` for ``r`` ``[B, T, H, d]`` and ``ref_scale`` ``[H]``:
     (query side: log φ(r_i d^¼) less its per-row constants, key side: log(√m φ(r̂_j d^¼))). The
     x̃ = d^{-1/4} x of the feature map meets x = r d^¼, so E[φ·φ] = exp(r_iᵀ Σ r̂_j), Cubit's kernel."""
@@ -137,7 +139,8 @@ def _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dty
     r = r.to(dtype)
     lam = per_head("ridge", ridge, heads, r, positive=True)
     s = per_head("ref_scale", ref_scale, heads, r, positive=True)
-    a_logits, b_logits = reference_logits(r, s, projection.to(dtype), None if transform is None else transform.to(dtype))
+    a_logits, b_logits = reference_logits(r, s, projection.to(dtype),
+                                          None if transform is None else transform.to(dtype))
     values = expand_heads(v, heads).to(dtype)
     if rho is not None:
         values = rho.to(dtype)[..., None] * values
@@ -257,7 +260,8 @@ def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initi
     chunks, shift, n_chunks, chunk = _layout(b_logits, doc_start, start, carried, chunk_size)
     a = _to_chunks(_row_features(a_logits), n_chunks, chunk)  # [B, H, N, C, m], max 1
     kappa = _to_chunks(torch.exp(b_logits - shift.transpose(1, 2)[..., None]), n_chunks, chunk)  # ≤ 1
-    decay = torch.exp((chunks.shift[..., None, :] - chunks.shift[..., :, None]).masked_fill(~chunks.visible(), float("-inf")))
+    decay = torch.exp(
+        (chunks.shift[..., None, :] - chunks.shift[..., :, None]).masked_fill(~chunks.visible(), float("-inf")))
     scores = (a @ kappa.transpose(-1, -2)) * decay  # the Gram numerators within each chunk, at exp(−s_i)
     own, rescale, carry = chunks.own_weights(kappa), chunks.rescale(), chunks.carry_factor()
     z_before, z = _carry([own.sum(dim=-2)], z, rescale, lambda state, own_c: own_c)
@@ -392,7 +396,8 @@ def cubit_rf_attention(
         recurrence = resolve_backend(backend, q.device, dtype)
 
         def solve(r, v, rho, doc_start, initial):
-            lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
+            lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads,
+                                                            dtype)
             return _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initial, recurrence)
 
         u, reference = _recomputed_solve(solve, r, v, rho, doc_start, initial_state, chunk_size)
@@ -432,15 +437,18 @@ def _poisoned(out: Tensor, state: CubitRFState, guard, state_bad: Tensor | None,
     state with NaN in the heads its last row reaches."""
     reached = None if guard is None else reaches_causal(guard.bad, doc_start, start)
     if state_bad is not None:
-        continues = torch.ones(out.shape[:2], dtype=torch.bool, device=out.device) if doc_start is None else doc_start < start
+        continues = (torch.ones(out.shape[:2], dtype=torch.bool, device=out.device) if doc_start is None
+                     else doc_start < start)
         carried = continues[:, :, None] & state_bad[:, None, :]
         reached = carried if reached is None else reached | carried
     if reached is None:
         return out, state
     heads = reached[:, -1] if out.shape[1] else state_bad
     nan = float("nan")
-    parts = [RandomFeatureState(S=p.S.masked_fill(heads[..., None, None], nan), z=p.z.masked_fill(heads[..., None], nan),
-                                shift=p.shift.masked_fill(heads, nan), length=p.length) for p in (state.reference, state.readout)]
+    parts = [RandomFeatureState(S=p.S.masked_fill(heads[..., None, None], nan),
+                                z=p.z.masked_fill(heads[..., None], nan),
+                                shift=p.shift.masked_fill(heads, nan), length=p.length)
+             for p in (state.reference, state.readout)]
     return out.masked_fill(reached[..., None], nan), CubitRFState(reference=parts[0], readout=parts[1])
 
 
@@ -504,7 +512,8 @@ def _solve_step(a_logits, b_logits, values, lam, doc_start, state: RandomFeature
     R, z, shift, length = _starting_state(state, values[:, None], m)
     check_doc_start(doc_start, batch, 1, offset=length)
     key_max = b_logits.detach().amax(dim=-1)
-    keeps = torch.ones_like(key_max, dtype=torch.bool) if doc_start is None else (doc_start[:, :1] < length).expand_as(key_max)
+    keeps = (torch.ones_like(key_max, dtype=torch.bool) if doc_start is None
+             else (doc_start[:, :1] < length).expand_as(key_max))
     new_shift = torch.where(keeps, torch.maximum(shift, key_max), key_max)
     rescale = torch.exp((shift - new_shift).masked_fill(~keeps, float("-inf")))
     R = torch.where(keeps[..., None, None], rescale[..., None, None] * R, torch.zeros_like(R))
@@ -540,13 +549,15 @@ def cubit_rf_attention_step(
     step with v := u_t. ``doc_start`` ``[B, 1]``: where it equals ``state.length`` both states restart."""
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     if q.shape[1] != 1:
-        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use cubit_rf_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "
+                             "use cubit_rf_attention for prefill")
     heads = q.shape[2]
     if state is not None:
         _check_cubit_rf_state("cubit_rf_attention_step", state, q.shape[0], heads, projection.shape[-2], v.shape[3])
     with autocast_off(q):
         dtype = compute_dtype(q, k, v, r, projection)
-        lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads, dtype)
+        lam, a_logits, b_logits, values = _solve_inputs(r, v, rho, ridge, ref_scale, projection, transform, heads,
+                                                        dtype)
         u, reference = _solve_step(
             a_logits[:, 0], b_logits[:, 0], values[:, 0], lam, doc_start, None if state is None else state.reference
         )
@@ -557,4 +568,5 @@ def cubit_rf_attention_step(
     return out.to(v.dtype), CubitRFState(reference=reference, readout=readout)
 
 
-__all__ = ["CubitRFState", "cubit_rf_attention", "cubit_rf_attention_naive", "cubit_rf_attention_step", "reference_logits"]
+__all__ = ["CubitRFState", "cubit_rf_attention", "cubit_rf_attention_naive", "cubit_rf_attention_step",
+           "reference_logits"]

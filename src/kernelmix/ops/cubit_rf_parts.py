@@ -103,7 +103,8 @@ def cubit_rf_parts_attention(
     if readout not in READOUTS:
         raise KernelmixError(f"readout must be one of {', '.join(READOUTS)}, got {readout!r}")
     if readout == "linear" and estimate in ("both", "readout"):
-        raise KernelmixError(f"readout='linear' has no kernel to estimate; use estimate='gram' or 'none', got {estimate!r}")
+        raise KernelmixError("readout='linear' has no kernel to estimate; "
+                             f"use estimate='gram' or 'none', got {estimate!r}")
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     out_dtype = v.dtype
     batch, length, heads, d = q.shape

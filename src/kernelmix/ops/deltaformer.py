@@ -227,7 +227,8 @@ def deltaformer_attention_step(
     position = 0 if state is None else state.length
     check_doc_start(doc_start, q.shape[0], 1, offset=position)
     # cached tokens of earlier documents (or left padding) are invisible
-    hidden = None if doc_start is None else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None]
+    hidden = (None if doc_start is None
+              else torch.arange(position + 1, device=q.device)[None, None, :] < doc_start[:, :, None])
     # hidden logits are selected away (−inf), but u is multiplied: a flagged u is cached as 0
     flag, nonfinite = step_nonfinite(find_nonfinite({"k": k, "v": v, "beta": beta, "w": w}, heads),
                                      None if state is None else state.nonfinite, hidden, position)
@@ -239,7 +240,8 @@ def deltaformer_attention_step(
             w_t = expand_heads(k if w is None else w, heads)[:, 0]
             logits = decode_logits(w_t, state.k, dtype) * sc
             # a document's first token has no visible past: its row is empty (0), not NaN
-            weights = logits.softmax(dim=-1) if hidden is None else masked_softmax(logits, hidden[..., :-1].expand_as(logits))
+            weights = (logits.softmax(dim=-1) if hidden is None
+                       else masked_softmax(logits, hidden[..., :-1].expand_as(logits)))
             b_t = 1.0 if beta is None else beta[:, 0].to(dtype)[..., None]
             u_t = u_t - b_t * torch.einsum("bhj,bjhd->bhd", weights, state.u)
         if flag is not None:

@@ -341,9 +341,11 @@ def random_feature_attention(
     initial_state, state_bad = _finite_state(initial_state, q, v, projection)
     with autocast_off(q):  # feature logits and states stay ≥ fp32 (the precision policy, _common)
         if resolve_backend(backend, q.device, compute_dtype(q, k, v, projection)) == "triton":
-            out, final, denominator = _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+            out, final, denominator = _triton_attention(q, k, v, projection, transform, chunk_size, doc_start,
+                                                        initial_state)
         else:
-            out, final, denominator = _recomputed_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state)
+            out, final, denominator = _recomputed_attention(q, k, v, projection, transform, chunk_size, doc_start,
+                                                            initial_state)
     UNDERFLOW_CHECK.observe(denominator)
     reached = _reached_rows(guard, state_bad, doc_start, final.length - q.shape[1], q.shape[:3])
     if reached is not None:
@@ -604,7 +606,8 @@ def _initial_shift(state: RandomFeatureState | None, batch: int, heads: int, lik
     return state.shift.to(like.dtype)[..., None]
 
 
-def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: int, op: str = "random_feature_attention") -> None:
+def _check_state(state: RandomFeatureState, batch: int, heads: int, m: int, dv: int,
+                 op: str = "random_feature_attention") -> None:
     check_state(
         op, state, RandomFeatureState,
         {"S": ((batch, heads, m, dv), "[B, H, m, d_v]"), "z": ((batch, heads, m), "[B, H, m]"),
@@ -730,7 +733,8 @@ def random_feature_attention_step(
         new_shift = torch.where(keeps_state, torch.maximum(shift, key_max), key_max)
         rescale = _exp_where(shift - new_shift, keeps_state)
         k_feat = torch.exp(k_logits - new_shift[..., None])
-        state_s = _rescaled(state_s, rescale[..., None, None], None if doc_start is None else keeps_state[..., None, None])
+        state_s = _rescaled(state_s, rescale[..., None, None],
+                            None if doc_start is None else keeps_state[..., None, None])
         state_s = state_s + k_feat[..., :, None] * values[..., None, :]
         state_z = _rescaled(state_z, rescale[..., None], None if doc_start is None else keeps_state[..., None]) + k_feat
         numerator = torch.einsum("bhm,bhmd->bhd", q_feat, state_s)

@@ -197,7 +197,8 @@ def softmax_attention_step(
     value makes the rows that see it NaN, in its document only (as :func:`softmax_attention`)."""
     check_qkv(q, k, v, same_dtype=True)
     if q.shape[1] != 1:
-        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use softmax_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "
+                             "use softmax_attention for prefill")
     if state is not None:
         check_state(
             "softmax_attention_step", state, SoftmaxState,

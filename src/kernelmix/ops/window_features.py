@@ -83,9 +83,11 @@ ABSENT = -1e4
 
 def _check_window(window, sinks=0) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise KernelmixError(f"window must be an int ≥ 0 (exact softmax over the last w tokens; 0: features only), got {window!r}")
+        raise KernelmixError("window must be an int ≥ 0 "
+                             f"(exact softmax over the last w tokens; 0: features only), got {window!r}")
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise KernelmixError(f"sinks must be an int ≥ 0 (a document's first tokens, kept exact; 0: none), got {sinks!r}")
+        raise KernelmixError("sinks must be an int ≥ 0 (a document's first tokens, "
+                             f"kept exact; 0: none), got {sinks!r}")
     return window
 
 
@@ -94,7 +96,8 @@ def _check_features(q: Tensor, k: Tensor, q_features: Tensor, k_features: Tensor
     check_4d("k_features", k_features)
     batch, length, heads = q.shape[:3]
     if tuple(q_features.shape[:3]) != (batch, length, heads):
-        raise KernelmixError(f"q_features must be [B, T, H, m] = {(batch, length, heads, '*')}, got {tuple(q_features.shape)}")
+        raise KernelmixError(f"q_features must be [B, T, H, m] = {(batch, length, heads, '*')}, "
+                             f"got {tuple(q_features.shape)}")
     if tuple(k_features.shape[:3]) != (batch, k.shape[1], heads) or k_features.shape[3] != q_features.shape[3]:
         raise KernelmixError(
             f"k_features must be [B, T, H, m] = {(batch, k.shape[1], heads, q_features.shape[3])} (keys on the query "
@@ -171,7 +174,8 @@ def window_feature_attention(
         out, state = _attend(q.to(dtype), k.to(dtype), v.to(dtype), q_features.to(dtype), k_features.to(dtype),
                              window, sinks, scale, relative_features, doc_start, chunk_size, initial_state)
     if guard is not None:
-        out = guard.poison_causal(out, None if doc_start is None else _continuing(doc_start, start, initial_state), offset=start)
+        out = guard.poison_causal(out, None if doc_start is None else _continuing(doc_start, start, initial_state),
+                                  offset=start)
     out = out.to(v.dtype)
     return (out, state) if return_state else out
 
@@ -272,8 +276,8 @@ def _steady_step(q, k, v, q_features, k_features, window, sinks, scale, relative
     win_sums = torch.einsum("bhj,bjhe->bhe", torch.exp(logits - row_max), torch.cat([exact_values, ones], -1))
     win_scale = row_max[..., 0]
     features = state.features
-    feat_sums, feat_scale = _read_state(q_features, features, state.doc_start[:, None], features.length, values.shape[-1],
-                                        win_sums)
+    feat_sums, feat_scale = _read_state(q_features, features, state.doc_start[:, None], features.length,
+                                        values.shape[-1], win_sums)
     if relative:
         feat_scale = feat_scale + logits[..., sinks:].amax(-1)[:, None]
     out = _combine([(win_sums[:, None], win_scale[:, None])], feat_sums, feat_scale, relative)  # [B, 1, H, d_v]
@@ -308,14 +312,16 @@ def _sink_part(q, keys, values, bank_keys, bank_values, sinks, window, scale, do
     ext_keys = expand_heads(torch.cat([bank_keys, keys], 1), heads)
     ones = values.new_ones(()).expand(*values.shape[:-1], 1)
     ext_values = expand_heads(torch.cat([torch.cat([bank_values, values], 1),
-                                         torch.cat([bank_values.new_ones(()).expand(*bank_values.shape[:-1], 1), ones], 1)],
+                                         torch.cat([bank_values.new_ones(()).expand(*bank_values.shape[:-1], 1),
+                                                    ones], 1)],
                                         -1), heads)
     query_docs, query_pos = docs[:, held:], positions[held:]
     sink_pos = query_docs[..., None] + torch.arange(sinks, device=q.device)  # [B, T, s]
     index = _sink_index(sinks, sink_pos, origin, total).reshape(batch, length * sinks)
 
     def gather(x):  # [B, S + L, H, e] → [B, T, s, H, e]
-        return x.gather(1, index[..., None, None].expand(-1, -1, heads, x.shape[-1])).view(batch, length, sinks, heads, -1)
+        return x.gather(1, index[..., None, None].expand(-1, -1, heads, x.shape[-1])).view(
+            batch, length, sinks, heads, -1)
 
     logits = scale * torch.einsum("bthd,btshd->bths", q, gather(ext_keys))
     outside = (sink_pos <= query_pos[None, :, None] - window)[:, :, None, :]  # [B, T, 1, s]: not in the window
@@ -387,7 +393,8 @@ def _window_part(q, keys, values, window, scale, docs, positions, held, live_max
     batch, length, heads, _ = q.shape
     dv = values.shape[-1]
     if window == 0:
-        return values.new_zeros(batch, length, heads, dv + 1), values.new_full((batch, length, heads), float("-inf")), None
+        return (values.new_zeros(batch, length, heads, dv + 1), values.new_full((batch, length, heads), float("-inf")),
+                None)
     total = keys.shape[1]
     block = window
     n_blocks = -(-total // block)
@@ -414,7 +421,9 @@ def _window_part(q, keys, values, window, scale, docs, positions, held, live_max
     seen = in_band[None] & (key_pos[None, :, None, :] >= row_docs[..., None])  # [B, N, C, 2C]
     seen = seen[:, None]
     row_max = logits.detach().masked_fill(~seen, float("-inf")).amax(-1, keepdim=True)
-    weights = torch.exp((logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))).masked_fill(~seen, float("-inf")))
+    weights = torch.exp(
+        (logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))).masked_fill(
+            ~seen, float("-inf")))
     sums = (weights @ vb2).reshape(batch, heads, n_blocks * block, dv + 1)[:, :, held:total]
 
     def rows(x):  # [B, H, N, C, 1] → [B, T, H]
@@ -439,7 +448,8 @@ def _feature_part(q_features, key_features, values, window, docs, positions, hel
     if n_rows:
         row_queries = q_features[:, lag:lag + n_rows]
         if row_queries.shape[1] < n_rows:  # the last rows have no query (yet): zeros, discarded
-            row_queries = torch.cat([row_queries, row_queries.new_zeros(batch, n_rows - row_queries.shape[1], heads, m)], 1)
+            row_queries = torch.cat(
+                [row_queries, row_queries.new_zeros(batch, n_rows - row_queries.shape[1], heads, m)], 1)
         rows, row_scale, new_features = causal_feature_sums(
             row_queries, key_features[:, :n_rows], values[:, :n_rows], chunk_size=chunk_size,
             doc_start=docs[:, :n_rows], initial_state=features)
@@ -478,17 +488,19 @@ def _empty_features(batch, heads, m, dv, length, like) -> RandomFeatureState:
 
 def _check_state(state, q, k, v, q_features, window, sinks) -> None:
     if not isinstance(state, WindowFeatureState):
-        raise KernelmixError(f"initial_state must be a WindowFeatureState (from return_state=True), got {type(state).__name__}")
+        raise KernelmixError("initial_state must be a WindowFeatureState (from return_state=True), "
+                             f"got {type(state).__name__}")
     batch, _, heads, _ = q.shape
     held = state.keys.shape[1]
     expected = {"keys": (batch, held, k.shape[2], k.shape[3]), "values": (batch, held, v.shape[2], v.shape[3]),
                 "key_features": (batch, held, heads, q_features.shape[3]),
-                "sink_keys": (batch, sinks, k.shape[2], k.shape[3]), "sink_values": (batch, sinks, v.shape[2], v.shape[3])}
+                "sink_keys": (batch, sinks, k.shape[2], k.shape[3]),
+                "sink_values": (batch, sinks, v.shape[2], v.shape[3])}
     for name, shape in expected.items():
         got = tuple(getattr(state, name).shape)
         if got != shape:
-            raise KernelmixError(f"initial_state.{name} has shape {got}, expected {shape}: the state is from another layer, "
-                                 "batch or number of sinks")
+            raise KernelmixError(f"initial_state.{name} has shape {got}, expected {shape}: the state is from another "
+                                 "layer, batch or number of sinks")
     if held != min(max(window - 1, 0), state.length) or state.features.length != state.length - held:
         raise KernelmixError(f"initial_state holds {held} window keys after {state.length} tokens, which does not fit "
                              f"window={window}: continue a state with the window it was made with")
@@ -512,7 +524,8 @@ def window_feature_attention_step(
     state whatever the position. Returns ``(out [B, 1, H, d_v], state)``."""
     check_qkv(q, k, v)
     if q.shape[1] != 1:
-        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; use window_feature_attention for prefill")
+        raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "
+                             "use window_feature_attention for prefill")
     return window_feature_attention(q, k, v, q_features, k_features, window=window, sinks=sinks, scale=scale,
                                     relative_features=relative_features, doc_start=doc_start, chunk_size=1,
                                     initial_state=state, return_state=True)
@@ -553,9 +566,11 @@ def window_feature_attention_masked(
         q_max, k_max = lq.detach().amax(-1, keepdim=True), lk.detach().amax(-1, keepdim=True)
         products = torch.exp(lq - q_max) @ torch.exp(lk - k_max).transpose(-1, -2)  # × e^{q_max + k_max}
         floor = underflow_floor(dtype)
-        log_products = torch.where(products > floor, torch.log(products.clamp_min(floor)), torch.full_like(products, -torch.inf))
+        log_products = torch.where(products > floor, torch.log(products.clamp_min(floor)),
+                                   torch.full_like(products, -torch.inf))
         feature_logits = log_products + q_max + k_max.transpose(-1, -2)
-        distance = (length_k - length_q) + torch.arange(length_q, device=q.device)[:, None] - torch.arange(length_k, device=q.device)
+        distance = ((length_k - length_q) + torch.arange(length_q, device=q.device)[:, None]
+                    - torch.arange(length_k, device=q.device))
         seen = mask[:, None] if mask.dim() == 3 else mask
         exact = seen & (distance < window)
         if sinks and key_positions is not None:
@@ -603,10 +618,12 @@ def window_feature_attention_naive(
         doc_ok = (j[None] >= doc_start[:, :, None])[:, None]
     in_window = causal & (i - j < window)
     if relative_features and window > 0:
-        row_max = (scale * torch.einsum("bihd,bjhd->bhij", q.to(f64), keys)).masked_fill(~(in_window & doc_ok), -math.inf)
+        row_max = (scale * torch.einsum("bihd,bjhd->bhij", q.to(f64), keys)).masked_fill(
+            ~(in_window & doc_ok), -math.inf)
         features = features * row_max.amax(-1, keepdim=True).exp()
     first = torch.zeros(q.shape[0], length, dtype=torch.long, device=q.device) if doc_start is None else doc_start
-    is_sink = (j[None] - first[:, :, None] < sinks)[:, None]  # [B, 1, T, T]: key j is among its row's document's first s
+    # [B, 1, T, T]: key j is among its row's document's first s
+    is_sink = (j[None] - first[:, :, None] < sinks)[:, None]
     kernel = torch.where(in_window | is_sink, exact, features)
     kernel = torch.where(causal & doc_ok, kernel, torch.zeros_like(kernel))
     return torch.einsum("bhij,bjhd->bihd", kernel, values) / kernel.sum(-1).transpose(1, 2)[..., None]

@@ -57,7 +57,8 @@ def left_padding_doc_start(visible: Tensor, query_offset: int) -> Tensor | None:
     real_rows = rows[None, :] >= pad[:, None]
     if not bool(((expected == visible) | ~real_rows[:, :, None]).all()):
         return None
-    return torch.where(cols[None, :] >= pad[:, None], pad[:, None], torch.zeros_like(pad)[:, None]).expand(batch, length_k)
+    return torch.where(cols[None, :] >= pad[:, None], pad[:, None],
+                       torch.zeros_like(pad)[:, None]).expand(batch, length_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,14 +110,16 @@ def kernelmix_attention(module, query, key, value, attention_mask, dropout: floa
         if rf.take_cache().seen <= key.shape[2]:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        raise KernelmixError("exact_attention() cannot continue a converted layer's window cache (it keeps the window and "
-                         "the features, not every key): run the exact model with use_cache=False, or generate outside "
-                         "exact_attention()")
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        raise KernelmixError("exact_attention() cannot continue a converted layer's window cache (it keeps the window "
+                         "and the features, not every key): run the exact model with use_cache=False, or generate "
+                         "outside exact_attention()")
     if rf is None or _exact_depth() > 0:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit soft-capping is not supported by random-feature attention")
     if hasattr(rf, "attend_window"):  # the positions place a windowed kernel's sinks on its dense path

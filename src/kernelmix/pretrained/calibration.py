@@ -42,7 +42,8 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None, laye
         i = layer_of.get(id(module))
         if i in wanted:
             out[i].append(Captured(query.detach(), key.detach(), value.detach(),
-                                   None if mask is None else mask.detach(), float(scaling if scaling is not None else module.head_dim**-0.5)))
+                                   None if mask is None else mask.detach(),
+                                   float(scaling if scaling is not None else module.head_dim**-0.5)))
 
     previous = model.config._attn_implementation
     model.config._attn_implementation = ATTENTION_NAME
@@ -129,7 +130,8 @@ def distill(model, captured: dict[int, list[Captured]], *, steps: int = 200, lr:
                 kernel.projection = kernel.draw_projection(generator, kernel.num_features).to(own_projection)
             c = items[step % len(items)]
             t = teachers[step % len(items)]
-            out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling, transform=transform, fold=fold)
+            out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling, transform=transform,
+                                fold=fold)
             loss = (out.float() - t).pow(2).mean() / norms[step % len(items)]
             value = float(loss.detach())
             if not math.isfinite(value):

@@ -32,8 +32,8 @@ from .attention import ATTENTION_NAME, decoder_layers, is_local, kernels, regist
 from .calibration import capture, distill, whiten
 from .layer_kernels import CubitKernel, HedgehogKernel, RandomFeatureKernel, WindowOnlyKernel
 from .settings import (  # noqa: F401 (the settings, torch-free, what the command line reads: exported here as before)
-    CONFIG_KEY, CONVERSION_VERSION, DEFAULT_SINKS, DEFAULT_WINDOW, INITS, LAYER_CHOICES, MIXERS, PROJECTIONS, ConversionConfig,
-    LayerSelection,
+    CONFIG_KEY, CONVERSION_VERSION, DEFAULT_SINKS, DEFAULT_WINDOW, INITS, LAYER_CHOICES, MIXERS, PROJECTIONS,
+    ConversionConfig, LayerSelection,
 )
 from .window_cache import install_decode_cache
 
@@ -45,12 +45,14 @@ def resolve_layers(model, layers: Any) -> list[int]:
     n = len(decoder)
     if isinstance(layers, str):
         if layers not in LAYER_CHOICES:
-            raise KernelmixError(f"unknown layer selection {layers!r} (choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
+            raise KernelmixError(f"unknown layer selection {layers!r} "
+                                 f"(choose from: {', '.join(LAYER_CHOICES)}, or a list of indices)")
         picked = [i for i, layer in enumerate(decoder)
                   if layers == "all" or (layers == "local") == is_local(layer.self_attn)]
         if not picked:
-            raise KernelmixError(f"the model has no {layers} attention layers to convert: choose another layer selection "
-                                 f"({', '.join(c for c in LAYER_CHOICES if c != layers)}) or a list of indices")
+            raise KernelmixError(f"the model has no {layers} attention layers to convert: choose another layer "
+                                 f"selection ({', '.join(c for c in LAYER_CHOICES if c != layers)}) "
+                                 "or a list of indices")
         return picked
     indices = list(layers)
     if not indices:
@@ -59,7 +61,8 @@ def resolve_layers(model, layers: Any) -> list[int]:
         if isinstance(i, bool) or not isinstance(i, int):
             raise KernelmixError(f"layer indices must be ints, got {i!r}")
         if not -n <= i < n:
-            raise KernelmixError(f"layer index {i} out of range: the model has {n} layers, choose indices in 0..{n - 1}")
+            raise KernelmixError(f"layer index {i} out of range: the model has {n} layers, "
+                                 f"choose indices in 0..{n - 1}")
     return sorted({i % n for i in indices})
 
 
@@ -118,17 +121,17 @@ def attach_kernels(model, config: ConversionConfig) -> None:
             kernel = CubitKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, ridge=config.ridge,
                                  chunk_size=config.chunk_size)
         elif config.mixer == "window":
-            kernel = WindowOnlyKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim, window=config.window,
-                                      sinks=config.sinks, chunk_size=config.chunk_size)
+            kernel = WindowOnlyKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
+                                      window=config.window, sinks=config.sinks, chunk_size=config.chunk_size)
         elif config.mixer == "hedgehog":
             kernel = HedgehogKernel(num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
                                     num_features=config.num_features, window=config.window, sinks=config.sinks,
                                     chunk_size=config.chunk_size, generator=generator)
         else:
-            kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_dim,
-                                         num_features=config.num_features, projection=config.projection,
-                                         chunk_size=config.chunk_size, window=config.window, sinks=config.sinks,
-                                         generator=generator)
+            kernel = RandomFeatureKernel(mixer=config.mixer, num_heads=heads, num_kv_heads=kv_heads,
+                                         head_dim=attn.head_dim, num_features=config.num_features,
+                                         projection=config.projection, chunk_size=config.chunk_size,
+                                         window=config.window, sinks=config.sinks, generator=generator)
         attn.kernelmix_rf = kernel.to(device=param.device)  # float32 whatever the host dtype
     model.config._attn_implementation = ATTENTION_NAME
     for sub in model.modules():  # sub-configs (some models keep their own) follow
@@ -186,7 +189,8 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
         if init.startswith("whiten"):
             whiten(model, captured, eps)
         if init.endswith("distill"):
-            result["distill"] = distill(model, captured, steps=steps, lr=lr, train_fold=train_fold, progress=progress, log=log)
+            result["distill"] = distill(model, captured, steps=steps, lr=lr, train_fold=train_fold, progress=progress,
+                                        log=log)
     raw = getattr(model.config, CONFIG_KEY)
     raw["init"] = init
     return result

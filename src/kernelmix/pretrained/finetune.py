@@ -86,12 +86,14 @@ def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
             raise ImportError("mode='lora' needs peft: pip install peft (or kernelmix[pretrained])") from None
         prefix = _decoder_prefix(model)
         pattern = rf"{re.escape(prefix)}\.({'|'.join(map(str, indices))})\.self_attn\.({'|'.join(names)})"
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern, bias="none")
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern,
+                          bias="none")
         with warnings.catch_warnings():
             # peft (0.21) reads the model's `is_gradient_checkpointing`, which transformers 5 deprecated
             # in favour of `is_activation_checkpointing`; the call is peft's, not ours, so only this
             # one warning is silenced, and only here
-            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
             model = get_peft_model(model, lora)
     elif config.mode == "partial":
         set_trainable(model, layers=indices)
@@ -179,7 +181,8 @@ def finetune(
 
     config.validate()
     if train_windows.dim() != 2 or val_windows.dim() != 2:
-        raise ValueError(f"windows must be [N, T] token ids, got {tuple(train_windows.shape)} and {tuple(val_windows.shape)}")
+        raise ValueError(f"windows must be [N, T] token ids, got {tuple(train_windows.shape)} and "
+                         f"{tuple(val_windows.shape)}")
     out = Path(out_dir) if out_dir is not None else None
     with contextlib.ExitStack() as stack:
         if out is not None:  # one writer per run directory, from before anything of it is read
@@ -221,7 +224,8 @@ def open_finetune_run(out: Path | None, resume: bool, model, optimizer, config: 
         (out / "metrics.jsonl").unlink(missing_ok=True)
         return fresh
     latest = saved.path
-    stored = {"train_kernels": True, **(saved.config.get("finetune") or {})}  # a run saved before the option trained them
+    # a run saved before the option trained them
+    stored = {"train_kernels": True, **(saved.config.get("finetune") or {})}
     if stored != asdict(config):
         raise KernelmixError(f"{latest} was written with another finetune config; use another --out or drop --resume")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -280,7 +284,8 @@ class FinetuneTrainer(Trainer):
         self.state["evals"].append({"step": step, **metrics})
         if self.reporter is not None:
             self.reporter.write({"kind": "eval", "step": step, **metrics})
-            self.reporter.show(f"{self.label} step {step}: val loss {metrics['loss']:.4f}", val=f"{metrics['loss']:.3f}")
+            self.reporter.show(f"{self.label} step {step}: val loss {metrics['loss']:.4f}",
+                               val=f"{metrics['loss']:.3f}")
 
     def save(self, step: int) -> None:
         if self.out is None:

@@ -36,14 +36,16 @@ from .settings import KNOWN_MODELS, KnownModel, cache_dir  # noqa: F401 (torch-f
 SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma2", "gemma3_text")
 
 
-PRETRAINED_EXTRA = 'pip install "kernelmix[pretrained]"  (or: pip install gguf sentencepiece "transformers>=5.24" safetensors accelerate)'
+PRETRAINED_EXTRA = ('pip install "kernelmix[pretrained]"  (or: pip install gguf sentencepiece "transformers>=5.24" '
+                    'safetensors accelerate)')
 
 
 def require(*modules: str) -> None:
     """Raise ImportError naming the pip command if any of ``modules`` is missing."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:  # name=: the command line tells a missing package from a bug by it
-        raise ImportError(f"missing Python package(s) {', '.join(missing)} needed for pretrained models; {PRETRAINED_EXTRA}",
+        raise ImportError(f"missing Python package(s) {', '.join(missing)} "
+                          f"needed for pretrained models; {PRETRAINED_EXTRA}",
                           name=missing[0])
 
 
@@ -136,7 +138,8 @@ def resolve(name_or_path: str | os.PathLike, *, root: str | os.PathLike | None =
     if text in KNOWN_MODELS and not path.is_dir():
         path = cache_dir(root) / text
         if not (path / "config.json").exists():
-            raise KernelmixError(f"{text} is not prepared yet in {path.parent}; run: kernelmix pretrained prepare {text}")
+            raise KernelmixError(f"{text} is not prepared yet in {path.parent}; run: "
+                                 f"kernelmix pretrained prepare {text}")
     elif not path.is_dir():
         raise _unknown_name(text)
     check_model_dir(path)
@@ -163,8 +166,8 @@ def check_model_dir(path: str | os.PathLike) -> dict:
     architectures = config.get("architectures") or []
     if not isinstance(model_type, (str, type(None))) or model_type not in SUPPORTED_MODEL_TYPES:
         raise KernelmixError(
-            f"unsupported architecture model_type={model_type!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            "the Llama and Gemma families)"
+            f"unsupported architecture model_type={model_type!r} in {path} (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}; the Llama and Gemma families)"
         )
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise KernelmixError(f"{config_file}: architectures must be a list of class names, got {architectures!r}")
@@ -188,8 +191,8 @@ def check_weights(path: str | os.PathLike) -> None:
     pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
     if pickles:
         raise KernelmixError(
-            f"{path} holds pickled weights ({', '.join(pickles)}), which kernelmix does not load: unpickling a file can "
-            "execute any code it contains. Convert them to safetensors once, where you trust the file, e.g. "
+            f"{path} holds pickled weights ({', '.join(pickles)}), which kernelmix does not load: unpickling a file "
+            "can execute any code it contains. Convert them to safetensors once, where you trust the file, e.g. "
             f"AutoModelForCausalLM.from_pretrained({str(path)!r}).save_pretrained(OUT, safe_serialization=True), "
             "then pass OUT")
     raise KernelmixError(f"{path} has a config.json but no *.safetensors weights: copy the model's weight files "

@@ -85,14 +85,15 @@ class WindowedAttention:
                 visible = _visible(attention_mask, q.shape[0])[..., -length_k:]
                 doc_start = left_padding_doc_start(visible, 0)
                 if doc_start is None:
-                    raise KernelmixError("a converted layer's decode cache takes causal masks with left padding only (what "
-                                         "generate builds); run other masks without a cache (use_cache=False)")
+                    raise KernelmixError("a converted layer's decode cache takes causal masks with left padding only "
+                                         "(what generate builds); run other masks without a cache (use_cache=False)")
             out, cache.state = window_feature_attention(q, k, v, q_features, k_features, doc_start=doc_start,
                                                         chunk_size=self.chunk_size, initial_state=cache.state,
                                                         return_state=True, **options)
             return out.to(v.dtype)
         if attention_mask is None and length_q == length_k:
-            return window_feature_attention(q, k, v, q_features, k_features, chunk_size=self.chunk_size, **options).to(v.dtype)
+            return window_feature_attention(q, k, v, q_features, k_features, chunk_size=self.chunk_size,
+                                            **options).to(v.dtype)
         if attention_mask is None:  # decode over a host cache: every cached key
             visible = torch.ones(1, 1, length_k, dtype=torch.bool, device=q.device)
         else:
@@ -140,27 +141,30 @@ class HedgehogKernel(WindowedAttention, nn.Module):
         super().__init__()
         self.sinks = sinks
         if num_features < 2 or num_features % 2:
-            raise KernelmixError(f"a hedgehog conversion needs an even num_features ≥ 2 (m/2 per softmax), got {num_features}")
+            raise KernelmixError("a hedgehog conversion needs an even num_features ≥ 2 "
+                                 f"(m/2 per softmax), got {num_features}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_features, self.window, self.chunk_size = num_features, window, chunk_size
         half = num_features // 2
 
         def draw():  # [H, d, m/2]: orthonormal directions (unit norm: softmax of O(‖x‖) logits at first)
-            rows = orthogonal_random_features(half, head_dim, num_heads=num_heads, generator=generator, dtype=torch.float64)
+            rows = orthogonal_random_features(half, head_dim, num_heads=num_heads, generator=generator,
+                                              dtype=torch.float64)
             return (rows / rows.norm(dim=-1, keepdim=True)).transpose(1, 2).float()
 
         self.query_map = nn.Parameter(draw())
         self.key_map = nn.Parameter(draw())
 
     def extra_repr(self) -> str:
-        return (f"mixer='hedgehog', num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"num_features={self.num_features}, window={self.window}")
+        return (f"mixer='hedgehog', num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, num_features={self.num_features}, window={self.window}")
 
     def trainable(self) -> list[nn.Parameter]:
         return [self.query_map, self.key_map]
 
     def log_features(self, q: Tensor, k: Tensor, *, query_map: Tensor | None = None, key_map: Tensor | None = None):
-        """log φ of the scaled queries ``[B, T, H, d]`` and the keys ``[B, L, H_kv, d]`` → ``[B, *, H, m]`` (float32)."""
+        """log φ of the scaled queries ``[B, T, H, d]`` and the keys ``[B, L, H_kv, d]`` → ``[B, *, H, m]``
+        (float32)."""
         query_map = self.query_map if query_map is None else query_map
         key_map = self.key_map if key_map is None else key_map
 
@@ -253,7 +257,8 @@ class RandomFeatureKernel(WindowedAttention, RandomFeatureMap):
         return q_logits, k_logits
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float | None,
-               position_ids: Tensor | None = None, *, transform: Tensor | None = None, fold: Tensor | None = None) -> Tensor:
+               position_ids: Tensor | None = None, *, transform: Tensor | None = None,
+               fold: Tensor | None = None) -> Tensor:
         """Random-feature attention on HF tensors (``query`` ``[B, H, T, d]``, ``key``/``value``
         ``[B, H_kv, L, d]``, HF mask or None) → ``[B, T, H, d_v]`` (HF's attention output layout).
         ``transform`` and ``fold`` override M and F (e.g. while training copies of them). With a
@@ -303,7 +308,8 @@ class CubitKernel(nn.Module):
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, ridge: float = 4.0, chunk_size: int = 64):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_size = num_heads, num_kv_heads, head_dim, chunk_size
+        self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_size = (
+            num_heads, num_kv_heads, head_dim, chunk_size)
         self.log_ridge = nn.Parameter(torch.full((num_heads,), math.log(ridge)))
         self.log_ref_scale = nn.Parameter(torch.zeros(num_heads))
 
@@ -327,8 +333,8 @@ class CubitKernel(nn.Module):
                 visible = visible.expand(q.shape[0], -1, -1)
             doc_start = left_padding_doc_start(visible, length_k - length_q)
             if doc_start is None:
-                raise ValueError("the cubit conversion supports causal masks with left padding only (no sliding windows "
-                                 "or packed sequences); convert the global layers only (layers='global')")
+                raise ValueError("the cubit conversion supports causal masks with left padding only (no sliding "
+                                 "windows or packed sequences); convert the global layers only (layers='global')")
         elif length_q > 1 and length_q < length_k:  # SDPA's upper-left convention (prefill into a static cache)
             k, v, length_k = k[:, :length_q], v[:, :length_q], length_q
         if length_k > length_q:  # decoding: queries at the end of the cached keys

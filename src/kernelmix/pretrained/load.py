@@ -55,15 +55,15 @@ def save_converted(model, directory: str | Path, tokenizer=None, *, overwrite: b
     if conversion_config(model) is None:
         raise KernelmixError("the model is not converted; use model.save_pretrained for a plain model")
     if directory.exists() and not directory.is_dir():
-        raise KernelmixError(f"{directory} is a file, not a directory: choose a directory to save the converted model in "
-                             "(it is created if needed)")
+        raise KernelmixError(f"{directory} is a file, not a directory: choose a directory to save the converted model "
+                             "in (it is created if needed)")
     try:
         with run_directory_lock(directory, "save_converted"):
             existing = directory_entries(directory)
             if existing and not overwrite:
                 raise KernelmixError(
-                    f"{directory} is not empty ({', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}): choose a "
-                    "new directory, or pass --overwrite to replace the model files in it")
+                    f"{directory} is not empty ({', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}): "
+                    "choose a new directory, or pass --overwrite to replace the model files in it")
             _save_staged(model, directory, tokenizer)
     except OSError as error:
         raise KernelmixError(f"could not save the converted model to {directory}: "
@@ -86,8 +86,8 @@ def _save_staged(model, directory: Path, tokenizer) -> None:
             raise inner from error
         written = sorted(p.name for p in staging.iterdir())
         if "config.json" not in written:  # transformers logs some refusals instead of raising: never claim a save
-            raise KernelmixError(f"saving to {directory} wrote no config.json (only: {', '.join(written) or 'nothing'}); "
-                                 "see transformers' messages above")
+            raise KernelmixError(f"saving to {directory} wrote no config.json (only: "
+                                 f"{', '.join(written) or 'nothing'}); see transformers' messages above")
         _publish(staging, directory, written)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -159,7 +159,8 @@ def load_converted(directory: str | Path, *, dtype: torch.dtype = torch.float32,
                     owner.num_features = state[name].shape[1]
                     continue
                 raise KernelmixError(f"{name} in {directory}: saved shape {tuple(state[name].shape)} does not fit "
-                                     f"{tuple(target.shape)}; the weights are not those of this conversion: save it again")
+                                     f"{tuple(target.shape)}; "
+                                     "the weights are not those of this conversion: save it again")
             target.copy_(state[name].to(target))
     return model
 
@@ -174,8 +175,8 @@ def recorded_conversion(raw: Any, directory: str | Path) -> ConversionConfig:
     known = {f.name for f in dataclasses.fields(ConversionConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise KernelmixError(f"{where} has unknown setting(s) {unknown} (known: {', '.join(sorted(known))}): was it written "
-                             "by a newer kernelmix? Upgrade kernelmix, or convert the host again")
+        raise KernelmixError(f"{where} has unknown setting(s) {unknown} (known: {', '.join(sorted(known))}): was it "
+                             "written by a newer kernelmix? Upgrade kernelmix, or convert the host again")
     try:
         config = ConversionConfig(**legacy_defaults(raw))
         config.validate()
@@ -191,8 +192,8 @@ def _unreadable(error: Exception, directory: Path) -> Exception:
     if inner is not None:
         return inner
     if type(error).__name__ == "SafetensorError":  # e.g. a truncated download: the header or the data is cut
-        return KernelmixError(f"the weights in {directory} cannot be read ({error}): the file is damaged or incomplete; "
-                              "copy or save the model again")
+        return KernelmixError(f"the weights in {directory} cannot be read ({error}): the file is damaged or "
+                              "incomplete; copy or save the model again")
     return error
 
 
@@ -239,4 +240,5 @@ def load_pretrained(
     return model, tok
 
 
-__all__ = ["STAGING_PREFIX", "directory_entries", "load_converted", "load_pretrained", "recorded_conversion", "save_converted"]
+__all__ = ["STAGING_PREFIX", "directory_entries", "load_converted", "load_pretrained", "recorded_conversion",
+           "save_converted"]

@@ -47,7 +47,8 @@ def kl_to_host(model, window: Tensor, positions: Tensor) -> Tensor:
     """KL(host ‖ model) of the next-token distributions at ``positions`` of one window ``[1, T]``,
     averaged over them (the host: the same model under exact attention, no gradient)."""
     with torch.no_grad(), exact_attention():
-        target = torch.log_softmax(model(input_ids=window, logits_to_keep=positions, use_cache=False).logits.float(), -1)
+        target = torch.log_softmax(
+            model(input_ids=window, logits_to_keep=positions, use_cache=False).logits.float(), -1)
     logits = model(input_ids=window, logits_to_keep=positions, use_cache=False).logits.float()
     return (target.exp() * (target - torch.log_softmax(logits, -1))).sum(-1).mean()
 

@@ -98,8 +98,9 @@ class ConversionConfig:
     seed: int = 0
     window: Annotated[NonNegativeInt, Field(description="exact softmax over the last W tokens, features before "
                                                          "them (0: features only)")] = DEFAULT_WINDOW
-    sinks: Annotated[NonNegativeInt, Field(description="a document's first S tokens kept exact too (attention "
-                                                        "sinks: BOS draws much of a pretrained model's attention)")] = DEFAULT_SINKS
+    sinks: Annotated[NonNegativeInt, Field(description="a document's first S tokens kept exact too "
+                                                        "(attention sinks: BOS draws much of a pretrained "
+                                                        "model's attention)")] = DEFAULT_SINKS
     chunk_size: PositiveInt = 64
     ridge: Annotated[PositiveFloat, Field(description="cubit (experimental): initial ridge λ")] = 4.0
     # the initialisation and the resolved layer indices: convert() records the ones it used in the model's config
@@ -182,8 +183,8 @@ class FinetuneConfig:
     eval_seqs: PositiveInt = 4
     checkpoint_every: Annotated[NonNegativeInt, Field(description="0: at every evaluation")] = 0
     train_embeddings: Annotated[bool, Field(description="mode=full: train the embedding / LM head too")] = False
-    train_kernels: Annotated[bool, Field(description="train the converted layers' kernel parameters too (DARKFormer's M, "
-                                                     "Hedgehog's maps); off: LoLCATs' second stage, the kernels "
+    train_kernels: Annotated[bool, Field(description="train the converted layers' kernel parameters too (DARKFormer's "
+                                                     "M, Hedgehog's maps); off: LoLCATs' second stage, the kernels "
                                                      "frozen after attention transfer")] = True
     lora_rank: PositiveInt = 8
     lora_alpha: int = 16

@@ -94,8 +94,8 @@ def transfer(model, calibration: Tensor, config: TransferConfig | None = None, *
         raise KernelmixError("attention transfer needs a converted model (no layer has a kernel): convert it first "
                              "(kernelmix convert ... --transfer, or kernelmix.pretrained.convert)")
     if calibration.dim() != 2 or calibration.numel() == 0:
-        raise KernelmixError(f"calibration must be token ids [N, T] with N, T ≥ 1, got shape {tuple(calibration.shape)}: "
-                             "give some calibration text")
+        raise KernelmixError("calibration must be token ids [N, T] with N, T ≥ 1, got shape "
+                             f"{tuple(calibration.shape)}: give some calibration text")
     trained = {i: k for i, k in todo.items() if k.trainable() and hasattr(k, "attend_window")}
     started = time.perf_counter()
     record = {"layers": {}, "skipped": sorted(set(todo) - set(trained)), "config": asdict(config)}
@@ -138,7 +138,8 @@ def _train_layer(i, kernel, pieces, config, entry, position, out_dir, trained, r
     last_good = [p.detach().clone() for p in params]
     for step in range(start, config.steps):
         for group in optimizer.param_groups:  # cosine from lr to lr/10 (halved after a non-finite step)
-            group["lr"] = lr * entry.get("lr_factor", 1.0) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / config.steps)))
+            group["lr"] = lr * entry.get("lr_factor", 1.0) * (
+                0.1 + 0.45 * (1 + math.cos(math.pi * step / config.steps)))
         loss = relative_error(kernel, pieces[step % len(pieces)])
         value = float(loss.detach())
         optimizer.zero_grad()
@@ -163,7 +164,8 @@ def _train_layer(i, kernel, pieces, config, entry, position, out_dir, trained, r
             log(f"layer {i} step {step}: relative error {value:.4f}")
         finished = step == config.steps - 1
         if finished:
-            entry.update(done=True, first=entry["losses"][0], last=float(sum(entry["losses"][-10:]) / len(entry["losses"][-10:])))
+            entry.update(done=True, first=entry["losses"][0],
+                         last=float(sum(entry["losses"][-10:]) / len(entry["losses"][-10:])))
         if out_dir is not None and (finished or (step + 1) % config.checkpoint_every == 0):
             _save(out_dir, position["done"], trained, record, i, step + 1, None if finished else optimizer.state_dict())
 
@@ -194,8 +196,8 @@ def _resume(out_dir, resume: bool, trained: dict, record: dict) -> dict:
             raise KernelmixError(f"nothing to resume in {root}: run the transfer without resume")
         return position
     if not resume:
-        raise KernelmixError(f"{root} holds an interrupted attention transfer: pass resume=True (--resume) to continue it, "
-                             "or choose another output directory")
+        raise KernelmixError(f"{root} holds an interrupted attention transfer: pass resume=True (--resume) to continue "
+                             "it, or choose another output directory")
     with torch.no_grad():
         for i, kernel in trained.items():
             for n, p in _named_trainable(kernel):

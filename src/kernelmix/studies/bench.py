@@ -161,7 +161,8 @@ def _forward_backward(call: Callable[[], torch.Tensor], grad_out: torch.Tensor, 
     return run
 
 
-def _no_grad_forward(call: Callable[[], torch.Tensor], device: torch.device, autocast: str | None) -> Callable[[], None]:
+def _no_grad_forward(call: Callable[[], torch.Tensor], device: torch.device,
+                     autocast: str | None) -> Callable[[], None]:
     def run():
         with torch.no_grad(), _autocast(device, autocast):
             call()
@@ -324,7 +325,8 @@ def run_bench(config: BenchConfig | None = None, *, progress: Callable[[str], No
     # then seemed to grow 1.5× from position 256 to 8192 after DeltaFormer's 8192-token cache.)
     for mixer in config.mixers if config.decode_positions else ():
         say(f"decode {mixer} at positions {', '.join(map(str, config.decode_positions))}")
-        steps = [_decode_step(mixer, position, autocast=config.autocast, **shape) for position in config.decode_positions]
+        steps = [_decode_step(mixer, position, autocast=config.autocast, **shape)
+                 for position in config.decode_positions]
         decode_ms = interleaved_medians_ms(steps, max(config.repeats, DECODE_MIN_REPEATS), torch_device)
         report.decode += [DecodeRecord(mixer, position, ms) for position, ms in zip(config.decode_positions, decode_ms)]
         del steps
@@ -390,23 +392,26 @@ def _autocast_label(report: BenchReport) -> str:
 
 def format_report(report: BenchReport) -> str:
     lines = [
-        f"device {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} d={report.head_dim} "
-        f"m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
+        f"device {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} "
+        f"d={report.head_dim} m={report.num_features} chunk={report.chunk_size}, {report.threads} threads; "
         f"matmul peak {report.matmul_peak_gflops:.1f} GFLOP/s",
         "",
-        f"{'mixer':<28} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} {'GFLOP/s':>8} {'% peak':>7}"
+        f"{'mixer':<28} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs SDPA':>8} {'peak MiB':>9} "
+        f"{'GFLOP/s':>8} {'% peak':>7}"
         + (f" {'vs no autocast':>15}" if report.autocast else ""),
     ]
     base = {r.length: r.forward_backward_ms for r in report.records if r.mixer == "softmax"}
     for r in report.records:
-        ratio = f"{r.forward_backward_ms / base[r.length]:.2f}x" if r.forward_backward_ms and base.get(r.length) else "-"
+        ratio = (f"{r.forward_backward_ms / base[r.length]:.2f}x" if r.forward_backward_ms and base.get(r.length)
+                 else "-")
         peak = f"{r.peak_memory_mb:.0f}" if r.peak_memory_mb is not None else "-"
         rate = f"{r.achieved_gflops:.1f}" if r.achieved_gflops else "-"
         share = f"{100 * r.achieved_gflops / report.matmul_peak_gflops:.0f}%" if r.achieved_gflops else "-"
         fb = f"{r.forward_backward_ms:.1f}" if r.forward_backward_ms else "-"
         line = f"{r.mixer:<28} {r.length:>6} {r.forward_ms:>9.1f} {fb:>11} {ratio:>8} {peak:>9} {rate:>8} {share:>7}"
         if report.autocast:  # fwd+bwd under autocast / without it, same run
-            vs_plain = f"{r.forward_backward_ms / r.without_autocast_ms:.2f}x" if r.forward_backward_ms and r.without_autocast_ms else "-"
+            vs_plain = (f"{r.forward_backward_ms / r.without_autocast_ms:.2f}x"
+                        if r.forward_backward_ms and r.without_autocast_ms else "-")
             line += f" {vs_plain:>15}"
         lines.append(line)
     if report.decode:
@@ -457,7 +462,8 @@ def write_report(report: BenchReport, out_dir: str | Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
     if axes[0].lines:
         axes[0].legend()
-    fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}{_autocast_label(report)}, B={report.batch} H={report.heads} d={report.head_dim}")
+    fig.suptitle(f"kernelmix bench — {report.device}, {report.dtype}{_autocast_label(report)}, "
+                 f"B={report.batch} H={report.heads} d={report.head_dim}")
     fig.tight_layout()
     png = out / "bench.png"
     fig.savefig(png, dpi=110)
@@ -475,5 +481,6 @@ __all__ = [
 
 if __name__ == "__main__":  # the memory probe's child process (op_peak_memory_mb)
     if len(sys.argv) != 3 or sys.argv[1] != "--memory-probe":
-        raise SystemExit("usage: python -m kernelmix.studies.bench --memory-probe SPEC_JSON (internal; use `kernelmix bench`)")
+        raise SystemExit("usage: python -m kernelmix.studies.bench --memory-probe SPEC_JSON "
+                         "(internal; use `kernelmix bench`)")
     _memory_probe(json.loads(sys.argv[2]))

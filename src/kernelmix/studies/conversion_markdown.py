@@ -43,9 +43,10 @@ def report_markdown(result: dict) -> str:
         f"the document (sinks), features (m = {s['num_features']}) for the rest, one normalisation. Held-out loss: "
         f"{result['tokens']['held_out']} tokens ({s['eval_seqs']} × {s['eval_len']}) of documents no calibration or "
         f"finetuning saw; attention error: ‖out − exact‖² / ‖exact‖² per converted layer on the host's own q/k/v of a "
-        f"held-out {s['error_len']}-token window (the median over layers in the table). Transfer: {s['transfer_steps']} "
-        f"steps per layer on {s['calib_seqs']} × {s['calib_len']} calibration tokens; LoRA: {s['lora_steps']} steps × "
-        f"{s['lora_seq_len']} tokens, lr {s['lora_lr']}.{_distillation(result)} One seed ({s['seed']}).",
+        f"held-out {s['error_len']}-token window (the median over layers in the table). Transfer: "
+        f"{s['transfer_steps']} steps per layer on {s['calib_seqs']} × {s['calib_len']} calibration tokens; LoRA: "
+        f"{s['lora_steps']} steps × {s['lora_seq_len']} tokens, "
+        f"lr {s['lora_lr']}.{_distillation(result)} One seed ({s['seed']}).",
         "",
         f"**Host: {host:.4f} nats/token.**",
         "",
@@ -67,8 +68,9 @@ def _computed(result: dict) -> str:
     timed = result.get("row_seconds") or {}
     if not timed:
         return "; reused rows are not counted"
-    return (f"; {len(timed)} of its rows and measurements have a recorded time, {sum(timed.values()) / 60:.1f} min when "
-            "they were computed (in this or earlier invocations; rows computed before times were recorded count 0)")
+    return (f"; {len(timed)} of its rows and measurements have a recorded time, {sum(timed.values()) / 60:.1f} min "
+            "when they were computed (in this or earlier invocations; "
+            "rows computed before times were recorded count 0)")
 
 
 def _per_layer_table(result: dict) -> list[str]:
@@ -96,7 +98,8 @@ def _feature_sweep(result: dict) -> list[str]:
         return []
     host = result["host_loss"]
     lines = ["## The gap against the number of features", "",
-             "Global layers, DARKFormer after transfer (same window, sinks, calibration and steps), m features per head:",
+             "Global layers, DARKFormer after transfer "
+             "(same window, sinks, calibration and steps), m features per head:",
              "", "| m | loss − host | median attention error | per-layer error |", "|---:|---:|---:|---|"]
     for m, r in sweep:
         per_layer = ", ".join(f"{i}: {e:.3f}" for i, e in sorted(r["per_layer_error"].items(), key=lambda x: int(x[0])))
@@ -117,7 +120,8 @@ def _layer_gaps(result: dict) -> list[str]:
              "| converted layer | attention error | loss | − host |", "|---:|---:|---:|---:|"]
     for layer, loss in sorted(gaps.items(), key=lambda item: int(item[0])):
         lines.append(f"| {layer} | {row['per_layer_error'][layer]:.3f} | {loss:.4f} | {loss - host:+.4f} |")
-    lines += [f"| all {len(gaps)} | {row['attention_error']:.3f} (median) | {row['loss']:.4f} | {row['loss'] - host:+.4f} |",
+    lines += [f"| all {len(gaps)} | {row['attention_error']:.3f} (median) | {row['loss']:.4f} | "
+              f"{row['loss'] - host:+.4f} |",
               "", f"The one-layer gaps add to {sum(gaps.values()) - len(gaps) * host:+.4f}.", ""]
     return lines
 
@@ -130,8 +134,9 @@ def _decode_table(result: dict) -> list[str]:
              "", "| context | host cache | converted cache | host ms/token | converted ms/token |",
              "|---:|---:|---:|---:|---:|"]
     for i, context in enumerate(d["contexts"]):
-        lines.append(f"| {context:,} | {d['host']['bytes'][i] / 2**20:.2f} MiB | {d['converted']['bytes'][i] / 2**20:.2f} MiB | "
-                     f"{d['host']['ms_per_token'][i]:.1f} | {d['converted']['ms_per_token'][i]:.1f} |")
+        lines.append(f"| {context:,} | {d['host']['bytes'][i] / 2**20:.2f} MiB | "
+                     f"{d['converted']['bytes'][i] / 2**20:.2f} MiB | {d['host']['ms_per_token'][i]:.1f} | "
+                     f"{d['converted']['ms_per_token'][i]:.1f} |")
     lines += ["", "![decode](decode.png)", ""]
     return lines
 
@@ -153,14 +158,15 @@ def _targets(result: dict) -> list[str]:
               if r["attention_error"] is not None and r["layers"] == result["settings"]["layers"][0]}
     if "darkformer" in errors:
         ok = errors["darkformer"] <= TARGET_ERROR
-        lines.append(f"- Median per-layer attention error, DARKFormer after transfer ({result['settings']['layers'][0]} "
-                     f"layers): {errors['darkformer']:.3f} (target ≤ {TARGET_ERROR}): {'met' if ok else 'missed'}; "
+        lines.append("- Median per-layer attention error, DARKFormer after transfer "
+                     f"({result['settings']['layers'][0]} layers): "
+                     f"{errors['darkformer']:.3f} (target ≤ {TARGET_ERROR}): {'met' if ok else 'missed'}; "
                      + ", ".join(f"{v} {e:.3f}" for v, e in errors.items() if v != "darkformer") + ".")
     d = result["decode"]
     flat = len(set(d["converted"]["bytes"])) == 1
     lines.append(f"- Decode memory of the converted model {'flat' if flat else 'NOT flat'} over contexts "
-                 f"{', '.join(f'{c:,}' for c in d['contexts'])} ({d['converted']['bytes'][0] / 2**20:.2f} MiB), the host's "
-                 f"{d['host']['bytes'][0] / 2**20:.2f} → {d['host']['bytes'][-1] / 2**20:.2f} MiB.")
+                 f"{', '.join(f'{c:,}' for c in d['contexts'])} ({d['converted']['bytes'][0] / 2**20:.2f} MiB), the "
+                 f"host's {d['host']['bytes'][0] / 2**20:.2f} → {d['host']['bytes'][-1] / 2**20:.2f} MiB.")
     return lines + [""]
 
 
@@ -171,12 +177,14 @@ def plot_report(result: dict, out) -> None:
     # horizontal bars: one readable label per row, however many rows the sweep adds
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.3 * len(rows)))
     labels = [f"{r['layers']} · {r['variant']} · {r['stage']}" for r in rows]
-    ax.barh(range(len(rows)), [r["loss"] - host for r in rows], color=["C0" if r["stage"] != "lora" else "C1" for r in rows])
+    ax.barh(range(len(rows)), [r["loss"] - host for r in rows],
+            color=["C0" if r["stage"] != "lora" else "C1" for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="k", lw=0.8)
     ax.set_xlabel("held-out loss − host (nats/token)")
-    ax.set_title(f"{result['settings']['model']}, host {host:.3f} nats/token\n(blue: first stage, orange: + LoRA)", fontsize=10)
+    ax.set_title(f"{result['settings']['model']}, host {host:.3f} nats/token\n(blue: first stage, orange: + LoRA)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
@@ -185,7 +193,8 @@ def plot_report(result: dict, out) -> None:
     for ax, layers in zip(axes[0], result["settings"]["layers"]):
         for r in (r for r in rows if r["layers"] == layers and r.get("per_layer_error")):
             indices = sorted(r["per_layer_error"], key=int)
-            ax.plot([int(i) for i in indices], [r["per_layer_error"][i] for i in indices], "o-", label=r["variant"], ms=3)
+            ax.plot([int(i) for i in indices], [r["per_layer_error"][i] for i in indices], "o-", label=r["variant"],
+                    ms=3)
         ax.set_title(f"{layers} layers")
         ax.set_xlabel("layer")
         ax.set_ylabel("attention error (relative MSE)")

@@ -99,7 +99,8 @@ def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) ->
     if settings.layer_gaps and "global" in settings.layers and "darkformer" in settings.variants:
         _cached(done, "layer_gaps", lambda: _layer_gaps(settings, model, data, work, log), log)
         write_json_atomic(rows_file, {"key": key, "rows": done})
-    decode = _cached(done, "decode", lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
+    decode = _cached(done, "decode",
+                     lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
     write_json_atomic(rows_file, {"key": key, "rows": done})
     result = {"host_loss": host_loss, "rows": rows, "decode": decode, "settings": asdict(settings),
               "layer_gaps": done.get("layer_gaps"),
@@ -137,7 +138,8 @@ def _cached(done: dict, name: str, compute, log):
         t = time.perf_counter()
         done[name] = compute()
         _timed(done, name, t)
-        log(f"{name}: {done[name] if not isinstance(done[name], dict) else 'measured'} ({time.perf_counter() - t:.0f} s)")
+        log(f"{name}: {done[name] if not isinstance(done[name], dict) else 'measured'} "
+            f"({time.perf_counter() - t:.0f} s)")
     return done[name]
 
 
@@ -175,8 +177,8 @@ def _converted(settings, host, data, layers: str, variant: str, work: Path, prog
         if settings.kl_steps:
             record["kl"] = distill(model, data["calibration"], DistillConfig(steps=settings.kl_steps, lr=settings.kl_lr,
                                                                              seed=settings.seed),
-                                   out_dir=work / f"distill-{tag}", resume=(work / f"distill-{tag}" / "distill").is_dir(),
-                                   progress=progress)
+                                   out_dir=work / f"distill-{tag}",
+                                   resume=(work / f"distill-{tag}" / "distill").is_dir(), progress=progress)
     return model, record
 
 
@@ -199,7 +201,8 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
                           "kl": None if record is None or "kl" not in record else
                           {"first": record["kl"]["first"], "last": record["kl"]["last"]}}
         _timed(done, names[0], started)
-        log(f"{names[0]}: loss {done[names[0]]['loss']:.3f}, median attention error {done[names[0]]['attention_error']:.3f}")
+        log(f"{names[0]}: loss {done[names[0]]['loss']:.3f}, "
+            f"median attention error {done[names[0]]['attention_error']:.3f}")
     if len(names) > 1 and names[1] not in done:
         started = time.perf_counter()
         # LoLCATs' second stage: LoRA on q/k/v with the transferred kernels frozen (trained along at this
@@ -208,7 +211,8 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
                                 lr=settings.lora_lr, warmup_steps=2, eval_every=settings.lora_steps, eval_seqs=1,
                                 seed=settings.seed, train_kernels=False)
         tuned, result = finetune(model, data["finetune"], data["held_out"][:1, :settings.lora_seq_len], config,
-                                 out_dir=work / f"lora-{layers}-{variant}", resume=(work / f"lora-{layers}-{variant}" / "checkpoints").is_dir(),
+                                 out_dir=work / f"lora-{layers}-{variant}",
+                                 resume=(work / f"lora-{layers}-{variant}" / "checkpoints").is_dir(),
                                  progress=progress, label=f"lora {layers}/{variant}")
         done[names[1]] = {"layers": layers, "variant": name, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
                           "attention_error": None, "lora_seconds": result.get("wall_s")}

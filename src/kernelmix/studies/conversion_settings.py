@@ -29,7 +29,8 @@ class ConversionReportSettings:
     layers: Annotated[list[str], Choice(LAYER_SETS, "layer set"), Distinct("layer set"),
                       Field(min_length=1, description="layer sets to convert: global, all")] = LAYER_SETS
     variants: Annotated[list[str], Choice(VARIANTS, "variant"), Distinct("variant"),
-                        Field(min_length=1, description="rows: window, performer, whiten, darkformer, hedgehog")] = VARIANTS
+                        Field(min_length=1,
+                              description="rows: window, performer, whiten, darkformer, hedgehog")] = VARIANTS
     num_features: PositiveInt = 64
     window: PositiveInt = 64
     sinks: int = 4

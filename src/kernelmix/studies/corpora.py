@@ -48,7 +48,8 @@ def read_compare(folder: str | Path | list[str | Path]) -> dict:
     saved = []
     for path in (f / "results.json" for f in folders):
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run that corpus's kernelmix compare first (results/corpora/run.py)")
+            raise FileNotFoundError(f"{path} is missing: run that corpus's kernelmix compare first "
+                                    "(results/corpora/run.py)")
         saved.append(json.loads(path.read_text()))
     setting = {k: saved[0]["settings"].get(k) for k in SAME_SETTING}
     for path, other in zip(folders[1:], saved[1:]):
@@ -58,10 +59,12 @@ def read_compare(folder: str | Path | list[str | Path]) -> dict:
                              "only compares of the same setting are one corpus's runs")
     mixers: dict[str, dict[str, dict[int, float]]] = {}
     for run in (run for one in saved for run in one["runs"]):
-        mixers.setdefault(run["mixer"], {}).setdefault(str(run["length"]), {})[int(run["seed"])] = float(run["val_loss"])
+        mixers.setdefault(run["mixer"], {}).setdefault(str(run["length"]), {})[int(run["seed"])] = float(
+            run["val_loss"])
     first = saved[0]
     return {"bigram": first["reference"]["bigram"], "unigram": first["reference"]["unigram"], "mixers": mixers,
-            "settings": {k: first["settings"].get(k) for k in ("preset", "steps", "tokens_per_step", "corpus", "lengths")}}
+            "settings": {k: first["settings"].get(k) for k in ("preset", "steps", "tokens_per_step", "corpus",
+                                                               "lengths")}}
 
 
 def paired_gap(mixers: dict, claim: Claim, length: str) -> dict | None:
@@ -89,7 +92,8 @@ def verdict(gaps: list[dict], noise: float = 0.0) -> str:
     return "mixed"
 
 
-def summarize_corpora(folders: dict[str, str | Path | list[str | Path]], rounding: dict[str, float] | None = None) -> dict:
+def summarize_corpora(folders: dict[str, str | Path | list[str | Path]],
+                      rounding: dict[str, float] | None = None) -> dict:
     """``{"corpora": {name: {"bigram", "unigram", "mixers": {mixer: {length: [loss per seed]}},
     "seeds": {mixer: {length: [seed, ...]}}, "claims": {claim: {"gaps": {length: paired_gap}, "verdict"}}}},
     "overall": {claim: {corpus: verdict}}, "rounding": {...}}``. ``rounding`` (mixer → the sd of its final
@@ -111,7 +115,8 @@ def summarize_corpora(folders: dict[str, str | Path | list[str | Path]], roundin
             out["overall"].setdefault(claim.name, {})[name] = claims[claim.name]["verdict"]
         out["corpora"][name] = {
             "bigram": corpus["bigram"], "unigram": corpus["unigram"], "settings": corpus["settings"],
-            "mixers": {m: {length: [v[s] for s in sorted(v)] for length, v in by_length.items()} for m, by_length in mixers.items()},
+            "mixers": {m: {length: [v[s] for s in sorted(v)] for length, v in by_length.items()}
+                       for m, by_length in mixers.items()},
             "seeds": {m: {length: sorted(v) for length, v in by_length.items()} for m, by_length in mixers.items()},
             "claims": claims,
         }
@@ -158,8 +163,8 @@ def corpora_markdown(summary: dict) -> str:
         lines.append("")
     lines += ["## The claims, per corpus", "",
               "Gap = claimed mixer − baseline, paired by seed (mean ± sd, how many seeds below 0); *held* when every "
-              "paired gap at every length is below −noise, *not held* when the mean gap at every length is above −noise, "
-              "*mixed* otherwise; noise = the larger rounding sd of the two mixers (results/rounding).", "",
+              "paired gap at every length is below −noise, *not held* when the mean gap at every length is above "
+              "−noise, *mixed* otherwise; noise = the larger rounding sd of the two mixers (results/rounding).", "",
               "| claim | corpus | gap per length | noise | verdict |", "|---|---|---|---:|---|"]
     for claim in CLAIMS:
         for name, corpus in summary["corpora"].items():
@@ -199,7 +204,8 @@ def readme_claims_table(summary: dict) -> str:
 
 
 def _lengths(summary: dict) -> list[str]:
-    return sorted({length for c in summary["corpora"].values() for e in c["claims"].values() for length in e["gaps"]}, key=int)
+    return sorted({length for c in summary["corpora"].values() for e in c["claims"].values() for length in e["gaps"]},
+                  key=int)
 
 
 def _overall(verdicts: dict[str, str]) -> str:

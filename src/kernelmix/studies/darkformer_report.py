@@ -1,8 +1,9 @@
 """``kernelmix report darkformer``: one command that reproduces the DARKFormer study on a real
 pretrained model — kernel diagnostics of every layer (:mod:`kernelmix.studies.diagnose`) and a small
 finetuning comparison of exact softmax, Performer and DARKFormer at equal m and budget with a
-learning-rate sweep (:mod:`kernelmix.studies.finetune`) — and writes tables and plots under ``runs/darkformer-report/`` (features only, no window: the study of
-converted models with a window, sinks and attention transfer is :mod:`.conversion_report`).
+learning-rate sweep (:mod:`kernelmix.studies.finetune`) — and writes tables and plots under ``runs/darkformer-report/``
+(features only, no window: the study of converted models with a window, sinks and attention transfer is
+:mod:`.conversion_report`).
 
 Sizes: the defaults fit about an hour on 2 CPU cores for Gemma 3 270M (18 layers, head dim 256);
 ``quick=True`` shrinks everything to a smoke run. Text: the document-level split of the corpus
@@ -84,7 +85,8 @@ def _report(settings: DarkformerReportSettings, out: Path, work: Path, *, model,
     summary = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
                "machine": _machine(), "timings": timings,
                "diagnostics": {"summary": diagnostics["summary"], "end_to_end": diagnostics["end_to_end"]},
-               "finetune": [{k: r[k] for k in ("variant", "lr", "initial", "final", "num_spikes", "diverged", "train_s")}
+               "finetune": [{k: r[k] for k in ("variant", "lr", "initial", "final", "num_spikes", "diverged",
+                                               "train_s")}
                             for r in finetuning["runs"]]}
     write_json_atomic(out / "summary.json", summary, indent=1)
     write_text_atomic(out / "README.md", _readme(summary, diagnostics, finetuning))
@@ -103,7 +105,8 @@ def _load_model(name: str, say):
 
 def _diagnostics(settings, model, tokenizer, val_texts, work: Path, progress, say) -> dict:
     """The diagnostics of the held-out documents, reused from ``work`` when its settings match."""
-    diag_key = {k: v for k, v in asdict(settings).items() if k.startswith("diag_") or k in ("model", "text", "val_fraction", "seed")}
+    diag_key = {k: v for k, v in asdict(settings).items()
+                if k.startswith("diag_") or k in ("model", "text", "val_fraction", "seed")}
     diag_key["windows"] = WINDOW_RULE
     diag_file = work / "diagnostics.json"
     if diag_file.is_file():
@@ -167,7 +170,8 @@ def _readme(summary: dict, diagnostics: dict, finetuning: dict) -> str:
               for line in dg.markdown(diagnostics).split("\n", 2)[2].splitlines()]
     lines += ["", "![error vs m](diagnostics/error_vs_m.png)", "", "## Finetuning at equal m and budget", ""]
     lines += ft.markdown(finetuning).splitlines()
-    lines += ["", "![finetuning curves](finetune/finetune_curves.png)", "", "## Findings (computed from the tables above)", ""]
+    lines += ["", "![finetuning curves](finetune/finetune_curves.png)", "",
+              "## Findings (computed from the tables above)", ""]
     lines += [f"- {line}" for line in findings(diagnostics, finetuning)]
     return "\n".join(lines) + "\n"
 
@@ -195,7 +199,8 @@ def findings(diagnostics: dict, finetuning: dict) -> list[str]:
         out.append(f"finetuning at lr {lr:g}, validation loss before → after: {text}")
         if "performer" in at and "darkformer" in at:
             d, p = at["darkformer"]["final"]["loss"], at["performer"]["final"]["loss"]
-            out.append(f"lr {lr:g}: DARKFormer ends {'below' if d < p else 'at or above'} Performer ({d:.3f} vs {p:.3f}; one seed)")
+            out.append(f"lr {lr:g}: DARKFormer ends {'below' if d < p else 'at or above'} Performer "
+                       f"({d:.3f} vs {p:.3f}; one seed)")
     spikes = {v: sum(r["num_spikes"] for r in runs if r["variant"] == v) for v in {r["variant"] for r in runs}}
     out.append("loss spikes summed over the sweep: " + ", ".join(f"{v} {n}" for v, n in sorted(spikes.items())))
     return out

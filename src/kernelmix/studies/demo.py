@@ -88,7 +88,8 @@ def run_demo(config: DemoConfig | None = None, *, progress: bool = False) -> lis
     """Each mixer's fast path (in ``config.dtype`` on ``config.device``) against its float64 reference;
     ``progress`` shows a bar (mixers done, the one running, time left) on stderr."""
     c = DemoConfig() if config is None else config
-    batch, length, heads, head_dim, num_features, repeats = c.batch, c.length, c.heads, c.head_dim, c.num_features, c.repeats
+    batch, length, heads, head_dim, num_features, repeats = (
+        c.batch, c.length, c.heads, c.head_dim, c.num_features, c.repeats)
     dtype = DTYPES[c.dtype]
     device = torch.device(c.device)
     rows = []
@@ -242,4 +243,5 @@ def describe(rows: list[DemoRow], dtype: torch.dtype = torch.float32, device: st
     )
 
 
-__all__ = ["DTYPES", "DemoConfig", "check_device", "DemoRow", "run_demo", "cubit_memory", "peak_memory_mb", "format_table", "describe", "mixer_cases"]
+__all__ = ["DTYPES", "DemoConfig", "check_device", "DemoRow", "run_demo", "cubit_memory", "peak_memory_mb",
+           "format_table", "describe", "mixer_cases"]

@@ -38,7 +38,8 @@ from ..data.windows import text_windows
 from ..evaluate import evaluate_windows
 from ..ops import data_aware_transform, random_feature_attention_masked, softmax_attention_masked
 from ..output import progress_bar, pyplot
-from .diagnose_settings import VARIANTS, DiagnoseConfig  # torch-free (what the command line reads): exported here as before
+# torch-free (what the command line reads): exported here as before
+from .diagnose_settings import VARIANTS, DiagnoseConfig
 from .report_files import plot_if_installed, write_json_and_markdown
 
 
@@ -55,7 +56,8 @@ def anisotropy(samples: Tensor) -> list[dict]:
     for ev in evals:
         total = float(ev.sum())
         if total <= 0:
-            out.append({"effective_rank": 0.0, "top5_share": float("nan"), "condition": float("nan"), "zero_dims": len(ev)})
+            out.append({"effective_rank": 0.0, "top5_share": float("nan"), "condition": float("nan"),
+                        "zero_dims": len(ev)})
             continue
         p = ev / total
         nz = p[p > 0]
@@ -119,7 +121,8 @@ def _sample_pairs(q: Tensor, k: Tensor, vis: Tensor, count: int, generator: torc
 
 
 def diagnose(model, tokenizer, texts: Sequence[str], out_dir: str | Path | None = None,
-             config: DiagnoseConfig | None = None, *, progress: bool = True, plots: bool = True, log: Any = None) -> dict:
+             config: DiagnoseConfig | None = None, *, progress: bool = True, plots: bool = True,
+             log: Any = None) -> dict:
     """Run the diagnostics of ``config`` (default :class:`DiagnoseConfig`) on an *unconverted*
     host ``model`` (left unchanged) and its tokenizer; ``texts`` are documents of real text.
     Returns the results dict (also written to ``out_dir``)."""
@@ -133,7 +136,9 @@ def diagnose(model, tokenizer, texts: Sequence[str], out_dir: str | Path | None 
     t_all = time.perf_counter()
     ids = text_windows(tokenizer, texts, seq_len, calib_seqs + eval_seqs, min_windows=calib_seqs + eval_seqs)
     calib, held = ids[:calib_seqs], ids[calib_seqs:]
-    probe = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=c.distill_m, seed=seed, window=0, sinks=0))
+    probe = cv.convert(copy.deepcopy(model),
+                       cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=c.distill_m, seed=seed,
+                                           window=0, sinks=0))
     kernels = cv.kernels(probe)
     t = time.perf_counter()
     cal = cv.capture(probe, calib)
@@ -169,9 +174,10 @@ def diagnose(model, tokenizer, texts: Sequence[str], out_dir: str | Path | None 
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
         "model_type": model.config.model_type,
         "layers": list(kernels),
-        "settings": {"m_values": list(m_values), "variants": list(variants), "seq_len": seq_len, "calib_seqs": calib_seqs,
-                     "eval_seqs": eval_seqs, "seeds": seeds, "weight_rows": int(min(c.weight_rows, seq_len)),
-                     "distill_steps": c.distill_steps, "distill_m": c.distill_m, "eps": c.eps, "seed": seed,
+        "settings": {"m_values": list(m_values), "variants": list(variants), "seq_len": seq_len,
+                     "calib_seqs": calib_seqs, "eval_seqs": eval_seqs, "seeds": seeds,
+                     "weight_rows": int(min(c.weight_rows, seq_len)), "distill_steps": c.distill_steps,
+                     "distill_m": c.distill_m, "eps": c.eps, "seed": seed,
                      "note": "identity init ≡ performer (M = F = I) bit for bit"},
         "per_layer": layer_results,
         "summary": _summary(layer_results, variants, m_values),
@@ -190,7 +196,8 @@ def _eye_like(kernel) -> Tensor:
 Transforms = dict[str, dict[int, "tuple[Tensor, Tensor] | None"]]
 
 
-def _variant_transforms(probe, cal, variants, *, eps, distill_steps, distill_lr, progress, log, timings) -> tuple[Transforms, dict]:
+def _variant_transforms(probe, cal, variants, *, eps, distill_steps, distill_lr, progress, log,
+                        timings) -> tuple[Transforms, dict]:
     """(M, F) per variant and layer — None for ``performer`` (the identity) — and the distillation
     losses: ``whiten`` from the calibration statistics, ``distill`` trained from the whitened start."""
     kernels = cv.kernels(probe)
@@ -244,7 +251,8 @@ def _layer_diagnostics(kernel, items, transforms, gen, bar, *, m_values, seeds, 
                                        transform=transform if transform is not None else _eye_like(kernel),
                                        fold=fold if fold is not None else _eye_like(kernel))
                 out_err.append(per_head_rel_error(approx.float(), exact, 2))
-                _, w_rf = random_feature_attention_masked(q_rows, k_in, v_in, kernel.projection, vis[:, rows], transform=transform)
+                _, w_rf = random_feature_attention_masked(q_rows, k_in, v_in, kernel.projection, vis[:, rows],
+                                                          transform=transform)
                 w_err.append(per_head_rel_error(w_rf, w_exact, 1))
                 bar.advance()
             per_m[str(m)] = {"output": _mean_lists(out_err), "weights": _mean_lists(w_err)}
@@ -270,7 +278,8 @@ def _variance_on_pairs(kernel, q_base, k_in, vis, transform, fold, gen, *, pairs
         ok = res["closed"] > 0
         ratios.extend((res["empirical"][ok] / res["closed"][ok]).tolist())
         rel_std.extend((res["closed"][ok].sqrt() / res["kernel"][ok]).tolist())
-    return {"m": num_features, "median_empirical_over_closed": _median(ratios), "median_closed_rel_std": _median(rel_std)}
+    return {"m": num_features, "median_empirical_over_closed": _median(ratios),
+            "median_closed_rel_std": _median(rel_std)}
 
 
 def _end_to_end(model, held, transforms, variants, e2e_m, *, layers, seed, say) -> dict:
@@ -280,7 +289,8 @@ def _end_to_end(model, held, transforms, variants, e2e_m, *, layers, seed, say) 
     for v in variants:
         e2e[v] = {}
         for m in e2e_m:
-            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers, num_features=m, seed=seed, window=0, sinks=0))
+            conv = cv.convert(copy.deepcopy(model), cv.ConversionConfig(mixer="darkformer", layers=layers,
+                                                                        num_features=m, seed=seed, window=0, sinks=0))
             with torch.no_grad():
                 for i, kernel in cv.kernels(conv).items():
                     if transforms[v][i] is not None:
@@ -329,8 +339,9 @@ def write_report(result: dict, out_dir: str | Path, *, plots: bool = True) -> Pa
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"# Kernel diagnostics — {result['model']}", "",
-             f"layers {result['layers']}; held-out {s['eval_seqs']}×{s['seq_len']} tokens, calibration {s['calib_seqs']}×{s['seq_len']}; "
-             f"{s['seeds']} draws of W per m; weights on {s['weight_rows']} rows; {s['note']}.", "",
+             f"layers {result['layers']}; held-out {s['eval_seqs']}×{s['seq_len']} tokens, calibration "
+             f"{s['calib_seqs']}×{s['seq_len']}; {s['seeds']} draws of W per m; "
+             f"weights on {s['weight_rows']} rows; {s['note']}.", "",
              "## Relative error vs exact softmax (mean over layers and heads)", "",
              "| variant | m | output rel. error | weights rel. error |", "|---|---:|---:|---:|"]
     for v, per_m in result["summary"].items():
@@ -344,20 +355,23 @@ def markdown(result: dict) -> str:
     lines.append("|---:|:---:|---:|---:|---:|---:|---:|" + "---:|" * len(variants))
     for L in result["per_layer"]:
         mean = lambda key, side: sum(h[key] for h in L[side]) / len(L[side])  # noqa: E731
-        errs = " | ".join(f"{sum(L['errors'][v][m_last]['output']) / len(L['errors'][v][m_last]['output']):.4f}" for v in variants)
-        lines.append(f"| {L['layer']} | {'yes' if L['local'] else 'no'} | {mean('effective_rank', 'q'):.1f} | {mean('effective_rank', 'k'):.1f} | "
-                     f"{mean('top5_share', 'q'):.2f} | {mean('top5_share', 'k'):.2f} | "
+        errs = " | ".join(f"{sum(L['errors'][v][m_last]['output']) / len(L['errors'][v][m_last]['output']):.4f}"
+                          for v in variants)
+        lines.append(f"| {L['layer']} | {'yes' if L['local'] else 'no'} | {mean('effective_rank', 'q'):.1f} | "
+                     f"{mean('effective_rank', 'k'):.1f} | {mean('top5_share', 'q'):.2f} | "
+                     f"{mean('top5_share', 'k'):.2f} | "
                      f"{max(h['zero_dims'] for h in L['q'])}/{max(h['zero_dims'] for h in L['k'])} | {errs} |")
-    lines += ["", "## Estimator variance (iid W): empirical vs the closed form of docs/math.md §6 (median over layers)", "",
-              "| variant | m | median empirical/closed | median closed-form rel. std |", "|---|---:|---:|---:|"]
+    lines += ["", "## Estimator variance (iid W): empirical vs the closed form of docs/math.md §6 (median over layers)",
+              "", "| variant | m | median empirical/closed | median closed-form rel. std |", "|---|---:|---:|---:|"]
     for v in variants:
         r = [L["variance"][v]["median_empirical_over_closed"] for L in result["per_layer"]]
         sd = [L["variance"][v]["median_closed_rel_std"] for L in result["per_layer"]]
         m = result["per_layer"][0]["variance"][v]["m"] if result["per_layer"] else ""
-        lines.append(f"| {v} | {m} | {_fmt(_median([x for x in r if x is not None]))} | {_fmt(_median([x for x in sd if x is not None]))} |")
+        lines.append(f"| {v} | {m} | {_fmt(_median([x for x in r if x is not None]))} | "
+                     f"{_fmt(_median([x for x in sd if x is not None]))} |")
     e2e = result["end_to_end"]
-    lines += ["", "## End to end (held-out next-token prediction)", "", "| model | m | loss | accuracy |", "|---|---:|---:|---:|",
-              f"| host | – | {e2e['host']['loss']:.4f} | {e2e['host']['accuracy']:.4f} |"]
+    lines += ["", "## End to end (held-out next-token prediction)", "", "| model | m | loss | accuracy |",
+              "|---|---:|---:|---:|", f"| host | – | {e2e['host']['loss']:.4f} | {e2e['host']['accuracy']:.4f} |"]
     for v in variants:
         for m, r in e2e[v].items():
             lines.append(f"| {v} | {m} | {r['loss']:.4f} | {r['accuracy']:.4f} |")
@@ -389,7 +403,8 @@ def _plots(result: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     layers = [L["layer"] for L in result["per_layer"]]
     for side in ("q", "k"):
-        ax.plot(layers, [sum(h["effective_rank"] for h in L[side]) / len(L[side]) for L in result["per_layer"]], marker="o", label=side)
+        ax.plot(layers, [sum(h["effective_rank"] for h in L[side]) / len(L[side]) for L in result["per_layer"]],
+                marker="o", label=side)
     ax.set_xlabel("layer")
     ax.set_ylabel("effective rank (mean over heads)")
     ax.legend()
@@ -399,4 +414,5 @@ def _plots(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["VARIANTS", "DiagnoseConfig", "anisotropy", "diagnose", "estimator_variance", "markdown", "per_head_rel_error", "write_report"]
+__all__ = ["VARIANTS", "DiagnoseConfig", "anisotropy", "diagnose", "estimator_variance", "markdown",
+           "per_head_rel_error", "write_report"]

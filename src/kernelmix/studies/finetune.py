@@ -48,7 +48,8 @@ def build_variant(host, variant: str, *, num_features: int, layers: Any, init: s
     model = copy.deepcopy(host)
     if variant == "softmax":
         return model
-    config = ConversionConfig(mixer=variant, layers=layers, num_features=num_features, seed=seed, window=0, sinks=0)  # features alone, as the study reports
+    # features alone, as the study reports
+    config = ConversionConfig(mixer=variant, layers=layers, num_features=num_features, seed=seed, window=0, sinks=0)
     use_init = init if variant == "darkformer" else "identity"
     return convert(model, config, calibration=calibration if use_init != "identity" else None, init=use_init,
                       steps=distill_steps, log=log)
@@ -99,16 +100,18 @@ def compare_finetune(
                 runs.append(saved)
                 say(f"{variant}-lr{lr:g}: reusing the finished run in {run_dir}")
                 continue
-            runs.append(_run_variant(host, train_windows, val_windows, dataclasses.replace(config, lr=lr), variant, run_dir,
-                                     num_features=num_features, layers=layers, init=init, calib_windows=calib_windows,
-                                     distill_steps=distill_steps, progress=progress, log=log, say=say))
+            runs.append(_run_variant(host, train_windows, val_windows, dataclasses.replace(config, lr=lr), variant,
+                                     run_dir, num_features=num_features, layers=layers, init=init,
+                                     calib_windows=calib_windows, distill_steps=distill_steps, progress=progress,
+                                     log=log, say=say))
             if signals.received is not None and index < len(plan):
-                raise Interrupted(f"finetuning interrupted by {signal_name(signals.received)} after {index} of {len(plan)} "
-                                  "runs (each one saved); run the same command again to continue", signals.received)
+                raise Interrupted(f"finetuning interrupted by {signal_name(signals.received)} after {index} of "
+                                  f"{len(plan)} runs (each one saved); run the same command again to continue",
+                                  signals.received)
         report = {
             "format": "kernelmix-finetune-1",
-            "settings": {"finetune": asdict(config), "variants": list(variants), "lrs": lrs, "num_features": num_features,
-                         "layers": layers, "init": init, "calib_windows": calib_windows,
+            "settings": {"finetune": asdict(config), "variants": list(variants), "lrs": lrs,
+                         "num_features": num_features, "layers": layers, "init": init, "calib_windows": calib_windows,
                          "train_windows": int(train_windows.shape[0]), "val_windows": int(val_windows.shape[0]),
                          "val_tokens": int(val_windows.shape[0] * (val_windows.shape[1] - 1))},
             "runs": runs,
@@ -150,8 +153,8 @@ def _run_variant(host, train_windows: Tensor, val_windows: Tensor, run_config: F
                                  resume=resume, progress=progress, label=name)
     except Interrupted as stop:  # the step is saved (when there is a run directory)
         where = "its step is saved" if run_dir is not None else "nothing is saved (no output directory)"
-        raise Interrupted(f"finetuning interrupted by {signal_name(stop.signal_number)} during {name}: {where}; run the "
-                          "same command again to continue (finished runs are reused, this one resumes)",
+        raise Interrupted(f"finetuning interrupted by {signal_name(stop.signal_number)} during {name}: {where}; run "
+                          "the same command again to continue (finished runs are reused, this one resumes)",
                           stop.signal_number) from None
     result.update({"variant": variant, "lr": run_config.lr,
                    "num_features": num_features if variant in ("performer", "darkformer") else None,
@@ -174,19 +177,21 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     f = s["finetune"]
     lines = [
-        f"Finetuning ({f['mode']}, {f['steps']} steps × {f['batch_size']} × {f['seq_len']} tokens, warmup {f['warmup_steps']}, "
-        f"cosine to {f['min_lr_ratio']}·lr, seed {f['seed']}); m = {s['num_features']}, layers {s['layers']}, "
-        f"DARKFormer init {s['init']}; validation {s['val_windows']} held-out windows ({s['val_tokens']} predicted tokens). "
-        f"Spike: loss > median of the previous {f['spike_window']} + max({f['spike_nats']} nats, 4σ), σ = 1.4826·MAD of those "
-        f"losses (batch noise), or not finite.",
+        f"Finetuning ({f['mode']}, {f['steps']} steps × {f['batch_size']} × {f['seq_len']} tokens, warmup "
+        f"{f['warmup_steps']}, cosine to {f['min_lr_ratio']}·lr, seed {f['seed']}); m = {s['num_features']}, layers "
+        f"{s['layers']}, DARKFormer init {s['init']}; validation {s['val_windows']} held-out windows "
+        f"({s['val_tokens']} predicted tokens). Spike: loss > median of the previous {f['spike_window']} + "
+        f"max({f['spike_nats']} nats, 4σ), σ = 1.4826·MAD of those losses (batch noise), or not finite.",
         "",
-        "| variant | lr | val loss before | val loss after | val acc after | spikes | diverged | trainable params | train s | tok/s |",
+        "| variant | lr | val loss before | val loss after | val acc after | spikes | diverged | "
+        "trainable params | train s | tok/s |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in report["runs"]:
         lines.append(
-            f"| {r['variant']} | {r['lr']:g} | {r['initial']['loss']:.3f} | {r['final']['loss']:.3f} | {r['final']['accuracy']:.3f} | "
-            f"{r['num_spikes']} | {'yes' if r['diverged'] else 'no'} | {r['trainable_parameters']:,} | {r['train_s']:.0f} | {r['tokens_per_s']:.0f} |"
+            f"| {r['variant']} | {r['lr']:g} | {r['initial']['loss']:.3f} | {r['final']['loss']:.3f} | "
+            f"{r['final']['accuracy']:.3f} | {r['num_spikes']} | {'yes' if r['diverged'] else 'no'} | "
+            f"{r['trainable_parameters']:,} | {r['train_s']:.0f} | {r['tokens_per_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

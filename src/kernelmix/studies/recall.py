@@ -170,7 +170,8 @@ def saved_cell(path: Path, key: str) -> dict[str, Any] | None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return saved if isinstance(saved, dict) and saved.get("key") == key and saved.get("format") == RESULT_FORMAT else None
+    return (saved if isinstance(saved, dict) and saved.get("key") == key and saved.get("format") == RESULT_FORMAT
+            else None)
 
 
 def plan(config: RecallConfig) -> list[tuple[str, int, int, int]]:
@@ -211,7 +212,8 @@ def run_recall(config: RecallConfig, *, progress: bool | None = None, note: Call
         write_text_atomic(out / "results.md", format_markdown(results))
         results["plots"] = [write_plot(results, out)]
         write_json_atomic(out / "results.json", results, indent=1)
-    note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {results['plots'][0]} in {results['wall_s'] / 60:.1f} min")
+    note(f"wrote {out / 'results.json'}, {out / 'results.md'} and {results['plots'][0]} in "
+         f"{results['wall_s'] / 60:.1f} min")
     return results
 
 
@@ -256,8 +258,8 @@ def _train_and_save(config: RecallConfig, cell: tuple[str, int, int, int], path:
     except Interrupted as stop:
         raise Interrupted(
             f"kernelmix recall interrupted by {signal_name(stop.signal_number)} in cell {done + 1} of {total} ({mixer} "
-            f"width {width} T={length} pairs {pairs}, dropped); the {done} finished cells are kept in {path.parent}: run "
-            "the same command again to continue", stop.signal_number) from None
+            f"width {width} T={length} pairs {pairs}, dropped); the {done} finished cells are kept in {path.parent}: "
+            "run the same command again to continue", stop.signal_number) from None
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, result, indent=1)
     return result
@@ -283,10 +285,10 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"Accuracy on the query positions of {settings['eval_examples']} held-out sequences per (T, pairs) "
         f"(eval seed {settings['eval_seed']}), after {settings['steps']} steps × {settings['batch_size']} sequences "
         f"(training seed {settings['seed']}, lr {settings['lr']}, vocabulary {settings['vocab_size']}). "
-        f"**Bold**: ≥ {TARGET:.0%}; a model that only guesses one of the sequence's values scores about 1 / pairs. Wall time {results['wall_s'] / 60:.1f} min for this invocation "
-        f"({results['reused_cells']} of {len(cells)} cells reused), {results['cells_wall_s'] / 60:.1f} min over all "
-        f"cells; {results['machine']['threads']} torch thread{'s' if results['machine']['threads'] > 1 else ''} on "
-        f"{results['machine']['device']}.",
+        f"**Bold**: ≥ {TARGET:.0%}; a model that only guesses one of the sequence's values scores about 1 / pairs. "
+        f"Wall time {results['wall_s'] / 60:.1f} min for this invocation ({results['reused_cells']} of {len(cells)} "
+        f"cells reused), {results['cells_wall_s'] / 60:.1f} min over all cells; {results['machine']['threads']} torch "
+        f"thread{'s' if results['machine']['threads'] > 1 else ''} on {results['machine']['device']}.",
     ]
     for width in settings["widths"]:
         lines += ["", f"## width {width}", "",
@@ -294,7 +296,8 @@ def format_markdown(results: dict[str, Any]) -> str:
                   "|---|" + "---:|" * (len(columns) + 1)]
         for mixer in settings["mixers"]:
             row = [by.get((mixer, width, t, n)) for t, n in columns]
-            texts = ["–" if c is None else (f"**{c['accuracy']:.3f}**" if c["accuracy"] >= TARGET else f"{c['accuracy']:.3f}")
+            texts = ["–" if c is None else (f"**{c['accuracy']:.3f}**" if c["accuracy"] >= TARGET
+                                            else f"{c['accuracy']:.3f}")
                      for c in row]
             seconds = sum(c["train_s"] for c in row if c is not None)
             lines.append(f"| {mixer} | " + " | ".join(texts) + f" | {seconds:.0f} |")
@@ -314,11 +317,13 @@ def write_plot(results: dict[str, Any], out: Path) -> str:
     for ax, width in zip(axes[0], widths):
         for i, mixer in enumerate(settings["mixers"]):
             for j, length in enumerate(lengths):
-                rows = sorted((c for c in cells if c["mixer"] == mixer and c["width"] == width and c["length"] == length),
+                rows = sorted((c for c in cells if c["mixer"] == mixer and c["width"] == width
+                               and c["length"] == length),
                               key=lambda c: c["pairs"])
                 if rows:
                     ax.plot([c["pairs"] for c in rows], [c["accuracy"] for c in rows], marker="o", color=f"C{i}",
-                            linestyle=styles[j % len(styles)], label=mixer + (f" T={length}" if len(lengths) > 1 else ""))
+                            linestyle=styles[j % len(styles)],
+                            label=mixer + (f" T={length}" if len(lengths) > 1 else ""))
         ax.axhline(TARGET, color="grey", linewidth=0.8, linestyle=":")
         chance = sorted({c["pairs"] for c in cells})
         ax.plot(chance, [1 / n for n in chance], color="grey", linewidth=1, linestyle="--", label="1 / pairs (a guess)")
@@ -330,8 +335,8 @@ def write_plot(results: dict[str, Any], out: Path) -> str:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recall accuracy on query positions")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"MQAR, {settings['layers']}-layer models, {settings['steps']} steps x {settings['batch_size']} sequences "
-                 f"per cell\n(dotted: {TARGET:.0%}; dashed: a guess among the values)", fontsize=10)
+    fig.suptitle(f"MQAR, {settings['layers']}-layer models, {settings['steps']} steps x {settings['batch_size']} "
+                 f"sequences per cell\n(dotted: {TARGET:.0%}; dashed: a guess among the values)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_pairs.png", dpi=110)
     plt.close(fig)

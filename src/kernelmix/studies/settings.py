@@ -44,7 +44,8 @@ def check_device(text: str):
     except RuntimeError:
         raise ValueError(f"unknown device {text!r} (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device; use --device cpu (or a CUDA build of torch)")
+        raise ValueError(f"device {text!r} asked for, but torch sees no CUDA device; "
+                         "use --device cpu (or a CUDA build of torch)")
     return device
 
 
@@ -70,11 +71,13 @@ class DemoConfig:
 class BenchConfig:
     """What :func:`~kernelmix.studies.bench.run_bench` measures (``kernelmix bench``'s options)."""
 
-    mixers: Annotated[list[str], Choice(registry.OP_MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+    mixers: Annotated[list[str], Choice(registry.OP_MIXERS, "mixer"), Distinct("mixer"),
+                      Field(min_length=1, description="comma-separated (default: all)")] = (
         field(default_factory=lambda: list(registry.OP_MIXERS)))
     lengths: Annotated[list[PositiveInt], Distinct("length"), Field(min_length=1, description="e.g. 256,1024,4096")] = (
         field(default_factory=lambda: [256, 512, 1024, 2048, 4096]))
-    decode_positions: Annotated[list[PositiveInt], Distinct("position")] = field(default_factory=lambda: [256, 1024, 4096])
+    decode_positions: Annotated[list[PositiveInt], Distinct("position")] = (
+        field(default_factory=lambda: [256, 1024, 4096]))
     batch: PositiveInt = 1
     heads: PositiveInt = 8
     head_dim: PositiveInt = 64
@@ -82,10 +85,12 @@ class BenchConfig:
     chunk_size: PositiveInt = 64
     dtype: Annotated[str, Choice(DTYPE_NAMES, "dtype"), Field(description="the inputs' dtype")] = "float32"
     autocast: Annotated[str | None, Choice(AUTOCAST_NAMES, "autocast dtype"), Field(
-        description="run the forward passes under torch.autocast in this dtype (fp32 inputs; needs --dtype float32)")] = None
+        description="run the forward passes under torch.autocast in this dtype "
+                    "(fp32 inputs; needs --dtype float32)")] = None
     device: str = "cpu"
     repeats: PositiveInt = 3
-    memory: Annotated[bool, Field(description="measure peak memory, each op in a fresh process (--no-memory skips it)")] = True
+    memory: Annotated[bool, Field(description="measure peak memory, each op in a fresh process "
+                                              "(--no-memory skips it)")] = True
     peers: Annotated[list[str], Choice(PEERS, "peer"), Distinct("peer"), Field(
         description="comma-separated peers measured in the same run: performer-pytorch, fla-deltaformer-naive, "
         "cubit-dense (skipped with a note when not installed)")] = field(default_factory=list)
@@ -105,14 +110,16 @@ class GenerateBenchConfig:
     :func:`~kernelmix.studies.generate_bench.benchmark_generation` takes)."""
 
     preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
-    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated (default: all)")] = (
+    mixers: Annotated[list[str], Choice(MIXERS, "mixer"), Distinct("mixer"),
+                      Field(min_length=1, description="comma-separated (default: all)")] = (
         field(default_factory=lambda: list(MIXERS)))
     prompt_length: PositiveInt = 32
     new_tokens: Annotated[PositiveInt | None, Field(description=(
         f"new tokens of the cached run (default: {MAX_NEW_TOKENS}, or fewer so that the prompt plus them fit the "
         "preset's max_seq_len)"))] = None
     uncached_new_tokens: Annotated[NonNegativeInt | None, Field(
-        description="measure the slow uncached baseline on this many new tokens (default: --new-tokens; 0 skips it)")] = None
+        description="measure the slow uncached baseline on this many new tokens "
+                    "(default: --new-tokens; 0 skips it)")] = None
     batch: PositiveInt = 1
     repeats: PositiveInt = 1
     seed: int = 0
@@ -147,21 +154,28 @@ class RecallConfig:
     600 steps × 32 sequences per cell) finish in under 10 minutes on 2 CPU cores (measured: see
     results/recall/README.md); docs/recall.md says why each setting is what it is."""
 
-    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
+    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"),
+                      Field(min_length=1, description="comma-separated")] = (
         field(default_factory=lambda: list(DEFAULT_MIXERS)))
-    widths: Annotated[list[PositiveInt], Distinct("width"), Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
+    widths: Annotated[list[PositiveInt], Distinct("width"),
+                      Field(min_length=1, description="model widths (hidden sizes), e.g. 32,64,128")] = (
         field(default_factory=lambda: [64]))
-    lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"), Field(min_length=1, description="sequence lengths T")] = (
+    lengths: Annotated[list[Annotated[int, Field(ge=4)]], Distinct("length"),
+                       Field(min_length=1, description="sequence lengths T")] = (
         field(default_factory=lambda: [64]))
     pairs: Annotated[list[PositiveInt], Distinct("pair count"), Field(min_length=1, description=(
-        "numbers of key-value pairs (a cell with 4 x pairs > T is skipped)"))] = field(default_factory=lambda: [4, 8, 16])
-    vocab_size: Annotated[int, Field(ge=3, description="vocabulary: a filler token, then keys and values, half each")] = 128
+        "numbers of key-value pairs (a cell with 4 x pairs > T is skipped)"))] = (
+        field(default_factory=lambda: [4, 8, 16]))
+    vocab_size: Annotated[int,
+                          Field(ge=3, description="vocabulary: a filler token, then keys and values, half each")] = 128
     layers: Annotated[PositiveInt, Field(description="blocks of the model (recall needs at least 2)")] = 2
     heads: Annotated[PositiveInt, Field(description="heads per mixer (head dim = width / heads)")] = 1
-    init_std: Annotated[PositiveFloat, Field(description="the model's initializer_range (std of the projections at init)")] = 0.1
+    init_std: Annotated[PositiveFloat,
+                        Field(description="the model's initializer_range (std of the projections at init)")] = 0.1
     embed_std: Annotated[PositiveFloat, Field(description="std of the token embedding at init")] = 0.3
     train_queries: Annotated[str, Choice(("all", "pairs"), "train_queries"), Field(description=(
-        "queries per training sequence: all (every slot after the pairs) or pairs (one per pair, as held out)"))] = "all"
+        "queries per training sequence: all (every slot after the pairs) or pairs "
+        "(one per pair, as held out)"))] = "all"
     steps: Annotated[PositiveInt, Field(description="optimizer steps per cell")] = 600
     batch_size: Annotated[PositiveInt, Field(description="sequences per step")] = 32
     lr: Annotated[PositiveFloat, Field(description="peak learning rate")] = 2e-3
@@ -169,7 +183,8 @@ class RecallConfig:
         "the cosine decay's end (default: lr, i.e. no decay after warmup)"))] = None
     warmup_steps: NonNegativeInt = 40
     weight_decay: NonNegativeFloat = 0.1
-    power_a: Annotated[float, Field(gt=0, le=1, description="query placement: P(slot) ~ (slot+1)^(power_a-1); 1: uniform")] = (
+    power_a: Annotated[float,
+                       Field(gt=0, le=1, description="query placement: P(slot) ~ (slot+1)^(power_a-1); 1: uniform")] = (
         POWER_A)
     eval_examples: Annotated[PositiveInt, Field(description="held-out sequences per (T, pairs)")] = 256
     seed: Annotated[NonNegativeInt, Field(description="initial weights and the training batches")] = 0
@@ -192,12 +207,13 @@ class RecallConfig:
 
         keys = len(key_range(self.vocab_size))
         if max(self.pairs) > keys:
-            raise KernelmixError(f"pairs {max(self.pairs)} need as many distinct keys, but vocab_size {self.vocab_size} "
-                                 f"has {keys} key tokens; use --vocab-size {2 * max(self.pairs) + 1} or more, or fewer pairs")
+            raise KernelmixError(f"pairs {max(self.pairs)} need as many distinct keys, but vocab_size "
+                                 f"{self.vocab_size} has {keys} key tokens; "
+                                 f"use --vocab-size {2 * max(self.pairs) + 1} or more, or fewer pairs")
         if not self.cells():
-            raise KernelmixError(f"no (T, pairs) cell fits: a sequence of length T holds at most T / 4 pairs (pairs and "
-                                 f"their queries), got lengths {self.lengths} and pairs {self.pairs}; use longer lengths "
-                                 "or fewer pairs")
+            raise KernelmixError("no (T, pairs) cell fits: a sequence of length T holds at most T / 4 pairs (pairs "
+                                 f"and their queries), got lengths {self.lengths} and pairs {self.pairs}; use longer "
+                                 "lengths or fewer pairs")
         for width in self.widths:  # a width the heads do not divide fails now, not after the first cells
             self.model_config(self.mixers[0], width, self.lengths[0])
 
@@ -229,9 +245,9 @@ class RecallConfig:
         settings = {
             "format": RECALL_FORMAT, "mixer": mixer, "model": self.model_config(mixer, width, length).to_dict(),
             "length": length, "pairs": pairs, "device": self.device,
-            **{name: getattr(self, name) for name in ("embed_std", "steps", "batch_size", "lr", "min_lr", "warmup_steps",
-                                                       "weight_decay", "power_a", "train_queries", "eval_examples", "seed",
-                                                       "eval_seed")},
+            **{name: getattr(self, name) for name in ("embed_std", "steps", "batch_size", "lr", "min_lr",
+                                                      "warmup_steps", "weight_decay", "power_a", "train_queries",
+                                                      "eval_examples", "seed", "eval_seed")},
         }
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
 

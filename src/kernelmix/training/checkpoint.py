@@ -244,7 +244,8 @@ def save_checkpoint(
     return final
 
 
-def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any], config: dict[str, Any]) -> None:
+def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
+                 config: dict[str, Any]) -> None:
     write_weights(weights, tmp / "model.safetensors")
     write_state(state, tmp / "state.pt")
     write_json(config, tmp / "config.json")
@@ -346,7 +347,8 @@ def _file_problem(path: Path, files: dict[str, Any]) -> str | None:
             return f"checkpoint {str(path)!r} is missing {name}"
         size = file.stat().st_size
         if size != expected.get("bytes"):
-            return f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, the manifest says {expected.get('bytes')}"
+            return (f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, "
+                    f"the manifest says {expected.get('bytes')}")
         if file_sha256(file) != expected.get("sha256"):
             return f"checkpoint file {str(file)!r} is corrupt (SHA-256 mismatch)"
     return None
@@ -372,8 +374,9 @@ def load_latest_valid(out_dir: str | Path, *, warn: bool = True) -> Checkpoint |
     if len(damaged) == 1:
         raise damaged[0]
     if damaged:
-        raise CheckpointDamaged(f"every checkpoint of {str(out_dir)!r} is damaged ({'; '.join(e.reason for e in damaged)}); "
-                                "start a fresh run with another --out", reason="every checkpoint is damaged")
+        raise CheckpointDamaged(f"every checkpoint of {str(out_dir)!r} is damaged "
+                                f"({'; '.join(e.reason for e in damaged)}); start a fresh run with another --out",
+                                reason="every checkpoint is damaged")
     return None
 
 

@@ -54,7 +54,8 @@ class TrainConfig:
     # -- model: a preset and overrides of its ModelConfig fields ------------------------------
     preset: Annotated[str, Choice(PRESETS, "preset")] = "small"
     model: Annotated[dict[str, Any], Field(
-        examples=["model.mixer=cubit"], description='ModelConfig overrides, e.g. {"mixer": "cubit", "mixer_options": {...}}',
+        examples=["model.mixer=cubit"],
+        description='ModelConfig overrides, e.g. {"mixer": "cubit", "mixer_options": {...}}',
     )] = field(default_factory=dict)
 
     # -- data ---------------------------------------------------------------------------------
@@ -142,8 +143,8 @@ class TrainConfig:
             raise ValueError(f"{error} (in the model.* settings)") from error
         if self.seq_len > config.max_seq_len:
             raise ValueError(
-                f"seq_len {self.seq_len} exceeds the model's max_seq_len {config.max_seq_len} (preset {self.preset!r}); "
-                f"lower seq_len or set model.max_seq_len={self.seq_len}"
+                f"seq_len {self.seq_len} exceeds the model's max_seq_len {config.max_seq_len} (preset "
+                f"{self.preset!r}); lower seq_len or set model.max_seq_len={self.seq_len}"
             )
         return config
 
@@ -198,13 +199,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 try:
                     import tomli as tomllib  # type: ignore[no-redef]
                 except ImportError:
-                    raise ValueError("reading TOML on Python 3.10 needs tomli: pip install tomli (or use JSON)") from None
+                    raise ValueError(
+                        "reading TOML on Python 3.10 needs tomli: pip install tomli (or use JSON)") from None
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
             try:
                 import yaml
             except ImportError:
-                raise ValueError("reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json file)") from None
+                raise ValueError(
+                    "reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json file)") from None
             data = yaml.safe_load(text)
         elif suffix == ".json":
             data = json.loads(text)
@@ -324,4 +327,5 @@ def run_config(
     return TrainConfig.from_dict(merge(base, update))
 
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "RESOLVED_FORMAT", "TrainConfig", "apply_override", "build_config", "parse_value", "read_config_file", "run_config"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "RESOLVED_FORMAT", "TrainConfig", "apply_override", "build_config",
+           "parse_value", "read_config_file", "run_config"]

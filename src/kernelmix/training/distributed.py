@@ -125,4 +125,5 @@ def all_gather_object(env: DistEnv, obj):
     return out
 
 
-__all__ = ["DistEnv", "TEARDOWN_TIMEOUT_S", "agree_on_signal", "all_gather_object", "all_reduce_max", "all_reduce_sum", "barrier", "setup", "teardown"]
+__all__ = ["DistEnv", "TEARDOWN_TIMEOUT_S", "agree_on_signal", "all_gather_object", "all_reduce_max", "all_reduce_sum",
+           "barrier", "setup", "teardown"]

@@ -131,7 +131,8 @@ def warmup_cosine(step: int, *, lr: float, min_lr: float, warmup_steps: int, tot
 
 def lr_at(step: int, config: TrainConfig, total_steps: int) -> float:
     """:func:`warmup_cosine` with a run's settings."""
-    return warmup_cosine(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps, total_steps=total_steps)
+    return warmup_cosine(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
+                         total_steps=total_steps)
 
 
 def derived_seed(*parts: Any) -> int:
@@ -191,7 +192,8 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def resolved_config(config: TrainConfig, model_config, env, total_steps: int, dataset, parameters: int) -> dict[str, Any]:
+def resolved_config(config: TrainConfig, model_config, env, total_steps: int, dataset,
+                    parameters: int) -> dict[str, Any]:
     """The full record of a run, saved as ``config.json`` beside its checkpoints and metrics."""
     from .. import __version__
 
@@ -242,12 +244,13 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) 
     # the model overrides are compared through the resolved model above
     train_diff = diff(saved["train"], current["train"], MAY_CHANGE_ON_RESUME | {"model"})
     if train_diff:
-        raise CheckpointError(f"checkpoint {str(path)!r} was trained with other settings ({'; '.join(train_diff)}); {fix}")
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained with other settings "
+                              f"({'; '.join(train_diff)}); {fix}")
     before, now = saved["run"]["global_batch"], current["run"]["global_batch"]
     if before != now:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} was trained with a global batch of {before} sequences (batch_size × grad_accum × "
-            f"processes), this run has {now}; keep the global batch to resume exactly (e.g. with half the processes, "
+            f"checkpoint {str(path)!r} was trained with a global batch of {before} sequences (batch_size × grad_accum "
+            f"× processes), this run has {now}; keep the global batch to resume exactly (e.g. with half the processes, "
             "double grad_accum)"
         )
 
@@ -258,7 +261,8 @@ def _full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options) if fsdp else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    weights = (get_model_state_dict(model, options=options) if fsdp
+               else {k: v.detach().cpu() for k, v in model.state_dict().items()})
     return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
@@ -410,9 +414,9 @@ def check_same_schedule(ckpt: Checkpoint, config: TrainConfig, total_steps: int)
     raise CheckpointError(
         f"checkpoint {str(ckpt.path)!r} is from a run of {before} steps, this one asks for {total_steps} (steps / "
         f"tokens changed): the learning-rate schedule (warmup + cosine to min_lr at the last step) would be laid over "
-        f"{total_steps} steps, so update {step + 1} would use lr {now:.3g} where the run's own schedule is at {was:.3g}; "
-        f"resume without changing steps/tokens, start a new run with another --out, or accept the new schedule with "
-        f"--reschedule (train(..., reschedule=True))"
+        f"{total_steps} steps, so update {step + 1} would use lr {now:.3g} where the run's own schedule is at "
+        f"{was:.3g}; resume without changing steps/tokens, start a new run with another --out, or accept the new "
+        "schedule with --reschedule (train(..., reschedule=True))"
     )
 
 
@@ -427,9 +431,11 @@ def build_optimizer(model: CausalLM, config: TrainConfig, device: torch.device, 
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         try:
-            set_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
         except (KeyError, RuntimeError, ValueError) as error:
-            raise CheckpointError(f"the optimizer state in {str(ckpt.path)!r} does not fit this model: {error}") from None
+            raise CheckpointError(
+                f"the optimizer state in {str(ckpt.path)!r} does not fit this model: {error}") from None
     return optimizer
 
 
@@ -510,17 +516,18 @@ class PretrainTrainer(Trainer):
 
     skip_non_finite = True
 
-    def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *, stop_at: int | None,
-                 reschedule: bool = False):
+    def __init__(self, config: TrainConfig, env: distrib.DistEnv, dataset, ckpt: Checkpoint | None, *,
+                 stop_at: int | None, reschedule: bool = False):
         self.config, self.env, self.ckpt, self.out_dir = config, env, ckpt, Path(config.out_dir)
         self.global_batch = config.batch_size * config.grad_accum * env.world_size
         self.tokens_per_step = self.global_batch * config.seq_len
         total_steps = math.ceil(config.tokens / self.tokens_per_step) if config.tokens else config.steps
         if config.warmup_steps >= total_steps and env.is_main:
             warnings.warn(
-                f"warmup_steps={config.warmup_steps} is not below the run's {total_steps} steps: the learning rate never "
-                f"reaches lr={config.lr:g} (its last step uses {lr_at(total_steps - 1, config, total_steps):.2g}); "
-                f"set fewer warmup steps, e.g. --set warmup_steps={max(1, total_steps // 10)}", stacklevel=3,
+                f"warmup_steps={config.warmup_steps} is not below the run's {total_steps} steps: the learning rate "
+                f"never reaches lr={config.lr:g} (its last step uses "
+                f"{lr_at(total_steps - 1, config, total_steps):.2g}); set fewer warmup steps, e.g. "
+                f"--set warmup_steps={max(1, total_steps // 10)}", stacklevel=3,
             )
         self.raw_model, self.record, start_step = build_model(config, env, dataset, ckpt, total_steps, reschedule)
         self.raw_model.to(env.device)
@@ -569,7 +576,8 @@ class PretrainTrainer(Trainer):
         result, start_step = self.result, self.schedule.start_step
         result.final_step = step
         result.tokens_seen = step * self.tokens_per_step
-        result.tokens_per_s = (step - start_step) * self.tokens_per_step / self.train_time if self.train_time > 0 else 0.0
+        result.tokens_per_s = ((step - start_step) * self.tokens_per_step / self.train_time if self.train_time > 0
+                               else 0.0)
         result.wall_s = time.perf_counter() - self.started
         return result
 
@@ -589,7 +597,8 @@ class PretrainTrainer(Trainer):
             reporter.note(
                 f"training {model_config.num_layers}-layer {'/'.join(sorted(set(model_config.layer_mixers())))} model "
                 f"({self.record['run']['parameters']:,} parameters) on {config.corpus} with {config.tokenizer} tokens: "
-                f"{total_steps} steps × {self.global_batch} sequences × {config.seq_len} tokens, {env.world_size} process(es)"
+                f"{total_steps} steps × {self.global_batch} sequences × {config.seq_len} tokens, "
+                f"{env.world_size} process(es)"
             )
         elif env.is_main:
             reporter.note(f"resuming {str(self.out_dir)!r} from step {start_step} of {total_steps}")
@@ -629,7 +638,8 @@ class PretrainTrainer(Trainer):
         self.result.val_losses[step] = sums.mean
         self.reporter.write({"kind": "eval", "step": step, "tokens": step * self.tokens_per_step,
                              "val_loss": sums.mean, "wall_s": round(self.wall(), 3)})
-        self.reporter.show(f"step {step:>6}/{self.schedule.total_steps} | val loss {sums.mean:.4f} ({self.val_coverage})",
+        self.reporter.show(f"step {step:>6}/{self.schedule.total_steps} | "
+                           f"val loss {sums.mean:.4f} ({self.val_coverage})",
                            val=f"{sums.mean:.4f}")
 
     def save(self, step: int) -> None:

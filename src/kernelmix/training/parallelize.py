@@ -39,7 +39,8 @@ def block_checkpoints(mode: str, num_blocks: int, every: int = 2) -> list[str]:
             f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {mode!r}"
         )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise KernelmixError(f"activation_checkpointing_every must be a positive integer (every k-th block), got {every!r}")
+        raise KernelmixError("activation_checkpointing_every must be a positive integer "
+                             f"(every k-th block), got {every!r}")
     if mode == "full":
         return ["block"] * num_blocks
     if mode == "mixers":
@@ -122,7 +123,8 @@ class FSDPOptions:
 
     @classmethod
     def of(cls, options: FSDPOptions | dict[str, Any] | None) -> FSDPOptions:
-        """``options`` as FSDPOptions: itself, a dict of its fields (an unknown key is an error), or None (the defaults)."""
+        """``options`` as FSDPOptions: itself, a dict of its fields (an unknown key is an error), or None
+        (the defaults)."""
         if options is None:
             return cls()
         if isinstance(options, cls):
@@ -132,7 +134,8 @@ class FSDPOptions:
         unknown = sorted(set(options) - set(cls.__dataclass_fields__))
         if unknown:
             raise KernelmixError(
-                f"unknown fsdp_options {', '.join(map(repr, unknown))} (choose from: {', '.join(cls.__dataclass_fields__)})"
+                f"unknown fsdp_options {', '.join(map(repr, unknown))} "
+                f"(choose from: {', '.join(cls.__dataclass_fields__)})"
             )
         return cls(**options)
 
@@ -221,6 +224,6 @@ def parallelize(
 
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING", "FSDP_DTYPES", "FSDPOptions", "FULLGRAPH_MIXERS", "apply_activation_checkpointing", "apply_compile",
-    "apply_ddp", "apply_fsdp", "block_checkpoints", "data_parallel_size", "fsdp_dtype", "parallelize",
+    "ACTIVATION_CHECKPOINTING", "FSDP_DTYPES", "FSDPOptions", "FULLGRAPH_MIXERS", "apply_activation_checkpointing",
+    "apply_compile", "apply_ddp", "apply_fsdp", "block_checkpoints", "data_parallel_size", "fsdp_dtype", "parallelize",
 ]

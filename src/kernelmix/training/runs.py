@@ -62,7 +62,8 @@ def find_checkpoint(path: str | Path) -> Path:
     ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"run directory {str(path)!r} does not exist; give a `kernelmix train --out` directory or a checkpoint")
+        raise ValueError(f"run directory {str(path)!r} does not exist; "
+                         "give a `kernelmix train --out` directory or a checkpoint")
     if (path / "manifest.json").is_file():
         return path
     latest = latest_checkpoint(path)
@@ -96,7 +97,8 @@ def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedR
     ckpt = _load_newest_valid(path)
     record = ckpt.config
     if not isinstance(record, dict) or "model" not in record:
-        raise ValueError(f"checkpoint {str(ckpt.path)!r} holds no kernelmix model config; is it from `kernelmix train`?")
+        raise ValueError(f"checkpoint {str(ckpt.path)!r} holds no kernelmix model config; "
+                         "is it from `kernelmix train`?")
     model = CausalLM(ModelConfig.from_dict(record["model"]))
     load_weights(model, ckpt.weights, ckpt.path)
     model.to(device).eval()

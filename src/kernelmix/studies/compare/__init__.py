@@ -66,7 +66,8 @@ from __future__ import annotations
 from ...lazy import lazy_names
 
 MODULES = {
-    "settings": ["BUDGETS", "CALIBRATION_WARMUP", "DEFAULT_MIXERS", "MIXER_VARIANTS", "REFERENCE_MIXER", "CompareConfig"],
+    "settings": ["BUDGETS", "CALIBRATION_WARMUP", "DEFAULT_MIXERS", "MIXER_VARIANTS", "REFERENCE_MIXER",
+                 "CompareConfig"],
     "budget": ["BudgetPlan", "plan_budget"],
     "calibration": ["calibrate"],
     "running": ["run_compare", "run_one", "saved_result", "summarize", "with_costs"],

@@ -31,22 +31,26 @@ class BudgetPlan:
         record = {
             "equal": self.budget, "tokens_per_step": config.tokens_per_step, "steps": config.steps,
             "reference": "--seconds" if config.seconds is not None else REFERENCE_MIXER,
-            ("flops_per_run" if self.budget == "flops" else "seconds_per_run"): {str(t): v for t, v in self.reference.items()},
+            ("flops_per_run" if self.budget == "flops" else "seconds_per_run"): {
+                str(t): v for t, v in self.reference.items()},
             "steps_per_run": {m: {str(t): self.steps[m, t] for t in config.lengths} for m in config.mixers},
         }
         if self.budget == "flops":
             record["note"] = (f"equal training FLOPs per run: {REFERENCE_MIXER}'s for {config.steps} steps × "
-                              f"{config.tokens_per_step:,} tokens at each length (analytic counts, kernelmix.studies.flops); "
-                              "each mixer trains round(those FLOPs / its FLOPs per step) steps, its warmup scaled to them")
+                              f"{config.tokens_per_step:,} tokens at each length (analytic counts, "
+                              "kernelmix.studies.flops); each mixer trains round(those FLOPs / its FLOPs per step) "
+                              "steps, its warmup scaled to them")
         else:
             record["seconds_per_step"] = {m: {str(t): v for (m2, t), v in self.seconds_per_step.items() if m2 == m}
                                           for m in sorted({m for m, _ in self.seconds_per_step})}
-            record["note"] = ("equal training seconds per run on this machine, from a calibration of each mixer's seconds "
-                              "per step; measured, so noisy (±10-30% on a shared machine): compare each run's train_s")
+            record["note"] = ("equal training seconds per run on this machine, from a calibration of each mixer's "
+                              "seconds per step; measured, so noisy (±10-30% on a shared machine): "
+                              "compare each run's train_s")
         return record
 
 
-def plan_budget(config: CompareConfig, vocab_size: int, seconds_per_step: dict[tuple[str, int], float] | None = None) -> BudgetPlan:
+def plan_budget(config: CompareConfig, vocab_size: int,
+                seconds_per_step: dict[tuple[str, int], float] | None = None) -> BudgetPlan:
     """The steps of every (mixer, length) under ``config.budget``: ``config.steps`` for tokens; for
     FLOPs and time ``round(reference / cost of one step)`` (a KernelmixError where that is 0), the reference being what
     :data:`REFERENCE_MIXER` spends on ``steps × tokens_per_step`` tokens (time: ``config.seconds``

@@ -50,8 +50,8 @@ def calibrate(config: CompareConfig, env, note: Callable[[str], None] = print) -
                     number = distrib.agree_on_signal(env, signals.received)
                     if number is not None:
                         raise Interrupted(f"kernelmix compare interrupted by {signal_name(number)} while measuring the "
-                                          f"mixers' speeds for --budget time; the ones measured are kept in {str(path)!r}: "
-                                          "run the same command again to continue", number)
+                                          "mixers' speeds for --budget time; the ones measured are kept in "
+                                          f"{str(path)!r}: run the same command again to continue", number)
                 measured[mixer, length] = float(saved[key]["seconds_per_step"])
     if env.is_main:
         with contextlib.suppress(OSError):
@@ -65,9 +65,11 @@ def _read_calibrations(path: Path) -> dict[str, dict[str, Any]]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT or not isinstance(data.get("entries"), dict):
+    if (not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT
+            or not isinstance(data.get("entries"), dict)):
         return {}
-    return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("seconds_per_step"), (int, float))}
+    return {k: v for k, v in data["entries"].items()
+            if isinstance(v, dict) and isinstance(v.get("seconds_per_step"), (int, float))}
 
 
 def _measure_step_seconds(config: CompareConfig, mixer: str, length: int, env) -> dict[str, Any]:
@@ -86,8 +88,8 @@ def _measure_step_seconds(config: CompareConfig, mixer: str, length: int, env) -
         train(train_config, progress=False)
     except Interrupted as stop:
         raise Interrupted(
-            f"kernelmix compare interrupted by {signal_name(stop.signal_number)} while measuring the speed of {mixer} at "
-            f"T={length} for --budget time; the speeds measured before are kept in calibration.json: run the same "
+            f"kernelmix compare interrupted by {signal_name(stop.signal_number)} while measuring the speed of {mixer} "
+            f"at T={length} for --budget time; the speeds measured before are kept in calibration.json: run the same "
             "command again to continue", stop.signal_number) from None
     distrib.barrier(env)
     rates = _step_rates(directory / "metrics.jsonl")[CALIBRATION_WARMUP:]
@@ -95,7 +97,8 @@ def _measure_step_seconds(config: CompareConfig, mixer: str, length: int, env) -
     if env.is_main:
         shutil.rmtree(directory, ignore_errors=True)
     if not rates:
-        raise KernelmixError(f"the calibration of {mixer} at T={length} logged no timed step; raise --calibration-steps")
+        raise KernelmixError(f"the calibration of {mixer} at T={length} logged no timed step; "
+                             "raise --calibration-steps")
     step_seconds = [config.tokens_per_step / rate for rate in rates]
     return {"mixer": mixer, "length": length, "seconds_per_step": statistics.median(step_seconds),
             "step_seconds": step_seconds, "untimed_steps": CALIBRATION_WARMUP, "threads": torch.get_num_threads(),

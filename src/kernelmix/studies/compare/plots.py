@@ -16,8 +16,8 @@ def _loss_vs_length(plt, results: dict[str, Any]):
     for m in mixers:
         rows = sorted((r for r in summary if r["mixer"] == m), key=lambda r: r["length"])
         if rows:
-            ax.errorbar([r["length"] for r in rows], [r["val_loss"] for r in rows], yerr=[r["val_loss_sd"] for r in rows],
-                        marker="o", capsize=3, label=m)
+            ax.errorbar([r["length"] for r in rows], [r["val_loss"] for r in rows],
+                        yerr=[r["val_loss_sd"] for r in rows], marker="o", capsize=3, label=m)
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(t) for t in lengths])
     reference = results.get("reference")

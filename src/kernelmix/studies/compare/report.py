@@ -38,11 +38,11 @@ def format_markdown(results: dict[str, Any]) -> str:
         _budget_markdown(results),
         "",
         f"Every step: {settings['tokens_per_step']:,} tokens (batch = {settings['tokens_per_step']:,} / length); "
-        f"seeds {seeds}; lr {settings['lr']}. Validation: {results['evaluation']['predicted_tokens']:,} predicted tokens "
-        f"(first {results['evaluation']['tokens_per_document']} tokens of {results['evaluation']['documents']} held-out "
-        f"documents) at each run's training length. Wall time {results['wall_s'] / 60:.1f} min for this invocation "
-        f"({results['reused_runs']} of {len(results['runs'])} runs reused), {results['runs_wall_s'] / 60:.1f} min of "
-        f"training + evaluation over all runs; {_threads_text(results)}.",
+        f"seeds {seeds}; lr {settings['lr']}. Validation: {results['evaluation']['predicted_tokens']:,} predicted "
+        f"tokens (first {results['evaluation']['tokens_per_document']} tokens of {results['evaluation']['documents']} "
+        f"held-out documents) at each run's training length. Wall time {results['wall_s'] / 60:.1f} min for this "
+        f"invocation ({results['reused_runs']} of {len(results['runs'])} runs reused), "
+        f"{results['runs_wall_s'] / 60:.1f} min of training + evaluation over all runs; {_threads_text(results)}.",
         "",
         f"## Validation loss ({loss_unit(settings['tokenizer'])}){spread}",
         "",
@@ -75,7 +75,8 @@ def format_markdown(results: dict[str, Any]) -> str:
         "Measured on this machine while it ran: other jobs on the same cores lower every figure, the mixers made of "
         "many small ops (Cubit, DeltaFormer, the random-feature ones) most; `--threads 1` on a shared machine.",
         "",
-        "| mixer | params | " + " | ".join(f"tok/s T={t}" for t in lengths) + " | " + " | ".join(f"s T={t}" for t in lengths) + " |",
+        "| mixer | params | " + " | ".join(f"tok/s T={t}" for t in lengths) + " | "
+        + " | ".join(f"s T={t}" for t in lengths) + " |",
         "|---|---:|" + "---:|" * (2 * len(lengths)),
     ]
     for m in mixers:
@@ -98,7 +99,8 @@ def format_markdown(results: dict[str, Any]) -> str:
             "|---|" + "---:|" * len(ranges),
         ]
         for r in at_longest:
-            lines.append(f"| {r['mixer']} | " + " | ".join(_fmt(b["loss"], b["loss_sd"], r["seeds"]) for b in r["buckets"]) + " |")
+            lines.append(f"| {r['mixer']} | " + " | ".join(_fmt(b["loss"], b["loss_sd"], r["seeds"])
+                                                           for b in r["buckets"]) + " |")
     return "\n".join(lines + _costs_markdown(results) + _plots_markdown(results.get("plots") or [])) + "\n"
 
 
@@ -124,23 +126,25 @@ def _budget_markdown(results: dict[str, Any]) -> str:
     settings, budget = results["settings"], results["budget"]
     tokens = f"{settings['steps']} steps × {settings['tokens_per_step']:,} tokens"
     if budget["equal"] == "tokens":
-        return (f"Equal budget: **{budget['tokens_per_run']:,} training tokens** per run ({tokens}); training FLOPs and "
-                "seconds differ between the mixers (table at the end).")
+        return (f"Equal budget: **{budget['tokens_per_run']:,} training tokens** per run ({tokens}); training FLOPs "
+                "and seconds differ between the mixers (table at the end).")
     if budget["equal"] == "flops":
-        return (f"Equal budget: **training FLOPs** — at each length every run gets the FLOPs {REFERENCE_MIXER} spends on "
-                f"{tokens} (analytic counts, `kernelmix.studies.flops`), so its own number of steps; tokens and seconds "
-                "differ (table at the end).")
+        return (f"Equal budget: **training FLOPs** — at each length every run gets the FLOPs {REFERENCE_MIXER} spends "
+                f"on {tokens} (analytic counts, `kernelmix.studies.flops`), so its own number of steps; tokens and "
+                "seconds differ (table at the end).")
     target = (f"{settings['seconds']:g} s" if settings.get("seconds") is not None
               else f"the seconds {REFERENCE_MIXER} takes for {tokens}")
     return (f"Equal budget: **training time** — at each length every run gets {target} of training on this machine, "
-            f"its steps set by a calibration of its speed ({settings['calibration_steps']} timed steps). Measured time is "
-            "noisy (±10–30% on a shared machine): the seconds each run took are in the table at the end.")
+            f"its steps set by a calibration of its speed ({settings['calibration_steps']} timed steps). Measured time "
+            "is noisy (±10–30% on a shared machine): the seconds each run took are in the table at the end.")
 
 
 def _costs_markdown(results: dict[str, Any]) -> list[str]:
     """The table of what every run cost, whatever the budget (mean over seeds)."""
     settings, summary = results["settings"], results["summary"]
-    lines = ["", f"## Cost per run: steps, training tokens, training FLOPs, training seconds (equal: {results['budget']['equal']})",
+    lines = ["",
+             "## Cost per run: steps, training tokens, training FLOPs, "
+             f"training seconds (equal: {results['budget']['equal']})",
              "", "| mixer | T | steps | tokens | FLOPs | train s | tok/s |", "|---|---:|---:|---:|---:|---:|---:|"]
     cell = {(r["mixer"], r["length"]): r for r in summary}
     for m in settings["mixers"]:

@@ -198,7 +198,8 @@ def summarize(config: CompareConfig, runs: list[dict[str, Any]]) -> list[dict[st
             loss, loss_sd = _mean_spread([r["val_loss"] for r in group])
             tps, tps_sd = _mean_spread([r["tokens_per_s"] for r in group])
             wall, _ = _mean_spread([r["train_wall_s"] for r in group])
-            costs = {name: _mean_or_none([r.get(name) for r in group]) for name in ("steps", "tokens", "flops", "train_s")}
+            costs = {name: _mean_or_none([r.get(name) for r in group])
+                     for name in ("steps", "tokens", "flops", "train_s")}
             buckets = []
             for i, b in enumerate(group[0]["buckets"]):
                 mean, sd = _mean_spread([r["buckets"][i]["loss"] for r in group])
@@ -293,22 +294,25 @@ def _run_plan(config: CompareConfig, plan: list, budget: BudgetPlan, val, env, p
     with catch_stop_signals() as signals:
         for index, (mixer, length, seed) in enumerate(plan, start=1):
             note(f"[bold cyan][{index}/{len(plan)}][/] {mixer} T={length} seed {seed} "
-                 f"(batch {config.tokens_per_step // length} × {length}, {steps[index - 1]} steps) · {clock.status(index - 1)}")
+                 f"(batch {config.tokens_per_step // length} × {length}, {steps[index - 1]} steps) "
+                 f"· {clock.status(index - 1)}")
             t0 = time.perf_counter()
-            result, reused = run_one(config, mixer, length, seed, steps=steps[index - 1], val_split=val, progress=progress,
-                                     flops_per_token=budget.flops_per_token[mixer, length], note=note, env=env)
+            result, reused = run_one(config, mixer, length, seed, steps=steps[index - 1], val_split=val,
+                                     progress=progress, flops_per_token=budget.flops_per_token[mixer, length],
+                                     note=note, env=env)
             clock.record(index - 1, reused, time.perf_counter() - t0)
             runs.append(result)
             reused_count += reused
             note(
-                f"      {'reused' if reused else 'done'}: eval loss {result['val_loss']:.4f}; {result['tokens']:,} tokens, "
-                f"{flop_text(result['flops'])}, train {result['train_s']:.1f} s ({result['tokens_per_s']:,.0f} tok/s)"
+                f"      {'reused' if reused else 'done'}: eval loss {result['val_loss']:.4f}; {result['tokens']:,} "
+                f"tokens, {flop_text(result['flops'])}, "
+                f"train {result['train_s']:.1f} s ({result['tokens_per_s']:,.0f} tok/s)"
                 + ("" if reused else f"; total {time.perf_counter() - t0:.0f} s")
             )
             number = distrib.agree_on_signal(env, signals.received)
             if number is not None and index < len(plan):
-                raise Interrupted(f"kernelmix compare interrupted by {signal_name(number)} after {index} of {len(plan)} "
-                                  "runs (each one saved); run the same command again to continue", number)
+                raise Interrupted(f"kernelmix compare interrupted by {signal_name(number)} after {index} of "
+                                  f"{len(plan)} runs (each one saved); run the same command again to continue", number)
     return runs, reused_count
 
 
@@ -328,7 +332,8 @@ def _check_data(config: CompareConfig, dataset, val) -> None:
         raise ValueError(f"corpus {config.corpus!r} has no validation text to evaluate on; use a larger corpus")
     if dataset.train.num_tokens < max(config.lengths) * 2:
         raise ValueError(
-            f"corpus {config.corpus!r} has {dataset.train.num_tokens} training tokens, too few for length {max(config.lengths)}"
+            f"corpus {config.corpus!r} has {dataset.train.num_tokens} training tokens, "
+            f"too few for length {max(config.lengths)}"
         )
 
 
@@ -357,7 +362,8 @@ def _run_compare(config: CompareConfig, env, *, progress: bool | None, console) 
     note(
         f"[bold]kernelmix compare[/]: {len(config.mixers)} mixers × lengths {config.lengths} × seeds {config.seeds} = "
         f"{len(plan)} runs; preset {config.preset}, {config.corpus} / {config.tokenizer}; {_budget_line(config)}; "
-        f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "") + f"; output {out}. "
+        f"{torch.get_num_threads()} torch threads" + (f" × {env.world_size} processes" if env.enabled else "")
+        + f"; output {out}. "
         "Each run's 'eval loss' is its final evaluation on the validation tokens, the figure results.md reports; the "
         "training log's 'val loss' lines are the run's own periodic check, on its own validation batches"
     )

@@ -55,11 +55,14 @@ class CompareConfig:
     bigram line at every length, i.e. past the regime where only byte statistics are learned
     (results/compare-frontier); the README states how long they take."""
 
-    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"), Field(min_length=1, description="comma-separated")] = (
+    mixers: Annotated[list[str], Choice(MIXER_VARIANTS, "mixer"), Distinct("mixer"),
+                      Field(min_length=1, description="comma-separated")] = (
         field(default_factory=lambda: list(DEFAULT_MIXERS)))
-    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Distinct("length"), Field(min_length=1, description="training lengths")] = (
+    lengths: Annotated[list[Annotated[int, Field(ge=2)]], Distinct("length"),
+                       Field(min_length=1, description="training lengths")] = (
         field(default_factory=lambda: [256, 512]))
-    seeds: Annotated[list[NonNegativeInt], Distinct("seed"), Field(min_length=1, description="seeds, e.g. 0,1,2 (mean ± spread over them)")] = (
+    seeds: Annotated[list[NonNegativeInt], Distinct("seed"),
+                     Field(min_length=1, description="seeds, e.g. 0,1,2 (mean ± spread over them)")] = (
         field(default_factory=lambda: [0]))
     # "mini", not "tiny": tiny's 2 × 64 stayed between the unigram and bigram lines in any budget of
     # minutes (results/compare-frontier)
@@ -68,7 +71,8 @@ class CompareConfig:
         field(default_factory=dict))  # extra ModelConfig overrides for every run
     corpus: str = "pystdlib"
     tokenizer: str = "byte"
-    tokens_per_step: Annotated[PositiveInt, Field(description="tokens per step at every length (batch = this / length)")] = 2048
+    tokens_per_step: Annotated[PositiveInt,
+                               Field(description="tokens per step at every length (batch = this / length)")] = 2048
     steps: Annotated[PositiveInt, Field(description=(
         "optimizer steps per run (--budget flops/time: softmax's, which sets the budget)"))] = 300
     budget: Annotated[str, Choice(BUDGETS, "budget"), Field(description=(
@@ -87,11 +91,13 @@ class CompareConfig:
     eval_docs: Annotated[PositiveInt, Field(
         description="validation documents evaluated (their first max(lengths) tokens each)")] = 8
     eval_batch_size: PositiveInt = 4
-    buckets: Annotated[list[NonNegativeInt], Field(description="position-bucket edges, e.g. 0,64,256 (default 0,64,256,1024,…)")] | None = None
+    buckets: Annotated[list[NonNegativeInt], Field(description="position-bucket edges, e.g. "
+                                                               "0,64,256 (default 0,64,256,1024,…)")] | None = None
     out_dir: Annotated[str, Arg(flag="--out"), Field(description="output directory")] = "runs/compare"
     device: Annotated[str, Choice(("auto", "cpu", "cuda"), "device")] = "cpu"
     activation_checkpointing: Annotated[str, Choice(ACTIVATION_CHECKPOINTING, "activation_checkpointing"), Field(
-        description="recompute in the backward instead of storing (as kernelmix train's); same numbers, less memory")] = "none"
+        description="recompute in the backward instead of storing (as kernelmix train's); "
+                    "same numbers, less memory")] = "none"
     activation_checkpointing_every: Annotated[PositiveInt, Field(
         description="with activation_checkpointing=selective: every k-th block is recomputed")] = 2
     compile: Annotated[bool, Field(description="torch.compile each block (as kernelmix train's)")] = False
@@ -103,17 +109,18 @@ class CompareConfig:
         if self.buckets is not None:  # now, not after the first run has trained
             parse_buckets(self.buckets, max(self.lengths))
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr must be at most lr, got min_lr={self.min_lr}, lr={self.lr}; lower min_lr or leave it out (lr / 10)")
+            raise ValueError(f"min_lr must be at most lr, got min_lr={self.min_lr}, lr={self.lr}; "
+                             "lower min_lr or leave it out (lr / 10)")
         for length in self.lengths:
             if self.tokens_per_step % length:
                 raise ValueError(
-                    f"tokens_per_step {self.tokens_per_step} is not a multiple of length {length}: every length must get "
-                    f"the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
+                    f"tokens_per_step {self.tokens_per_step} is not a multiple of length {length}: every length must "
+                    "get the same tokens per step (batch = tokens_per_step / length); use lengths that divide it"
                 )
         self.lengths = sorted(self.lengths)
         if self.seconds is not None and self.budget != "time":
-            raise KernelmixError(f"--seconds sets the time budget, but the budget is {self.budget!r}: add --budget time, "
-                                 "or drop --seconds")
+            raise KernelmixError(f"--seconds sets the time budget, but the budget is {self.budget!r}: add --budget "
+                                 "time, or drop --seconds")
         if "model" in self.model:
             raise KernelmixError("compare's model overrides are model fields without a 'model.' prefix: write "
                                  "--set hidden_size=128, not --set model.hidden_size=128")

@@ -5,18 +5,18 @@ Three parts, each written to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` as 
 
 (a) **Op checks** on the device against float64 references: ``cubit_attention``, ``cubit_solve``,
     ``deltaformer_attention``, ``random_feature_attention`` (Performer: no transform; DARKFormer:
-    a transform) and ``cubit_rf_attention`` (with a transform; its backend is its read-out's and its state recurrence's) with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and
-    bfloat16 inputs, an odd T with a chunk that does not divide it, grouped-query heads, and a case
-    with packed documents (``doc_start``). The references are the ``*_naive`` ops (and a dense
-    solve for ``cubit_solve``) in float64 on the same device, on the inputs rounded to the checked
-    dtype; values and every input gradient are compared by relative RMSE against the tolerances of
+    a transform) and ``cubit_rf_attention`` (with a transform; its backend is its read-out's and its state recurrence's)
+    with the fast backend (``"auto"``: Triton on CUDA) and ``"torch"``, float32 and bfloat16 inputs, an odd T with a
+    chunk that does not divide it, grouped-query heads, and a case with packed documents (``doc_start``). The references
+    are the ``*_naive`` ops (and a dense solve for ``cubit_solve``) in float64 on the same device, on the inputs rounded
+    to the checked dtype; values and every input gradient are compared by relative RMSE against the tolerances of
     the test suite (1e-4 float32; 2e-2 bfloat16, 3e-2 for random features and Cubit-RF).
 (b) **Bench** (B=1, H=16, d=128, m=128, bf16 inputs): forward and forward+backward medians (CUDA
     events, a warm-up first, the mixers interleaved round by round so that a slow spell slows them
     all) and peak memory (the caching allocator's peak after a reset) at T = 1024 … 32768 for SDPA
     (flash backend), Cubit, DeltaFormer, Performer, DARKFormer, Cubit-RF (every registered mixer
-    with an op call) and flash-linear-attention's DeltaFormer when it imports; then decode latency against the position (each mixer's
-    ``*_step`` after a prefill) and, last, T = 65536 for Cubit and DeltaFormer if time is left.
+    with an op call) and flash-linear-attention's DeltaFormer when it imports; then decode latency against the position
+    (each mixer's ``*_step`` after a prefill) and, last, T = 65536 for Cubit and DeltaFormer if time is left.
     An out-of-memory cell is recorded and ends that mixer's lengths; so does a cell that takes
     longer than its time budget. The issue's targets become a pass/fail table.
 (c) **Compare**: a short :mod:`kernelmix.studies.compare` (``small`` preset, T=1024, compare's six
@@ -46,9 +46,9 @@ from __future__ import annotations
 from ...lazy import lazy_names
 
 MODULES = {
-    "settings": ["DEVICES", "FLA_PEER", "FLA_PEER_OF", "FORMAT", "INTERPRETER_ENV", "LONG_MIXERS", "MIXERS", "PARTS", "PART_TITLES",
-                 "TOLERANCES", "CheckCase", "GpuCheckConfig", "Sizes", "full_sizes", "quick_sizes", "sizes_for",
-                 "smoke_sizes"],
+    "settings": ["DEVICES", "FLA_PEER", "FLA_PEER_OF", "FORMAT", "INTERPRETER_ENV", "LONG_MIXERS", "MIXERS", "PARTS",
+                 "PART_TITLES", "TOLERANCES", "CheckCase", "GpuCheckConfig", "Sizes", "full_sizes", "quick_sizes",
+                 "sizes_for", "smoke_sizes"],
     "measure": ["Timer", "environment", "fast_backend", "relative_rmse", "short_error", "triton_import_error"],
     "checks": ["DTYPES", "OP_CHECKS", "OpCheck", "check_inputs", "run_op_checks"],
     "bench": ["bench_inputs", "evaluate_targets", "family", "mixer_forward", "mixer_leaves", "run_bench"],

@@ -24,7 +24,8 @@ def mixer_leaves(mixer: str) -> tuple[str, ...]:
     return FLA_PEER_LEAVES if mixer == FLA_PEER else registry.mixer_info(mixer).leaves
 
 
-def bench_inputs(sizes: Sizes, length: int, device: torch.device, requires_grad: bool = True) -> dict[str, torch.Tensor]:
+def bench_inputs(sizes: Sizes, length: int, device: torch.device,
+                 requires_grad: bool = True) -> dict[str, torch.Tensor]:
     """bf16 activations ``[B, T, H, d]`` (ρ and β in float32, as a model's gates), drawn on the device."""
     g = torch.Generator(device=device).manual_seed(length)
     cpu = torch.Generator().manual_seed(0)
@@ -270,9 +271,10 @@ def run_bench(part: dict, sizes: Sizes, device: torch.device, say: Callable[[str
         notes += ["peak memory is measured on CUDA only (the caching allocator's peak)",
                   "on CPU the timings (the Triton kernels under the interpreter) and the targets read from them "
                   "only show that the code runs"]
-    part.update(backend=context["backend"], shape={"batch": sizes.batch, "heads": sizes.heads, "head_dim": sizes.head_dim,
-                "num_features": sizes.num_features, "dtype": "bfloat16"}, records=[], decode=[], notes=notes,
-                stopped=context["stopped"])
+    part.update(backend=context["backend"], shape={"batch": sizes.batch, "heads": sizes.heads,
+                                                   "head_dim": sizes.head_dim, "num_features": sizes.num_features,
+                                                   "dtype": "bfloat16"},
+                records=[], decode=[], notes=notes, stopped=context["stopped"])
     mixers = list(MIXERS) + ([FLA_PEER] if fla_op is not None else [])
     budget, started = sizes.part_budget_s["b"], time.perf_counter()
     for length in sizes.lengths:
@@ -345,7 +347,8 @@ def evaluate_targets(records: list[dict], decode: list[dict], sizes: Sizes, fla_
                      "passed": ran is not None, "note": "" if ran is not None else "did not run (see the notes)"})
     for mixer in features_mixers:
         rows.append(_target(f"{mixer} fwd+bwd ≥ 3× faster than SDPA at T={features}",
-                            ratio(time_of.get(("softmax", features)), time_of.get((mixer, features))), 3.0, at_most=False))
+                            ratio(time_of.get(("softmax", features)), time_of.get((mixer, features))), 3.0,
+                            at_most=False))
     for mixer in features_mixers:
         rows.append(_target(f"{mixer} decode at position {high} ≤ 1.2× position {low}",
                             ratio(step_of.get((mixer, high)), step_of.get((mixer, low))), 1.2, at_most=True))

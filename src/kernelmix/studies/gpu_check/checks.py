@@ -153,7 +153,8 @@ OP_CHECKS = (
     OpCheck("random_feature_attention (DARKFormer)", *_random_features(True), ("q", "k", "v_rf", "transform"),
             RANDOM_FEATURE_BF16_TOLERANCE, RANDOM_FEATURE_TF32_TOLERANCE),
     OpCheck("cubit_rf_attention (data-aware)", *_cubit_rf(True),
-            ("q", "k", "v", "r_rf", "rho", "ridge", "ref_scale", "transform"), RANDOM_FEATURE_BF16_TOLERANCE, RANDOM_FEATURE_TF32_TOLERANCE),
+            ("q", "k", "v", "r_rf", "rho", "ridge", "ref_scale", "transform"), RANDOM_FEATURE_BF16_TOLERANCE,
+            RANDOM_FEATURE_TF32_TOLERANCE),
 )
 
 
@@ -164,7 +165,8 @@ def outputs_and_grads(fn: Callable, x: dict, names: tuple[str, ...], seed: int):
     out = fn({**x, **leaves})
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(seed)
-    grad_outs = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(device=o.device, dtype=o.dtype) for o in outs]
+    grad_outs = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(device=o.device, dtype=o.dtype)
+                 for o in outs]
     grads = torch.autograd.grad(outs, list(leaves.values()), grad_outs, allow_unused=True, materialize_grads=True)
     return [o.detach() for o in outs], dict(zip(names, grads))
 

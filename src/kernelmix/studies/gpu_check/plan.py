@@ -1,8 +1,9 @@
 """``kernelmix gpu-check --plan``: the launch report of every Triton kernel, made on a CPU.
 
 For each mixer with Triton kernels (Cubit's and DeltaFormer's solve, Performer's and DARKFormer's
-random features) at the plan's shapes (:data:`PLAN_SHAPES`: the gpu-check head B=1, H=16, T=8192,
-d=128, m=128, which is also the 1.3b preset's, and the 125m preset's H=12, d=64), it records:
+random features, Cubit-RF's state recurrence and read-out) at the plan's shapes (:data:`PLAN_SHAPES`:
+the gpu-check head B=1, H=16, T=8192, d=128, m=128, which is also the 1.3b preset's, and the 125m
+preset's H=12, d=64), it records:
 
 - the launch grid the op uses at those sizes (the ops' own launch code on meta tensors), programs
   against the H200's 132 SMs (the target: ≥ 2 per SM, or a reason why fewer is right);
@@ -30,9 +31,9 @@ from pathlib import Path
 
 from ...errors import KernelmixError
 from ..flops import forward_flops
-from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, mixer_launches
-from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, roofline_seconds,
-                         sdpa_cost, solve_cost)
+from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
+from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, recurrence_cost,
+                         roofline_seconds, sdpa_cost, solve_cost)
 
 PLAN_FORMAT = "kernelmix.gpu_plan/1"
 TARGET_SHAPE = "target"
@@ -47,8 +48,10 @@ LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=2
 # what bounds each kernel's grid: the reason its program count is what it is
 GRID_BOUNDS = {
     "solve_past_span": "B·H·(row blocks of a span)·⌈d_v/BLOCK_V⌉: every row of the span against the earlier spans",
-    "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows in order (the forward substitution)",
-    "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: every column of the span against the later spans",
+    "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows in order "
+                     "(the forward substitution)",
+    "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: "
+                         "every column of the span against the later spans",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows from the last (the back "
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
@@ -60,18 +63,28 @@ GRID_BOUNDS = {
     "features_reverse_states": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
     "features_reverse_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the chunks back",
     "features_key_grad": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
+    "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
 _IN_SPAN = ("a triangular substitution is sequential in its rows: inside a span of {span} rows it is the "
             "only order-dependent work, {share:.0%} of the solve's products; the rest runs in the span kernels")
 # a kernel whose small grid is right says why (filled in per row by :func:`_why_fewer`)
-WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN}
+_RECURRENCE = ("R_c = a_c R_{{c−1}} + K_cᵀ(X_c − A_c R_{{c−1}}) reads all m rows of R_{{c−1}}, so only its value "
+               "columns split across programs, and the chunks go in order; it is {share:.0%} of Cubit-RF's Triton "
+               "products (the per-chunk solves are torch's); its blocks are already 16 columns, the narrowest "
+               "operand tl.dot takes")
+WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN, "cubit_rf_recurrence": _RECURRENCE,
+             "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
 
 
 def launch_cost(mixer: str, launch, shape: dict) -> Cost:
     """The executed cost of one launch of ``mixer``'s op at ``shape``."""
     batch_heads = shape["batch"] * shape["heads"]
-    if mixer in FEATURE_MIXERS:
+    if launch.name.startswith("cubit_rf_"):
+        return Cost(launch.calls * (once := recurrence_cost(launch.name, launch.tiles, batch_heads,
+                                                             launch.grid[1])).flops, launch.calls * once.bytes)
+    if launch.name.startswith("features_"):
         once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2])
         # the chunk states and their scan run twice per call (the backward recomputes them)
         return Cost(launch.calls * once.flops, launch.calls * once.bytes, launch.calls * once.split_flops)
@@ -123,6 +136,8 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     if text is None or launch.programs >= LIMITS["min_programs"]:
         return None
     costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
+    if launch.name.startswith("cubit_rf_"):
+        return text.format(share=costs[launch.name] / sum(costs.values()))
     pair = ("solve_past_span", "solve_forward") if launch.name == "solve_forward" else (
         "solve_future_span", "solve_transposed")
     share = costs[launch.name] / sum(costs.get(name, 0.0) for name in pair)
@@ -166,7 +181,8 @@ def _compile_missing(rows: list[dict], cache: Path, progress: bool) -> None:
     if worker.wait() != 0:
         raise KernelmixError(f"compiling the kernels for sm_90 failed (exit {worker.returncode}); the compiles "
                              f"that finished are kept in {cache}, so the same command resumes after the cause is "
-                             f"fixed (a kernel ptxas rejects: see its message). The worker said:\n{error.strip()[-3000:]}")
+                             "fixed (a kernel ptxas rejects: see its message). "
+                             f"The worker said:\n{error.strip()[-3000:]}")
 
 
 def compile_rows(rows: list[dict], cache: Path, progress: bool = False) -> list[dict]:
@@ -233,7 +249,9 @@ def run_plan(out: str | Path, *, shapes: dict | None = None, mixers=PLAN_MIXERS,
     started = time.perf_counter()
     rows = compile_rows(plan_rows(shapes, mixers, kernels), out / "compiled.jsonl", progress)
     target = (PLAN_SHAPES if shapes is None else shapes).get(TARGET_SHAPE)
-    roofline = [] if target is None else [mixer_roofline(m, t, target) for m in mixers for t in ROOFLINE_LENGTHS]
+    # Cubit-RF has no roofline row: its per-chunk solves run as torch products the plan does not model
+    roofline = [] if target is None else [mixer_roofline(m, t, target) for m in mixers if m not in RECURRENCE_MIXERS
+                                          for t in ROOFLINE_LENGTHS]
     plan = dict(format=PLAN_FORMAT, target=dict(arch="sm_90", machine="H200", **H200), limits=LIMITS,
                 shapes={k: dict(v, note=SHAPE_NOTES.get(k, "")) for k, v in (PLAN_SHAPES if shapes is None
                                                                              else shapes).items()},

@@ -24,7 +24,10 @@ from ...errors import KernelmixError
 TARGET = ("cuda", 90, 32)  # sm_90, 32 threads per warp: what triton.compile targets without a GPU
 SOLVE_MIXERS = {"cubit": dict(strict=False, has_beta=False), "deltaformer": dict(strict=True, has_beta=True)}
 FEATURE_MIXERS = {"performer": dict(has_transform=False), "darkformer": dict(has_transform=True)}
-PLAN_MIXERS = (*SOLVE_MIXERS, *FEATURE_MIXERS)
+# Cubit-RF: the solve's state recurrence over the chunks, and its read-out on the random-feature kernels
+# (M = I; its per-chunk systems are torch solves, outside the plan)
+RECURRENCE_MIXERS = {"cubit-rf": dict(has_transform=False)}
+PLAN_MIXERS = (*SOLVE_MIXERS, *FEATURE_MIXERS, *RECURRENCE_MIXERS)
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -38,12 +41,19 @@ def mixer_launches(mixer: str, shape: dict) -> list:
 
         return solve_launches(shape["batch"], shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"],
                               chunk_size=shape["chunk_size"], has_doc=True, **SOLVE_MIXERS[mixer])
-    if mixer in FEATURE_MIXERS:
+    if mixer in FEATURE_MIXERS or mixer in RECURRENCE_MIXERS:
         from ...ops._triton_features import feature_launches
 
-        return feature_launches(shape["batch"], shape["heads"], shape["kv_heads"], shape["length"], shape["head_dim"],
-                                shape["head_dim"], shape["features"], chunk_size=shape["chunk_size"], has_doc=True,
-                                **FEATURE_MIXERS[mixer])
+        options = FEATURE_MIXERS.get(mixer) or RECURRENCE_MIXERS[mixer]
+        launches = feature_launches(shape["batch"], shape["heads"], shape["kv_heads"], shape["length"],
+                                    shape["head_dim"], shape["head_dim"], shape["features"],
+                                    chunk_size=shape["chunk_size"], has_doc=True, **options)
+        if mixer in RECURRENCE_MIXERS:
+            from ...ops._triton_cubit_rf import recurrence_launches
+
+            launches = recurrence_launches(shape["batch"], shape["heads"], shape["length"], shape["features"],
+                                           shape["head_dim"], chunk_size=shape["chunk_size"]) + launches
+        return launches
     raise KernelmixError(f"no Triton kernels to plan for mixer {mixer!r} (planned: {', '.join(PLAN_MIXERS)})")
 
 
@@ -53,7 +63,8 @@ def parse_ptxas_log(log: str) -> dict:
     if registers is None or frame is None:
         raise KernelmixError("could not read ptxas's resource report (registers, stack frame, spills) from its log; "
                              "this Triton's ptxas may print another format: run with a Triton whose ptxas -v says "
-                             f"'Used N registers' (3.9 does), or extend parse_ptxas_log. The log:\n{log.strip()[:2000]}")
+                             "'Used N registers' (3.9 does), or extend parse_ptxas_log. "
+                             f"The log:\n{log.strip()[:2000]}")
     stack, stores, loads = (int(x) for x in frame.groups())
     return dict(registers=int(registers.group(1)), stack_bytes=stack, spill_stores=stores, spill_loads=loads)
 

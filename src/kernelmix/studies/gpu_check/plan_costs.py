@@ -159,6 +159,22 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
                 split_flops=programs * logits)
 
 
+def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
+    """The executed cost of one launch of Cubit-RF's state recurrence: per program and chunk, the forward's
+    two products (A_c R, K_cᵀ(X_c − A_c R): 4 C m v) with X_c, A_c, K_c read and R_{c−1} stored; the
+    backward's five (10 C m v) with those, R_{c−1} and its gradient read and dX_c, dA_c, dK_c stored."""
+    c, m, v, n = tiles["block_c"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
+    rows, features, state = c * v * FP32, 2 * c * m * FP32, m * v * FP32
+    if name == "cubit_rf_recurrence":
+        flops, moved = 4 * c * m * v, rows + features + state + FP32
+    elif name == "cubit_rf_recurrence_backward":
+        flops, moved = 10 * c * m * v, 2 * rows + 2 * features + 2 * state + 2 * FP32
+    else:
+        raise ValueError(f"no cost model for kernel {name!r}")
+    programs = batch_heads * value_blocks
+    return Cost(programs * n * flops, programs * n * moved)
+
+
 def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
     """The torch products of a random-feature call, both sides: with a transform x' = M x̃ in the
     forward and again in the backward; the backward's chain (``_chain_feature_map``) dx' = dℓ W,

@@ -3,13 +3,15 @@ the README of its results directory, from the plan's JSON alone."""
 
 from __future__ import annotations
 
-CHECK_NAMES = {"programs": "≥ {min_programs} programs (2 per SM) or a reason", "registers": "≤ {max_registers} registers",
+CHECK_NAMES = {"programs": "≥ {min_programs} programs (2 per SM) or a reason",
+               "registers": "≤ {max_registers} registers",
                "spills": "{max_spilled_bytes} spilled bytes", "compile_s": "compile ≤ {max_compile_s:.0f} s"}
 
 
 def _kernel_table(rows: list[dict], sms: int) -> list[str]:
     lines = ["| kernel | grid | programs | per SM | launches | products | warps | registers | "
-             "spill stores / loads (B) | stack (B) | shared (KiB) | compile (s) | GFLOP | MB | FLOP/B | roofline (ms) |",
+             "spill stores / loads (B) | stack (B) | shared (KiB) | compile (s) | GFLOP | "
+             "MB | FLOP/B | roofline (ms) |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         grid = " × ".join(str(g) for g in r["grid"])
@@ -17,8 +19,8 @@ def _kernel_table(rows: list[dict], sms: int) -> list[str]:
             f"| {r['name']} | {grid} | {r['programs']:,} | {r['programs'] / sms:.2f} | {r['calls']} | "
             f"{r['precision']} | {r['num_warps']} | "
             f"{r['registers']} | {r['spill_stores']:,} / {r['spill_loads']:,} | {r['stack_bytes']:,} | "
-            f"{r['shared_bytes'] / 1024:.0f} | {r['compile_s']:.1f} | {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e6:.0f} | "
-            f"{r['intensity']:.1f} | {r['roofline_ms']:.2f} |")
+            f"{r['shared_bytes'] / 1024:.0f} | {r['compile_s']:.1f} | {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e6:.0f} "
+            f"| {r['intensity']:.1f} | {r['roofline_ms']:.2f} |")
     return lines
 
 
@@ -49,8 +51,8 @@ def _roofline(plan: dict) -> list[str]:
                      f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
     high = [r for r in plan["roofline"] if r.get("present_tf32_torch_ms") is not None]
     if high:
-        lines += ["", "The random features' *present* includes torch's products (DARKFormer's transform, the backward's "
-                  "chain through the feature map) at the fp32 peak, torch's default; with "
+        lines += ["", "The random features' *present* includes torch's products (DARKFormer's transform, the "
+                  "backward's chain through the feature map) at the fp32 peak, torch's default; with "
                   "`torch.set_float32_matmul_precision(\"high\")` they take TF32: " + "; ".join(
                       f"{r['mixer']} {r['length']:,}: {r['present_tf32_torch_ms']:.2f} ms "
                       f"({r['present_tf32_torch_ms'] / r['sdpa_ms']:.2f}× SDPA)" for r in high) + "."]
@@ -85,8 +87,8 @@ def plan_markdown(plan: dict) -> str:
         out += ["## Roofline: forward + backward against SDPA", "",
                 "*Present*: the kernels above at their grids (the solve mixers add the softmax read-out over U, "
                 "costed as SDPA). *Design*: the op's useful products (kernelmix.studies.flops, × 3 for forward + "
-                "backward) on tensor cores (TF32 operands, or bf16 operands with fp32 accumulation) over the whole machine, plus the read-out: a bound no kernel of "
-                "this op passes. SDPA: "
+                "backward) on tensor cores (TF32 operands, or bf16 operands with fp32 accumulation) over the whole "
+                "machine, plus the read-out: a bound no kernel of this op passes. SDPA: "
                 "causal flash attention in bf16 at peak (backward 2.5× the forward).", ""]
         out += _roofline(plan) + [""]
     return "\n".join(out)
@@ -104,8 +106,8 @@ def plan_readme(plan: dict) -> str:
              f"{len(plan['kernels'])} compiles for sm_90 took {compiling / 60:.1f} min of one CPU core in all "
              f"(Triton {plan['kernels'][0]['triton'] if plan['kernels'] else '?'}); they are kept in `compiled.jsonl`, "
              "so a rerun compiles only kernels whose source or blocks changed.", "",
-             "- `plan.md`: every kernel at each shape (grid, programs per SM, registers, spills, shared memory, compile "
-             "seconds, FLOPs, bytes, roofline), the targets, and the forward + backward roofline against SDPA.",
+             "- `plan.md`: every kernel at each shape (grid, programs per SM, registers, spills, shared memory, "
+             "compile seconds, FLOPs, bytes, roofline), the targets, and the forward + backward roofline against SDPA.",
              "- `plan.json`: the same numbers (`kernels`: one entry per mixer and kernel and shape).", ""]
     if rows:
         lines += [f"At the target shape: {len(rows)} kernels; {small} launch fewer than "

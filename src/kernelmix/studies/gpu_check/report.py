@@ -85,7 +85,8 @@ def target_table(part: dict) -> tuple[list[str], list[list[str]]]:
 
 def compare_table(part: dict) -> tuple[list[str], list[list[str]]]:
     headers = ["mixer", "T", "eval loss", "steps", "tokens/s", "train s"]
-    rows = [[r["mixer"], str(r["length"]), f"{r['val_loss']:.3f}", "-" if r.get("steps") is None else f"{r['steps']:.0f}",
+    rows = [[r["mixer"], str(r["length"]), f"{r['val_loss']:.3f}",
+             "-" if r.get("steps") is None else f"{r['steps']:.0f}",
              f"{r['tokens_per_s']:.0f}", "-" if r.get("train_s") is None else f"{r['train_s']:.1f}"]
             for r in part.get("summary", [])]
     return headers, rows

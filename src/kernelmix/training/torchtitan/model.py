@@ -112,8 +112,8 @@ class KernelmixTitanModel(BaseModel):
         def __post_init__(self) -> None:
             if self.selective_ac not in SELECTIVE_AC_MODES:
                 raise KernelmixError(
-                    f"selective_ac must be one of {', '.join(SELECTIVE_AC_MODES)} (what torchtitan's SelectiveAC maps to), "
-                    f"got {self.selective_ac!r}"
+                    f"selective_ac must be one of {', '.join(SELECTIVE_AC_MODES)} (what torchtitan's SelectiveAC maps "
+                    f"to), got {self.selective_ac!r}"
                 )
             self.model_config()  # a typo'd preset, mixer or option fails here, not at build time
 
@@ -151,8 +151,8 @@ class KernelmixTitanModel(BaseModel):
         def get_nparams_and_flops(self, model: Any, seq_len: int) -> tuple[int, int]:
             """Parameters (a tied embedding once) and training FLOPs per token: ``6 · N`` for the
             matmuls with the weights (forward 2, backward 4 per weight and token; a tied LM head
-            counts once, an untied embedding, a lookup, not at all) plus the token mixing. Softmax layers mix over the whole prefix, ``6 · 2 ·
-            heads · head_dim · seq_len`` as torchtitan counts attention (no causal discount);
+            counts once, an untied embedding, a lookup, not at all) plus the token mixing. Softmax layers mix over the
+            whole prefix, ``6 · 2 · heads · head_dim · seq_len`` as torchtitan counts attention (no causal discount);
             the chunked mixers mix inside a chunk of ``chunk_size`` tokens the same way and
             carry a state between chunks, counted as one more chunk. An estimate for MFU, not
             the analytic counts of :mod:`kernelmix.studies.flops`."""
@@ -218,4 +218,5 @@ class KernelmixTitanModel(BaseModel):
         return self.lm(tokens, position_ids=positions, use_cache=False).logits
 
 
-__all__ = ["KernelmixTitanModel", "SELECTIVE_AC_MODES", "UNSUPPORTED_DEGREES", "check_parallelism", "init_sharded_weights", "tokenizer_vocab_size"]
+__all__ = ["KernelmixTitanModel", "SELECTIVE_AC_MODES", "UNSUPPORTED_DEGREES", "check_parallelism",
+           "init_sharded_weights", "tokenizer_vocab_size"]

@@ -55,7 +55,8 @@ def fsdp_options(training: Any, parallelism: Any) -> FSDPOptions:
             f"parallelism.fsdp_reshard_after_forward = {policy!r}: choose from {', '.join(RESHARD_AFTER_FORWARD)}"
         )
     try:
-        return FSDPOptions(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=RESHARD_AFTER_FORWARD[policy])
+        return FSDPOptions(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           reshard_after_forward=RESHARD_AFTER_FORWARD[policy])
     except KernelmixError as error:  # name torchtitan's option, not ours
         raise KernelmixError(
             f"training.mixed_precision_param / mixed_precision_reduce ({param_dtype!r} / {reduce_dtype!r}): {error}"
@@ -128,4 +129,5 @@ def parallelize_kernelmix(
     return model
 
 
-__all__ = ["RESHARD_AFTER_FORWARD", "activation_checkpointing_mode", "data_parallel_mesh", "fsdp_options", "parallelize_kernelmix"]
+__all__ = ["RESHARD_AFTER_FORWARD", "activation_checkpointing_mode", "data_parallel_mesh", "fsdp_options",
+           "parallelize_kernelmix"]
