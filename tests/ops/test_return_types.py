@@ -84,3 +84,16 @@ def test_what_the_annotation_says_is_what_runs():
     out = ops.softmax_attention(q, k, v)
     assert isinstance(out, torch.Tensor)
     assert isinstance(ops.softmax_attention(q, k, v, return_state=True)[1], ops.softmax.SoftmaxState)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_each_fast_path_documents_every_argument_and_what_it_returns(name):
+    """Args/Returns sections (docs/architecture.md): every parameter named at the start of an Args entry."""
+    fn = OPS[name]
+    doc = inspect.getdoc(fn)
+    assert "\nArgs:\n" in doc and "\nReturns:\n" in doc, name
+    args = doc.split("\nArgs:\n", 1)[1].split("\nReturns:\n", 1)[0]
+    entries = [line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith("    ") and
+               not line.startswith("        ") and ":" in line]
+    named = {part.strip() for entry in entries for part in entry.split(",")}
+    assert set(inspect.signature(fn).parameters) <= named, (name, set(inspect.signature(fn).parameters) - named)

@@ -209,21 +209,30 @@ def cubit_attention(
     solver: str = "auto",
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, CubitState]:
-    """Cubit attention, fast path. ``q``, ``r``: ``[B, T, H, d]``; ``k``, ``v``:
-    ``[B, T, H_kv, d]``; ``rho``: ``[B, T, H]`` (the LRR factor, already in (lo, hi); any value in (0, ∞), else a
-    KernelmixError on the CPU) or None for ρ ≡ 1.
-    ``ridge`` (λ) and ``ref_scale`` (s) are floats or ``[H]`` tensors and receive gradients.
-    ``scale`` is the read-out attention's scale (default 1/√d). ``doc_start`` ``[B, T]`` (optional)
-    keeps packed documents / left padding apart in both the solve and the read-out.
-    ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
-    on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
-    d_r == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
-    ``backend``: "auto" (default: the Triton solve for CUDA tensors when triton imports, the
-    PyTorch solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``);
-    the read-out is PyTorch's fused attention either way.
-    Output: ``[B, T, H, d_v]`` in v's dtype. A NaN or ±inf in k, v, r or ρ at token t makes rows
-    ≥ t of its document NaN (U is causal); every other row is what the clean input gives.
-    """
+    """Cubit attention, fast path: U = (G + λI)⁻¹ (ρ ⊙ V), then causal softmax attention over U.
+
+    Args:
+        q, r: ``[B, T, H, d]``, the read-out's queries and the Gram's references.
+        k, v: ``[B, T, H_kv, d]`` (``H % H_kv == 0``; grouped heads are expanded).
+        rho: ``[B, T, H]``, the LRR factor, already in (lo, hi) (any value in (0, ∞); else a
+            KernelmixError on the CPU), or None for ρ ≡ 1.
+        ridge, ref_scale: λ and s, floats or ``[H]`` tensors (> 0); they receive gradients.
+        scale: the read-out attention's scale (default 1/√d).
+        chunk_size: rows per block of the solve.
+        doc_start: ``[B, T]`` or None; keeps packed documents / left padding apart in both the solve
+            and the read-out.
+        return_state: also return the decode state.
+        solver: "auto" (default: the fused-attention "rectangles" on CPU where they apply, the blocked
+            solve elsewhere), "blocked" or "rectangles" (CPU and d_r == d_v only; a RuntimeError
+            elsewhere). Both give the same result up to rounding.
+        backend: "auto" (default: the Triton solve for CUDA tensors when triton imports, the PyTorch
+            solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``); the
+            read-out is PyTorch's fused attention either way.
+
+    Returns:
+        ``[B, T, H, d_v]`` in v's dtype, or ``(out, CubitState)`` with ``return_state``. A NaN or ±inf in
+        k, v, r or ρ at token t makes rows ≥ t of its document NaN (U is causal); every other row is
+        what the clean input gives."""
     _check_cubit_inputs(q, k, v, r, rho)
     heads = q.shape[2]
     guard = find_nonfinite({"k": k, "v": v, "r": r, "rho": rho}, heads)

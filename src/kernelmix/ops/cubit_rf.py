@@ -369,18 +369,27 @@ def cubit_rf_attention(
 ) -> Tensor | tuple[Tensor, CubitRFState]:
     """Cubit-RF attention in chunks, O(T·m·d) time and an O(m·d) state (never a T × T matrix).
 
-    ``q``, ``r`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]`` (grouped heads are expanded);
-    ``projection`` W ``[m, d]`` or ``[H, m, d]`` and ``transform`` M ``[H, d, d]`` (or None), shared by the
-    Gram and the read-out; ``rho`` ``[B, T, H]`` in (0, ∞) or None (ρ ≡ 1); ``ridge`` λ and ``ref_scale`` s
-    floats or ``[H]`` tensors (> 0), with gradients as every other input. ``doc_start`` ``[B, T]``
-    (absolute indices, counting the tokens of ``initial_state``) keeps packed documents apart in the
-    solve and the read-out. ``initial_state`` continues an earlier call; ``return_state`` returns
-    ``(out, CubitRFState)``. Output ``[B, T, H, d_v]`` in v's dtype; solves and states in float32
-    (float64 for float64 inputs). A Gram row whose normaliser underflows gets u = 0 (and warns once,
-    as the random-feature ops). ``backend`` ("auto", "torch" or "triton"), as in
-    :func:`~kernelmix.ops.random_features.random_feature_attention`: with "triton" (or "auto" on a
-    GPU in float32) the read-out runs the random-feature kernels and the solve's recurrence over the
-    chunks runs ``_triton_cubit_rf``'s; the solve's per-chunk systems are batched torch solves."""
+    Args:
+        q, r: ``[B, T, H, d]``.
+        k, v: ``[B, T, H_kv, d]`` (grouped heads are expanded).
+        projection: W ``[m, d]`` or ``[H, m, d]``, shared by the Gram and the read-out.
+        rho: ``[B, T, H]`` in (0, ∞), or None (ρ ≡ 1).
+        ridge, ref_scale: λ and s, floats or ``[H]`` tensors (> 0), with gradients as every other input.
+        transform: M ``[H, d, d]`` (shared by both parts), or None.
+        doc_start: ``[B, T]`` or None (absolute indices, counting the tokens of ``initial_state``); keeps
+            packed documents apart in the solve and the read-out.
+        chunk_size: tokens per chunk.
+        initial_state: a :class:`CubitRFState` to continue from, or None.
+        return_state: also return the state.
+        backend: "auto", "torch" or "triton", as in
+            :func:`~kernelmix.ops.random_features.random_feature_attention`: with "triton" (or "auto" on a
+            GPU in float32) the read-out runs the random-feature kernels and the solve's recurrence over
+            the chunks runs ``_triton_cubit_rf``'s; the solve's per-chunk systems are batched torch solves.
+
+    Returns:
+        ``[B, T, H, d_v]`` in v's dtype, or ``(out, CubitRFState)`` with ``return_state``; solves and states
+        in float32 (float64 for float64 inputs). A Gram row whose normaliser underflows gets u = 0 (and
+        warns once, as the random-feature ops)."""
     check_chunk_size(chunk_size)
     check_backend(backend)
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)

@@ -106,18 +106,28 @@ def deltaformer_attention(
     solver: str = "auto",
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, DeltaFormerState]:
-    """DeltaFormer, fast path. ``q``: ``[B, T, H, d]``; ``k``, ``v``: ``[B, T, H_kv, d]``;
-    ``beta``: ``[B, T, H]`` in [0, 1] (None = ones; outside: a KernelmixError on the CPU); ``w`` (default
-    ``k``): the solve's query side.
-    ``scale`` (default 1/√d) is used for both the solve's softmax and the read-out. ``doc_start``
-    ``[B, T]`` (optional) keeps packed documents / left padding apart (u restarts at v per document).
-    ``solver`` picks the solve's implementation: "auto" (default: the fused-attention "rectangles"
-    on CPU where they apply, the blocked solve elsewhere), "blocked" or "rectangles" (CPU and
-    d == d_v only; a RuntimeError elsewhere). Both give the same result up to rounding.
-    ``backend``: "auto" (default: the Triton solve for CUDA tensors when triton imports, the
-    PyTorch solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``).
-    A NaN or ±inf in k, v, β or w at token t makes rows ≥ t of its document NaN; every other row is
-    what the clean input gives."""
+    """DeltaFormer, fast path: u_i = v_i − β_i Σ_{j<i} softmax_j(w_i·k_j·scale) u_j, then softmax attention over U.
+
+    Args:
+        q: ``[B, T, H, d]``.
+        k, v: ``[B, T, H_kv, d]`` (``H % H_kv == 0``).
+        beta: ``[B, T, H]`` in [0, 1] (None = ones; outside: a KernelmixError on the CPU).
+        w: the solve's query side, like k (default ``k``).
+        scale: used for both the solve's softmax and the read-out (default 1/√d).
+        chunk_size: rows per block of the solve.
+        doc_start: ``[B, T]`` or None; keeps packed documents / left padding apart (u restarts at v
+            per document).
+        return_state: also return the decode state.
+        solver: "auto" (default: the fused-attention "rectangles" on CPU where they apply, the blocked
+            solve elsewhere), "blocked" or "rectangles" (CPU and d == d_v only; a RuntimeError
+            elsewhere). Both give the same result up to rounding.
+        backend: "auto" (default: the Triton solve for CUDA tensors when triton imports, the PyTorch
+            solves elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        ``[B, T, H, d_v]`` in v's dtype, or ``(out, DeltaFormerState)`` with ``return_state``. A NaN or
+        ±inf in k, v, β or w at token t makes rows ≥ t of its document NaN; every other row is what the
+        clean input gives."""
     _check_inputs(q, k, v, beta, w)
     check_chunk_size(chunk_size)
     check_doc_start(doc_start, q.shape[0], q.shape[1])

@@ -310,28 +310,34 @@ def random_feature_attention(
 ) -> Tensor | tuple[Tensor, RandomFeatureState]:
     """Causal random-feature attention in chunks (never a T×T matrix): O(T·m·d) time.
 
-    ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]``; ``projection`` ``[m, d]`` or ``[H, m, d]``;
-    ``transform`` DARKFormer's M ``[H, d, d]`` or None (Performer). ``initial_state`` continues
-    from a previous call (chunked prefill / decode of several tokens). ``doc_start`` ``[B, T]``
-    (absolute indices, counting the tokens of ``initial_state``) keeps packed documents / left
-    padding apart: the state restarts at every document boundary. T = 0 gives an empty output
-    (and the state unchanged).
-
     All chunks are processed at once as batched products over a ``[B, H, N, C, *]`` view (N chunks
     of C tokens, the last one padded): the intra-chunk scores, every chunk's own state contribution
     and the read-out are each one product; only the carry of the (m × d) state from chunk to chunk
     is a loop over N. Values carry an extra ones column, so one product gives numerator and
     denominator (S and z travel together as ``[m, d_v + 1]``).
 
-    ``backend``: "auto" (default: the Triton kernel of ``_triton_features`` for CUDA tensors when
-    triton imports — same function, features recomputed in its backward instead of stored — and
-    this PyTorch path elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``;
-    no gradient into ``initial_state`` there).
+    Args:
+        q: ``[B, T, H, d]``.
+        k, v: ``[B, T, H_kv, d]``.
+        projection: W ``[m, d]`` or ``[H, m, d]``.
+        transform: DARKFormer's M ``[H, d, d]``, or None (Performer).
+        chunk_size: tokens per chunk.
+        doc_start: ``[B, T]`` or None (absolute indices, counting the tokens of ``initial_state``);
+            keeps packed documents / left padding apart: the state restarts at every document boundary.
+        initial_state: a :class:`RandomFeatureState` to continue from (chunked prefill / decode of
+            several tokens), or None.
+        return_state: also return the state.
+        backend: "auto" (default: the Triton kernel of ``_triton_features`` for CUDA tensors when triton
+            imports — same function, features recomputed in its backward instead of stored — and this
+            PyTorch path elsewhere), "torch", or "triton" (CUDA; CPU only under ``TRITON_INTERPRET=1``;
+            no gradient into ``initial_state`` there).
 
-    A NaN or ±inf in k or v at token t (or in ``initial_state``) makes the rows that see it NaN —
-    rows ≥ t of its document (the rows that continue the state) — and the returned state; every
-    other row is what the clean input gives. Rows whose denominator underflows are 0 and raise an
-    :class:`UnderflowWarning` (once per process)."""
+    Returns:
+        ``[B, T, H, d_v]`` in v's dtype, or ``(out, RandomFeatureState)`` with ``return_state``. T = 0 gives
+        an empty output (and the state unchanged). A NaN or ±inf in k or v at token t (or in
+        ``initial_state``) makes the rows that see it NaN — rows ≥ t of its document (the rows that
+        continue the state) — and the returned state; every other row is what the clean input gives.
+        Rows whose denominator underflows are 0 and raise an :class:`UnderflowWarning` (once per process)."""
     check_chunk_size(chunk_size)
     check_qkv(q, k, v)
     _check_projection(projection, transform, q.shape[2], q.shape[3])

@@ -96,14 +96,19 @@ def softmax_attention(
 ) -> Tensor | tuple[Tensor, SoftmaxState]:
     """Causal softmax attention o_i = Σ_{j≤i} softmax_j(q_i·k_j·scale) v_j via SDPA.
 
-    ``q`` is ``[B, T, H, d]``; ``k``/``v`` are ``[B, T, H_kv, d]`` with ``H % H_kv == 0``.
-    ``doc_start`` ``[B, T]`` (optional): index of the first token of each token's document — no
-    token reads across a document boundary (packed sequences, left padding).
-    Returns ``o`` shaped like ``q`` with ``v``'s head dim (and a :class:`SoftmaxState` when
-    ``return_state``). bf16 on a CPU without native bf16 products runs in fp32 (see
-    ``bf16_attention_in_fp32``) and returns bf16. A NaN or ±inf in k or v at token t makes rows ≥ t
-    of its document NaN and leaves every other row as it is (see ``_common``, non-finite inputs).
-    """
+    Args:
+        q: ``[B, T, H, d]``.
+        k, v: ``[B, T, H_kv, d]`` with ``H % H_kv == 0``.
+        scale: the logits' scale (default 1/√d).
+        doc_start: ``[B, T]`` or None: index of the first token of each token's document; no token
+            reads across a document boundary (packed sequences, left padding).
+        return_state: also return the decode state.
+
+    Returns:
+        ``o`` shaped like ``q`` with ``v``'s head dim, or ``(o, SoftmaxState)`` with ``return_state``.
+        bf16 on a CPU without native bf16 products runs in fp32 (see ``bf16_attention_in_fp32``) and
+        returns bf16. A NaN or ±inf in k or v at token t makes rows ≥ t of its document NaN and leaves
+        every other row as it is (see ``_common``, non-finite inputs)."""
     check_qkv(q, k, v, same_dtype=True)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     guard = find_nonfinite({"k": k, "v": v}, q.shape[2])

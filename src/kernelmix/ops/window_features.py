@@ -150,14 +150,28 @@ def window_feature_attention(
     """Causal attention, exact over the last ``window`` tokens and through positive features before
     them, in one normalisation (module docstring). O(T·(w + m)·d), never a T×T matrix.
 
-    ``q`` ``[B, T, H, d]``; ``k``, ``v`` ``[B, T, H_kv, d]`` (grouped heads expanded inside);
-    ``q_features``, ``k_features`` ``[B, T, H, m]``: the *log* of the positive features (keys on the
-    query heads). ``scale`` of the exact logits: 1/√d by default. ``doc_start`` ``[B, T]`` keeps
-    packed documents and left padding apart (absolute indices, counting ``initial_state``'s tokens;
-    a token whose document began before them continues the state's document). ``initial_state``
-    continues a previous call, ``return_state`` also returns the state after the last token.
-    Computed in float32 (float64 for float64 inputs) with autocast off; the output has v's dtype.
-    A NaN or ±inf key, value or key feature makes the rows that see it NaN, the others exact."""
+    Args:
+        q: ``[B, T, H, d]``.
+        k, v: ``[B, T, H_kv, d]`` (grouped heads expanded inside).
+        q_features, k_features: ``[B, T, H, m]``, the *log* of the positive features (keys on the
+            query heads).
+        window: w ≥ 0, the tokens each row reads exactly (0: features only).
+        sinks: s ≥ 0, a document's first tokens, also read exactly.
+        scale: of the exact logits (1/√d by default).
+        relative_features: the features' weights relative to the window's largest logit (LoLCATs'
+            normalisation, for a map such as Hedgehog's), instead of absolute.
+        doc_start: ``[B, T]`` or None; keeps packed documents and left padding apart (absolute indices,
+            counting ``initial_state``'s tokens; a token whose document began before them continues the
+            state's document).
+        chunk_size: tokens per chunk.
+        initial_state: a :class:`WindowFeatureState` to continue from, or None.
+        return_state: also return the state after the last token.
+
+    Returns:
+        ``[B, T, H, d_v]`` in v's dtype, or ``(out, WindowFeatureState)`` with ``return_state``; computed in
+        float32 (float64 for float64 inputs) with autocast off. A NaN or ±inf key, value or key feature
+        makes the rows that see it NaN, the others exact.
+    """
     window = _check_window(window, sinks)
     check_chunk_size(chunk_size)
     check_qkv(q, k, v)
