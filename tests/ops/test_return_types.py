@@ -86,10 +86,22 @@ def test_what_the_annotation_says_is_what_runs():
     assert isinstance(ops.softmax_attention(q, k, v, return_state=True)[1], ops.softmax.SoftmaxState)
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_each_fast_path_documents_every_argument_and_what_it_returns(name):
-    """Args/Returns sections (docs/architecture.md): every parameter named at the start of an Args entry."""
-    fn = OPS[name]
+def _steps() -> dict[str, object]:
+    """Each op's ``*_step`` (the one-token decode beside it)."""
+    steps = {}
+    for key, fn in OPS.items():
+        module = importlib.import_module(f"kernelmix.ops.{key.split('.')[0]}")
+        steps[f"{key}_step"] = getattr(module, f"{fn.__name__}_step")
+    return steps
+
+
+DOCUMENTED = {**OPS, **_steps()}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_each_fast_path_and_step_documents_every_argument_and_what_it_returns(name):
+    """Args/Returns sections: every parameter named at the start of an Args entry."""
+    fn = DOCUMENTED[name]
     doc = inspect.getdoc(fn)
     assert "\nArgs:\n" in doc and "\nReturns:\n" in doc, name
     args = doc.split("\nArgs:\n", 1)[1].split("\nReturns:\n", 1)[0]

@@ -305,12 +305,20 @@ def cubit_attention_step(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, CubitState]:
-    """Decode one token (all inputs have T=1): append (k, u, r̂) to the cache and read out.
+    """Decode one token: append (k, u, r̂) to the cache and read out.
 
     u_t = (ρ_t v_t − Σ_{j<t} G_tj u_j) / (G_tt + λ), the last row of the forward substitution.
-    A non-finite k, v, r or ρ makes the rows that see it NaN, in its document only (as
-    :func:`cubit_attention`).
-    """
+
+    Args:
+        q, r: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        state: the :class:`CubitState` of the tokens before.
+        rho, ridge, ref_scale, scale: as :func:`cubit_attention` (``rho`` ``[B, 1, H]``).
+        doc_start: ``[B, 1]`` or None; only cached tokens of the same document are read.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``. A non-finite k, v, r or ρ makes the rows that see it NaN, in its
+        document only (as :func:`cubit_attention`)."""
     _check_cubit_inputs(q, k, v, r, rho)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "

@@ -553,9 +553,20 @@ def cubit_rf_attention_step(
     transform: Tensor | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, CubitRFState]:
-    """Decode one token (T = 1) in O(m·d) work and state, whatever the position:
+    """Decode one token in O(m·d) work and state, whatever the position.
+
     u_t = (ρ_t v_t − g_t·R / n_t) / (g_tt + λ) from the Gram state, then the random-feature read-out
-    step with v := u_t. ``doc_start`` ``[B, 1]``: where it equals ``state.length`` both states restart."""
+    step with v := u_t.
+
+    Args:
+        q, r: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        projection, transform, rho, ridge, ref_scale: as :func:`cubit_rf_attention` (``rho`` ``[B, 1, H]``).
+        state: the :class:`CubitRFState` of the tokens before.
+        doc_start: ``[B, 1]`` or None; where it equals ``state.length`` both states restart.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``."""
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "

@@ -217,9 +217,18 @@ def deltaformer_attention_step(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, DeltaFormerState]:
-    """Decode one token (T=1): u_t from the cached (k, u), append, read out over all t+1 tokens.
-    A non-finite k, v, β or w makes the rows that see it NaN, in its document only (as
-    :func:`deltaformer_attention`)."""
+    """Decode one token: u_t from the cached (k, u), append, read out over all t + 1 tokens.
+
+    Args:
+        q: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        state: the :class:`DeltaFormerState` of the tokens before.
+        beta, w, scale: as :func:`deltaformer_attention` (``beta`` ``[B, 1, H]``).
+        doc_start: ``[B, 1]`` or None; only cached tokens of the same document are read.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``. A non-finite k, v, β or w makes the rows that see it NaN, in its
+        document only (as :func:`deltaformer_attention`)."""
     _check_inputs(q, k, v, beta, w)
     if q.shape[1] != 1:
         raise KernelmixError(

@@ -708,10 +708,19 @@ def random_feature_attention_step(
     transform: Tensor | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, RandomFeatureState]:
-    """Decode one token (T=1) with O(m·d) work and state, independent of the position.
-    ``doc_start`` ``[B, 1]``: where ``doc_start == state.length`` the token starts a new document
-    and the state restarts. A non-finite input makes this row and the state NaN (a new document
-    then starts from an empty state again)."""
+    """Decode one token with O(m·d) work and state, independent of the position.
+
+    Args:
+        q: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        projection, transform: as :func:`random_feature_attention`.
+        state: the :class:`RandomFeatureState` of the tokens before.
+        doc_start: ``[B, 1]`` or None; where ``doc_start == state.length`` the token starts a new
+            document and the state restarts.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``. A non-finite input makes this row and the state NaN (a new
+        document then starts from an empty state again)."""
     check_qkv(q, k, v)
     if q.shape[1] != 1:
         raise KernelmixError(

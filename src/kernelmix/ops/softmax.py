@@ -197,9 +197,19 @@ def softmax_attention_step(
     scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, SoftmaxState]:
-    """One decode token: ``q``, ``k``, ``v`` are ``[B, 1, H(_kv), d]``; attends to the cache + itself
-    (only to cached tokens at indices ≥ ``doc_start`` ``[B, 1]`` when given). A non-finite key or
-    value makes the rows that see it NaN, in its document only (as :func:`softmax_attention`)."""
+    """One decode token: attends to the cache and to itself.
+
+    Args:
+        q: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        state: the :class:`SoftmaxState` of the tokens before (from ``softmax_attention(...,
+            return_state=True)`` or an earlier step).
+        scale: the logits' scale (default 1/√d).
+        doc_start: ``[B, 1]`` or None; only cached tokens at indices ≥ it are read.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``, the state holding this token too. A non-finite key or value
+        makes the rows that see it NaN, in its document only (as :func:`softmax_attention`)."""
     check_qkv(q, k, v, same_dtype=True)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "

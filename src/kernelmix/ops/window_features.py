@@ -534,8 +534,19 @@ def window_feature_attention_step(
     relative_features: bool = False,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, WindowFeatureState]:
-    """Decode one token (T = 1) after ``state`` (None: the first token): O(w·d + m·d) work and
-    state whatever the position. Returns ``(out [B, 1, H, d_v], state)``."""
+    """Decode one token after ``state``: O(w·d + m·d) work and state whatever the position.
+
+    Args:
+        q: ``[B, 1, H, d]`` (one token).
+        k, v: ``[B, 1, H_kv, d]``.
+        q_features, k_features: ``[B, 1, H, m]``, the log-features, as :func:`window_feature_attention`.
+        state: the :class:`WindowFeatureState` of the tokens before, or None (the first token).
+        window, sinks, scale, relative_features: as :func:`window_feature_attention` (the same values as
+            the call that made ``state``).
+        doc_start: ``[B, 1]`` or None, as :func:`window_feature_attention`.
+
+    Returns:
+        ``(out [B, 1, H, d_v], state)``."""
     check_qkv(q, k, v)
     if q.shape[1] != 1:
         raise KernelmixError(f"a decode step takes one token (T=1), got T={q.shape[1]}; "
