@@ -422,10 +422,9 @@ def _check_doc_start(doc_start: Tensor, batch: int, length: int, offset: int) ->
         )
     b, i = (int(x) for x in broken.nonzero()[0])
     raise KernelmixError(
-        "doc_start must describe contiguous documents: each token starts a document (doc_start[b, i] = its "
-        f"own index) or continues the previous token's; in batch row {b}, the token at index {offset + i + 1} "
-        f"has doc_start {int(current[b, i])} after {int(previous[b, i])}. (A CausalLM derives doc_start from "
-        "position_ids: inside each document they must count up by one from the document's first token.)"
+        f"doc_start must describe contiguous documents, but in batch row {b} the token at index {offset + i + 1} "
+        f"has doc_start {int(current[b, i])} after {int(previous[b, i])}; a CausalLM derives it from position_ids, "
+        "which must count up by one inside each document"
     )
 
 

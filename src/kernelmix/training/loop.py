@@ -412,11 +412,9 @@ def check_same_schedule(ckpt: Checkpoint, config: TrainConfig, total_steps: int)
     was = lr_at(min(step, before - 1), config, before)
     now = lr_at(min(step, total_steps - 1), config, total_steps)
     raise CheckpointError(
-        f"checkpoint {str(ckpt.path)!r} is from a run of {before} steps, this one asks for {total_steps} (steps / "
-        f"tokens changed): the learning-rate schedule (warmup + cosine to min_lr at the last step) would be laid over "
-        f"{total_steps} steps, so update {step + 1} would use lr {now:.3g} where the run's own schedule is at "
-        f"{was:.3g}; resume without changing steps/tokens, start a new run with another --out, or accept the new "
-        "schedule with --reschedule (train(..., reschedule=True))"
+        f"checkpoint {str(ckpt.path)!r} is from a run of {before} steps, this one asks for {total_steps}: update "
+        f"{step + 1} would use lr {now:.3g} where the run's own schedule is at {was:.3g}; keep steps/tokens, use "
+        "another --out, or accept the new schedule with --reschedule (train(..., reschedule=True))"
     )
 
 
