@@ -174,10 +174,23 @@ def finetune(
     progress: bool | None = False,
     label: str = "finetune",
 ):
-    """Finetune ``model`` (converted or not) on ``train_windows`` ``[N, T]``; evaluate on
-    ``val_windows`` every ``config.eval_every`` steps. Returns ``(model, result)``: the model with
-    LoRA merged and parameters frozen, and a dict with the per-step losses, evaluations, spikes,
-    wall time and tokens/s. ``stop_at`` ends early after that many steps (for resume tests)."""
+    """Finetune ``model`` (converted or not) and evaluate it every ``config.eval_every`` steps.
+
+    Args:
+        model: a Hugging Face causal LM, converted by :func:`convert` or the host itself.
+        train_windows, val_windows: ``[N, T]`` token ids.
+        config: the :class:`FinetuneConfig` (mode, steps, lr, sequence length, seed, ...).
+        layers: the layers whose parameters train (``"all"``, ``"global"``, indices; see
+            :func:`resolve_layers`); a converted model's converted layers take precedence.
+        out_dir: where checkpoints go (None: none, no resume).
+        resume: continue from the newest valid checkpoint in ``out_dir``, exactly.
+        stop_at: end early after that many steps (for resume tests).
+        progress: a bar (True), nothing (False), or plain lines unless stderr is a terminal (None).
+        label: the run's name in the progress bar and log.
+
+    Returns:
+        ``(model, result)``: the model with LoRA merged and parameters frozen, and a dict with the
+        per-step losses, evaluations, spikes, wall time and tokens/s."""
 
     config.validate()
     if train_windows.dim() != 2 or val_windows.dim() != 2:

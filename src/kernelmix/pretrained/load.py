@@ -225,9 +225,18 @@ def load_pretrained(
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
 ):
-    """Load ``(model, tokenizer)`` (tokenizer None when ``tokenizer=False`` or absent) from a prepared
-    name or a local directory, offline. A directory saved by :func:`save_converted`
-    is loaded converted (see :func:`load_converted`)."""
+    """Load a pretrained model, offline, from a prepared name or a local directory.
+
+    Args:
+        name_or_path: a name prepared by ``kernelmix pretrained prepare`` (e.g. ``gemma3-270m``) or a
+            directory with config.json and safetensors weights. A directory saved by
+            :func:`save_converted` is loaded converted (see :func:`load_converted`).
+        root: where prepared names live (default: the cache directory, :func:`cache_dir`).
+        dtype: the weights' dtype.
+        tokenizer: also load the directory's tokenizer.
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer is None when ``tokenizer=False`` or the directory has none."""
     require("transformers", "safetensors")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve(name_or_path, root=root)

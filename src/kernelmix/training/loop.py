@@ -280,12 +280,20 @@ def train(
 ) -> TrainResult:
     """Train (or, with ``resume``, continue from the newest checkpoint in ``config.out_dir``).
 
-    ``stop_at``: checkpoint and return after this step although the schedule runs to the last
-    step (for time-sliced jobs; continue later with ``resume=True``). ``progress``: a rich bar
-    (True), nothing printed (False), or plain lines unless stderr is a terminal (None).
-    ``reschedule``: a resumed run may have another number of steps (``steps`` / ``tokens``) than
-    its checkpoint's run; the warmup + cosine schedule is then laid over the new total, so the
-    learning rate jumps at the resumed step. Without it such a resume is refused, naming both."""
+    Args:
+        config: the run's :class:`~kernelmix.training.config.TrainConfig` (model, data, schedule, out_dir).
+        resume: continue from the newest valid checkpoint in ``config.out_dir``.
+        stop_at: checkpoint and return after this step although the schedule runs to the last step
+            (for time-sliced jobs; continue later with ``resume=True``).
+        progress: a rich bar (True), nothing printed (False), or plain lines unless stderr is a
+            terminal (None).
+        reschedule: a resumed run may have another number of steps (``steps`` / ``tokens``) than its
+            checkpoint's run; the warmup + cosine schedule is then laid over the new total, so the
+            learning rate jumps at the resumed step. Without it such a resume is refused, naming both.
+
+    Returns:
+        :class:`TrainResult`: what this call did (its losses and validation losses per step, tokens/s,
+        skipped steps, the newest checkpoint)."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
