@@ -205,29 +205,32 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
 ) -> Tensor:
-    """Continue each row of ``input_ids`` ``[B, T]`` by up to ``max_new_tokens`` tokens.
+    """Continue each row of ``input_ids`` by up to ``max_new_tokens`` tokens.
 
-    Returns ``[B, T + n]``: the prompt (padding included, unchanged) followed by the ``n`` new
-    tokens, where ``n == max_new_tokens`` unless ``eos_token_id`` is given and every row has
-    emitted it earlier — generation then stops and ``n`` is the number of steps taken (the tensor
-    is padded to the *generated* length, not to ``T + max_new_tokens``, as in Hugging Face). A row
-    that has emitted ``eos_token_id`` emits ``pad_token_id`` (default: ``eos_token_id``) after it.
+    Args:
+        model: a :class:`~kernelmix.model.CausalLM`.
+        input_ids: ``[B, T]`` prompts (left-padded when their lengths differ, with ``attention_mask``).
+        max_new_tokens: the most tokens to add per row.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it and sampled.
+        top_k: (≥ 1) sample only among the k most likely tokens (``top_k=1`` is greedy).
+        top_p: in (0, 1], nucleus sampling — the smallest set of most likely tokens whose probability
+            reaches ``top_p`` (the most likely token is always kept).
+        eos_token_id: a row that has emitted it emits ``pad_token_id`` after it; when every row has,
+            generation stops.
+        pad_token_id: what follows a row's end (default: ``eos_token_id``).
+        attention_mask: ``[B, T]``, 1 for real tokens, 0 for LEFT padding. New tokens need no mask.
+        generator: a ``torch.Generator`` on the model's device, for reproducible sampling.
+        use_cache: prefill once, then one token per forward (default). ``False`` reruns the full
+            forward over the whole sequence every step (the slow reference).
 
-    * ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it and sampled.
-    * ``top_k`` (≥ 1): sample only among the k most likely tokens (``top_k=1`` is greedy).
-    * ``top_p`` in (0, 1]: nucleus sampling — the smallest set of most likely tokens whose
-      probability reaches ``top_p`` (the most likely token is always kept).
-    * ``generator``: a ``torch.Generator`` on the model's device, for reproducible sampling.
-    * ``attention_mask`` ``[B, T]``: 1 for real tokens, 0 for LEFT padding (batched prompts of
-      different lengths). New tokens need no mask.
-    * ``use_cache``: prefill once, then one token per forward (default). ``False`` reruns the full
-      forward over the whole sequence every step (the slow reference).
-
-    Runs under ``torch.no_grad`` in eval mode (dropout off); the model's train/eval mode is
-    restored afterwards. Raises :class:`~kernelmix.errors.KernelmixError` (a ``ValueError``) for
-    bad arguments, including a longest prompt plus ``max_new_tokens`` beyond ``config.max_seq_len``
-    and a right-padded ``attention_mask`` (:func:`check_left_padded`).
-    """
+    Returns:
+        ``[B, T + n]``: the prompt (padding included, unchanged) followed by the ``n`` new tokens, where
+        ``n == max_new_tokens`` unless every row emitted ``eos_token_id`` earlier (the tensor is padded to
+        the *generated* length, as in Hugging Face). Runs under ``torch.no_grad`` in eval mode (dropout
+        off); the model's train/eval mode is restored afterwards. Raises
+        :class:`~kernelmix.errors.KernelmixError` (a ``ValueError``) for bad arguments, including a longest
+        prompt plus ``max_new_tokens`` beyond ``config.max_seq_len`` and a right-padded ``attention_mask``
+        (:func:`check_left_padded`)."""
     mask = _check_generate_args(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
         attention_mask, generator, use_cache,

@@ -177,14 +177,25 @@ def evaluate_loss(
     max_batches: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[LossReport]:
-    """Loss, perplexity and loss by position bucket of ``model`` on ``split`` at each context
-    length (see the module docstring). ``batch_size``: windows per forward (default
-    :func:`auto_batch_size`); ``buckets``: bucket edges (default :func:`default_buckets`);
-    ``train_seq_len``: marks lengths beyond it in the reports; ``max_batches``: cut each length's
-    evaluation short (then the token sets of different lengths differ; prefer :func:`cap_split`);
-    ``progress(seq_len, tokens_done)`` is called after each batch with the tokens predicted so
-    far at that length (of :func:`predicted_tokens` in all). Every argument is checked before
-    the first forward."""
+    """Loss, perplexity and loss by position bucket of ``model`` on ``split`` at each context length.
+
+    See the module docstring for how the windows are cut. Every argument is checked before the first
+    forward.
+
+    Args:
+        model: a :class:`~kernelmix.model.CausalLM`.
+        split: the tokenized documents to score.
+        seq_lens: one context length or several.
+        batch_size: windows per forward (default :func:`auto_batch_size`).
+        buckets: bucket edges (default :func:`default_buckets`).
+        train_seq_len: marks lengths beyond it in the reports.
+        max_batches: cut each length's evaluation short (then the token sets of different lengths
+            differ; prefer :func:`cap_split`).
+        progress: ``progress(seq_len, tokens_done)`` after each batch, with the tokens predicted so far
+            at that length (of :func:`predicted_tokens` in all).
+
+    Returns:
+        One :class:`LossReport` per context length."""
     seq_lens = check_lengths(model, seq_lens)
     ranges = {T: parse_buckets(buckets, T) if buckets is not None else default_buckets(T) for T in seq_lens}
     if predicted_tokens(split) == 0:
