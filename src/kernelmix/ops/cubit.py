@@ -269,7 +269,13 @@ def cubit_attention_naive(
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly).
-    Non-finite k, v, r or ρ are zeroed and every row that sees one is NaN (as the fast path)."""
+
+    Args:
+        q, k, v, r, rho, ridge, ref_scale, scale, doc_start: as :func:`cubit_attention` (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype. Non-finite k, v, r
+        or ρ are zeroed and every row that sees one is NaN (as the fast path)."""
     _check_cubit_inputs(q, k, v, r, rho)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)

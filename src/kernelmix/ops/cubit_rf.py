@@ -485,7 +485,14 @@ def cubit_rf_attention_naive(
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense float64 reference, straight from the definition: the T × T estimated Gram matrix,
-    row-normalised, one ``solve_triangular``, the T × T estimated read-out weights. Output in v's dtype."""
+    row-normalised, one ``solve_triangular``, the T × T estimated read-out weights.
+
+    Args:
+        q, k, v, r, projection, rho, ridge, ref_scale, transform, doc_start: as :func:`cubit_rf_attention`
+            (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype. Computed in float64."""
     check_cubit_rf_inputs(q, k, v, r, projection, rho, transform)
     batch, length, heads, d = q.shape
     check_doc_start(doc_start, batch, length)

@@ -172,7 +172,13 @@ def deltaformer_attention_naive(
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Reference: the recurrence of the definition, one token at a time (float64-friendly).
-    Non-finite k, v, β or w are zeroed and every row that sees one is NaN (as the fast path)."""
+
+    Args:
+        q, k, v, beta, w, scale, doc_start: as :func:`deltaformer_attention` (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype. Non-finite k, v,
+        β or w are zeroed and every row that sees one is NaN (as the fast path)."""
     _check_inputs(q, k, v, beta, w)
     heads, length = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], length)

@@ -633,7 +633,13 @@ def random_feature_attention_naive(
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference: explicit φ(Q) φ(K)ᵀ (T×T), causal (+ document) mask, row-normalised.
-    Non-finite k or v are zeroed and every row that sees one is NaN (as the fast path)."""
+
+    Args:
+        q, k, v, projection, transform, doc_start: as :func:`random_feature_attention` (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype. Non-finite k or v
+        are zeroed and every row that sees one is NaN (as the fast path)."""
     check_qkv(q, k, v)
     check_doc_start(doc_start, q.shape[0], q.shape[1])
     heads = q.shape[2]

@@ -146,7 +146,13 @@ def causal_softmax_attention(
 def softmax_attention_naive(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, doc_start: Tensor | None = None
 ) -> Tensor:
-    """Dense reference: explicit T×T scores, causal (+ document) mask, softmax (float64-friendly)."""
+    """Dense reference: explicit T×T scores, causal (+ document) mask, softmax (float64-friendly).
+
+    Args:
+        q, k, v, scale, doc_start: as :func:`softmax_attention` (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype."""
     check_qkv(q, k, v, same_dtype=True)
     h, t = q.shape[2], q.shape[1]
     check_doc_start(doc_start, q.shape[0], t)

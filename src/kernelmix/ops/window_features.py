@@ -624,7 +624,14 @@ def window_feature_attention_naive(
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference, written from the definition (module docstring): every κ_ij in float64,
-    T×T, unstabilised. For tests on moderate logits."""
+    T×T, unstabilised. For tests on moderate logits.
+
+    Args:
+        q, k, v, q_features, k_features, window, sinks, scale, relative_features, doc_start: as
+            :func:`window_feature_attention` (the same shapes and meanings).
+
+    Returns:
+        The output, ``[B, T, H, d_v]`` in v's dtype."""
     window = _check_window(window, sinks)
     check_qkv(q, k, v)
     _check_features(q, k, q_features, k_features)
