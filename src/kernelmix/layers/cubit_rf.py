@@ -114,9 +114,7 @@ class CubitRFMixer(CubitMixer, RandomFeatureMap):
                 **self._coefficients()}
 
     def _chunked(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, Any]:
-        if self.ablation:  # dense, and a marker state that a later call refuses
-            if state is not None:
-                raise KernelmixError(self._no_cache_message())
+        if self.ablation:  # dense, and a marker state that a later call refuses (_check_cache runs first)
             out = cubit_rf_parts_attention(q, k, v, extras["r"], self.projection, estimate=self.estimate,
                                            readout=self.readout, **self._op_options(extras))
             return out, AblationState(self.estimate, self.readout)
