@@ -27,7 +27,15 @@ def ngram_losses(train: TokenizedSplit, val: TokenizedSplit, vocab_size: int) ->
     counted on ``train`` with add-one smoothing over ``vocab_size`` tokens. A model below the
     bigram line has learned more than which token follows which; one above the unigram line, not
     even the token frequencies. Bigram counts stay inside documents and are kept sparse (pairs as
-    ``prev * V + next``), so a large vocabulary costs memory for the pairs seen, not V²."""
+    ``prev * V + next``), so a large vocabulary costs memory for the pairs seen, not V².
+
+    Args:
+        train: the split the counts come from.
+        val: the split scored.
+        vocab_size: V, the number of token ids (every id of both splits must be below it).
+
+    Returns:
+        ``{"unigram": nats/token, "bigram": nats/token, "tokens": val's predicted tokens}``."""
     if vocab_size < 1:
         raise KernelmixError(f"vocab_size must be positive, got {vocab_size}")
     train_tokens = np.asarray(train.tokens, dtype=np.int64)
@@ -65,7 +73,14 @@ def ngram_losses(train: TokenizedSplit, val: TokenizedSplit, vocab_size: int) ->
 
 def check_lengths(model, seq_lens: int | Iterable[int]) -> list[int]:
     """``seq_lens`` as a list, each an int ≥ 2 within ``model.config.max_seq_len``; otherwise a
-    :class:`~kernelmix.errors.KernelmixError` that names the length and the limit."""
+    :class:`~kernelmix.errors.KernelmixError` that names the length and the limit.
+
+    Args:
+        model: a model with ``config.max_seq_len`` (a :class:`~kernelmix.model.CausalLM`).
+        seq_lens: one context length or several.
+
+    Returns:
+        The lengths as a list, in the order given."""
     seq_lens = [seq_lens] if isinstance(seq_lens, int) else list(seq_lens)
     if not seq_lens:
         raise KernelmixError("give at least one context length, e.g. [256]")
@@ -130,7 +145,15 @@ LOGITS_BUDGET_BYTES = 512 * 2**20
 
 
 def auto_batch_size(seq_len: int, vocab_size: int | None) -> int:
-    """Windows per forward when none is given (see :data:`LOGITS_BUDGET_BYTES`)."""
+    """Windows per forward when none is given (see :data:`LOGITS_BUDGET_BYTES`).
+
+    Args:
+        seq_len: tokens per window.
+        vocab_size: the logits' width; None (unknown): one window per forward.
+
+    Returns:
+        ``max(1, min(16, 16384 // seq_len, LOGITS_BUDGET_BYTES // (4 · seq_len · vocab_size)))``; 1 when
+        ``vocab_size`` is None."""
     by_logits = LOGITS_BUDGET_BYTES // (4 * seq_len * vocab_size) if vocab_size else 1
     return max(1, min(16, 16384 // seq_len, by_logits))
 
@@ -140,7 +163,17 @@ def loss_batches(split: TokenizedSplit, seq_len: int, batch_size: int) -> list[B
     ``batch_size`` per batch: windows of the full ``seq_len`` in document order, unpadded and
     without an attention mask (the model's plain path), then each document's shorter last window,
     longest first, right-padded only to the longest in its batch. Padding is never read, so the
-    sums are those of one window at a time."""
+    sums are those of one window at a time.
+
+    Args:
+        split: the tokenized documents.
+        seq_len: the context length T, ≥ 2.
+        batch_size: windows per batch, a positive int.
+
+    Returns:
+        The :class:`~kernelmix.data.Batch` list: ``input_ids`` and ``labels`` ``[b, width]`` (label -100
+        on each window's first token and on the padding), an ``attention_mask`` only where a batch has
+        padding, no ``position_ids``."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise KernelmixError(f"batch_size must be a positive int, got {batch_size!r}")
     windows = list(eval_windows(split, seq_len))
@@ -228,8 +261,17 @@ def evaluate_loss(
 def evaluate_windows(model, windows: torch.Tensor, batch_size: int | None = None) -> dict:
     """Next-token loss (nats/token) and accuracy of ``model`` (anything that takes ``input_ids``
     and returns ``logits``: our CausalLM or a Hugging Face one) over ``windows`` ``[N, T]``, every
-    token after a window's first predicted (:func:`sum_token_losses`), ``batch_size`` windows
-    per forward (default :func:`auto_batch_size` for the model's ``config.vocab_size``)."""
+    token after a window's first predicted (:func:`sum_token_losses`).
+
+    Args:
+        model: the model to score.
+        windows: token ids ``[N, T]`` with N ≥ 1 and T ≥ 2; each batch is moved to the model's device.
+        batch_size: windows per forward (default :func:`auto_batch_size` for the model's
+            ``config.vocab_size``).
+
+    Returns:
+        ``{"loss": mean nats per predicted token, "accuracy": the share of them that is the model's most
+        likely token, "tokens": N·(T - 1)}``."""
     if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
         raise KernelmixError("windows must be [N, T] with N ≥ 1 and T ≥ 2 (a token to predict), "
                              f"got {tuple(windows.shape)}")
@@ -281,13 +323,24 @@ def sum_token_losses(
     and position ids are passed when a batch has them), in eval mode without gradients (the
     model's mode is restored after).
 
-    ``edges``: position buckets ``[edges[i], edges[i+1])`` of the predicted token's index in its
-    window (= the tokens of context it sees). ``autocast``: a context for the forwards (e.g. bf16).
-    Many processes: process ``rank`` of ``world_size`` evaluates batches ``rank, rank +
-    world_size, ...`` and ``all_reduce`` (a sum over processes, in place) gives every process the
-    totals; ``same_forwards``: every process runs the same number of forwards (FSDP gathers
-    weights collectively), one past the end repeating the last batch without counting it.
-    ``progress(batches_done)`` is called after each batch."""
+    Args:
+        model: anything that takes ``input_ids`` and returns ``logits``; each batch is moved to the
+            device of its first parameter.
+        batches: the batches to score (any iterable; read into a list when there are several processes).
+        edges: position buckets ``[edges[i], edges[i+1])`` of the predicted token's index in its
+            window (= the tokens of context it sees); None: one bucket of every position.
+        autocast: a context for the forwards (e.g. bf16); None: none.
+        rank, world_size: many processes: process ``rank`` of ``world_size`` evaluates batches ``rank,
+            rank + world_size, ...``.
+        all_reduce: a sum over processes, in place, that gives every process the totals; None: this
+            process's sums only.
+        same_forwards: every process runs the same number of forwards (FSDP gathers weights
+            collectively), one past the end repeating the last batch without counting it.
+        progress: ``progress(batches_done)`` is called after each batch.
+
+    Returns:
+        :class:`TokenLosses`: the summed loss (nats), predicted tokens, correct top-1 predictions and
+        rows, and the loss and tokens of each bucket."""
     device = next(model.parameters()).device
     bounds = None if edges is None else torch.as_tensor(list(edges), device=device)
     buckets = 1 if bounds is None else len(bounds) - 1
@@ -347,6 +400,14 @@ def _token_scores(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def token_nll(model: CausalLM, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token negative log-likelihood ``[B, T-1]`` of ``batch.labels[:, 1:]`` (in at least
-    float32) and the mask of tokens that count (label ≠ -100)."""
+    float32) and the mask of tokens that count (label ≠ -100).
+
+    Args:
+        model: anything that takes ``input_ids`` and returns ``logits`` (e.g. a :class:`~kernelmix.model.CausalLM`).
+        batch: a :class:`kernelmix.data.Batch` on the model's device (its attention mask and position ids
+            are passed when set).
+
+    Returns:
+        ``(nll, mask)``, both ``[B, T-1]``: nll 0 where not predicted, mask bool."""
     nll, mask, _ = _token_scores(model, batch)
     return nll, mask

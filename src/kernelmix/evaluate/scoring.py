@@ -27,7 +27,17 @@ def loglikelihoods(
     tokens given the context, and whether every one of them is the model's greedy choice (the
     pair lm-eval's ``loglikelihood`` returns). Context and continuation are tokenized separately
     and concatenated; a context too long for ``max_seq_len`` loses its oldest tokens.
-    ``progress(n)`` is called after each batch with the ``n`` requests it scored."""
+
+    Args:
+        model: a model with ``config.max_seq_len`` that takes ``input_ids`` and ``attention_mask`` and
+            returns ``logits`` (a :class:`~kernelmix.model.CausalLM`); run in eval mode, its mode restored after.
+        tokenizer: anything with ``encode(text) -> list[int]``.
+        requests: ``(context, continuation)`` text pairs; either one encoding to no token is a ValueError.
+        batch_size: requests per forward (longest first, right-padded).
+        progress: ``progress(n)`` is called after each batch with the ``n`` requests it scored.
+
+    Returns:
+        ``(log-likelihood, greedy)`` per request, in the order of ``requests``."""
     device = next(model.parameters()).device
     limit = model.config.max_seq_len
     encoded = []
@@ -74,7 +84,13 @@ def loglikelihoods(
 
 def task_requests(tasks: dict[str, list[dict[str, Any]]]) -> int:
     """The log-likelihood requests scoring ``tasks`` takes (one per choice, one per cloze item):
-    the total of :func:`score_tasks`'s progress."""
+    the total of :func:`score_tasks`'s progress.
+
+    Args:
+        tasks: built tasks by name (:func:`build_tasks`).
+
+    Returns:
+        The number of requests."""
     return sum(len(item.get("choices", [None])) for items in tasks.values() for item in items)
 
 
@@ -83,11 +99,25 @@ def score_tasks(
     backend: str = "builtin", task_dir: str | Path | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Accuracy (and more) per task: ``continuation`` → ``acc``, ``acc_norm``, ``items``;
-    ``cloze`` → ``acc`` (target = greedy continuation), ``perplexity`` (per target token)...
-    ``backend="lm-eval"`` scores through lm-evaluation-harness with task files written to
-    ``task_dir`` (a temporary directory if None). ``progress(n)``: after each batch, with the
-    ``n`` requests it scored (:func:`task_requests` in all). Task names and the backend are
-    checked before anything is scored."""
+    ``cloze`` → ``acc`` (target = greedy continuation), ``perplexity`` (lm-eval's, per target word),
+    ``token_perplexity`` (per target token)... Task names and the backend are checked before anything
+    is scored.
+
+    Args:
+        model: the model (:func:`loglikelihoods`).
+        tokenizer: its tokenizer.
+        tasks: built tasks by name (:func:`build_tasks`).
+        batch_size: requests per forward.
+        backend: ``"builtin"`` (:func:`loglikelihoods`) or ``"lm-eval"``: scores through
+            lm-evaluation-harness with task files written to ``task_dir``.
+        task_dir: the lm-eval backend's task files (a temporary directory if None); unused by builtin.
+        progress: ``progress(n)``: after each batch, with the ``n`` requests it scored
+            (:func:`task_requests` in all).
+
+    Returns:
+        ``{task: {metric: value}}``. Builtin: continuation ``acc``, ``acc_norm``, ``items``, ``chance``;
+        cloze ``acc``, ``items``, ``perplexity``, ``token_perplexity``. lm-eval: what
+        :func:`score_with_lm_eval` returns."""
     unknown = [name for name in tasks if name not in TASKS]
     if unknown:
         raise KernelmixError(f"unknown task(s) {', '.join(map(repr, unknown))} (choose from: {', '.join(TASKS)})")
@@ -129,7 +159,13 @@ def score_tasks(
 def write_lm_eval_tasks(tasks: dict[str, list[dict[str, Any]]], task_dir: str | Path) -> dict[str, Path]:
     """Write each task as ``<task_dir>/kernelmix_<name>.jsonl`` plus a task YAML that lm-eval
     reads with ``--include_path task_dir`` (``dataset_path: json``: a local file, no hub).
-    Returns the YAML paths by task name."""
+
+    Args:
+        tasks: built tasks by name, ``continuation`` or ``cloze`` (another name is a ValueError).
+        task_dir: the directory to write in (created if needed).
+
+    Returns:
+        The YAML paths by task name."""
     task_dir = Path(task_dir)
     task_dir.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -168,7 +204,16 @@ def _metric(name: str, aggregation: str, higher_is_better: bool) -> list[str]:
 
 def lm_eval_model(model: CausalLM, tokenizer, *, batch_size: int = 8, progress: Callable[[int], None] | None = None):
     """An ``lm_eval.api.model.LM`` for ``model``: loglikelihood through :func:`loglikelihoods`
-    (our tokenizer; ``progress`` as there); rolling loglikelihood and generation are not provided."""
+    (our tokenizer; ``progress`` as there); rolling loglikelihood and generation are not provided.
+
+    Args:
+        model: the model to score.
+        tokenizer: its tokenizer.
+        batch_size: requests per forward.
+        progress: as in :func:`loglikelihoods`.
+
+    Returns:
+        The ``LM`` instance. ImportError when lm-evaluation-harness is not installed."""
     try:
         from lm_eval.api.model import LM
     except ImportError as error:
@@ -197,7 +242,20 @@ def score_with_lm_eval(
     task_dir: str | Path | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Score ``tasks`` with lm-evaluation-harness (offline: local task files, no hub);
-    ``progress`` as in :func:`loglikelihoods`."""
+    ``progress`` as in :func:`loglikelihoods`. Sets ``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE``
+    to 1 in this process's environment.
+
+    Args:
+        model: the model to score.
+        tokenizer: its tokenizer.
+        tasks: built tasks by name (:func:`build_tasks`).
+        batch_size: requests per forward.
+        task_dir: where the task files are written and kept (None: a temporary directory, removed after).
+        progress: as in :func:`loglikelihoods`.
+
+    Returns:
+        ``{task: {metric: value}}``: the metrics lm-eval reports (continuation ``acc``, ``acc_norm``;
+        cloze ``perplexity``, ``acc``; no stderr) and ``items``."""
     import tempfile
 
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # before datasets is imported: never contact a hub

@@ -21,7 +21,13 @@ DEFAULT_DOC_TOKENS = 4096
 
 
 def default_buckets(seq_len: int) -> list[tuple[int, int]]:
-    """[0, 64), [64, 256), [256, 1024), ... (×4), the last one ending at ``seq_len``."""
+    """[0, 64), [64, 256), [256, 1024), ... (×4), the last one ending at ``seq_len``.
+
+    Args:
+        seq_len: the context length T; the buckets cover the predicted tokens' indices 0..T-1.
+
+    Returns:
+        ``(start, end)`` pairs, end exclusive (a single ``(0, seq_len)`` when ``seq_len`` ≤ 64)."""
     edges = [0, 64]
     while edges[-1] < seq_len:
         edges.append(edges[-1] * 4)
@@ -31,7 +37,15 @@ def default_buckets(seq_len: int) -> list[tuple[int, int]]:
 
 def parse_buckets(edges: Sequence[int] | str, seq_len: int) -> list[tuple[int, int]]:
     """Buckets from edges ``[0, 64, 256]`` (or ``"0,64,256"``); a last bucket up to ``seq_len``
-    is added, and edges at or beyond ``seq_len`` are dropped."""
+    is added, and edges at or beyond ``seq_len`` are dropped.
+
+    Args:
+        edges: increasing bucket starts, the first 0: a sequence of ints or comma-separated text
+            (anything else is a KernelmixError).
+        seq_len: the context length T the last bucket ends at.
+
+    Returns:
+        ``(start, end)`` pairs, end exclusive."""
     if isinstance(edges, str):
         try:
             edges = [int(e) for e in edges.split(",") if e.strip()]
@@ -47,7 +61,13 @@ def parse_buckets(edges: Sequence[int] | str, seq_len: int) -> list[tuple[int, i
 
 def check_backend(backend: str) -> None:
     """``backend`` is one of :data:`BACKENDS` and can run here (lm-eval is installed); otherwise a
-    :class:`~kernelmix.errors.KernelmixError` naming the fix. Cheap: call it before any evaluation."""
+    :class:`~kernelmix.errors.KernelmixError` naming the fix. Cheap: call it before any evaluation.
+
+    Args:
+        backend: ``"builtin"`` or ``"lm-eval"``.
+
+    Returns:
+        None."""
     if backend not in BACKENDS:
         raise KernelmixError(f"unknown backend {backend!r} (choose from: {', '.join(BACKENDS)})")
     if backend == "lm-eval":

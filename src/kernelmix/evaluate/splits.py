@@ -18,13 +18,30 @@ from .settings import DEFAULT_DOC_TOKENS, DEFAULT_MAX_DOCS
 
 def split_from_texts(texts: Sequence[str], tokenizer, names: Sequence[str] | None = None,
                      name: str = "text") -> TokenizedSplit:
-    """An in-memory split: each text one document, tokenized with ``tokenizer``."""
+    """An in-memory split: each text one document, tokenized with ``tokenizer``.
+
+    Args:
+        texts: the documents' texts.
+        tokenizer: anything with ``encode(text) -> list[int]``.
+        names: the documents' names (None: ``doc0``, ``doc1``, ...).
+        name: the split's name.
+
+    Returns:
+        The :class:`~kernelmix.data.TokenizedSplit`, its ``num_bytes`` 0 (unknown: no bits per byte)."""
     return TokenizedSplit.from_token_lists([tokenizer.encode(t) for t in texts], name=name, names=names)
 
 
 def text_split(spec: str | Path, tokenizer) -> TokenizedSplit:
     """Every document of a corpus spec (a text file is one document; see
-    :func:`kernelmix.data.load_corpus`), tokenized with ``tokenizer``."""
+    :func:`kernelmix.data.load_corpus`), tokenized with ``tokenizer``.
+
+    Args:
+        spec: a corpus spec: a built-in corpus name, a file, a directory or a glob.
+        tokenizer: anything with ``encode(text) -> list[int]``.
+
+    Returns:
+        The split, named ``str(spec)``, its ``num_bytes`` the UTF-8 size of the text (for bits per byte).
+        A spec without any text is a ValueError."""
     docs = list(load_corpus(spec).documents())
     if not docs:
         raise ValueError(f"{str(spec)!r} holds no text to evaluate")
@@ -36,7 +53,15 @@ def text_split(spec: str | Path, tokenizer) -> TokenizedSplit:
 def cap_split(split: TokenizedSplit, *, doc_tokens: int | None = None, max_docs: int | None = None) -> TokenizedSplit:
     """The first ``doc_tokens`` tokens of each of the first ``max_docs`` documents with at least
     2 tokens: a smaller evaluation set that is the same for every context length ≤ doc_tokens.
-    Its ``num_bytes`` (for bits per byte) is kept only when nothing was cut."""
+    Its ``num_bytes`` (for bits per byte) is kept only when nothing was cut.
+
+    Args:
+        split: the split to cut.
+        doc_tokens: tokens kept of each document, a positive int (None: whole documents).
+        max_docs: documents kept, a positive int (None: every one with at least 2 tokens).
+
+    Returns:
+        The smaller split, with the same name and the kept documents' names."""
     for label, value in (("doc_tokens", doc_tokens), ("max_docs", max_docs)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise KernelmixError(f"{label} must be a positive int or None, got {value!r}")
@@ -55,7 +80,13 @@ def cap_split(split: TokenizedSplit, *, doc_tokens: int | None = None, max_docs:
 
 
 def predicted_tokens(split: TokenizedSplit) -> int:
-    """The tokens a loss evaluation of ``split`` predicts: every token but each document's first."""
+    """The tokens a loss evaluation of ``split`` predicts: every token but each document's first.
+
+    Args:
+        split: a tokenized split.
+
+    Returns:
+        The count: the sum of max(L - 1, 0) over the documents' lengths L."""
     return int(np.maximum(split.doc_lengths - 1, 0).sum())
 
 
@@ -94,7 +125,16 @@ def scope_split(
     :class:`EvalScope`: the first ``max_docs`` documents of ≥ 2 tokens ("all": every one) and the
     first ``doc_tokens`` tokens of each ("all": whole documents; None: whole documents when
     ``max_docs`` is "all", else :data:`DEFAULT_DOC_TOKENS` or the longest length if that is more,
-    so the longest windows still fit). Refuses a scope with no token to predict."""
+    so the longest windows still fit). Refuses a scope with no token to predict.
+
+    Args:
+        split: the split to evaluate.
+        seq_lens: the context lengths it will be evaluated at.
+        max_docs: a positive int or ``"all"``.
+        doc_tokens: a positive int, ``"all"`` or None (see above).
+
+    Returns:
+        ``(capped split, scope)``: the split :func:`cap_split` cut and the :class:`EvalScope` describing it."""
     for label, value in (("max_docs", max_docs), ("doc_tokens", doc_tokens)):
         if value != "all" and value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                                      or value < 1):

@@ -26,7 +26,20 @@ def build_continuation_task(
     """Multiple-choice items ``{"id", "doc", "context", "choices", "label"}``: ``context_tokens``
     tokens of a document, then the true next ``span_tokens`` tokens among ``num_choices - 1``
     spans of the same length from other documents (at random positions). Deterministic in
-    (split, tokenizer, arguments)."""
+    (split, tokenizer, arguments).
+
+    Args:
+        split: the held-out documents.
+        tokenizer: encodes and decodes; a span is used only if its text encodes back to the same ids.
+        items: the number of items (fewer possible is a ValueError).
+        context_tokens: tokens of context per item.
+        span_tokens: tokens of each choice.
+        num_choices: choices per item, ≥ 2.
+        seed: the draw of documents, positions and the true choice's place.
+
+    Returns:
+        ``items`` dicts: ``id`` (0, 1, ...), ``doc`` (the document's name), ``context`` and ``choices``
+        (texts) and ``label`` (the index of the true continuation in ``choices``)."""
     for label, value, low in (("items", items, 1), ("context_tokens", context_tokens, 1),
                               ("span_tokens", span_tokens, 1), ("num_choices", num_choices, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -83,7 +96,19 @@ def build_cloze_task(
     """Last-word cloze items ``{"id", "doc", "context", "target"}``: the text before the last
     word of a line (a word of ≥ 3 letters/digits/underscores after a space or punctuation, e.g.
     the ``result`` of ``return result``; at most ``context_tokens`` tokens of it) and that word.
-    Deterministic in (split, tokenizer, arguments)."""
+    Deterministic in (split, tokenizer, arguments).
+
+    Args:
+        split: the held-out documents.
+        tokenizer: decodes the documents and encodes the contexts.
+        items: the number of items, drawn without replacement from the candidate lines (fewer is a ValueError).
+        context_tokens: the most tokens of context (the last ones before the word).
+        seed: the draw of the lines.
+        min_context_chars: a word is a candidate only after at least this many characters of its document.
+
+    Returns:
+        ``items`` dicts: ``id``, ``doc`` (the document's name), ``context`` (text) and ``target`` (the word),
+        in document order."""
     for label, value in (("items", items), ("context_tokens", context_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
@@ -118,7 +143,17 @@ def build_tasks(
     split: TokenizedSplit, tokenizer, *, tasks: Sequence[str] = TASKS, items: int = 100, context_tokens: int = 256,
     span_tokens: int = 32, num_choices: int = 4, seed: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
-    """The named zero-shot tasks (``continuation``, ``cloze``) built from ``split``."""
+    """The named zero-shot tasks (``continuation``, ``cloze``) built from ``split``.
+
+    Args:
+        split: the held-out documents.
+        tokenizer: the model's tokenizer.
+        tasks: task names from :data:`TASKS` (another, or none, is a ValueError).
+        items, context_tokens, seed: for every task (:func:`build_continuation_task`, :func:`build_cloze_task`).
+        span_tokens, num_choices: for ``continuation`` only.
+
+    Returns:
+        ``{task name: items}``."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"unknown task(s) {unknown or list(tasks)} (choose from: {', '.join(TASKS)})")

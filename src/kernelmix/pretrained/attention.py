@@ -33,7 +33,14 @@ ATTENTION_NAME = "kernelmix"
 
 
 def visible_from_mask(mask: Tensor) -> Tensor:
-    """An HF attention mask (bool: True = visible, or float additive) → bool ``[B, T, L]`` (heads share it)."""
+    """An HF attention mask (bool: True = visible, or float additive) → bool ``[B, T, L]`` (heads share it).
+
+    Args:
+        mask: the mask transformers passes to the attention function, ``[B, 1, T, L]`` or ``[B, T, L]``; in a
+            float mask an entry above half the dtype's minimum (0 rather than -inf) is visible.
+
+    Returns:
+        The bool mask ``[B, T, L]``, True where query t may see key l (of a 4-D mask, the first head's)."""
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
     if mask.dim() == 4:
@@ -44,7 +51,17 @@ def visible_from_mask(mask: Tensor) -> Tensor:
 def left_padding_doc_start(visible: Tensor, query_offset: int) -> Tensor | None:
     """If ``visible`` ``[B, T, L]`` is exactly causal (queries at absolute positions
     ``query_offset + i``) plus left padding, return ``doc_start`` ``[B, L]`` for the padded-q
-    chunked op (padding tokens form their own leading document); else None."""
+    chunked op (padding tokens form their own leading document); else None.
+
+    Args:
+        visible: a bool mask ``[B, T, L]`` (:func:`visible_from_mask`), True where query i sees key j.
+        query_offset: the absolute position of the first query among the L keys (``L - T`` when the
+            queries are the last T positions; 0 for a prefill).
+
+    Returns:
+        ``doc_start`` ``[B, L]`` (int64): for each key, the row's padding length (where its real tokens
+        start), 0 on the padding itself; or None when the mask is anything else (a sliding window, packed
+        sequences, a row whose last query sees no key)."""
     batch, length_q, length_k = visible.shape
     last = visible[:, -1]  # the last query sees every real key
     if not bool(last.any(-1).all()):
@@ -91,7 +108,15 @@ def exact_attention():
 @contextlib.contextmanager
 def record_attention(fn: Callable):
     """Call ``fn(module, query, key, value, attention_mask, scaling)`` on every attention call
-    (HF layouts) of models running the ``kernelmix`` implementation."""
+    (HF layouts) of models running the ``kernelmix`` implementation.
+
+    Args:
+        fn: the recorder, called before each attention is computed, with the layer's ``self_attn``, query
+            ``[B, H, T, d]``, key and value ``[B, H_kv, L, d]``, the HF mask (or None) and the scaling (or
+            None); removed again on exit.
+
+    Returns:
+        A context manager (entering it gives None); recorders are per thread."""
     _recorders().append(fn)
     try:
         yield
@@ -101,7 +126,21 @@ def record_attention(fn: Callable):
 
 def kernelmix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The ``kernelmix`` attention function: random-feature attention on layers with a kernel,
-    transformers' SDPA on the others (and everywhere inside :func:`exact_attention`)."""
+    transformers' SDPA on the others (and everywhere inside :func:`exact_attention`).
+
+    Args:
+        module: the layer's ``self_attn`` module; its ``kernelmix_rf`` (if any) is the layer's kernel.
+        query: ``[B, H, T, d]``, after the projections, QK-norm and RoPE.
+        key, value: ``[B, H_kv, L, d]``, the KV cache's keys and values included.
+        attention_mask: transformers' mask (bool, or additive float; see :func:`visible_from_mask`), or None
+            for plain causal attention.
+        dropout: attention dropout, passed to SDPA only (the kernels apply none).
+        scaling: the logits' scale (None: ``head_dim ** -0.5``).
+        kwargs: the rest of what transformers passes, given to SDPA as it is; on a converted layer
+            ``position_ids`` places a windowed kernel's sinks and a ``softcap`` is refused (ValueError).
+
+    Returns:
+        ``(output, None)``: the attention output ``[B, T, H, d_v]`` (HF's layout) and no attention weights."""
     for fn in list(_recorders()):
         fn(module, query, key, value, attention_mask, scaling)
     rf = getattr(module, "kernelmix_rf", None)
@@ -141,6 +180,14 @@ def register() -> None:
 
 
 def decoder_layers(model) -> Sequence[nn.Module]:
+    """The decoder layers of a Hugging Face Llama / Gemma causal LM, ``model.model.layers``.
+
+    Args:
+        model: a Hugging Face causal LM whose ``config.model_type`` is one of :data:`SUPPORTED_MODEL_TYPES`
+            (another is a ValueError, as is a model without ``model.layers[*].self_attn``).
+
+    Returns:
+        ``model.model.layers``, each layer with a ``self_attn``."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -155,13 +202,26 @@ def decoder_layers(model) -> Sequence[nn.Module]:
 
 
 def is_local(attn: nn.Module) -> bool:
-    """A sliding-window (local) attention layer?"""
+    """A sliding-window (local) attention layer?
+
+    Args:
+        attn: a decoder layer's ``self_attn`` module.
+
+    Returns:
+        True when ``attn.sliding_window`` is set (not None)."""
     return getattr(attn, "sliding_window", None) is not None
 
 
 
 def kernels(model) -> dict[int, nn.Module]:
     """Layer index → its attached kernel (:class:`~.layer_kernels.RandomFeatureKernel` or
-    :class:`~.layer_kernels.CubitKernel`), converted layers only."""
+    :class:`~.layer_kernels.CubitKernel`), converted layers only.
+
+    Args:
+        model: a Hugging Face causal LM, converted or not (see :func:`decoder_layers`).
+
+    Returns:
+        ``{layer index: self_attn.kernelmix_rf}`` in layer order (any kernel of :mod:`.layer_kernels`,
+        Hedgehog and window-only ones too); empty for an unconverted model."""
     return {i: layer.self_attn.kernelmix_rf for i, layer in enumerate(decoder_layers(model))
             if getattr(layer.self_attn, "kernelmix_rf", None) is not None}

@@ -32,7 +32,19 @@ class Captured:
 def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Iterable[int] | None = None,
             batch_size: int = 1) -> dict[int, list[Captured]]:
     """Run the *original* model (exact attention) on ``input_ids`` ``[B, T]`` and return the
-    attention inputs of ``layers`` (default: the converted ones), one :class:`Captured` per batch."""
+    attention inputs of ``layers`` (default: the converted ones), one :class:`Captured` per batch.
+
+    Args:
+        model: a Hugging Face causal LM, converted or not (it runs inside :func:`exact_attention`, with the
+            ``kernelmix`` implementation switched on for the call).
+        input_ids: calibration token ids ``[B, T]``, on the model's device.
+        attention_mask: ``[B, T]`` (1: token, 0: padding), passed to the model; or None.
+        layers: the decoder-layer indices to record (None: the converted layers, :func:`kernels`).
+        batch_size: rows of ``input_ids`` per forward.
+
+    Returns:
+        ``{layer index: [Captured, ...]}``: per forward of ``batch_size`` rows, one :class:`Captured` (the
+        detached query, key and value in HF layouts, the mask, the scaling)."""
     register()
     wanted = set(kernels(model) if layers is None else layers)
     layer_of = {id(layer.self_attn): i for i, layer in enumerate(decoder_layers(model))}
@@ -58,7 +70,15 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None, laye
 
 
 def token_samples(items: list[Captured], kernel: RandomFeatureKernel) -> tuple[Tensor, Tensor]:
-    """Feature-space query samples ``[N, H, d]`` (before the fold) and key samples ``[N, H_kv, d]``."""
+    """Feature-space query samples ``[N, H, d]`` (before the fold) and key samples ``[N, H_kv, d]``.
+
+    Args:
+        items: one layer's captured inputs (:func:`capture`).
+        kernel: that layer's :class:`RandomFeatureKernel` (its ``head_dim`` gives the op's scale).
+
+    Returns:
+        ``(q, k)`` in float32: every captured position's query as the op receives it (times
+        ``scaling · √d``), ``[N, H, d]``, and its key, ``[N, H_kv, d]``; N is the sum of B·T over ``items``."""
     qs, ks = [], []
     for c in items:
         scale = c.scaling * math.sqrt(kernel.head_dim)
@@ -68,7 +88,15 @@ def token_samples(items: list[Captured], kernel: RandomFeatureKernel) -> tuple[T
 
 
 def whiten(model, captured: dict[int, list[Captured]], eps: float = 1e-3) -> None:
-    """Set every DARKFormer layer's M, F from captured statistics (docs/math.md §7; kernel preserved)."""
+    """Set every DARKFormer layer's M, F from captured statistics (docs/math.md §7; kernel preserved).
+
+    Args:
+        model: a converted model; layers of other mixers are left as they are.
+        captured: :func:`capture`'s inputs, with an entry for every DARKFormer layer.
+        eps: regularises the second moments, relative to their trace (``RandomFeatureMap.whiten_``).
+
+    Returns:
+        None; each DARKFormer kernel's ``transform`` (M) and ``query_fold`` (F) are set in place."""
     for i, kernel in kernels(model).items():
         if kernel.mixer == "darkformer":
             q, k = token_samples(captured[i], kernel)
@@ -76,7 +104,15 @@ def whiten(model, captured: dict[int, list[Captured]], eps: float = 1e-3) -> Non
 
 
 def exact_output(c: Captured) -> Tensor:
-    """Exact softmax attention on captured inputs, ``[B, T, H, d_v]`` (host semantics incl. mask)."""
+    """Exact softmax attention on captured inputs, ``[B, T, H, d_v]`` (host semantics incl. mask).
+
+    Args:
+        c: one :class:`Captured` (query ``[B, H, T, d]``, key/value ``[B, H_kv, L, d]``); without a mask,
+            plain causal attention.
+
+    Returns:
+        SDPA's output with the key/value heads repeated to the query heads, ``[B, T, H, d_v]``, in the
+        inputs' dtype."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     groups = c.query.shape[1] // c.key.shape[1]
@@ -101,7 +137,21 @@ def distill(model, captured: dict[int, list[Captured]], *, steps: int = 200, lr:
     other m or seed) does worse than the whitened start (measured on Gemma 3 270M). The layer's
     own W is restored afterwards. With redraws the per-step loss is noisy, so the final M is kept
     (non-finite steps are still undone); with a fixed W the lowest-loss M is kept.
-    Returns the loss history per layer."""
+
+    Args:
+        model: a converted model; its DARKFormer layers are trained one after another, the others untouched.
+        captured: :func:`capture`'s inputs, with an entry for every DARKFormer layer (step s uses its
+            item ``s % len(items)``).
+        steps: Adam steps per layer.
+        lr: Adam's learning rate (halved after each non-finite step); gradients are clipped to norm 1.
+        train_fold: train F as well as M.
+        redraw: a fresh W every step (see above); False: the layer's own W throughout.
+        seed: seeds each layer's redraws (``seed * 1000003 + layer``).
+        progress: show a progress bar over every layer's steps.
+        log: called with a message every 50 steps and at each layer's last step; None: silent.
+
+    Returns:
+        The loss history per layer: ``{layer index: [relative MSE of each step]}``, non-finite ones included."""
     history: dict[int, list[float]] = {}
     todo = [(i, k) for i, k in kernels(model).items() if k.mixer == "darkformer"]
     bar = progress_bar(progress, "distill", len(todo) * steps)

@@ -40,7 +40,15 @@ from .window_cache import install_decode_cache
 
 def resolve_layers(model, layers: Any) -> list[int]:
     """``all`` / ``global`` / ``local`` / indices → sorted list of layer indices (a KernelmixError, which is a
-    ValueError, when empty or out of range)."""
+    ValueError, when empty or out of range).
+
+    Args:
+        model: a Hugging Face causal LM (see :func:`decoder_layers`).
+        layers: ``"all"``, ``"global"`` (layers without a sliding window), ``"local"`` (sliding-window layers)
+            or an iterable of int layer indices (negative ones count from the end).
+
+    Returns:
+        The chosen layer indices in ``0..n-1``, sorted, each once."""
     decoder = decoder_layers(model)
     n = len(decoder)
     if isinstance(layers, str):
@@ -79,9 +87,12 @@ def convert(model, config: ConversionConfig | None = None, *, calibration: Tenso
         config: what to convert and how (default ``ConversionConfig()``). Not modified: the settings
             as applied (the resolved ``layer_indices``, the init, cubit's window = sinks = 0) are
             recorded in the model's config, read back with :func:`conversion_config`.
+        calibration: token ids ``[B, T]`` for the inits other than ``identity`` (None: ``identity`` only).
         init: DARKFormer's initialisation (default ``config.init``): ``identity``, ``whiten``,
             ``distill`` or ``whiten+distill``, the last three from ``calibration`` token ids ``[B, T]``
             (``attention_mask`` optional); any other mixer takes ``identity`` only.
+        attention_mask: ``[B, T]`` padding mask of ``calibration`` (None: no padding).
+        progress: show a progress bar while distilling.
         init_options: passed to :func:`initialise`.
 
     Returns:
@@ -108,6 +119,19 @@ def convert(model, config: ConversionConfig | None = None, *, calibration: Tenso
 
 
 def attach_kernels(model, config: ConversionConfig) -> None:
+    """Attach a fresh kernel of ``config.mixer`` (float32, on the model's device) to each layer of
+    ``config.layer_indices``, switch the model (and any sub-config) to the ``kernelmix`` attention
+    implementation, record ``config`` in ``model.config`` and install the decode cache. Neither checks
+    nor initialises: :func:`convert` resolves and validates before, :func:`load_converted` loads the
+    saved kernel tensors after.
+
+    Args:
+        model: a Hugging Face causal LM, not converted yet.
+        config: a validated :class:`ConversionConfig` with its ``layer_indices`` resolved; the kernels' W
+            come from one generator seeded with ``config.seed``, layers in that order.
+
+    Returns:
+        None; ``model`` is changed in place."""
     register()
     decoder = decoder_layers(model)
     generator = torch.Generator().manual_seed(config.seed)
@@ -149,12 +173,28 @@ def legacy_defaults(raw: dict) -> dict:
 
 
 def conversion_config(model) -> ConversionConfig | None:
+    """The conversion recorded in ``model.config`` (under ``kernelmix_conversion``), with the settings an
+    older record lacks filled in as they then were.
+
+    Args:
+        model: a Hugging Face causal LM.
+
+    Returns:
+        The recorded :class:`ConversionConfig` (not validated), or None when the model is not converted."""
     raw = getattr(model.config, CONFIG_KEY, None)
     return None if raw is None else ConversionConfig(**legacy_defaults(raw))
 
 
 def set_num_features(model, num_features: int, seed: int = 0) -> None:
-    """Redraw every converted layer's W with ``num_features`` rows (M and F are kept)."""
+    """Redraw every converted layer's W with ``num_features`` rows (M and F are kept).
+
+    Args:
+        model: a performer or darkformer conversion (a cubit, hedgehog or window layer is a KernelmixError).
+        num_features: the new m per head.
+        seed: seeds the one generator every layer draws from, in layer order.
+
+    Returns:
+        None; the new ``num_features`` and ``seed`` are recorded in the model's conversion config."""
     generator = torch.Generator().manual_seed(seed)
     for kernel in kernels(model).values():
         if kernel.mixer in ("cubit", "hedgehog", "window"):
@@ -168,8 +208,24 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
                eps: float = 1e-3, steps: int = 200, lr: float = 5e-3, train_fold: bool = False,
                batch_size: int = 1, progress: bool = False, log: Callable | None = None) -> dict:
     """(Re-)initialise the DARKFormer layers of a converted model: ``identity``, ``whiten``,
-    ``distill`` or ``whiten+distill`` from ``calibration`` token ids ``[B, T]``. Returns
-    ``{"distill": {layer: losses}}`` when distilling."""
+    ``distill`` or ``whiten+distill`` from ``calibration`` token ids ``[B, T]``.
+
+    Args:
+        model: a converted model (:func:`convert`); its DARKFormer layers are first reset to M = F = I.
+        init: ``identity``, ``whiten``, ``distill`` or ``whiten+distill``; all but ``identity`` need a
+            darkformer conversion.
+        calibration: token ids ``[B, T]`` the statistics and teachers come from (required unless ``identity``).
+        attention_mask: ``[B, T]`` padding mask of ``calibration``, or None.
+        eps: whitening's regularisation (:func:`whiten`).
+        steps, lr, train_fold: distillation's steps per layer, learning rate and whether F trains too
+            (:func:`distill`, which redraws W with its default seed).
+        batch_size: calibration rows per forward while capturing (:func:`capture`).
+        progress: show a progress bar while distilling.
+        log: distillation's message callback (:func:`distill`).
+
+    Returns:
+        ``{"distill": {layer: losses}}`` when distilling, else ``{}``; ``init`` is recorded in the model's
+        conversion config."""
     if init not in INITS:
         raise KernelmixError(f"unknown init {init!r} (choose from: {', '.join(INITS)})")
     ks = kernels(model)
@@ -199,9 +255,19 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
 def set_trainable(model, *, qkv: bool = True, transform: bool = True, norms: bool = True,
                   layers: Iterable[int] | None = None) -> list[nn.Parameter]:
     """Freeze the host except, in ``layers`` (default: the converted ones), the q/k/v projections,
-    the QK-norm scales and the kernels' own parameters (DARKFormer's M, Cubit's λ and s; ``transform``);
-    returns the trainable parameters (for a finetuning optimizer). Unconverted layers may be listed
-    too (a softmax baseline finetuned the same way)."""
+    the QK-norm scales and the kernels' own parameters (DARKFormer's M, Cubit's λ and s; ``transform``).
+    Unconverted layers may be listed too (a softmax baseline finetuned the same way).
+
+    Args:
+        model: a Hugging Face causal LM, converted or not.
+        qkv: unfreeze the layers' ``q_proj``, ``k_proj`` and ``v_proj``.
+        transform: unfreeze the kernels' own parameters (``kernel.trainable()``).
+        norms: unfreeze the QK-norm scales (``q_norm``, ``k_norm``) where a layer has them.
+        layers: decoder-layer indices (None: the converted layers).
+
+    Returns:
+        The trainable parameters (for a finetuning optimizer); every other parameter has
+        ``requires_grad`` False."""
     for p in model.parameters():
         p.requires_grad_(False)
     decoder = decoder_layers(model)

@@ -74,7 +74,20 @@ def _layer_indices(model, layers: Any) -> list[int]:
 
 def prepare_trainable(model, config: FinetuneConfig, layers: Any = "all"):
     """Freeze / unfreeze ``model`` for ``config.mode`` (wrapping it with LoRA adapters for ``lora``).
-    Returns ``(model, trainable parameters)``: for ``lora`` the returned model is the peft wrapper."""
+    The kernels' own parameters (DARKFormer's M, Cubit's λ and s) train in every mode when
+    ``config.train_kernels``.
+
+    Args:
+        model: a Hugging Face causal LM, converted or not.
+        config: the :class:`FinetuneConfig` (``mode``, ``train_embeddings``, ``train_kernels``, ``lora_rank``,
+            ``lora_alpha``).
+        layers: whose q/k/v projections train in ``partial`` and ``lora`` (``"all"``, ``"global"``,
+            ``"local"`` or indices; :func:`resolve_layers`); ignored for a converted model, whose converted
+            layers are used. ``full`` trains every layer.
+
+    Returns:
+        ``(model, trainable parameters)``: for ``lora`` the returned model is the peft wrapper. Nothing
+        to train is a ValueError."""
     indices = _layer_indices(model, layers)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -133,7 +146,13 @@ def _base(model):
 
 
 def finished_model(model):
-    """Merge LoRA adapters into the weights (a no-op for other modes) and freeze everything."""
+    """Merge LoRA adapters into the weights (a no-op for other modes) and freeze everything.
+
+    Args:
+        model: what :func:`prepare_trainable` returned (for ``lora``, the peft wrapper).
+
+    Returns:
+        The plain model (the peft wrapper merged and unloaded), every parameter with ``requires_grad`` False."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     for p in model.parameters():

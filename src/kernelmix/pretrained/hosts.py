@@ -41,7 +41,13 @@ PRETRAINED_EXTRA = ('pip install "kernelmix[pretrained]"  (or: pip install gguf 
 
 
 def require(*modules: str) -> None:
-    """Raise ImportError naming the pip command if any of ``modules`` is missing."""
+    """Raise ImportError naming the pip command if any of ``modules`` is missing.
+
+    Args:
+        modules: module names (e.g. ``"transformers"``), looked up with ``importlib.util.find_spec``.
+
+    Returns:
+        None. The ImportError's ``name`` is the first missing module."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:  # name=: the command line tells a missing package from a bug by it
         raise ImportError(f"missing Python package(s) {', '.join(missing)} "
@@ -92,8 +98,17 @@ def prepare(
     progress: Any = None,
 ) -> Path:
     """One-time GGUF → safetensors preparation of a known model (model + tokenizer) into
-    ``cache_dir(root)/name``; returns that directory. Skips the work if it is already prepared
-    (``force=True`` redoes it). ``progress``: optional callable taking a message string."""
+    ``cache_dir(root)/name``. Skips the work if it is already prepared (``force=True`` redoes it).
+
+    Args:
+        name: a known model (:data:`KNOWN_MODELS`); another name is a KernelmixError.
+        root: the cache directory (None: :func:`cache_dir`'s default).
+        dtype: the dtype the weights are saved in (dequantized to float32 first).
+        force: prepare again although the directory is marked prepared.
+        progress: optional callable taking a message string, called before each stage; None: silent.
+
+    Returns:
+        The prepared directory, ``cache_dir(root)/name``."""
     if name not in KNOWN_MODELS:
         raise KernelmixError(f"unknown pretrained model {name!r} (choose from: {', '.join(KNOWN_MODELS)})")
     require("transformers", "gguf", "sentencepiece", "safetensors", "accelerate")
@@ -132,7 +147,15 @@ def resolve(name_or_path: str | os.PathLike, *, root: str | os.PathLike | None =
 
     Raises :class:`~kernelmix.errors.KernelmixError` (a ValueError) if it is neither, if the
     directory is not a causal LM, if the architecture is not of the Llama or Gemma families, or if
-    its weights are not safetensors (see :func:`check_model_dir`)."""
+    its weights are not safetensors (see :func:`check_model_dir`).
+
+    Args:
+        name_or_path: a known name (:data:`KNOWN_MODELS`; looked up in the cache unless a directory of
+            that name exists) or a model directory (``~`` expanded).
+        root: the cache directory of known names (None: :func:`cache_dir`'s default).
+
+    Returns:
+        The model directory, checked by :func:`check_model_dir`."""
     text = str(name_or_path)
     path = Path(text).expanduser()
     if text in KNOWN_MODELS and not path.is_dir():
@@ -148,8 +171,13 @@ def resolve(name_or_path: str | os.PathLike, *, root: str | os.PathLike | None =
 
 def check_model_dir(path: str | os.PathLike) -> dict:
     """Validate a local model directory (config.json of a supported causal LM, safetensors
-    weights); returns the config dict. Raises :class:`~kernelmix.errors.KernelmixError` naming
-    what is wrong and the fix."""
+    weights). Raises :class:`~kernelmix.errors.KernelmixError` naming what is wrong and the fix.
+
+    Args:
+        path: the model directory.
+
+    Returns:
+        The config dict (the parsed config.json)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -39,7 +39,14 @@ from .attention import left_padding_doc_start, visible_from_mask
 
 def pad_queries_left(q: Tensor, length: int) -> Tensor:
     """Zero queries in front of ``q`` ``[B, T, H, d]`` up to ``length`` positions, so a chunked
-    causal op sees the new queries at the end of the cached keys (the padding rows are dropped)."""
+    causal op sees the new queries at the end of the cached keys (the padding rows are dropped).
+
+    Args:
+        q: queries ``[B, T, H, d]``.
+        length: the number of positions to pad to (the keys', ≥ T).
+
+    Returns:
+        ``[B, length, H, d]``: ``length - T`` zero rows, then ``q``."""
     pad = q.new_zeros(q.shape[0], length - q.shape[1], *q.shape[2:])
     return torch.cat([pad, q], dim=1)
 

@@ -48,9 +48,18 @@ def directory_entries(directory: str | Path) -> list[str]:
 def save_converted(model, directory: str | Path, tokenizer=None, *, overwrite: bool = True) -> Path:
     """``save_pretrained`` (safetensors; W, M, F included; settings in config.json) plus the tokenizer,
     written all or nothing under ``directory``'s run-directory lock (see the module's notes).
-    ``overwrite=False`` refuses a directory that already holds anything. Raises
-    :class:`~kernelmix.errors.KernelmixError` for a ``directory`` that is a file, a non-empty one
-    without ``overwrite``, another writer, a full disk or a permission problem."""
+    Raises :class:`~kernelmix.errors.KernelmixError` for a ``directory`` that is a file, a non-empty one
+    without ``overwrite``, another writer, a full disk or a permission problem.
+
+    Args:
+        model: a converted model (:func:`convert`); a plain one is refused.
+        directory: where to save (created if needed).
+        tokenizer: saved beside the model when given (None: none).
+        overwrite: replace the model files of a directory that already holds some; ``overwrite=False``
+            refuses a directory that already holds anything.
+
+    Returns:
+        ``directory``, as a Path."""
     directory = Path(directory)
     if conversion_config(model) is None:
         raise KernelmixError("the model is not converted; use model.save_pretrained for a plain model")
@@ -114,7 +123,16 @@ def load_converted(directory: str | Path, *, dtype: torch.dtype = torch.float32,
     """Load a model saved by :func:`save_converted` (or any plain local causal LM, returned
     unconverted): the host loads with ``from_pretrained``, the conversion recorded in
     ``config.json`` is re-applied and the kernels' W/M/F are loaded from the safetensors files
-    (a missing one is an error)."""
+    (a missing one is an error).
+
+    Args:
+        directory: a model directory (config.json and safetensors weights; see :func:`check_model_dir`).
+        dtype: the host weights' dtype (the kernels stay float32).
+        device: where the host is moved before the kernels are attached (None: where ``from_pretrained``
+            puts it).
+
+    Returns:
+        The model: converted when its config.json records a conversion, else the plain host."""
     require("transformers", "safetensors")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     directory = Path(directory)

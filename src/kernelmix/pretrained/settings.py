@@ -49,7 +49,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Where prepared models live: ``path``, else ``$KERNELMIX_CACHE``, else ``~/.cache/kernelmix/pretrained``."""
+    """Where prepared models live: ``path``, else ``$KERNELMIX_CACHE``, else ``~/.cache/kernelmix/pretrained``.
+
+    Args:
+        path: a directory to use as it is (``~`` expanded); None: the environment variable or the default.
+
+    Returns:
+        The directory, as a Path (not created)."""
     if path is not None:
         return Path(path).expanduser()
     env = os.environ.get("KERNELMIX_CACHE")

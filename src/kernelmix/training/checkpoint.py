@@ -78,7 +78,13 @@ def checkpoint_root(out_dir: str | Path) -> Path:
 
 
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint directories ``(step, path)``, oldest first (temporary ones are ignored)."""
+    """Complete checkpoint directories ``(step, path)``, oldest first (temporary ones are ignored).
+
+    Args:
+        out_dir: the run directory (checkpoints live in ``out_dir/checkpoints/step_<N>``).
+
+    Returns:
+        ``(step, path)`` pairs sorted by step; empty when there is no ``checkpoints`` directory."""
     root = checkpoint_root(out_dir)
     if not root.is_dir():
         return []
@@ -91,6 +97,13 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint directory of a run (the highest step), whether or not it verifies.
+
+    Args:
+        out_dir: the run directory.
+
+    Returns:
+        Its path, or None when the run has no checkpoint."""
     found = list_checkpoints(out_dir)
     return found[-1][1] if found else None
 
@@ -277,7 +290,13 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Verify a checkpoint directory against its manifest and load it (no code is executed:
     safetensors, ``weights_only`` torch.load, JSON). :class:`CheckpointError` says what is wrong
-    and what to do about it (:class:`CheckpointDamaged` for a missing, truncated or corrupt file)."""
+    and what to do about it (:class:`CheckpointDamaged` for a missing, truncated or corrupt file).
+
+    Args:
+        path: a ``<out_dir>/checkpoints/step_<N>`` directory.
+
+    Returns:
+        The :class:`Checkpoint`: its path, step, weights and state (on the CPU) and config."""
     path = Path(path)
     others = [p for _, p in list_checkpoints(path.parent.parent) if p != path]  # <out_dir>/checkpoints/step_N
     fallback = (
@@ -358,8 +377,16 @@ def load_latest_valid(out_dir: str | Path, *, warn: bool = True) -> Checkpoint |
     """The newest checkpoint of ``out_dir`` that verifies (None when there is none at all).
     Damaged newer ones are skipped with a warning naming them and what is wrong (``warn``); the
     resumed run's next checkpoint replaces them (:func:`save_checkpoint`). When every checkpoint is
-    damaged, the newest one's error is raised; any other :class:`CheckpointError` (a checkpoint of
-    another format) is raised as it is, since an older one would silently lose its progress."""
+    damaged, the newest one's error is raised (with several, one error naming them all); any other
+    :class:`CheckpointError` (a checkpoint of another format) is raised as it is, since an older one
+    would silently lose its progress.
+
+    Args:
+        out_dir: the run directory.
+        warn: warn about the damaged checkpoints skipped.
+
+    Returns:
+        The loaded :class:`Checkpoint`, or None when the run has no checkpoint."""
     damaged: list[CheckpointDamaged] = []
     for _, path in reversed(list_checkpoints(out_dir)):
         try:
@@ -382,7 +409,16 @@ def load_latest_valid(out_dir: str | Path, *, warn: bool = True) -> Checkpoint |
 
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Load a checkpoint's ``weights`` into ``model`` strictly; a tied LM head stored once (as the
-    embedding) is filled in. A mismatch is a :class:`CheckpointError` naming ``path``."""
+    embedding) is filled in. A mismatch is a :class:`CheckpointError` naming ``path``.
+
+    Args:
+        model: the :class:`~kernelmix.model.CausalLM` to fill (``config.tie_embeddings`` says whether its
+            head is the embedding).
+        weights: the checkpoint's tensors by name (:attr:`Checkpoint.weights`).
+        path: the checkpoint directory, for the error message.
+
+    Returns:
+        None; the model's parameters and buffers are set in place."""
     weights = dict(weights)
     if model.config.tie_embeddings and "lm_head.weight" not in weights and "embed.weight" in weights:
         weights["lm_head.weight"] = weights["embed.weight"]  # stored once, see save

@@ -179,7 +179,14 @@ class TrainConfig:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The mapping in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (parsed, never executed)."""
+    """The mapping in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (parsed, never executed).
+
+    Args:
+        path: the file; its suffix chooses the parser (TOML needs Python ≥ 3.11 or tomli, YAML needs PyYAML).
+
+    Returns:
+        The settings mapping (``{}`` for an empty file); of a run's resolved ``config.json``, its ``train``
+        section."""
     path = Path(path)
     if path.is_dir():
         raise KernelmixError(f"config file {str(path)!r} is a directory: pass the config file inside it")
@@ -231,7 +238,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value: JSON when it parses (numbers, ``[0.9, 0.95]``, ``{"lrr": false}``,
-    ``"quoted"``), true/false/null in any case, otherwise the plain string."""
+    ``"quoted"``), true/false/null in any case, otherwise the plain string.
+
+    Args:
+        text: the text after ``=``.
+
+    Returns:
+        The value: what JSON gives, a bool, None (also for ``none``), or ``text`` unchanged."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -245,7 +258,15 @@ def parse_value(text: str) -> Any:
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply ``key=value`` to ``data`` in place; ``model.a.b=v`` sets nested model settings."""
+    """Apply ``key=value`` to ``data`` in place; ``model.a.b=v`` sets nested model settings.
+
+    Args:
+        data: a mapping of settings (as :meth:`TrainConfig.from_dict` takes).
+        assignment: ``key=value``: the key a :class:`TrainConfig` field, or a dotted path under ``model``;
+            the value read by :func:`parse_value`.
+
+    Returns:
+        None; ``data`` is changed in place (a malformed assignment or an unknown key is a ValueError)."""
     key, sep, text = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -287,7 +308,15 @@ def build_config(
     *,
     base: dict[str, Any] | None = None,
 ) -> TrainConfig:
-    """Defaults ← ``base`` (e.g. the config of the run being resumed) ← the file ← the overrides."""
+    """Defaults ← ``base`` (e.g. the config of the run being resumed) ← the file ← the overrides.
+
+    Args:
+        config_file: a TOML/YAML/JSON file of settings (:func:`read_config_file`), or None.
+        overrides: ``key=value`` assignments (:func:`apply_override`), applied in order.
+        base: settings beneath the file's (the model table merged key by key); None: none.
+
+    Returns:
+        The :class:`TrainConfig`, checked."""
     data = dict(base or {})
     if config_file is not None:
         data = merge(data, read_config_file(config_file))
@@ -305,7 +334,18 @@ def run_config(
 ) -> TrainConfig:
     """The config ``kernelmix train`` runs: defaults ← (with ``resume``) the settings saved in the
     run's newest checkpoint ← the file ← the overrides ← ``out_dir``. So ``--resume --out DIR``
-    alone continues a run as it was configured, and ``--set steps=N --reschedule`` extends it."""
+    alone continues a run as it was configured, and ``--set steps=N --reschedule`` extends it.
+
+    Args:
+        config_file: a TOML/YAML/JSON file of settings (:func:`read_config_file`), or None.
+        overrides: ``key=value`` assignments (:func:`apply_override`), applied in order.
+        out_dir: the run directory, where ``resume`` looks for checkpoints (None: the file's or the
+            overrides' ``out_dir``, else :class:`TrainConfig`'s default).
+        resume: start from the settings of the newest checkpoint in the run directory whose
+            ``config.json`` reads.
+
+    Returns:
+        The :class:`TrainConfig`, checked."""
     update: dict[str, Any] = read_config_file(config_file) if config_file is not None else {}
     for assignment in overrides:
         apply_override(update, assignment)

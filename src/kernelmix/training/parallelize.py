@@ -193,15 +193,27 @@ def parallelize(
 ) -> nn.Module:
     """Prepare ``model`` (a :class:`~kernelmix.model.CausalLM` on its training device) for training:
     activation checkpointing, then ``torch.compile``, then FSDP2 per block and at the root — or DDP
-    — (see the module docstring). Returns what the training forwards go through: ``model`` itself
-    (changed in place) in one process or under FSDP, else a DDP wrapper of it (``ddp=False``:
-    ``model``, for a trainer that syncs gradients itself).
+    — (see the module docstring). With one process ``fsdp`` and ``ddp`` change nothing.
 
-    ``mesh``: a 1-D ``DeviceMesh`` to shard or replicate over (None: the default process group,
-    when one is initialised). With one process ``fsdp`` and ``ddp`` change nothing.
-    ``compile_options``: for ``torch.compile`` (default ``backend="inductor", fullgraph=False``:
-    see :data:`FULLGRAPH_MIXERS`). ``fsdp_options``: for ``fully_shard`` (:class:`FSDPOptions`, or
-    a dict of its fields: mixed precision, resharding); only with ``fsdp=True``."""
+    Args:
+        model: a :class:`~kernelmix.model.CausalLM` (for a KernelMixForCausalLM, pass its ``.model``).
+        mesh: a 1-D ``DeviceMesh`` to shard or replicate over (None: the default process group,
+            when one is initialised).
+        compile: ``torch.compile`` each block in place (:func:`apply_compile`).
+        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or ``"mixers"``
+            (:data:`ACTIVATION_CHECKPOINTING`; the module docstring says what each recomputes).
+        activation_checkpointing_every: with ``"selective"``, every k-th block is recomputed.
+        fsdp: with more than one process, FSDP2 instead of DDP.
+        ddp: with more than one process and no ``fsdp``, wrap the model in DDP (``ddp=False``:
+            ``model``, for a trainer that syncs gradients itself).
+        compile_options: for ``torch.compile`` (default ``backend="inductor", fullgraph=False``:
+            see :data:`FULLGRAPH_MIXERS`).
+        fsdp_options: for ``fully_shard`` (:class:`FSDPOptions`, or a dict of its fields: mixed
+            precision, resharding); only with ``fsdp=True``.
+
+    Returns:
+        What the training forwards go through: ``model`` itself (changed in place) in one process or
+        under FSDP, else a DDP wrapper of it (``ddp=False``: ``model``)."""
     if not isinstance(model, CausalLM):
         raise KernelmixError(
             f"parallelize takes a kernelmix CausalLM, got {type(model).__name__}; for a KernelMixForCausalLM "

@@ -59,7 +59,14 @@ class LoadedRun:
 
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory of ``path``: ``path`` itself if it is one (holds
-    ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``."""
+    ``manifest.json``), else the newest ``checkpoints/step_N`` of the run directory ``path``.
+
+    Args:
+        path: a checkpoint directory or a run directory.
+
+    Returns:
+        The checkpoint directory (not verified). A ``path`` that does not exist or holds no checkpoint
+        is a ValueError."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"run directory {str(path)!r} does not exist; "
@@ -93,7 +100,15 @@ def load_run(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedR
     """Load the newest checkpoint of a run directory (or a given checkpoint directory) as a
     :class:`LoadedRun`, in eval mode. Verified like any checkpoint (manifest sizes and hashes;
     safetensors and JSON only, no code executed). The tokenizer is the one saved with the run's
-    tokenized corpus, re-created from the corpus if that cache is gone."""
+    tokenized corpus, re-created from the corpus if that cache is gone.
+
+    Args:
+        path: a run directory (its newest checkpoint that verifies; a damaged newer one is skipped with a
+            warning) or a checkpoint directory (loaded as given).
+        device: where the model is put.
+
+    Returns:
+        The :class:`LoadedRun`: model, tokenizer, checkpoint directory, step and the run's record."""
     ckpt = _load_newest_valid(path)
     record = ckpt.config
     if not isinstance(record, dict) or "model" not in record:

@@ -61,15 +61,26 @@ def optimizer_step(
 ) -> StepOutcome:
     """One update over ``micro_batches`` (gradient accumulation): the mean of their losses is
     minimised, the gradient of ``params`` is clipped to norm ``grad_clip`` (0: no clipping) and the
-    optimizer steps. ``sync(last)``: a context for each micro-batch's backward (DDP's ``no_sync``
-    except after the last).
+    optimizer steps.
 
-    ``skip_non_finite``: an update whose loss or gradient norm is not finite is skipped, leaving
-    parameters and optimizer state as they were (a finite loss can have a NaN gradient: stepping on
-    it turns every parameter into NaN). One device sync per step decides it. Every backward runs
-    even after a non-finite loss, because under DDP each one's gradient all-reduce must happen on
-    every process; ``agree`` sums this process's count of non-finite values over the processes, so
-    that all of them skip the same updates."""
+    Args:
+        optimizer: the optimizer; its gradients are zeroed before and after.
+        micro_batches: the step's micro-batches, anything ``loss_of`` takes.
+        loss_of: a micro-batch → its loss (a 0-dim tensor to backpropagate).
+        params: the parameters whose global gradient norm is clipped and returned.
+        grad_clip: the max gradient norm; 0: no clipping (the norm is still computed).
+        sync: ``sync(last)``: a context for each micro-batch's backward (DDP's ``no_sync``
+            except after the last); None: none.
+        skip_non_finite: an update whose loss or gradient norm is not finite is skipped, leaving
+            parameters and optimizer state as they were (a finite loss can have a NaN gradient: stepping on
+            it turns every parameter into NaN). One device sync per step decides it. Every backward runs
+            even after a non-finite loss, because under DDP each one's gradient all-reduce must happen on
+            every process.
+        agree: sums this process's count of non-finite values over the processes, so that all of them
+            skip the same updates; None: this process decides alone.
+
+    Returns:
+        :class:`StepOutcome`: the mean loss, the gradient norm before clipping and whether the optimizer stepped."""
     optimizer.zero_grad(set_to_none=True)  # a no-op in a loop; gradients left by earlier use go
     total: Tensor | None = None
     for index, batch in enumerate(micro_batches):
