@@ -162,17 +162,17 @@ class RandomFeatureMap(nn.Module):
                     f"{name} must be a torch.Tensor of shape [N, H, d], got {type(samples).__name__}; pass a "
                     f"torch.Tensor (e.g. from {type(self).__name__}.qk_samples)"
                 )
-        if q_samples.dim() == 3 and q_samples.shape[1] != self.num_heads:
-            raise KernelmixError(f"q_samples have {q_samples.shape[1]} heads, "
-                                 f"this layer has num_heads={self.num_heads}")
-        if k_samples.dim() == 3 and k_samples.shape[1] not in (self.num_kv_heads, self.num_heads):
-            raise KernelmixError(
-                f"k_samples have {k_samples.shape[1]} heads, expected num_kv_heads={self.num_kv_heads} "
-                f"(or num_heads={self.num_heads})"
-            )
-        if q_samples.dim() == 3 and q_samples.shape[2] != self.head_dim:
-            raise KernelmixError(f"q_samples have head dim {q_samples.shape[2]}, "
-                                 f"this layer has head_dim={self.head_dim}")
+        expected = (  # (samples, dim, allowed sizes, what the layer has)
+            ("q_samples", q_samples, 1, (self.num_heads,), f"num_heads={self.num_heads}"),
+            ("k_samples", k_samples, 1, (self.num_kv_heads, self.num_heads),
+             f"num_kv_heads={self.num_kv_heads} (or num_heads={self.num_heads})"),
+            ("q_samples", q_samples, 2, (self.head_dim,), f"head_dim={self.head_dim}"),
+        )
+        for name, samples, dim, allowed, layer_has in expected:
+            if samples.dim() == 3 and samples.shape[dim] not in allowed:
+                size = f"{samples.shape[dim]} heads" if dim == 1 else f"head dim {samples.shape[dim]}"
+                raise KernelmixError(f"{name} have {size}, this layer has {layer_has}: take the samples from this "
+                                     "layer's own q and k")
         m, fold = data_aware_transform(q_samples, k_samples, eps)
         self.transform.copy_(m.to(self.transform))
         self.query_fold.copy_(fold.to(self.query_fold))

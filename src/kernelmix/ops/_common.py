@@ -428,6 +428,21 @@ def _check_doc_start(doc_start: Tensor, batch: int, length: int, offset: int) ->
     )
 
 
+def solve_backward_buffers(needs_input_grad, x: Tensor, u: Tensor, grad_u: Tensor, beta: Tensor | None,
+                           y_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The buffers both CPU solves' backward passes start from: ``grad_b`` ``[B, H, T, d_v]`` (a view of a
+    [B, T, H, d_v] buffer, so db comes out in the inputs' layout), holding dU at first: it is the right-hand
+    side of the transposed solve, and its rows turn into db as the solve reaches them; dγ ``[H]`` at zero;
+    and dβ / d(y_scale) ``[B, H, T]`` where those inputs exist and want a gradient (their
+    ``needs_input_grad`` slots 3 and 5), else None."""
+    batch, heads, length, _ = x.shape
+    grad_b = u.new_empty(batch, length, heads, u.shape[-1]).transpose(1, 2)
+    grad_b.copy_(grad_u)
+    grad_beta = None if beta is None or not needs_input_grad[3] else x.new_empty(batch, heads, length)
+    grad_y_scale = None if y_scale is None or not needs_input_grad[5] else x.new_empty(batch, heads, length)
+    return grad_b, x.new_zeros(heads), grad_beta, grad_y_scale
+
+
 def causal_hidden(size: int, strict: bool, device) -> Tensor:
     """``[size, size]`` booleans, True where column j is not visible from row i: j > i, or j ≥ i
     when ``strict`` (a diagonal block of the causal mask, inverted)."""

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import autocast_off, causal_hidden
+from ._common import autocast_off, causal_hidden, solve_backward_buffers
 
 # A kernel block holds at most about this many elements (×4 bytes in float32): heads are processed
 # in groups of ⌊TILE_ELEMENTS / (C·T)⌋ (at least one). 2**20 elements = 4 MiB in float32.
@@ -181,21 +181,17 @@ class _BlockedSolve(torch.autograd.Function):
         x, y, b, beta, gamma, y_scale, b_scale, u, lse2, doc_start = ctx.saved_tensors
         scale, strict, chunk_size = ctx.scale, ctx.strict, ctx.chunk_size
         batch, heads, length, dk = x.shape
-        dv = u.shape[-1]
         fused = y is None  # y derived from x: one buffer receives dy, then becomes the whole dx
         # grad_b doubles as the right-hand side of the transposed solve: rows ≥ i0 hold db once row
         # block i0 is done, rows < i0 the dU still to be reduced by the later rows' contributions.
-        grad_b = u.new_empty(batch, length, heads, dv).transpose(1, 2)
-        grad_b.copy_(grad_u)
+        grad_b, grad_gamma, grad_beta, grad_y_scale = solve_backward_buffers(
+            ctx.needs_input_grad, x, u, grad_u, beta, y_scale)
         del grad_u
         # dy accumulates over the row blocks from the last; columns ≥ i0 are final once row block i0
         # is done (later rows only reach back), so with y = x ⊙ y_scale the same rows can then turn
         # into dx = dx_direct + y_scale ⊙ dy in place.
         grad_y = x.new_zeros(batch, length, heads, dk).transpose(1, 2)
         grad_x = grad_y if fused else x.new_empty(batch, length, heads, dk).transpose(1, 2)
-        grad_gamma = x.new_zeros(heads)
-        grad_beta = None if beta is None or not ctx.needs_input_grad[3] else x.new_empty(batch, heads, length)
-        grad_y_scale = None if y_scale is None or not ctx.needs_input_grad[5] else x.new_empty(batch, heads, length)
         grad_b_scale = None if b is None else x.new_empty(batch, heads, length)
         hidden_diag = causal_hidden(min(chunk_size, length), strict, x.device)
         factor = scale * LOG2E

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from ..lazy import after_import
 
-from ._common import autocast_off, causal_hidden
+from ._common import autocast_off, causal_hidden, solve_backward_buffers
 
 _FLASH_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _FLASH_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -265,17 +265,13 @@ class _RectangleSolve(torch.autograd.Function):
         x, y, b, beta, gamma, y_scale, b_scale, u, lse, doc_start, exact_at, exact_rows = ctx.saved_tensors
         scale, strict, leaf = ctx.scale, ctx.strict, ctx.leaf
         batch, heads, length, dk = x.shape
-        dv = u.shape[-1]
         fused = y is None
         # the right-hand side of the transposed solve; each diagonal block overwrites its rows with db
-        grad_b = u.new_empty(batch, length, heads, dv).transpose(1, 2)
-        grad_b.copy_(grad_u)
+        grad_b, grad_gamma, grad_beta, grad_y_scale = solve_backward_buffers(
+            ctx.needs_input_grad, x, u, grad_u, beta, y_scale)
         del grad_u
         grad_x = x.new_zeros(batch, length, heads, dk).transpose(1, 2)
         grad_y = grad_x if fused else x.new_zeros(batch, length, heads, dk).transpose(1, 2)
-        grad_gamma = x.new_zeros(heads)
-        grad_beta = None if beta is None or not ctx.needs_input_grad[3] else x.new_empty(batch, heads, length)
-        grad_y_scale = None if y_scale is None or not ctx.needs_input_grad[5] else x.new_empty(batch, heads, length)
         offset = -1 if strict else 0
         flash_backward = getattr(torch.ops.aten, _FLASH_BACKWARD)
 

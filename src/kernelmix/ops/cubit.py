@@ -256,17 +256,9 @@ def cubit_attention(
     return out
 
 
-def cubit_attention_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    scale: float | None = None,
-    doc_start: Tensor | None = None,
+def cubit_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, rho: Tensor | None = None, ridge: float | Tensor = 1e-6,
+    ref_scale: float | Tensor = 1.0, scale: float | None = None, doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference: the full T×T Gram matrix and one ``solve_triangular`` (float64-friendly).
 
@@ -298,17 +290,9 @@ def cubit_attention_naive(
     return guard.poison_visible(out, visible).to(v.dtype)
 
 
-def cubit_attention_step(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    state: CubitState | None,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    scale: float | None = None,
+def cubit_attention_step(  # one token of the fast path's inputs (same meanings) and the decode state
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, state: CubitState | None, *, rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6, ref_scale: float | Tensor = 1.0, scale: float | None = None,
     doc_start: Tensor | None = None,
 ) -> tuple[Tensor, CubitState]:
     """Decode one token: append (k, u, r̂) to the cache and read out.

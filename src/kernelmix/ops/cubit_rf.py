@@ -471,17 +471,9 @@ def _naive_features(x: Tensor, projection: Tensor, transform: Tensor | None) -> 
     return torch.exp(logits) / w.shape[1] ** 0.5
 
 
-def cubit_rf_attention_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    projection: Tensor,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    transform: Tensor | None = None,
+def cubit_rf_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, projection: Tensor, *, rho: Tensor | None = None,
+    ridge: float | Tensor = 1e-6, ref_scale: float | Tensor = 1.0, transform: Tensor | None = None,
     doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense float64 reference, straight from the definition: the T × T estimated Gram matrix,
@@ -546,19 +538,10 @@ def _solve_step(a_logits, b_logits, values, lam, doc_start, state: RandomFeature
     return u, RandomFeatureState(S=R, z=z, shift=new_shift, length=length + 1)
 
 
-def cubit_rf_attention_step(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r: Tensor,
-    projection: Tensor,
-    state: CubitRFState | None,
-    *,
-    rho: Tensor | None = None,
-    ridge: float | Tensor = 1e-6,
-    ref_scale: float | Tensor = 1.0,
-    transform: Tensor | None = None,
-    doc_start: Tensor | None = None,
+def cubit_rf_attention_step(  # one token of the fast path's inputs (same meanings) and the decode state
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, projection: Tensor, state: CubitRFState | None, *,
+    rho: Tensor | None = None, ridge: float | Tensor = 1e-6, ref_scale: float | Tensor = 1.0,
+    transform: Tensor | None = None, doc_start: Tensor | None = None,
 ) -> tuple[Tensor, CubitRFState]:
     """Decode one token in O(m·d) work and state, whatever the position.
 

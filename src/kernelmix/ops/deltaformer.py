@@ -161,15 +161,9 @@ def deltaformer_attention(
     return out
 
 
-def deltaformer_attention_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None = None,
-    w: Tensor | None = None,
-    scale: float | None = None,
-    doc_start: Tensor | None = None,
+def deltaformer_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+    q: Tensor, k: Tensor, v: Tensor, *, beta: Tensor | None = None, w: Tensor | None = None,
+    scale: float | None = None, doc_start: Tensor | None = None,
 ) -> Tensor:
     """Reference: the recurrence of the definition, one token at a time (float64-friendly).
 

@@ -610,18 +610,9 @@ def window_feature_attention_masked(
     return out.transpose(1, 2).to(v.dtype)
 
 
-def window_feature_attention_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    *,
-    window: int,
-    sinks: int = 0,
-    scale: float | None = None,
-    relative_features: bool = False,
-    doc_start: Tensor | None = None,
+def window_feature_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+    q: Tensor, k: Tensor, v: Tensor, q_features: Tensor, k_features: Tensor, *, window: int, sinks: int = 0,
+    scale: float | None = None, relative_features: bool = False, doc_start: Tensor | None = None,
 ) -> Tensor:
     """Dense reference, written from the definition (module docstring): every κ_ij in float64,
     T×T, unstabilised. For tests on moderate logits.
