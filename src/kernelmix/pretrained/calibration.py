@@ -156,66 +156,71 @@ def distill(model, captured: dict[int, list[Captured]], *, steps: int = 200, lr:
     todo = [(i, k) for i, k in kernels(model).items() if k.mixer == "darkformer"]
     bar = progress_bar(progress, "distill", len(todo) * steps)
     for i, kernel in todo:
-        items = captured[i]
-        with torch.no_grad():
-            teachers = [exact_output(c).float() for c in items]
-            norms = [t.pow(2).mean() for t in teachers]
-        transform = nn.Parameter(kernel.transform.detach().float().clone())
-        params = [transform]
-        fold = None
-        if train_fold:
-            fold = nn.Parameter(kernel.query_fold.detach().float().clone())
-            params.append(fold)
-        opt = torch.optim.Adam(params, lr=lr)
-        losses = []
-        # Guard against blow-ups (real models give the estimator a huge variance): clip the
-        # gradient, undo a step whose loss or parameters are not finite (and halve the rate),
-        # and (fixed W only) keep the parameters with the lowest loss seen.
-        best = (float("inf"), [p.detach().clone() for p in params])
-        last_good = [p.detach().clone() for p in params]
-        own_projection = kernel.projection
-        generator = torch.Generator().manual_seed(seed * 1000003 + i)
-        for step in range(steps):
-            if redraw:
-                kernel.projection = kernel.draw_projection(generator, kernel.num_features).to(own_projection)
-            c = items[step % len(items)]
-            t = teachers[step % len(items)]
-            out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling, transform=transform,
-                                fold=fold)
-            loss = (out.float() - t).pow(2).mean() / norms[step % len(items)]
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                with torch.no_grad():
-                    for p, b in zip(params, last_good if redraw else best[1]):
-                        p.copy_(b)
-                for group in opt.param_groups:
-                    group["lr"] *= 0.5
-                opt.state.clear()
-                losses.append(value)
-                bar.advance()
-                continue
-            if value < best[0]:
-                best = (value, [p.detach().clone() for p in params])
-            last_good = [p.detach().clone() for p in params]
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(value)
-            bar.advance()
-            if log is not None and (step % 50 == 0 or step == steps - 1):
-                log(f"layer {i} step {step}: relative MSE {value:.4g} (best {best[0]:.4g})")
-        kernel.projection = own_projection
-        with torch.no_grad():
-            if not redraw or not all(bool(torch.isfinite(p).all()) for p in params):
-                for p, b in zip(params, last_good if redraw else best[1]):
-                    p.copy_(b)
-            kernel.transform.copy_(transform.to(kernel.transform))
-            if fold is not None:
-                kernel.query_fold.copy_(fold.to(kernel.query_fold))
-        history[i] = losses
+        history[i] = _distill_layer(i, kernel, captured[i], steps=steps, lr=lr, train_fold=train_fold, redraw=redraw,
+                                    seed=seed, bar=bar, log=log)
     bar.close()
     return history
+
+
+def _distill_layer(i, kernel, items, *, steps, lr, train_fold, redraw, seed, bar, log) -> list[float]:
+    """One layer of :func:`distill`: trains ``kernel``'s M (and F) in place, returns its losses."""
+    with torch.no_grad():
+        teachers = [exact_output(c).float() for c in items]
+        norms = [t.pow(2).mean() for t in teachers]
+    transform = nn.Parameter(kernel.transform.detach().float().clone())
+    params = [transform]
+    fold = None
+    if train_fold:
+        fold = nn.Parameter(kernel.query_fold.detach().float().clone())
+        params.append(fold)
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = []
+    # Guard against blow-ups (real models give the estimator a huge variance): clip the
+    # gradient, undo a step whose loss or parameters are not finite (and halve the rate),
+    # and (fixed W only) keep the parameters with the lowest loss seen.
+    best = (float("inf"), [p.detach().clone() for p in params])
+    last_good = [p.detach().clone() for p in params]
+    own_projection = kernel.projection
+    generator = torch.Generator().manual_seed(seed * 1000003 + i)
+    for step in range(steps):
+        if redraw:
+            kernel.projection = kernel.draw_projection(generator, kernel.num_features).to(own_projection)
+        c = items[step % len(items)]
+        t = teachers[step % len(items)]
+        out = kernel.attend(c.query.float(), c.key.float(), c.value.float(), c.mask, c.scaling, transform=transform,
+                            fold=fold)
+        loss = (out.float() - t).pow(2).mean() / norms[step % len(items)]
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            with torch.no_grad():
+                for p, b in zip(params, last_good if redraw else best[1]):
+                    p.copy_(b)
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+            opt.state.clear()
+            losses.append(value)
+            bar.advance()
+            continue
+        if value < best[0]:
+            best = (value, [p.detach().clone() for p in params])
+        last_good = [p.detach().clone() for p in params]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(value)
+        bar.advance()
+        if log is not None and (step % 50 == 0 or step == steps - 1):
+            log(f"layer {i} step {step}: relative MSE {value:.4g} (best {best[0]:.4g})")
+    kernel.projection = own_projection
+    with torch.no_grad():
+        if not redraw or not all(bool(torch.isfinite(p).all()) for p in params):
+            for p, b in zip(params, last_good if redraw else best[1]):
+                p.copy_(b)
+        kernel.transform.copy_(transform.to(kernel.transform))
+        if fold is not None:
+            kernel.query_fold.copy_(fold.to(kernel.query_fold))
+    return losses
 
 
 __all__ = ["Captured", "capture", "distill", "exact_output", "token_samples", "whiten"]
