@@ -439,3 +439,16 @@ def test_convert_leaves_the_callers_config_unchanged(mixer):
     assert config == before
     recorded = cv.conversion_config(model)  # what was applied is recorded in the model instead
     assert recorded.layer_indices == [0, 1] and recorded.init == "identity" and recorded.mixer == mixer
+
+
+def test_a_refused_initialise_leaves_the_trained_kernels_as_they_were():
+    """initialise checks its inputs before it resets M = F = I: a call refused for want of calibration
+    text must not wipe a whitened model's kernels."""
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, init="identity"))
+    cv.initialise(model, "whiten", ids(2, 32, seed=5))
+    before = {i: (k.transform.detach().clone(), k.query_fold.detach().clone()) for i, k in cv.kernels(model).items()}
+    assert any(not torch.equal(m, torch.eye(m.shape[-1]).expand_as(m)) for m, _ in before.values())
+    with pytest.raises(ValueError, match="calibration"):
+        cv.initialise(model, "whiten+distill", None)
+    for i, k in cv.kernels(model).items():
+        assert torch.equal(k.transform, before[i][0]) and torch.equal(k.query_fold, before[i][1])

@@ -231,16 +231,17 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
     ks = kernels(model)
     if not ks:
         raise KernelmixError("the model is not converted (no kernelmix_rf layers); call convert() first")
-    result: dict = {}
-    for k in ks.values():
-        if k.mixer == "darkformer":
-            k.reset_parameters()  # M = F = I, W kept
-    if init != "identity":
+    if init != "identity":  # checked before the reset, so a refused call leaves the model as it was
         if calibration is None:
             raise KernelmixError(f"init={init!r} needs calibration token ids [B, T]")
         if any(k.mixer != "darkformer" for k in ks.values()):
             raise KernelmixError(f"init={init!r} applies to darkformer conversions (performer has no transform): use "
                                  "mixer darkformer, or init identity")
+    result: dict = {}
+    for k in ks.values():
+        if k.mixer == "darkformer":
+            k.reset_parameters()  # M = F = I, W kept
+    if init != "identity":
         captured = capture(model, calibration, attention_mask, batch_size=batch_size)
         if init.startswith("whiten"):
             whiten(model, captured, eps)
