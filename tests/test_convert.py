@@ -452,3 +452,16 @@ def test_a_refused_initialise_leaves_the_trained_kernels_as_they_were():
         cv.initialise(model, "whiten+distill", None)
     for i, k in cv.kernels(model).items():
         assert torch.equal(k.transform, before[i][0]) and torch.equal(k.query_fold, before[i][1])
+
+
+def test_set_num_features_refuses_an_unconverted_model_and_a_bad_m():
+    with pytest.raises(ValueError, match="needs a converted model"):
+        cv.set_num_features(tiny_llama(), 16)
+    model = cv.convert(tiny_llama(), cv.ConversionConfig(num_features=8))
+    before = [k.projection.clone() for k in cv.kernels(model).values()]
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            cv.set_num_features(model, bad)
+    assert all(torch.equal(k.projection, b) for k, b in zip(cv.kernels(model).values(), before))
+    cv.set_num_features(model, 16)
+    assert all(k.projection.shape[-2] == 16 for k in cv.kernels(model).values())

@@ -195,10 +195,16 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
 
     Returns:
         None; the new ``num_features`` and ``seed`` are recorded in the model's conversion config."""
-    generator = torch.Generator().manual_seed(seed)
-    for kernel in kernels(model).values():
+    todo = kernels(model)
+    if not todo:  # every check before the first redraw, so a refused call changes nothing
+        raise KernelmixError("set_num_features needs a converted model (no layer has a kernel): convert it first")
+    if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+        raise KernelmixError(f"num_features must be a positive int, got {num_features!r}")
+    for kernel in todo.values():
         if kernel.mixer in ("cubit", "hedgehog", "window"):
             raise KernelmixError(f"a {kernel.mixer} conversion has no random features to redraw")
+    generator = torch.Generator().manual_seed(seed)
+    for kernel in todo.values():
         kernel.redraw_(generator, num_features)
     raw = getattr(model.config, CONFIG_KEY)
     raw.update(num_features=int(num_features), seed=int(seed))
