@@ -412,3 +412,10 @@ def test_ngram_losses_match_a_counting_reference():
     assert got["bigram"] == pytest.approx(sum(bi) / len(bi), rel=1e-12)
     with pytest.raises(ValueError, match="vocab_size is 5; pass the tokenizer's vocabulary size"):
         ngram_losses(TokenizedSplit.from_token_lists(train_docs), TokenizedSplit.from_token_lists(val_docs), 5)
+
+
+def test_write_lm_eval_tasks_refuses_an_unknown_task_before_writing_anything(tmp_path):
+    items = [{"context": "a", "target": "b"}]
+    with pytest.raises(ValueError, match="unknown task 'clozee'"):
+        write_lm_eval_tasks({"cloze": items, "clozee": items}, tmp_path / "tasks")
+    assert not (tmp_path / "tasks").exists() or not any((tmp_path / "tasks").iterdir())

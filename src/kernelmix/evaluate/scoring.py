@@ -166,6 +166,9 @@ def write_lm_eval_tasks(tasks: dict[str, list[dict[str, Any]]], task_dir: str | 
 
     Returns:
         The YAML paths by task name."""
+    unknown = [name for name in tasks if name not in TASKS]
+    if unknown:  # before anything is written: a refused call leaves no stray files
+        raise ValueError(f"unknown task {unknown[0]!r} (choose from: {', '.join(TASKS)})")
     task_dir = Path(task_dir)
     task_dir.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -185,11 +188,9 @@ def write_lm_eval_tasks(tasks: dict[str, list[dict[str, Any]]], task_dir: str | 
         if name == "continuation":
             lines += ["output_type: multiple_choice", 'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{label}}"',
                       "metric_list:", *_metric("acc", "mean", True), *_metric("acc_norm", "mean", True)]
-        elif name == "cloze":
+        else:  # cloze
             lines += ["output_type: loglikelihood", 'doc_to_target: "{{target}}"',
                       "metric_list:", *_metric("perplexity", "perplexity", False), *_metric("acc", "mean", True)]
-        else:
-            raise ValueError(f"unknown task {name!r} (choose from: {', '.join(TASKS)})")
         lines += ["metadata:", "  version: 1.0"]
         path = task_dir / f"kernelmix_{name}.yaml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
