@@ -230,3 +230,18 @@ def test_a_broken_config_file_is_named_with_the_parsers_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"cannot parse config file '{tmp_path / name}'" in err and where in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resolved_run_config_without_a_train_mapping_is_a_clear_error(tmp_path):
+    """A run's resolved config.json whose 'train' section is missing or not a mapping was a KeyError
+    (or reached the merge as a list); it is named as damaged."""
+    import json
+
+    from kernelmix.training import read_config_file
+    from kernelmix.training.config import RESOLVED_FORMAT
+
+    for name, record in (("missing.json", {"format": RESOLVED_FORMAT}),
+                         ("list.json", {"format": RESOLVED_FORMAT, "train": [1, 2]})):
+        (tmp_path / name).write_text(json.dumps(record))
+        with pytest.raises(ValueError, match=rf"'.*{name}' is a run's resolved config whose 'train' section is"):
+            read_config_file(tmp_path / name)

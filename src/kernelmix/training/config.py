@@ -232,7 +232,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}")
     if data.get("format") == RESOLVED_FORMAT:
-        data = data["train"]
+        data = data.get("train")
+        if not isinstance(data, dict):
+            raise KernelmixError(f"config file {str(path)!r} is a run's resolved config whose 'train' section is "
+                                 f"{'missing' if data is None else type(data).__name__}: the file is damaged; pass the "
+                                 "run's own config file, or a settings file")
     return data
 
 
