@@ -116,9 +116,7 @@ def exact_output(c: Captured) -> Tensor:
     from transformers.integrations.sdpa_attention import repeat_kv
 
     groups = c.query.shape[1] // c.key.shape[1]
-    mask = c.mask
-    if mask is not None and mask.dtype == torch.bool:
-        pass
+    mask = c.mask  # SDPA takes the host's mask as it is: bool (True = visible) or additive
     out = torch.nn.functional.scaled_dot_product_attention(
         c.query, repeat_kv(c.key, groups), repeat_kv(c.value, groups), attn_mask=mask,
         is_causal=mask is None, scale=c.scaling)
