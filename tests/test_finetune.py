@@ -290,3 +290,12 @@ def test_lora_wrapping_raises_no_deprecation_warning():
         warnings.simplefilter("error", FutureWarning)
         model, _ = pt.prepare_trainable(converted(tiny_llama), config(mode="lora", lora_rank=4))
     assert any("lora_A" in n for n in trainable_names(model))
+
+
+def test_tokens_count_the_windows_given_not_the_config_seq_len():
+    """finetune's tokens (and tokens/s) come from the windows it trains on: 24-token windows under a
+    config whose seq_len says 32 are 24 tokens each."""
+    x = windows(length=24)
+    cfg = config(steps=3, eval_every=3, seq_len=32)
+    _, result = pt.finetune(converted(), x, x[:2], cfg)
+    assert result["tokens"] == 3 * cfg.batch_size * 24

@@ -349,7 +349,7 @@ class FinetuneTrainer(Trainer):
         state["skipped"], state["step"] = self.guard.skipped, step
         state["train_s"] = time.perf_counter() - self.t_start
         if self.reporter is not None:
-            tokens = step * self.config.batch_size * self.config.seq_len
+            tokens = step * self.config.batch_size * self.train_windows.shape[1]  # the windows as given
             self.reporter.write({"kind": "train", "step": step, "loss": value, "lr": self.lr(step - 1), "spike": spike,
                                  "tokens": tokens, "wall_s": state["train_s"]})
             self.reporter.show(f"{self.label} step {step}: loss {value:.4f}", loss=f"{value:.3f}",
@@ -362,7 +362,7 @@ class FinetuneTrainer(Trainer):
         state, config, diverged = self.state, self.config, self.guard.diverged
         if diverged and (not state["evals"] or state["evals"][-1]["step"] != state["step"]):
             state["evals"].append({"step": state["step"], **evaluate_windows(self.model, self.val_windows)})
-        tokens = state["step"] * config.batch_size * config.seq_len
+        tokens = state["step"] * config.batch_size * self.train_windows.shape[1]
         return {
             "label": self.label,
             "config": asdict(config),
