@@ -212,7 +212,8 @@ def set_num_features(model, num_features: int, seed: int = 0) -> None:
 
 def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: Tensor | None = None,
                eps: float = 1e-3, steps: int = 200, lr: float = 5e-3, train_fold: bool = False,
-               batch_size: int = 1, progress: bool = False, log: Callable | None = None) -> dict:
+               batch_size: int = 1, seed: int | None = None, progress: bool = False,
+               log: Callable | None = None) -> dict:
     """(Re-)initialise the DARKFormer layers of a converted model: ``identity``, ``whiten``,
     ``distill`` or ``whiten+distill`` from ``calibration`` token ids ``[B, T]``.
 
@@ -224,8 +225,9 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
         attention_mask: ``[B, T]`` padding mask of ``calibration``, or None.
         eps: whitening's regularisation (:func:`whiten`).
         steps, lr, train_fold: distillation's steps per layer, learning rate and whether F trains too
-            (:func:`distill`, which redraws W with its default seed).
+            (:func:`distill`).
         batch_size: calibration rows per forward while capturing (:func:`capture`).
+        seed: seeds distillation's redraws of W; None: the conversion's own ``seed`` (its config).
         progress: show a progress bar while distilling.
         log: distillation's message callback (:func:`distill`).
 
@@ -252,8 +254,10 @@ def initialise(model, init: str, calibration: Tensor | None, *, attention_mask: 
         if init.startswith("whiten"):
             whiten(model, captured, eps)
         if init.endswith("distill"):
-            result["distill"] = distill(model, captured, steps=steps, lr=lr, train_fold=train_fold, progress=progress,
-                                        log=log)
+            if seed is None:
+                seed = int(getattr(model.config, CONFIG_KEY).get("seed", 0))
+            result["distill"] = distill(model, captured, steps=steps, lr=lr, train_fold=train_fold, seed=seed,
+                                        progress=progress, log=log)
     raw = getattr(model.config, CONFIG_KEY)
     raw["init"] = init
     return result

@@ -122,7 +122,7 @@ def _key_positions(position_ids: Tensor | None, length_q: int, length_k: int, de
     offsets = torch.arange(length_k, device=device) - (length_k - 1)
     if position_ids is not None:
         return position_ids[:, -1:].to(device) + offsets
-    return offsets + (length_k - 1) if length_q == length_k else None
+    return (offsets + (length_k - 1))[None] if length_q == length_k else None
 
 
 def _visible(attention_mask: Tensor, batch: int) -> Tensor:
