@@ -482,3 +482,13 @@ def test_distillation_follows_the_conversion_seed():
     own = distilled()
     torch.testing.assert_close(own, distilled(seed=1), rtol=0, atol=0)
     assert not torch.equal(own, distilled(seed=0))
+
+
+def test_distilling_windows_no_longer_than_the_window_leaves_m_as_it_was():
+    """Calibration windows that fit inside the converted layers' window give the features no weight
+    and the loss no gradient: distill records the loss and leaves M alone (it raised RuntimeError)."""
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, init="identity"))
+    before = [k.transform.detach().clone() for k in cv.kernels(model).values()]
+    result = cv.initialise(model, "distill", ids(2, 32, seed=4), steps=2, lr=1e-2)
+    assert all(len(losses) == 2 for losses in result["distill"].values())
+    assert all(torch.equal(k.transform, b) for k, b in zip(cv.kernels(model).values(), before))

@@ -202,10 +202,11 @@ def _distill_layer(i, kernel, items, *, steps, lr, train_fold, redraw, seed, bar
         if value < best[0]:
             best = (value, [p.detach().clone() for p in params])
         last_good = [p.detach().clone() for p in params]
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if loss.requires_grad:  # not when every key is inside the window: the features then weigh nothing
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         losses.append(value)
         bar.advance()
         if log is not None and (step % 50 == 0 or step == steps - 1):
