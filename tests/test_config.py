@@ -243,5 +243,6 @@ def test_a_resolved_run_config_without_a_train_mapping_is_a_clear_error(tmp_path
     for name, record in (("missing.json", {"format": RESOLVED_FORMAT}),
                          ("list.json", {"format": RESOLVED_FORMAT, "train": [1, 2]})):
         (tmp_path / name).write_text(json.dumps(record))
-        with pytest.raises(ValueError, match=rf"'.*{name}' is a run's resolved config whose 'train' section is"):
+        expected = rf"'.*{name}' \(a run's resolved config\): its 'train' section must be a mapping"
+        with pytest.raises(ValueError, match=expected):
             read_config_file(tmp_path / name)

@@ -7,6 +7,8 @@ message alone; ``--debug`` (or ``KERNELMIX_DEBUG=1``) shows the traceback as wel
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KernelmixError(ValueError):
     """A bad input, a bad run directory or a bad environment: the message says what and how to fix it.
@@ -31,3 +33,10 @@ class Interrupted(KernelmixError):
 
 
 __all__ = ["Interrupted", "KernelmixError", "RunDirectoryBusy"]
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` itself when it is an int > 0 (a bool is not); else a KernelmixError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KernelmixError(f"{name} must be a positive int, got {value!r}")
+    return value

@@ -25,7 +25,8 @@ class TestConfigFileNotUtf8:
 
 class TestResolvedConfigWithADamagedTrainSection:
     def test_names_the_section(self):
-        with pytest.raises(KernelmixError, match=r"'train' section must be a mapping of settings, got list"):
+        expected = r"resolved run config: its 'train' section must be a mapping of settings, got list"
+        with pytest.raises(KernelmixError, match=expected):
             TrainConfig.from_dict({"format": RESOLVED_FORMAT, "train": [1, 2]})
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import KernelmixError
+from ..errors import KernelmixError, check_positive_int
 from .sampling import IGNORE_INDEX
 
 FILLER = 0  # the token of the query region's empty slots
@@ -77,8 +77,7 @@ def check_mqar(vocab_size: Any, seq_len: Any, num_pairs: Any, batch: Any = 1, po
             f"{seq_len // 4} pairs")
     slots = (seq_len - 2 * num_pairs) // 2
     if num_queries is not None:
-        if isinstance(num_queries, bool) or not isinstance(num_queries, int) or num_queries < 1:
-            raise KernelmixError(f"num_queries must be a positive integer (or None: one per pair), got {num_queries!r}")
+        check_positive_int("num_queries (or None: one per pair)", num_queries)
         if num_queries > slots:
             raise KernelmixError(
                 f"num_queries {num_queries} is more queries than the {slots} slots that seq_len {seq_len} leaves after "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import KernelmixError
+from ..errors import KernelmixError, check_positive_int  # noqa: F401  (the layers import it from here)
 
 PROJECTIONS = ("orthogonal", "iid")  # the random features' projection W: orthogonal blocks or iid Gaussian
 
@@ -21,12 +21,6 @@ SHARED_OPTIONS: tuple[str, ...] = (
 
 
 # The argument checks of the layers (errors name the argument, the value and what is accepted).
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KernelmixError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -160,10 +160,7 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping of settings, got {type(data).__name__}")
         if data.get("format") == RESOLVED_FORMAT:
-            data = data.get("train")
-            if not isinstance(data, dict):
-                raise KernelmixError(f"a resolved run config's 'train' section must be a mapping of settings, got "
-                                     f"{type(data).__name__}: the file is damaged; use the run's original settings")
+            data = resolved_train_section(data, "a resolved run config")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
@@ -176,6 +173,17 @@ class TrainConfig:
 
 # ---------------------------------------------------------------------------------------------
 # Files and overrides
+
+
+def resolved_train_section(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``train`` mapping of a run's resolved ``config.json``; a missing or non-mapping section is a
+    KernelmixError that names ``where`` (the file is damaged)."""
+    section = data.get("train")
+    if not isinstance(section, dict):
+        got = "nothing" if section is None else type(section).__name__
+        raise KernelmixError(f"{where}: its 'train' section must be a mapping of settings, got {got}: the file is "
+                             "damaged; use the run's original settings")
+    return section
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -232,11 +240,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}")
     if data.get("format") == RESOLVED_FORMAT:
-        data = data.get("train")
-        if not isinstance(data, dict):
-            raise KernelmixError(f"config file {str(path)!r} is a run's resolved config whose 'train' section is "
-                                 f"{'missing' if data is None else type(data).__name__}: the file is damaged; pass the "
-                                 "run's own config file, or a settings file")
+        data = resolved_train_section(data, f"config file {str(path)!r} (a run's resolved config)")
     return data
 
 
