@@ -22,7 +22,6 @@ A NaN or ±inf input is never turned into zeros: the rows that see it are NaN, t
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict, overload
 
@@ -32,6 +31,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import KernelmixError
 from ._backend import resolve_backend
+from .feature_draws import gaussian_random_features, orthogonal_random_features  # noqa: F401  (re-exported)
+from .feature_underflow import (  # noqa: F401  (re-exported: the ops' public names stay here)
+    UNDERFLOW_CHECK, UnderflowCheck, UnderflowWarning, safe_ratio, underflow_floor,
+)
 from ._common import (
     NonFinite, autocast_off, check_4d, check_chunk_size, check_doc_start, check_mask, check_qkv, check_state,
     check_tensor, compute_dtype, expand_heads, find_nonfinite, reaches_causal, recompute_in_segments,
@@ -55,140 +58,6 @@ class RandomFeatureState:
 
 # ---------------------------------------------------------------------------------------------
 # Projections and the feature map
-
-
-def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """numerator / denominator, and 0 where the denominator is below √tiny of its dtype (a NaN
-    denominator stays NaN: a non-finite input must not come out as a zero row).
-
-    Such a row has no numerically visible key mass: with very anisotropic inputs (seen on Gemma 3
-    270M after a few DARKFormer finetuning steps, ‖Mq‖² ≈ 5·10⁴) a query's dominant features can
-    miss every key's, the sum underflows and the ratio is 0/0. Clamping alone is not enough: the
-    division's backward divides by the denominator again, so anything below √tiny overflows there.
-    The selects (not a multiplication by a mask) keep the gradients of those rows exactly 0, not
-    NaN. Rows above the floor are untouched, so ordinary inputs give bit-identical results."""
-    empty = denominator <= underflow_floor(denominator.dtype)  # False for NaN
-    safe = torch.where(empty, torch.ones_like(denominator), denominator)
-    return torch.where(empty, torch.zeros_like(numerator), numerator / safe)
-
-
-def underflow_floor(dtype: torch.dtype) -> float:
-    """√tiny of ``dtype``: a denominator at or below it gives a zero row (:func:`safe_ratio`)."""
-    return math.sqrt(torch.finfo(dtype).tiny)
-
-
-class UnderflowWarning(RuntimeWarning):
-    """Random-feature attention gave exactly-zero rows: their denominators underflowed."""
-
-
-class UnderflowCheck:
-    """Warns once per process (an :class:`UnderflowWarning`) when some rows of random-feature
-    attention came out exactly 0 because the estimator's denominator φ(q)·Σφ(k) underflowed.
-
-    The check needs a device sync, so it runs on the first call and then every ``every``-th call,
-    and never again once it has warned (or while ``torch.compile`` traces): on an accelerator the
-    other calls stay sync-free. The ops call :meth:`observe` where they already have the
-    denominators; ``reset`` starts over (tests)."""
-
-    def __init__(self, every: int = 100) -> None:
-        self.every = every
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls = 0
-        self.warned = False
-
-    def observe(self, denominator: Tensor, counted: Tensor | None = None) -> None:
-        """``denominator``: one entry per output row (query token × head); ``counted``: which rows
-        count (broadcastable bool; None: all) — a row with no visible key is 0 by definition."""
-        if self.warned or torch.compiler.is_compiling():
-            return
-        self.calls += 1
-        if (self.calls - 1) % self.every or denominator.numel() == 0:
-            return
-        with torch.no_grad():
-            empty = denominator.detach() <= underflow_floor(denominator.dtype)
-            if counted is None:
-                counted = torch.ones_like(empty)
-            counted = counted.expand_as(empty)
-            zero_rows, rows = torch.stack([(empty & counted).sum(), counted.sum()]).tolist()  # the one sync
-        if zero_rows:
-            self.warned = True
-            warnings.warn(_underflow_message(zero_rows, rows, self.every), UnderflowWarning, stacklevel=3)
-
-
-def _underflow_message(zero_rows: int, rows: int, every: int) -> str:
-    return (
-        f"random-feature attention: {zero_rows / rows:.1%} of the output rows ({zero_rows} of {rows} query "
-        "tokens × heads) came out exactly 0: their denominator φ(q)·Σφ(k) underflowed (every random feature "
-        "that dominates the query misses every key). This is the estimator's limit, not a bug, but those "
-        "rows carry no information. What helps: more random features (num_features), a smaller logit scale "
-        "(temperature) of q and k, the data-aware transform (DARKFormer; RandomFeatureMap.whiten_), or "
-        "float64 inputs (float32 and bfloat16 inputs are computed in float32). "
-        f"(Checked on the first call and every {every}th; shown once per process.)"
-    )
-
-
-#: The process-wide underflow check of the random-feature ops (see :class:`UnderflowCheck`).
-UNDERFLOW_CHECK = UnderflowCheck()
-
-
-def _check_feature_dims(num_features: int, head_dim: int, num_heads: int | None) -> None:
-    if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-        raise KernelmixError(f"num_features (m) must be a positive int, got {num_features!r}")
-    if not isinstance(head_dim, int) or head_dim <= 0:
-        raise KernelmixError(f"head_dim must be a positive int, got {head_dim!r}")
-    if num_heads is not None and (not isinstance(num_heads, int) or num_heads <= 0):
-        raise KernelmixError(f"num_heads must be a positive int or None, got {num_heads!r}")
-
-
-def gaussian_random_features(
-    num_features: int,
-    head_dim: int,
-    *,
-    num_heads: int | None = None,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """iid N(0, I) rows ω_i: ``[m, d]``, or ``[H, m, d]`` (independent per head) if ``num_heads``."""
-    _check_feature_dims(num_features, head_dim, num_heads)
-    shape = (num_features, head_dim) if num_heads is None else (num_heads, num_features, head_dim)
-    w = torch.randn(shape, generator=generator, dtype=torch.float64)
-    return w.to(dtype=dtype, device=device)
-
-
-def _orthogonal_block_rows(num_features: int, head_dim: int, generator: torch.Generator | None) -> Tensor:
-    blocks = []
-    for _ in range(math.ceil(num_features / head_dim)):
-        gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(gaussian)
-        # Sign fix: without it QR's convention biases the distribution away from Haar.
-        q = q * torch.sign(torch.diagonal(r)).masked_fill(torch.diagonal(r) == 0, 1.0)
-        blocks.append(q.T)  # rows are orthonormal
-    rows = torch.cat(blocks, dim=0)[:num_features]
-    # Row norms of iid Gaussian vectors (chi(d)) so each row is marginally N(0, I): keeps unbiasedness.
-    norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1)
-    return rows * norms[:, None]
-
-
-def orthogonal_random_features(
-    num_features: int,
-    head_dim: int,
-    *,
-    num_heads: int | None = None,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """Orthogonal random features: blocks of d mutually orthogonal rows (QR of a Gaussian matrix
-    with the sign fix), rows rescaled to chi(d)-distributed norms. ``[m, d]`` or ``[H, m, d]``."""
-    _check_feature_dims(num_features, head_dim, num_heads)
-    if num_heads is None:
-        w = _orthogonal_block_rows(num_features, head_dim, generator)
-    else:
-        w = torch.stack([_orthogonal_block_rows(num_features, head_dim, generator) for _ in range(num_heads)])
-    return w.to(dtype=dtype, device=device)
 
 
 def feature_logits(x: Tensor, projection: Tensor, transform: Tensor | None, *, norm_term: bool = True) -> Tensor:
