@@ -53,7 +53,7 @@ from ..errors import Interrupted, KernelmixError
 from ..evaluate import evaluate_windows
 from ..locks import run_directory_lock
 from ..training import checkpoint as ckpt
-from ..training.loop import derived_seed, warmup_cosine
+from ..training.schedule import derived_seed, warmup_cosine
 from ..training.reporter import Reporter, truncate_metrics
 from ..training.signals import signal_name
 from ..training.spikes import SpikeGuard

@@ -40,8 +40,8 @@ MODULES = {
     "checkpoint": ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
                    "load_latest_valid", "load_weights"],
     "parallelize": ["parallelize"],
-    "loop": ["TrainResult", "derived_seed", "lr_at", "param_groups", "redraw_random_features", "train",
-             "warmup_cosine"],
+    "loop": ["TrainResult", "train"],
+    "schedule": ["derived_seed", "lr_at", "param_groups", "redraw_random_features", "warmup_cosine"],
     "runs": ["LoadedRun", "find_checkpoint", "load_run"],
     "trainer": ["Schedule", "StepOutcome", "Trainer", "optimizer_step"],
 }

@@ -80,7 +80,7 @@ class TrainConfig:
     min_lr: Annotated[NonNegativeFloat, Field(description="the cosine decay ends here at the last step")] = 1e-4
     warmup_steps: NonNegativeInt = 100
     weight_decay: Annotated[NonNegativeFloat, Field(
-        description="on the weights of linear layers only (see loop.param_groups)")] = 0.1
+        description="on the weights of linear layers only (see training.schedule.param_groups)")] = 0.1
     betas: Annotated[tuple[Beta, Beta], Field(examples=["betas=[0.9,0.95]"], description="AdamW's betas")] = (0.9, 0.95)
     grad_clip: Annotated[NonNegativeFloat, Field(description="max global gradient norm; 0 disables clipping")] = 1.0
 
