@@ -32,11 +32,11 @@ class Interrupted(KernelmixError):
         self.exit_code = 128 + signal_number
 
 
-__all__ = ["Interrupted", "KernelmixError", "RunDirectoryBusy"]
-
-
 def check_positive_int(name: str, value: Any) -> int:
     """``value`` itself when it is an int > 0 (a bool is not); else a KernelmixError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise KernelmixError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+__all__ = ["Interrupted", "KernelmixError", "RunDirectoryBusy", "check_positive_int"]
