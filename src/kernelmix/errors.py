@@ -3,6 +3,9 @@
 ``KernelmixError`` is a ``ValueError`` (so code that catches ``ValueError`` keeps working); its
 message names the problem and the fix. The command line catches it at the top and prints the
 message alone; ``--debug`` (or ``KERNELMIX_DEBUG=1``) shows the traceback as well.
+
+:func:`check_positive_int` is the one argument check shared by modules that share nothing else
+(the layers, the MQAR data).
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ def cubit_attention(
     return out
 
 
-def cubit_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+def cubit_attention_naive(  # the fast path's parameters (same meanings), less chunking, backend and state
     q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, rho: Tensor | None = None, ridge: float | Tensor = 1e-6,
     ref_scale: float | Tensor = 1.0, scale: float | None = None, doc_start: Tensor | None = None,
 ) -> Tensor:

@@ -471,7 +471,7 @@ def _naive_features(x: Tensor, projection: Tensor, transform: Tensor | None) -> 
     return torch.exp(logits) / w.shape[1] ** 0.5
 
 
-def cubit_rf_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+def cubit_rf_attention_naive(  # the fast path's parameters (same meanings), less chunking, backend and state
     q: Tensor, k: Tensor, v: Tensor, r: Tensor, projection: Tensor, *, rho: Tensor | None = None,
     ridge: float | Tensor = 1e-6, ref_scale: float | Tensor = 1.0, transform: Tensor | None = None,
     doc_start: Tensor | None = None,

@@ -161,7 +161,7 @@ def deltaformer_attention(
     return out
 
 
-def deltaformer_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+def deltaformer_attention_naive(  # the fast path's parameters (same meanings), less chunking, backend and state
     q: Tensor, k: Tensor, v: Tensor, *, beta: Tensor | None = None, w: Tensor | None = None,
     scale: float | None = None, doc_start: Tensor | None = None,
 ) -> Tensor:

@@ -610,7 +610,7 @@ def window_feature_attention_masked(
     return out.transpose(1, 2).to(v.dtype)
 
 
-def window_feature_attention_naive(  # the parameters of the fast path's (same meanings), less its speed options
+def window_feature_attention_naive(  # the fast path's parameters (same meanings), less chunking and state
     q: Tensor, k: Tensor, v: Tensor, q_features: Tensor, k_features: Tensor, *, window: int, sinks: int = 0,
     scale: float | None = None, relative_features: bool = False, doc_start: Tensor | None = None,
 ) -> Tensor:
