@@ -54,10 +54,10 @@ def record(monkeypatch, module, names: dict) -> list:
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 @pytest.mark.parametrize("strict", [False, True])
 def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
-    grids = record(monkeypatch, solve, {"_solve_forward_kernel": "solve_forward",
-                                        "_solve_transposed_kernel": "solve_transposed",
-                                        "_grad_rows_kernel": "solve_grad_rows",
-                                        "_grad_columns_kernel": "solve_grad_columns"})
+    grids = record(monkeypatch, solve, {"solve_forward_kernel": "solve_forward",
+                                        "solve_transposed_kernel": "solve_transposed",
+                                        "grad_rows_kernel": "solve_grad_rows",
+                                        "grad_columns_kernel": "solve_grad_columns"})
     batch, heads, length, dk, dv, chunk = 2, 3, 37, 8, 80, 16  # dv > 64: two value slices
     x, y = (torch.randn(batch, heads, length, dk, requires_grad=True) for _ in range(2))
     b = torch.randn(batch, heads, length, dv, requires_grad=True)
@@ -78,10 +78,10 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
     span after the first (before the last), the in-span solves once per span, with the planned grids."""
     monkeypatch.setattr(solve, "SPAN_ROWS", 32)
     grids = record(monkeypatch, solve,
-                   {"_past_span_kernel": "solve_past_span", "_solve_forward_kernel": "solve_forward",
-                    "_future_span_kernel": "solve_future_span",
-                    "_solve_transposed_kernel": "solve_transposed",
-                    "_grad_rows_kernel": "solve_grad_rows", "_grad_columns_kernel": "solve_grad_columns"})
+                   {"past_span_kernel": "solve_past_span", "solve_forward_kernel": "solve_forward",
+                    "future_span_kernel": "solve_future_span",
+                    "solve_transposed_kernel": "solve_transposed",
+                    "grad_rows_kernel": "solve_grad_rows", "grad_columns_kernel": "solve_grad_columns"})
     batch, heads, length, d, chunk = 1, 2, 100, 8, 16
     x, y, b = (torch.randn(batch, heads, length, d, requires_grad=True) for _ in range(3))
     u = triton_kernel_solve(x, y, b, beta=None, gamma=torch.ones(heads), scale=0.3, strict=False, chunk_size=chunk,
@@ -96,13 +96,13 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
-    grids = record(monkeypatch, features, {"_chunk_state_kernel": "features_chunk_states",
-                                           "_state_scan_kernel": "features_state_scan",
-                                           "_forward_kernel": "features_forward",
-                                           "_query_grad_kernel": "features_query_grad",
-                                           "_reverse_state_kernel": "features_reverse_states",
-                                           "_reverse_scan_kernel": "features_reverse_scan",
-                                           "_key_grad_kernel": "features_key_grad"})
+    grids = record(monkeypatch, features, {"chunk_state_kernel": "features_chunk_states",
+                                           "state_scan_kernel": "features_state_scan",
+                                           "forward_kernel": "features_forward",
+                                           "query_grad_kernel": "features_query_grad",
+                                           "reverse_state_kernel": "features_reverse_states",
+                                           "reverse_scan_kernel": "features_reverse_scan",
+                                           "key_grad_kernel": "features_key_grad"})
     batch, heads, kv_heads, length, d, dv, m, chunk = 1, 4, 2, 29, 8, 24, 16, 8
     q = torch.randn(batch, length, heads, d, requires_grad=True)
     k = torch.randn(batch, length, kv_heads, d, requires_grad=True)

@@ -1,49 +1,8 @@
-"""Triton kernels of the causal kernel-smoother solve (Cubit and DeltaFormer; see ``_triangular``):
+"""The Python side of the Triton solve (Cubit and DeltaFormer): input checks, the launches of the
+kernels in ``_triton_solve_kernels`` (whose docstring derives the forward and the backward), the
+autograd function and the launch plan that ``kernelmix gpu-check --plan`` compiles ahead of time.
 
-    A U = b,   A = diag(β) K + γ_h I,   K_ij = softmax over visible j of (scale · x_i·y_j),
-
-visible: j ≤ i (Cubit) or j < i (DeltaFormer, ``strict``), and j ≥ doc_start[b, i] with packed
-documents. The same computation as ``_solve_blocked`` (its docstring derives the backward), as a
-chunk-parallel forward substitution: the rows are cut into spans of ``SPAN_ROWS``; per span, one
-launch mixes every row of the span with all earlier spans' solved rows in parallel
-(``_past_span_kernel``: the bulk of the products, on tensor cores), then one program per (batch,
-head, slice of value columns) walks the span's row blocks in order (``_solve_forward_kernel``).
-
-Forward: for row block I, an online softmax (running max, running sum, flash-attention style) over
-the past column blocks mixes the stored U rows — the earlier spans' in ``_past_span_kernel``, which
-leaves its running max, sum and mix per row, the span's own in ``_solve_forward_kernel``, which
-continues from them in blocks of ``SUBSTITUTION_ROWS``; the diagonal tile closes the softmax, which gives K_II, the mix
-of the past Σ_{j<i0} K_ij u_j and the row log-normaliser (base 2, saved for the backward); then the C×C system
-β_I K_II + γ I is solved in registers (rows divided by their pivots, then a column-oriented
-forward substitution: two reductions per row) and U_I stored. The solve is
-independent per column of b, so programs split the value columns (``BLOCK_V``); each recomputes the
-logits, which costs dv / BLOCK_V times the logit products and buys that many parallel programs.
-
-Backward, with db = A^{-T} dU and e_i = Σ_j K_ij (db_i·u_j):
-    grad b = db,   dγ_h = −Σ_i db_i·u_i,   dβ_i = −e_i,
-    dL_ij = −β_i K_ij (db_i·u_j − e_i),   dx_i = scale Σ_j dL_ij y_j,   dy_j = scale Σ_i dL_ij x_i.
-Three stages: the transposed solve (per span from the last, ``_future_span_kernel`` sums the later
-spans' A_IJᵀ db_I for every column block of the span in parallel, then ``_solve_transposed_kernel``
-walks the span's row blocks from the last, K recomputed from x, y and the saved log-normalisers,
-back substitution in registers);
-then, in parallel over row blocks, e and dx (``_grad_rows_kernel``; dx_i = −scale β_i (Σ_j K_ij S_ij y_j
-− e_i Σ_j K_ij y_j), S = db uᵀ, in one pass over the columns), and in parallel over column blocks dy
-(``_grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
-
-Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
-Softmax, normalisers and systems are fp32, and so are the in-span products (``input_precision=
-"ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans and the gradient
-kernels' products take ``SPAN_OPERANDS`` (TF32 by default; the error measured against float64 is
-at the constant).
-
-Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
-powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
-masks; the value slice of the sequential kernels is ``BLOCK_V = min(64, max(16, next_pow2(dv)))``;
-the row and column gradient kernels hold all of dv (``BLOCK_DV``).
-
-On CPU the kernels run under Triton's interpreter (tests, ``TRITON_INTERPRET=1``), where every
-call of a device function re-patches ``triton.language`` (≈1 ms): the loops with many iterations
-load their tiles inline rather than through the small helpers.
+    A U = b,   A = diag(β) K + γ_h I,   K_ij = softmax over visible j of (scale · x_i·y_j).
 """
 
 from __future__ import annotations
@@ -57,19 +16,21 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
-from ._triton_products import product
 
 try:
     import triton
-    import triton.language as tl
+    from ._triton_solve_kernels import (
+        future_span_kernel,
+        grad_columns_kernel,
+        grad_rows_kernel,
+        past_span_kernel,
+        solve_forward_kernel,
+        solve_transposed_kernel,
+    )
 except ImportError:  # the module imports without Triton; triton_kernel_solve then says what to install
     triton = None
-    tl = None
 
 LOG2E = 1.0 / math.log(2.0)
-# The running maximum starts at a finite floor, not −inf: a row whose visible columns all lie in
-# later blocks then keeps exp2(s − m) = 0 and a rescale factor of 1, with no inf − inf = NaN.
-MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
 # The chunk-parallel solve cuts the rows into spans of SPAN_ROWS (whole row blocks): per span, one
 # launch computes every row's products with all earlier spans in parallel (the bulk of the work, on
 # tensor cores with SPAN_OPERANDS), and one sequential launch solves the span's own rows.
@@ -81,9 +42,6 @@ SPAN_OPERANDS = "tf32"
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
-# LOOPS: loops with run-time bounds are ``while`` loops, not ``range``: Triton 3.6's interpreter
-# turns a run-time scalar into a 1-element array, which ``range`` cannot take under NumPy ≥ 2.4
-# (int() of a 1-d array is an error there); ``while`` compiles to the same loop on a GPU.
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -98,508 +56,7 @@ def padded_dim(d: int) -> int:
 
 def interpreter_enabled() -> bool:
     """Whether this module's kernels run under Triton's CPU interpreter (how they were defined)."""
-    return triton is not None and defined_for_the_interpreter(_solve_forward_kernel)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _load_rows(ptr, rows, cols, stride_t, stride_d, length, width):
-        """A [rows, cols] tile of a [T, width] matrix at ``ptr`` (zeros outside)."""
-        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        return tl.load(ptr + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
-
-    @triton.jit
-    def _store_rows(ptr, rows, cols, stride_t, stride_d, length, width, value):
-        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        tl.store(ptr + offsets, value, mask=(rows[:, None] < length) & (cols[None, :] < width))
-
-    @triton.jit
-    def _row_vector(ptr, rows, stride_t, length, other):
-        return tl.load(ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=other)
-
-    @triton.jit
-    def _doc_starts(ds_ptr, rows, stride_t, length, HAS_DOC: tl.constexpr):
-        """The first visible column of each row: its document's start (0 with one document)."""
-        if HAS_DOC:
-            return tl.load(ds_ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=0).to(tl.int32)
-        return tl.zeros(rows.shape, dtype=tl.int32)
-
-    @triton.jit
-    def _betas(beta_ptr, rows, stride_t, length, HAS_BETA: tl.constexpr):
-        if HAS_BETA:
-            return tl.load(beta_ptr + rows.to(tl.int64) * stride_t, mask=rows < length, other=0.0)
-        return tl.full(rows.shape, 1.0, dtype=tl.float32)
-
-    @triton.jit
-    def _first_column(ds_ptr, i0, stride_t, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
-        """The first column block (as a column index) any row of the block at ``i0`` sees: doc_start
-        is non-decreasing, so the block's first row has the earliest document start."""
-        if HAS_DOC:
-            return (tl.load(ds_ptr + i0 * stride_t).to(tl.int32) // BLOCK_T) * BLOCK_T
-        return 0
-
-    @triton.jit
-    def _masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
-        """Base-2 logits scale·log2(e)·x_i·y_j of a tile, −inf where column j is hidden from row i
-        (the future, the diagonal when ``STRICT``, other documents, padding)."""
-        return _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, "fp32")
-
-    @triton.jit
-    def _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
-                            OPERANDS: tl.constexpr):
-        """:func:`_masked_logits` with the product's operand precision (the span kernels')."""
-        logits = product(x_tile, tl.trans(y_tile), OPERANDS) * scale2
-        visible = (cols[None, :] >= starts[:, None]) & (rows[:, None] < length) & (cols[None, :] < length)
-        if STRICT:
-            visible = visible & (cols[None, :] < rows[:, None])
-        else:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        return tl.where(visible, logits, float("-inf"))
-
-    @triton.jit
-    def _kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr):
-        """The normalised kernel tile K_IJ, recomputed from the saved base-2 log-normalisers
-        (hidden entries are −inf, and exp2(−inf − lse) = 0: lse is finite, 0 for an empty row)."""
-        return _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, "fp32")
-
-    @triton.jit
-    def _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
-                          OPERANDS: tl.constexpr):
-        logits = _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-        return tl.exp2(logits - lse_rows[:, None])
-
-    @triton.jit
-    def _unit_substitution(off_diagonal, rhs, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr):
-        """Solve (I + N) S = rhs in registers for a strictly triangular N (lower: forward
-        substitution; upper, ``REVERSE``: back substitution), column-oriented: once s_c = rhs_c is
-        final, N[:, c] s_c leaves the rows not yet solved. Two reductions per row."""
-        row_index = tl.arange(0, BLOCK_T)[:, None]
-        col_index = tl.arange(0, BLOCK_T)[None, :]
-        for step in range(0, BLOCK_T):
-            if REVERSE:
-                c = BLOCK_T - 1 - step
-            else:
-                c = step
-            solved = tl.sum(tl.where(row_index == c, rhs, 0.0), 0)  # s_c
-            column = tl.sum(tl.where(col_index == c, off_diagonal, 0.0), 1)  # N[:, c]
-            rhs -= column[:, None] * solved[None, :]
-        return rhs
-
-    @triton.jit
-    def _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T: tl.constexpr, TRANSPOSED: tl.constexpr):
-        """Solve A_II S = rhs (or A_IIᵀ S = rhs) for one diagonal block, A_II = diag(β_I) K_II + γ I:
-        the rows are first divided by the pivots (A_II's diagonal), so that the system has a unit
-        diagonal and the substitution no pivot divisions."""
-        index = tl.arange(0, BLOCK_T)
-        system = beta_rows[:, None] * kernel
-        pivots = tl.sum(tl.where(index[:, None] == index[None, :], system, 0.0), 1) + gamma
-        if TRANSPOSED:  # Aᵀ[k, c] = A[c, k]: row k of Aᵀ divided by its pivot A_kk
-            scaled = tl.where(index[None, :] > index[:, None], tl.trans(system) / pivots[:, None], 0.0)
-        else:
-            scaled = tl.where(index[None, :] < index[:, None], system / pivots[:, None], 0.0)
-        return _unit_substitution(scaled, rhs / pivots[:, None], BLOCK_T, TRANSPOSED)
-
-    @triton.jit
-    def _forward_past(
-        x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
-        row_max, row_sum, acc, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr,
-    ):
-        """Online softmax of rows I over the past columns [first, i0) (flash-attention style), from
-        (``row_max``, ``row_sum``, ``acc``): the running max, the running sum and Σ_j exp2(s_ij − max) u_j,
-        from the U rows stored earlier."""
-        kcols = tl.arange(0, BLOCK_K)
-        j0 = first
-        while j0 < i0:  # (while, not range: see LOOPS; loads inline: each device call costs the interpreter)
-            cols = j0 + tl.arange(0, BLOCK_T)
-            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
-                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
-            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
-                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
-            logits = _masked_logits_from(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            new_max = tl.maximum(row_max, tl.max(logits, 1))
-            rescale = tl.exp2(row_max - new_max)
-            weights = tl.exp2(logits - new_max[:, None])
-            row_sum = row_sum * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + product(weights, u_tile, OPERANDS)
-            row_max = new_max
-            j0 += BLOCK_T
-        return row_max, row_sum, acc
-
-    @triton.jit
-    def _span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
-                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAST: tl.constexpr):
-        """Where rows I's online softmax starts: the past spans' partials (running max, sum and
-        mix, :func:`_past_span_kernel`), or nothing seen yet."""
-        if HAS_PAST:
-            row_max = tl.load(max_ptr + rows, mask=rows < length, other=MAX_FLOOR)
-            row_sum = tl.load(sum_ptr + rows, mask=rows < length, other=0.0)
-            acc = _load_rows(acc_ptr, rows, vcols, s_at, s_ad, length, dv)
-        else:
-            row_max = tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32)
-            row_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        return row_max, row_sum, acc
-
-    @triton.jit
-    def _forward_block(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
-        s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length, dk, dv,
-        scale2, vcols, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
-    ):
-        """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
-        (the pointers are those of this batch element and head): the span's earlier columns on top of
-        the past spans' partials, then the diagonal tile and the C×C solve."""
-        rows = i0 + tl.arange(0, BLOCK_T)
-        kcols = tl.arange(0, BLOCK_K)
-        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr, rows, kcols, s_xt, s_xd, length, dk)
-        first = tl.maximum(_first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), span_start)
-        row_max, row_sum, acc = _span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
-                                               BLOCK_T, BLOCK_V, HAS_PAST)
-        row_max, row_sum, acc = _forward_past(
-            x_tile, y_ptr, u_ptr, rows, starts, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols,
-            row_max, row_sum, acc, BLOCK_T, BLOCK_K, STRICT, "fp32",
-        )
-        # the diagonal tile closes the softmax
-        y_tile = _load_rows(y_ptr, rows, kcols, s_yt, s_yd, length, dk)
-        logits = _masked_logits(x_tile, y_tile, rows, rows, starts, length, scale2, STRICT)
-        new_max = tl.maximum(row_max, tl.max(logits, 1))
-        rescale = tl.exp2(row_max - new_max)
-        weights = tl.exp2(logits - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(weights, 1)
-        # a row with no visible column (strict mask, first token of a document) has K row 0
-        nonempty = row_sum > 0
-        inverse = tl.where(nonempty, 1.0 / tl.where(nonempty, row_sum, 1.0), 0.0)
-        lse = tl.where(nonempty, new_max + tl.log2(tl.where(nonempty, row_sum, 1.0)), 0.0)
-        tl.store(lse_ptr + rows, lse, mask=rows < length)
-        beta_rows = _betas(beta_ptr, rows, s_betat, length, HAS_BETA)
-        rhs = _load_rows(b_ptr, rows, vcols, s_bt, s_bd, length, dv)
-        rhs = rhs - beta_rows[:, None] * ((acc * rescale[:, None]) * inverse[:, None])
-        u_block = _triangular_solve(weights * inverse[:, None], beta_rows, gamma, rhs, BLOCK_T, False)
-        _store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
-
-    @triton.jit
-    def _solve_forward_kernel(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_bb, s_bh, s_bt, s_bd,
-        s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        heads, length, dk, dv, scale2, span_start, span_end,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
-    ):
-        """Grid (B·H, value slices): one program solves the rows [span_start, span_end) of one slice
-        of one head in order (all T rows when there is one span)."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        vcols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        gamma = tl.load(gamma_ptr + hi)
-        x_ptr += bi * s_xb + hi * s_xh
-        y_ptr += bi * s_yb + hi * s_yh
-        b_ptr += bi * s_bb + hi * s_bh
-        u_ptr += bi * s_ub + hi * s_uh
-        acc_ptr += bi * s_ab + hi * s_ah
-        beta_ptr += bi * s_betab + hi * s_betah
-        ds_ptr += bi * s_dsb
-        lse_ptr += pid.to(tl.int64) * length
-        max_ptr += pid.to(tl.int64) * length
-        sum_ptr += pid.to(tl.int64) * length
-        i0 = span_start
-        while i0 < span_end:
-            _forward_block(
-                x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
-                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
-                dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST,
-            )
-            # later row blocks load this block's U from global memory: make the stores visible
-            tl.debug_barrier()
-            i0 += BLOCK_T
-
-    @triton.jit
-    def _past_span_kernel(
-        x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad,
-        s_dsb, s_dst, heads, length, dk, dv, scale2, span_start,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-    ):
-        """Grid (B·H, row blocks of the span, value slices), all in parallel: row block I of the span
-        starting at ``span_start`` against every solved column before the span, [first_I, span_start):
-        the online softmax's running max and sum (slice 0 stores them) and Σ_j exp2(s_ij − max) u_j,
-        which :func:`_solve_forward_kernel` continues from. Its products are the off-diagonal ones, the
-        bulk of the solve: on tensor cores unless ``OPERANDS`` is "fp32"."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        i0 = span_start + tl.program_id(1) * BLOCK_T
-        rows = i0 + tl.arange(0, BLOCK_T)
-        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        kcols = tl.arange(0, BLOCK_K)
-        ds_ptr += bi * s_dsb
-        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        row_max, row_sum, acc = _forward_past(
-            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, span_start,
-            s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32),
-            tl.zeros([BLOCK_T], dtype=tl.float32), tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
-            BLOCK_T, BLOCK_K, STRICT, OPERANDS,
-        )
-        _store_rows(acc_ptr + bi * s_ab + hi * s_ah, rows, vcols, s_at, s_ad, length, dv, acc)
-        if tl.program_id(2) == 0:
-            tl.store(max_ptr + pid.to(tl.int64) * length + rows, row_max, mask=rows < length)
-            tl.store(sum_ptr + pid.to(tl.int64) * length + rows, row_sum, mask=rows < length)
-
-    @triton.jit
-    def _transposed_later(
-        y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, i_block, end_block,
-        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-    ):
-        """Σ_I A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the row blocks [i_block, end_block) that see column
-        block J (their db already stored)."""
-        kcols = tl.arange(0, BLOCK_K)
-        total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        while i_block < end_block:  # loads inline: each device call costs the interpreter
-            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
-            inside = rows < length
-            if HAS_DOC:
-                starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
-            else:
-                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
-            x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
-                             mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
-            lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
-            db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
-                              mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
-            if HAS_BETA:
-                db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
-            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            total += product(tl.trans(kernel), db_rows, OPERANDS)
-            i_block += 1
-        return total
-
-    @triton.jit
-    def _solve_transposed_kernel(
-        x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_gb, s_gh, s_gt, s_gd,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        heads, length, blocks, dk, dv, scale2, span_first, span_stop,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_FUTURE: tl.constexpr,
-    ):
-        """Grid (B·H, value slices): db = A^{-T} dU for one slice over the span's row blocks
-        [span_first, span_stop), from the last: block J subtracts A_IJᵀ db_I of the span's later blocks
-        (and the later spans' sum, :func:`_future_span_kernel`) from dU_J, then back-substitutes its
-        diagonal block. ``end_ptr`` [B, blocks]: one past the last row block that sees each column block."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        vcols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        kcols = tl.arange(0, BLOCK_K)
-        gamma = tl.load(gamma_ptr + hi)
-        x_ptr += bi * s_xb + hi * s_xh
-        y_ptr += bi * s_yb + hi * s_yh
-        gu_ptr += bi * s_gb + hi * s_gh
-        db_ptr += bi * s_dbb + hi * s_dbh
-        fut_ptr += bi * s_fb + hi * s_fh
-        beta_ptr += bi * s_betab + hi * s_betah
-        ds_ptr += bi * s_dsb
-        lse_ptr += pid.to(tl.int64) * length
-        j_block = span_stop - 1
-        while j_block >= span_first:
-            cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
-            y_tile = _load_rows(y_ptr, cols, kcols, s_yt, s_yd, length, dk)
-            end_block = tl.minimum(tl.load(end_ptr + bi * blocks + j_block), span_stop)
-            rhs = _load_rows(gu_ptr, cols, vcols, s_gt, s_gd, length, dv) - _transposed_later(
-                y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block + 1, end_block,
-                s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-                BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, "fp32",
-            )
-            if HAS_FUTURE:
-                rhs -= _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
-            starts = _doc_starts(ds_ptr, cols, s_dst, length, HAS_DOC)
-            x_tile = _load_rows(x_ptr, cols, kcols, s_xt, s_xd, length, dk)
-            lse_rows = _row_vector(lse_ptr, cols, 1, length, 0.0)
-            kernel = _kernel_tile(x_tile, y_tile, lse_rows, cols, cols, starts, length, scale2, STRICT)
-            beta_rows = _betas(beta_ptr, cols, s_betat, length, HAS_BETA)
-            db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
-            _store_rows(db_ptr, cols, vcols, s_dbt, s_dbd, length, dv, db_block)
-            # earlier row blocks load this block's db from global memory
-            tl.debug_barrier()
-            j_block -= 1
-
-    @triton.jit
-    def _future_span_kernel(
-        x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd,
-        s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, span_first, span_stop,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-    ):
-        """Grid (B·H, column blocks of the span, value slices), all in parallel: column block J of the
-        span [span_first, span_stop) against every row block after the span that sees it,
-        Σ_{I ≥ span_stop} K_IJᵀ (β_I db_I) (their db solved already): the transposed solve's
-        off-diagonal products, on tensor cores unless ``OPERANDS`` is "fp32"."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        j_block = span_first + tl.program_id(1)
-        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
-        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, tl.arange(0, BLOCK_K), s_yt, s_yd, length, dk)
-        end_block = tl.load(end_ptr + bi * blocks + j_block)
-        total = _transposed_later(
-            y_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
-            beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            cols, span_stop, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-            BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
-        )
-        _store_rows(fut_ptr + bi * s_fb + hi * s_fh, cols, vcols, s_ft, s_fd, length, dv, total)
-
-    @triton.jit
-    def _grad_rows_sums(
-        x_tile, db_rows, lse_rows, e_given, starts, y_ptr, u_ptr, rows, first, i0,
-        s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr, HAS_E: tl.constexpr,
-    ):
-        """Over the columns rows I see, with S = db uᵀ: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and
-        Σ_j K_ij y_j (one pass; dx follows from the three). With ``HAS_E`` (e given in ``e_given``)
-        one accumulator instead of two, Σ_j K_ij (S_ij − e_i) y_j, and the third stays 0 (the two
-        spilled on sm_90 at 64 rows × d = 128)."""
-        kcols = tl.arange(0, BLOCK_K)
-        vcols = tl.arange(0, BLOCK_DV)
-        e_rows = e_given
-        weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        j0 = first
-        while j0 <= i0:  # loads inline: each device call costs the interpreter
-            cols = j0 + tl.arange(0, BLOCK_T)
-            y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
-                             mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
-            u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
-                             mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
-            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            if HAS_E:
-                scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
-                weighted += product(kernel * scores, y_tile, OPERANDS)
-            else:
-                products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
-                e_rows += tl.sum(products, 1)
-                weighted += product(products, y_tile, OPERANDS)
-                smoothed += product(kernel, y_tile, OPERANDS)
-            j0 += BLOCK_T
-        return e_rows, weighted, smoothed
-
-    @triton.jit
-    def _grad_rows_kernel(
-        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        s_gxb, s_gxh, s_gxt, s_gxd,
-        heads, length, dk, dv, scale, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        HAS_E: tl.constexpr,
-    ):
-        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
-        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j); with ``HAS_E`` e is given (read
-        from ``e_ptr``) and dx_I = −scale β_I Σ_j K_ij (S_ij − e_I) y_j."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        i0 = tl.program_id(1) * BLOCK_T
-        rows = i0 + tl.arange(0, BLOCK_T)
-        kcols = tl.arange(0, BLOCK_K)
-        ds_ptr += bi * s_dsb
-        lse_ptr += pid.to(tl.int64) * length
-        e_ptr += pid.to(tl.int64) * length
-        starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-        db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
-        lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
-        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        if HAS_E:
-            e_given = tl.load(e_ptr + rows, mask=rows < length, other=0.0)
-        else:
-            e_given = tl.zeros([BLOCK_T], dtype=tl.float32)
-        e_rows, weighted, smoothed = _grad_rows_sums(
-            x_tile, db_rows, lse_rows, e_given, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
-            OPERANDS, HAS_E,
-        )
-        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
-        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)  # (smoothed is 0 with HAS_E)
-        if not HAS_E:
-            tl.store(e_ptr + rows, e_rows, mask=rows < length)
-        _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
-
-    @triton.jit
-    def _grad_columns_sum(
-        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, cols, j_block, end_block,
-        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-    ):
-        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J."""
-        kcols = tl.arange(0, BLOCK_K)
-        vcols = tl.arange(0, BLOCK_DV)
-        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        i_block = j_block
-        while i_block < end_block:  # loads inline: each device call costs the interpreter
-            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
-            inside = rows < length
-            if HAS_DOC:
-                starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
-            else:
-                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
-            x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
-                             mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
-            db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
-                              mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
-            lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
-            e_rows = tl.load(e_ptr + rows, mask=inside, other=0.0)
-            scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]
-            if HAS_BETA:
-                scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
-            kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            total += product(tl.trans(kernel * scores), x_tile, OPERANDS)
-            i_block += 1
-        return total
-
-    @triton.jit
-    def _grad_columns_kernel(
-        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gy_ptr, end_ptr,
-        s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        s_gyb, s_gyh, s_gyt, s_gyd,
-        heads, length, blocks, dk, dv, scale, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-    ):
-        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i)."""
-        pid = tl.program_id(0)
-        bi = (pid // heads).to(tl.int64)
-        hi = (pid % heads).to(tl.int64)
-        j_block = tl.program_id(1)
-        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
-        kcols = tl.arange(0, BLOCK_K)
-        y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
-        u_tile = _load_rows(u_ptr + bi * s_ub + hi * s_uh, cols, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv)
-        end_block = tl.load(end_ptr + bi * blocks + j_block)
-        total = _grad_columns_sum(
-            y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
-            beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            e_ptr + pid.to(tl.int64) * length, cols, j_block, end_block,
-            s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
-            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
-        )
-        _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)
+    return triton is not None and defined_for_the_interpreter(solve_forward_kernel)
 
 
 def _strides4(t: Tensor) -> tuple[int, ...]:
@@ -707,7 +164,7 @@ class _Layout:
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
     """U and the row log-normalisers, span by span: the past spans' products in parallel
-    (:func:`_past_span_kernel`), then the span's own substitution (:func:`_solve_forward_kernel`)."""
+    (:func:`past_span_kernel`), then the span's own substitution (:func:`solve_forward_kernel`)."""
     # U laid out [B, T, H, dv] (the callers' layout), seen as [B, H, T, dv]
     u = b.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     lse = x.new_empty(lay.batch, lay.heads, lay.length)  # base-2 row log-normalisers
@@ -724,13 +181,13 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
         first, stop = lay.span_blocks_of(span)
         start, end = first * lay.block_t, min(stop * lay.block_t, lay.length)
         if span > 0:
-            _past_span_kernel[lay.span_grid(span)](
+            past_span_kernel[lay.span_grid(span)](
                 x, y, u, ds_arg, row_max, row_sum, acc, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(acc),
                 *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, BLOCK_T=lay.block_t,
                 BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict, HAS_DOC=lay.has_doc,
                 OPERANDS=lay.operands, num_warps=flags["num_warps"],
             )
-        _solve_forward_kernel[lay.sequential_grid](
+        solve_forward_kernel[lay.sequential_grid](
             x, y, b, u, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
             *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
             *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end, BLOCK_V=lay.block_v,
@@ -741,7 +198,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
 
 def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout) -> Tensor:
     """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
-    (:func:`_future_span_kernel`), then the span's own back substitution (:func:`_solve_transposed_kernel`)."""
+    (:func:`future_span_kernel`), then the span's own back substitution (:func:`solve_transposed_kernel`)."""
     grad_b = grad_u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     future = grad_u.new_empty(lay.batch, lay.heads, lay.length, lay.dv) if lay.spans > 1 else grad_b
     beta_arg = x if beta is None else beta
@@ -752,14 +209,14 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
         first, stop = lay.span_blocks_of(span)
         later = span < lay.spans - 1
         if later:
-            _future_span_kernel[lay.span_grid(span)](
+            future_span_kernel[lay.span_grid(span)](
                 x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
                 *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2, first, stop,
                 BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands, num_warps=flags["num_warps"],
             )
         ratio = lay.block_t // lay.sub_t  # the span's bounds in substitution blocks
-        _solve_transposed_kernel[lay.sequential_grid](
+        solve_transposed_kernel[lay.sequential_grid](
             x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, sub_ends, future,
             *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
             lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, first * ratio,
@@ -787,7 +244,7 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
     grad_x = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
     grid = lay.block_grid
     tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
-    _grad_rows_kernel[grid](
+    grad_rows_kernel[grid](
         x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
         lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, BLOCK_DV=lay.block_dv, OPERANDS=lay.operands,
         HAS_E=given, **lay.flags(),
@@ -795,7 +252,7 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
     grad_y = None
     if need_y:
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-        _grad_columns_kernel[grid](
+        grad_columns_kernel[grid](
             x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, ends, *tensors, *_strides4(grad_y),
             lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
             BLOCK_DV=lay.block_dv, OPERANDS=lay.operands, **lay.flags(),
@@ -884,15 +341,15 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     row_gradient = gradient | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
-    kernels = [("solve_past_span", _past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
-               ("solve_forward", _solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
+    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
+               ("solve_forward", solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
                 lay.spans),
-               ("solve_future_span", _future_span_kernel, lay.span_grid(0), span | {"HAS_BETA": lay.has_beta},
+               ("solve_future_span", future_span_kernel, lay.span_grid(0), span | {"HAS_BETA": lay.has_beta},
                 lay.spans - 1),
-               ("solve_transposed", _solve_transposed_kernel, lay.sequential_grid,
+               ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, lay.spans),
-               ("solve_grad_rows", _grad_rows_kernel, lay.block_grid, flags | row_gradient, 1),
-               ("solve_grad_columns", _grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
+               ("solve_grad_rows", grad_rows_kernel, lay.block_grid, flags | row_gradient, 1),
+               ("solve_grad_columns", grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
     return [KernelLaunch(name, kernel, grid, constexprs, sub_warps if name in ("solve_forward", "solve_transposed")
                          else warps, aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
             for name, kernel, grid, constexprs, calls in kernels if calls > 0]

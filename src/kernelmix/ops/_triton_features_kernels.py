@@ -1,0 +1,502 @@
+"""The Triton kernels (device code) of causal positive random-feature attention (Performer,
+DARKFormer; docs/math.md §6–7).
+
+The same function as the chunked CPU path (``random_features._chunked_attention``), with the same
+stabilisers: queries divided by their own max over features, keys shifted by the causal running
+max s_i of their logit maxima (per document, at least the carried shift for rows that continue an
+``initial_state``), the state (S, z) kept at scale exp(−shift) and rescaled when the shift grows,
+and a zero row (zero gradients) where the denominator is at or below √tiny(float32).
+
+Design: chunk-parallel, every chunk of C rows in its own program (grid: chunks × B·H × value blocks),
+as flash-linear-attention's chunked linear attention, with the running-max stabiliser carried
+through the states between chunks. The forward is three launches:
+
+1. ``chunk_state_kernel``: each chunk's own part of the state, ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) φ'_j v_jᵀ
+   and Δz_c over the keys of the chunk's last document, at its local scale σ'_c (their max logit);
+2. ``state_scan_kernel``: one program per elementwise tile of the m × d_v state walks the chunks
+   in order, S_c = exp(σ_{c−1} − σ_c) S_{c−1} + exp(σ'_c − σ_c) ΔS_c with σ_c = max(σ_{c−1}, σ'_c)
+   (or ΔS_c alone where a document begins in the chunk), and leaves in each chunk's slot the state
+   entering it and its scale: a memory-bound pass over n·m·d_v numbers, no products;
+3. ``forward_kernel``: each chunk's outputs from its own keys (a C × C score tile with the
+   segmented running max as a masked C × C max, no scan) and the entering state.
+
+The feature map is fused: a program loads its C × d queries and keys, applies d^{-1/4}, the transform
+M and the projection W with ``tl.dot`` in full fp32 (the feature logits stay fp32) and forms the
+features in registers, so φ(Q), φ(K) (T × m) never reach memory. The products of features, states
+and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default; ``_triton_products``), the
+normalisers and states accumulate in fp32. Grouped heads are indexed (query head h reads kv head
+h // (H / H_kv)), never expanded.
+
+The backward saves only q, k, v, W, M and per-row scalars (the key shift s_i, the query max and
+the denominator), recomputes the features and the entering states (launches 1–2 again). With g =
+dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (computed in torch, like flash-attention's
+D), the gradient of an unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
+
+- ``query_grad_kernel`` (forward direction): dφq_i = Σ_j exp(ℓ^k_j − s_i) (ĝ_i · v_j + c_i), the
+  earlier chunks through the entering state;
+- ``reverse_state_kernel`` and ``reverse_scan_kernel`` (reverse direction): R_c = Σ_{i after
+  chunk c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each chunk's part in parallel and a scan
+  from the last chunk; its scales are the forward's saved shifts, every factor ≤ 1;
+- ``key_grad_kernel``: dv_j and dφk_j from the chunk's own rows and R_c.
+
+Both gradient kernels store the per-row gradients of the feature logits, dℓ = φ ⊙ dφ ``[T, m]``
+(value-column blocks each store their part; the c_i terms enter only in block 0), and torch adds the
+blocks and chains them through the feature map with five products over all rows
+(``_chain_feature_map``: dx', for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ).
+The kernels keep no dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and
+made ptxas take minutes. Memory: the per-chunk states, B·H·n·m·(d_v + 1) fp32 (one buffer, reused
+by the reverse direction), and O(T) per row; no T × m and no T × T tensor.
+
+Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
+1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.
+
+Sizes: any T ≥ 0, any d_v (blocks of :data:`VALUE_BLOCK` columns), m ≤ 256 features and head dim
+d ≤ 256 (one register tile each; beyond that use ``backend="torch"``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_products import product
+
+__all__ = ["chunk_state_kernel", "state_scan_kernel", "forward_kernel", "query_grad_kernel", "reverse_state_kernel",
+           "reverse_scan_kernel", "key_grad_kernel"]
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the kernels
+
+
+@triton.jit
+def _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Token indices of chunk c (in this call), which exist, their absolute positions and the
+    absolute start of their document (0 without documents: one document from position 0)."""
+    offs = tl.arange(0, BLOCK_T)
+    t = c * BLOCK_T + offs
+    row_ok = t < T
+    pos = start + t
+    if HAS_DOC:
+        doc = tl.load(doc_ptr + b * T + t, mask=row_ok, other=0)
+    else:
+        doc = tl.zeros([BLOCK_T], dtype=tl.int64)
+    return t, row_ok, pos, doc
+
+
+@triton.jit
+def _feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, IS_KEY: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """The feature logits of the rows t of x (``x_ptr`` at the head's first element): W (scale·x)
+    ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖²; padding is 0. Over the head in steps of
+    ``D_STEP`` columns (small tiles, few registers), each step's product at fp32 accuracy on tensor
+    cores (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_feats
+    logits = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    half_norm = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for first in range(0, BLOCK_D, D_STEP):
+        offs_d = first + tl.arange(0, D_STEP)
+        d_ok = offs_d < d
+        x = tl.load(x_ptr + t[:, None] * x_row_stride + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0) * scale
+        w_t = tl.load(w_ptr + offs_m[None, :] * d + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        logits += product(x, w_t, "tf32x3")
+        if IS_KEY:
+            half_norm += 0.5 * tl.sum(x * x, axis=1)
+    if IS_KEY:
+        logits -= half_norm[:, None]
+    return logits
+
+
+@triton.jit
+def _visible(t, pos, doc, row_ok):
+    """``[BLOCK_T, BLOCK_T]``: query row i sees key column j of the same chunk (causal, same document)."""
+    return (t[None, :] <= t[:, None]) & (pos[None, :] >= doc[:, None]) & row_ok[None, :] & row_ok[:, None]
+
+
+@triton.jit
+def _exp_where(x, keep):
+    """exp(x) where ``keep``, exactly 0 elsewhere (masked before the exp so it cannot overflow)."""
+    return tl.exp(tl.where(keep, x, float("-inf")))
+
+
+@triton.jit
+def _last_row(values, t, c, T, BLOCK_T: tl.constexpr):
+    """The entry of ``values`` at the chunk's last existing row (a masked sum: no gather)."""
+    last = tl.minimum(T - c * BLOCK_T, BLOCK_T) - 1
+    return tl.sum(tl.where(t - c * BLOCK_T == last, values, 0), axis=0)
+
+
+@triton.jit
+def _key_shift(key_max, visible, continuing, carried, row_ok):
+    """The running shift s_i of the rows of a chunk: the max of the visible keys' logit maxima (a
+    masked C × C max instead of a scan), and at least the carried shift for rows whose document
+    began before the chunk. Padding rows get 0 (their features are 0)."""
+    shift = tl.max(tl.where(visible, key_max[None, :], float("-inf")), axis=1)
+    shift = tl.where(continuing, tl.maximum(shift, carried), shift)
+    return tl.where(row_ok, shift, 0.0)
+
+
+@triton.jit
+def _chunk_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """The chunk's query and key feature logits (keys with −½‖x'‖²) and which are real (``valid``)."""
+    q_logits = _feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, False, BLOCK_T, BLOCK_D,
+                               BLOCK_M, D_STEP)
+    k_logits = _feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, True, BLOCK_T, BLOCK_D,
+                               BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    return q_logits, k_logits, valid
+
+
+@triton.jit
+def _load_value_block(ptr, t, row_ok, row_stride, cols, cols_ok):
+    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :], other=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The states between chunks (forward and backward)
+
+
+@triton.jit
+def _chunk_program(H, H_K, H_KV, dv, BLOCK_V: tl.constexpr):
+    """This program's chunk, (batch, query head), key and value heads and block of value columns, from
+    the grid (chunks, B·H, value blocks): (c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
+    h = pid_bh % H
+    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
+    kv = h // (H // H_KV)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    return c, pid_bh, pid_v, b, h, kk, kv, cols, cols < dv
+
+
+@triton.jit
+def _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M: tl.constexpr):
+    """Where this program's block of chunk c's state lives in ``[B·H, chunks, m, d_v]`` (offsets,
+    mask) and its normaliser part in ``[B·H, chunks, m]`` (offsets, mask)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    feat_ok = offs_m < m_feats
+    rows = (pid_bh * n_chunks + c).to(tl.int64) * m_feats + offs_m
+    return rows[:, None] * dv + cols[None, :], feat_ok[:, None] & cols_ok[None, :], rows, feat_ok
+
+
+@triton.jit
+def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
+                        T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                    D_STEP: tl.constexpr):
+    """Chunk c's own part of the state, all chunks in parallel: the keys of the chunk's last document
+    at the chunk's local scale σ'_c (the max of their logit maxima), ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) v_jᵀ
+    and Δz_c, with σ'_c (every factor ≤ 1)."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
+    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
+                               scale, d, m_feats, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    in_last = row_ok & (pos >= _last_row(doc, t, c, T, BLOCK_T))  # the keys a later chunk may see
+    key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
+    local = tl.max(tl.where(in_last, key_max, float("-inf")), axis=0)
+    weighted = _exp_where(k_logits - local, valid & in_last[:, None])
+    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
+    tl.store(ds_ptr + offsets, product(tl.trans(weighted), v, OPERANDS), mask=mask)
+    if pid_v == 0:
+        tl.store(dz_ptr + rows, tl.sum(weighted, axis=0), mask=feat_ok)
+        tl.store(dsig_ptr + pid_bh * n_chunks + c, local)
+
+
+@triton.jit
+def _scan_tile(H, m_feats, dv, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
+    """A scan program's tile of its (batch, head)'s m × d_v state, from the grid (B·H, feature tiles,
+    value tiles): (pid_bh, pid_m, pid_v, b, feature rows, value columns, feature mask, tile mask)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    offs_m = pid_m * SCAN_M + tl.arange(0, SCAN_M)
+    cols = pid_v * SCAN_V + tl.arange(0, SCAN_V)
+    feat_ok = offs_m < m_feats
+    return (pid_bh, pid_m, pid_v, (pid_bh // H).to(tl.int64), offs_m, cols, feat_ok,
+            feat_ok[:, None] & (cols < dv)[None, :])
+
+
+@triton.jit
+def _restarts(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Whether chunk c's last row's document begins inside the chunk (the state before it is dropped);
+    without documents, only at position 0."""
+    if HAS_DOC:
+        doc_last = tl.load(doc_ptr + b * T + tl.minimum(T, (c + 1) * BLOCK_T) - 1)
+    else:
+        doc_last = 0
+    return doc_last >= start + c * BLOCK_T
+
+
+@triton.jit
+def state_scan_kernel(ds_ptr, dz_ptr, dsig_ptr, doc_ptr, s0_ptr, z0_ptr, shift0_ptr, carried_ptr,
+                       s_out_ptr, z_out_ptr, shift_out_ptr, T, H, dv, m_feats, start, n_chunks,
+                       HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
+    """The states between chunks, a sequential scan over the chunks of one elementwise tile (grid:
+    B·H, feature tiles, value tiles): ΔS_c, Δz_c are overwritten by the state entering chunk c (at
+    scale exp(−σ_{c−1}), written to ``carried``), then S_c = exp(σ_{c−1} − σ_c) S_{c−1} +
+    exp(σ'_c − σ_c) ΔS_c with σ_c = max(σ_{c−1}, σ'_c), or ΔS_c alone where the chunk's last
+    document begins inside it. The next chunk's ΔS is loaded before this one's is used (a ``while``
+    loop is not pipelined by the compiler: this hides one load latency per step)."""
+    pid_bh, pid_m, pid_v, b, offs_m, cols, feat_ok, mask = _scan_tile(H, m_feats, dv, SCAN_M, SCAN_V)
+    head_rows = pid_bh * m_feats + offs_m
+    state = tl.load(s0_ptr + head_rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+    state_z = tl.load(z0_ptr + head_rows, mask=feat_ok, other=0.0)
+    sigma = tl.load(shift0_ptr + pid_bh)
+    rows = (pid_bh * n_chunks).to(tl.int64) * m_feats + offs_m
+    delta = tl.load(ds_ptr + rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+    delta_z = tl.load(dz_ptr + rows, mask=feat_ok, other=0.0)
+    c = 0
+    while c < n_chunks:  # (a while loop: see the note at the top)
+        # (the last step loads its own slot again, unused: an index in range, not a scalar mask)
+        next_rows = (pid_bh * n_chunks + tl.minimum(c + 1, n_chunks - 1)).to(tl.int64) * m_feats + offs_m
+        next_delta = tl.load(ds_ptr + next_rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+        next_delta_z = tl.load(dz_ptr + next_rows, mask=feat_ok, other=0.0)
+        local = tl.load(dsig_ptr + pid_bh * n_chunks + c)
+        tl.store(ds_ptr + rows[:, None] * dv + cols[None, :], state, mask=mask)
+        if pid_v == 0:
+            tl.store(dz_ptr + rows, state_z, mask=feat_ok)
+            if pid_m == 0:
+                tl.store(carried_ptr + pid_bh * n_chunks + c, sigma)
+        restarts = _restarts(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
+        new_sigma = tl.where(restarts, local, tl.maximum(sigma, local))
+        keep = tl.where(restarts, 0.0, tl.exp(sigma - new_sigma))
+        add = tl.exp(local - new_sigma)
+        state = keep * state + add * delta
+        state_z = keep * state_z + add * delta_z
+        sigma = new_sigma
+        rows = next_rows
+        delta = next_delta
+        delta_z = next_delta_z
+        c += 1
+    tl.store(s_out_ptr + head_rows[:, None] * dv + cols[None, :], state, mask=mask)
+    if pid_v == 0:
+        tl.store(z_out_ptr + head_rows, state_z, mask=feat_ok)
+        if pid_m == 0:
+            tl.store(shift_out_ptr + pid_bh, sigma)
+
+
+@triton.jit
+def _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok,
+                    BLOCK_M: tl.constexpr):
+    """The state entering chunk c, this program's block of it: (S, z, σ_{c−1})."""
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
+    return (tl.load(ds_ptr + offsets, mask=mask, other=0.0), tl.load(dz_ptr + rows, mask=feat_ok, other=0.0),
+            tl.load(carried_ptr + pid_bh * n_chunks + c))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
+                    out_ptr, den_ptr, shift_ptr, qmax_ptr,
+                    T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, floor,
+                    HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                    D_STEP: tl.constexpr):
+    """The outputs of one chunk, all chunks in parallel: the chunk's own keys (a C × C masked score
+    tile) and the earlier chunks through the state entering it."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
+    chunk_start = start + c * BLOCK_T
+    q_logits, k_logits, valid = _chunk_features(
+        q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_K * d + kk * d, H * d, H_K * d, t, row_ok,
+        w_ptr + h * w_head_stride, scale, d, m_feats, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    state_s, state_z, carried = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv,
+                                                cols, cols_ok, BLOCK_M)
+    q_max = tl.where(row_ok, tl.max(tl.where(valid, q_logits, float("-inf")), axis=1), 0.0)
+    q_feat = _exp_where(q_logits - q_max[:, None], valid)
+    visible = _visible(t, pos, doc, row_ok)
+    continuing = row_ok & (doc < chunk_start)
+    key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
+    shift = _key_shift(key_max, visible, continuing, carried, row_ok)
+    key_feat = _exp_where(k_logits - shift[:, None], valid)  # ≤ 1
+    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+    decay = _exp_where(shift[None, :] - shift[:, None], visible)  # exp(s_j − s_i) ≤ 1
+    scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
+    carry = _exp_where(carried - shift, continuing)  # the entering state reaches row i at exp(σ − s_i)
+    numerator = product(scores, v, OPERANDS) + carry[:, None] * product(q_feat, state_s, OPERANDS)
+    denominator = tl.sum(scores, axis=1) + carry * tl.sum(q_feat * state_z[None, :], axis=1)
+    empty = denominator <= floor
+    out = tl.where(empty[:, None], 0.0, numerator / tl.where(empty, 1.0, denominator)[:, None])
+    tl.store(out_ptr + (b * T + t)[:, None] * H * dv + h * dv + cols[None, :], out,
+             mask=row_ok[:, None] & cols_ok[None, :])
+    if pid_v == 0:  # the per-row scalars: one value block writes them (a branch, not `row_ok & (pid_v == 0)`,
+        # whose dtype Triton 3.9's interpreter turns into int32, which a mask may not be)
+        tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_ok)
+        tl.store(shift_ptr + pid_bh * T + t, shift, mask=row_ok)
+        tl.store(qmax_ptr + pid_bh * T + t, q_max, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """The chunk's query features again, at the forward's query max (so they are the forward's)."""
+    q_logits = _feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats, False,
+                               BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    q_max = tl.load(qmax_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+    return _exp_where(q_logits - q_max[:, None], valid)
+
+
+@triton.jit
+def _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok):
+    """ĝ of the chunk's rows (this value block) and c_i, which belongs to no value block: block 0 carries it."""
+    g_hat = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
+    c_row = tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0) * (pid_v == 0).to(tl.float32)
+    return g_hat, c_row
+
+
+@triton.jit
+def _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v,
+                     kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_head, scale, HAS_DOC: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """What both gradient kernels need of chunk c: the features again (from the saved key shift and
+    query max, so they are the forward's), the masks, the value block, ĝ and (block 0 only) c_i."""
+    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
+    chunk_start = start + c * BLOCK_T
+    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale, BLOCK_T,
+                             BLOCK_D, BLOCK_M, D_STEP)
+    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats, True,
+                               BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+    key_feat = _exp_where(k_logits - shift[:, None], valid)
+    visible = _visible(t, pos, doc, row_ok)
+    continuing = row_ok & (doc < chunk_start)
+    decay = _exp_where(shift[None, :] - shift[:, None], visible)
+    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+    g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
+    return t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row
+
+
+@triton.jit
+def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M: tl.constexpr):
+    """This value block's dL/dlogit of the chunk's rows into its slot of ``[blocks, B, T, H, m]``
+    (torch adds the blocks and chains them through the feature map: no dW, dM accumulators here)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = ((pid_v * (tl.num_programs(1) // H) + b) * T + t) * H + h
+    tl.store(dlog_ptr + rows[:, None] * m_feats + offs_m[None, :], d_logits,
+             mask=row_ok[:, None] & (offs_m < m_feats)[None, :])
+
+
+@triton.jit
+def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
+                       g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
+                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                       HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                    D_STEP: tl.constexpr):
+    """Forward direction, all chunks in parallel: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the
+    earlier chunks through the recomputed state entering the chunk; stored as dL/dℓ^q = φq ⊙ dφq
+    (this value block's part)."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
+        q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, kk, cols,
+        cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D,
+        BLOCK_M, D_STEP)
+    state_s, state_z, carried = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv,
+                                                cols, cols_ok, BLOCK_M)
+    d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+    d_feat = product(d_scores, key_feat, OPERANDS)
+    carry = _exp_where(carried - shift, continuing)
+    from_state = product(g_hat, tl.trans(state_s), OPERANDS) + c_row[:, None] * state_z[None, :]
+    d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
+    _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+
+
+@triton.jit
+def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
+                          rs_ptr, rz_ptr, T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                          HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_V: tl.constexpr, D_STEP: tl.constexpr):
+    """Chunk c's own part of the reverse state, all chunks in parallel: its rows that continue the
+    document of chunk c − 1's last row, at the scale of that row, ΔR_c = Σ_i exp(σ_{c−1} − s_i)
+    φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; the c part in value block 0)."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
+    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_ptr + h * w_head_stride,
+                             scale, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+    carried = tl.load(carried_ptr + pid_bh * n_chunks + c)
+    reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + c * BLOCK_T))[:, None]
+    g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
+    tl.store(rs_ptr + offsets, product(tl.trans(reads_back), g_hat, OPERANDS), mask=mask)
+    if pid_v == 0:
+        tl.store(rz_ptr + rows, tl.sum(reads_back * c_row[:, None], axis=0), mask=feat_ok)
+
+
+@triton.jit
+def reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, dv, m_feats, start, n_chunks,
+                         HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr, SCAN_M: tl.constexpr, SCAN_V: tl.constexpr):
+    """The reverse states, a sequential scan from the last chunk (grid as the forward scan): ΔR_c is
+    overwritten by R_c = Σ over the later chunks' rows of the same document, at scale exp(σ_c), read by
+    chunk c's keys; then R_{c−1} = exp(σ_{c−1} − σ_c) R_c + ΔR_c, or ΔR_c alone where chunk c's
+    last document begins inside it. The scales are the forward's saved shifts: no maximum to track."""
+    pid_bh, pid_m, pid_v, b, offs_m, cols, feat_ok, mask = _scan_tile(H, m_feats, dv, SCAN_M, SCAN_V)
+    later = tl.zeros([SCAN_M, SCAN_V], dtype=tl.float32)
+    later_z = tl.zeros([SCAN_M], dtype=tl.float32)
+    rows = (pid_bh * n_chunks + n_chunks - 1).to(tl.int64) * m_feats + offs_m
+    delta = tl.load(rs_ptr + rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+    delta_z = tl.load(rz_ptr + rows, mask=feat_ok, other=0.0)
+    step = 0
+    while step < n_chunks:  # (a while loop: see the note at the top)
+        c = n_chunks - 1 - step
+        next_rows = (pid_bh * n_chunks + tl.maximum(c - 1, 0)).to(tl.int64) * m_feats + offs_m
+        next_delta = tl.load(rs_ptr + next_rows[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+        next_delta_z = tl.load(rz_ptr + next_rows, mask=feat_ok, other=0.0)
+        tl.store(rs_ptr + rows[:, None] * dv + cols[None, :], later, mask=mask)
+        if pid_v == 0:
+            tl.store(rz_ptr + rows, later_z, mask=feat_ok)
+        sigma = tl.load(shift_ptr + pid_bh * T + tl.minimum(T, (c + 1) * BLOCK_T) - 1)  # the chunk's last row's
+        carried = tl.load(carried_ptr + pid_bh * n_chunks + c)
+        back = tl.where(_restarts(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(carried - sigma))
+        later = back * later + delta
+        later_z = back * later_z + delta_z
+        rows = next_rows
+        delta = next_delta
+        delta_z = next_delta_z
+        step += 1
+
+
+@triton.jit
+def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr,
+                     g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr, dv_ptr,
+                     T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                     HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                    D_STEP: tl.constexpr):
+    """Reverse direction, all chunks in parallel: dv_j and dφk_j from this chunk's rows and from the
+    later rows of the same document through the reverse state R_c (at most 1 per term); dL/dℓ^k =
+    φk ⊙ dφk stored (this value block's part)."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
+        q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, kk, cols,
+        cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D,
+        BLOCK_M, D_STEP)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
+    later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R_c: the later rows' ĝ part
+    later_c = tl.load(rz_ptr + rows, mask=feat_ok, other=0.0) * (pid_v == 0).to(tl.float32)  # their c part (block 0)
+    sigma = _last_row(shift, t, c, T, BLOCK_T)
+    seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, c, T, BLOCK_T)))  # keys later chunks read
+    scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
+    d_v = product(tl.trans(scores), g_hat, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
+    tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v, mask=row_ok[:, None] & cols_ok[None, :])
+    d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+    d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
+    d_feat += seen_later[:, None] * (product(v, tl.trans(later), OPERANDS) + later_c[None, :])
+    _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
