@@ -46,7 +46,7 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     assert rows[("global", "darkformer", "transfer")]["loss"] != rows[("global", "darkformer m=16", "transfer")]["loss"]
     for row in rows.values():
         assert row["kl"] is not None and row["kl"]["first"] >= 0
-    assert (tmp_path / "work" / "transfer-global-darkformer-m=16").is_dir()
+    assert len(list((tmp_path / "work").glob("transfer-global-darkformer-m=16-*"))) == 1
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "## The gap against the number of features" in readme and "| 16 |" in readme
     assert "2 steps of end-to-end logit distillation at lr 0.01" in readme  # the rows' numbers include it
@@ -55,6 +55,31 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     both = rows[("global", "darkformer", "transfer")]["loss"]
     assert set(gaps) == {"0", "2"} and len({gaps["0"], gaps["2"], both, result["host_loss"]}) == 4
     assert "## Which layer carries the gap" in readme and "| all 2 | " in readme
+
+
+def test_each_stage_works_in_a_directory_named_by_its_budget(tmp_path, corpus):
+    """A rerun with another transfer budget (objective, steps) trains afresh in its own directory, not
+    resuming the other budget's transfer; a later stage's settings (LoRA's) leave the transfer's name."""
+    from kernelmix.studies.conversion_report import _stage_dir
+
+    base = _settings(corpus)
+    names = {_stage_dir(tmp_path, "transfer", "global-darkformer", s) for s in
+             (base, _settings(corpus, transfer_objective="residual"), _settings(corpus, transfer_steps=4))}
+    assert len(names) == 3
+    assert (_stage_dir(tmp_path, "transfer", "global-darkformer", _settings(corpus, lora_steps=5))
+            == _stage_dir(tmp_path, "transfer", "global-darkformer", base))
+    assert (_stage_dir(tmp_path, "lora", "global-darkformer", _settings(corpus, lora_steps=5))
+            != _stage_dir(tmp_path, "lora", "global-darkformer", base))
+    assert (_stage_dir(tmp_path, "lora", "global-darkformer", _settings(corpus, transfer_objective="residual"))
+            != _stage_dir(tmp_path, "lora", "global-darkformer", base))  # LoRA continues the transferred model
+    host = tiny_gemma(layer_types=("full_attention", "sliding_attention", "full_attention"))
+    for objective in ("attention", "residual"):
+        settings = _settings(corpus, layers=["global"], variants=["darkformer"], lora_variants=[],
+                             transfer_objective=objective)
+        result = conversion_report(settings, tmp_path / "out", tmp_path / "work", model=host,
+                                   tokenizer=SavableByteTokenizer(), log=lambda msg: None)
+        assert result["rows"][0]["stage"] == "transfer"
+    assert len(list((tmp_path / "work").glob("transfer-global-darkformer-*"))) == 2
 
 
 def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):

@@ -62,11 +62,11 @@ def test_an_interrupted_transfer_resumes_exactly(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = tr.relative_error
 
-    def interrupted(kernel, piece):
+    def interrupted(kernel, piece, write=None):
         calls["n"] += 1
         if calls["n"] == 14:  # layer 1, step 4 (after layer 0's 10 steps): past the checkpoint at its step 3
             raise KeyboardInterrupt
-        return real(kernel, piece)
+        return real(kernel, piece, write)
 
     monkeypatch.setattr(tr, "relative_error", interrupted)
     first = fresh()
@@ -81,6 +81,88 @@ def test_an_interrupted_transfer_resumes_exactly(tmp_path, monkeypatch):
         assert torch.equal(kernel.transform, cv.kernels(resumed)[i].transform), i
     assert len(record["layers"]["1"]["losses"]) == 10
     assert json.loads((tmp_path / "transfer.json").read_text())["layers"]["0"]["done"]
+
+
+def test_a_resume_with_another_budget_is_refused(tmp_path, monkeypatch):
+    """Resuming into a checkpoint written with other steps or another objective would silently continue
+    (or keep) the old transfer under the new name: it is refused, and names what differs."""
+    model = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2, layers="all"))
+    import kernelmix.pretrained.transfer as tr
+
+    real = tr.relative_error
+    calls = {"n": 0}
+
+    def interrupted(kernel, piece, write=None):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(kernel, piece, write)
+
+    monkeypatch.setattr(tr, "relative_error", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        transfer(model, ids(2, 16), TransferConfig(steps=6, checkpoint_every=2), out_dir=tmp_path)
+    monkeypatch.setattr(tr, "relative_error", real)
+    for changed in (dict(objective="residual"), dict(steps=9)):
+        again = cv.convert(tiny_gemma(), cv.ConversionConfig(mixer="darkformer", num_features=8, window=2,
+                                                             layers="all"))
+        with pytest.raises(KernelmixError, match=f"another budget: {next(iter(changed))}="):
+            transfer(again, ids(2, 16), TransferConfig(checkpoint_every=3, **({"steps": 6} | changed)),
+                     out_dir=tmp_path, resume=True)
+    resumed = transfer(model, ids(2, 16), TransferConfig(steps=6, checkpoint_every=3), out_dir=tmp_path, resume=True)
+    assert all(len(entry["losses"]) == 6 for entry in resumed["layers"].values())
+
+
+def _rms_norm_reference(x, weight, eps):
+    """Gemma's RMSNorm written out in float64: x / rms(x) · (1 + w)."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight.double())
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_residual_write_is_what_the_layer_adds_to_its_residual_stream(family):
+    from kernelmix.pretrained.attention import decoder_layers, residual_write
+
+    host = tiny_gemma() if family == "gemma" else tiny_llama()
+    layer = decoder_layers(host)[1]
+    heads, head_dim = host.config.num_attention_heads, host.config.head_dim
+    out = torch.randn(2, 7, heads, head_dim)
+    projected = out.reshape(2, 7, -1).double() @ layer.self_attn.o_proj.weight.double().T
+    if family == "gemma":  # sandwich norms: the attention branch's output is normalised per token
+        norm = layer.post_attention_layernorm
+        expected = _rms_norm_reference(projected, norm.weight, norm.eps)
+    else:  # Llama's post_attention_layernorm is the MLP's input norm, not on this branch
+        expected = projected
+    torch.testing.assert_close(residual_write(layer)(out).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_residual_objective_lowers_its_error_and_trains_only_the_kernels():
+    from kernelmix.pretrained.attention import decoder_layers, residual_write
+
+    host = tiny_gemma(qk_scale=1.0)
+    with torch.no_grad():  # a norm weight far from 0, so the write is not o_proj up to a constant
+        for layer in decoder_layers(host):
+            layer.post_attention_layernorm.weight.normal_(0.0, 2.0)
+    model = cv.convert(copy.deepcopy(host), cv.ConversionConfig(mixer="darkformer", num_features=16, window=1,
+                                                                sinks=0, layers="all"))
+    before_host = {k: v.clone() for k, v in model.state_dict().items() if ".kernelmix_rf." not in k}
+    held = ids(2, 24, seed=7)
+    write = residual_write(decoder_layers(model)[1])
+
+    def held_out():
+        pieces = layer_pieces(capture(model, held, layers=[1])[1], held.shape[1])
+        with torch.no_grad():
+            for piece in pieces:
+                piece.written = write(piece.target)
+            return sum(relative_error(cv.kernels(model)[1], p, write).item() for p in pieces) / len(pieces)
+
+    before = held_out()
+    record = transfer(model, ids(4, 24, seed=3), TransferConfig(steps=40, lr=3e-2, objective="residual"))
+    assert held_out() < 0.95 * before
+    assert record["config"]["objective"] == "residual"
+    for name, value in model.named_parameters():
+        if ".kernelmix_rf." not in name:
+            assert value.requires_grad and value.grad is None, name  # frozen for the transfer, restored after
+            assert torch.equal(value, before_host[name]), name
 
 
 def test_bad_input_is_refused_before_work():
@@ -116,6 +198,9 @@ def test_cli_convert_with_transfer(tmp_path, capsys, monkeypatch):
             and not (out / "transfer").exists())
     with pytest.raises(SystemExit):  # --resume without --transfer
         main(args[:-3] + ["--resume"])
+    assert "pass --transfer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an objective without --transfer
+        main(args[:-3] + ["--transfer-objective", "residual"])
     assert "pass --transfer" in capsys.readouterr().err
 
 

@@ -8,9 +8,16 @@ from typing import Annotated
 
 import shutil
 
-from ..config import Arg, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..config import Arg, Choice, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
 from ..errors import KernelmixError
-from ..pretrained.settings import DISTILL_FILES, TRANSFER_FILES, ConversionConfig, DistillConfig, TransferConfig
+from ..pretrained.settings import (
+    DISTILL_FILES,
+    TRANSFER_FILES,
+    TRANSFER_OBJECTIVES,
+    ConversionConfig,
+    DistillConfig,
+    TransferConfig,
+)
 from .commands import summary
 from .options import add_options, from_args
 from .paths import output_dir, user_errors
@@ -43,6 +50,9 @@ class ConvertOptions:
     transfer_steps: Annotated[PositiveInt, Field(description="attention-transfer steps per layer")] = 200
     transfer_lr: Annotated[PositiveFloat | None, Field(description="attention-transfer learning rate (default: per "
                                                                    "mixer, darkformer 3e-4, hedgehog 1e-2)")] = None
+    transfer_objective: Annotated[str, Choice(TRANSFER_OBJECTIVES, "transfer objective"), Field(
+        description="where the transfer matches each layer: attention (its output, before o_proj) or residual (what "
+                    "it adds to the residual stream: o_proj, then Gemma's post-attention norm)")] = "attention"
     kl_steps: Annotated[NonNegativeInt, Field(description="after --transfer: steps of end-to-end logit distillation "
                                                           "(the kernels trained on KL(host ‖ converted) of the "
                                                           "next-token distributions, host frozen; 0 = none)")] = 0
@@ -55,6 +65,8 @@ class ConvertOptions:
             raise ValueError("--resume continues an interrupted --transfer: pass --transfer as well")
         if self.kl_steps and not self.transfer:
             raise ValueError("--kl-steps distils after the attention transfer: pass --transfer as well")
+        if self.transfer_objective != "attention" and not self.transfer:
+            raise ValueError("--transfer-objective chooses the attention transfer's loss: pass --transfer as well")
 
 
 def check_out(opts: ConvertOptions) -> Path:
@@ -113,7 +125,8 @@ def _cli_convert(args) -> int:
         log = lambda msg: print(f"  {msg}", flush=True)  # noqa: E731
         convert(model, config, calibration=calibration, init=config.init, steps=opts.steps, progress=True, log=log)
         if opts.transfer:
-            record = transfer(model, calibration, TransferConfig(steps=opts.transfer_steps, lr=opts.transfer_lr),
+            record = transfer(model, calibration, TransferConfig(steps=opts.transfer_steps, lr=opts.transfer_lr,
+                                                                objective=opts.transfer_objective),
                               out_dir=out, resume=opts.resume, progress=True, log=log)
             for layer, entry in record["layers"].items():
                 print(f"  transfer layer {layer}: relative error {entry['first']:.3f} → {entry['last']:.3f}")

@@ -213,6 +213,33 @@ def is_local(attn: nn.Module) -> bool:
 
 
 
+def residual_write(layer: nn.Module) -> Callable[[Tensor], Tensor]:
+    """What a decoder layer adds to its residual stream, as a function of its attention output.
+
+    Gemma 2 and 3 put a norm on each branch's output (their layers also have a
+    ``pre_feedforward_layernorm``): there the write is ``post_attention_layernorm(o_proj(a))``, an
+    RMSNorm per token, so a token whose attention output is small in norm has its error scaled up.
+    Llama's ``post_attention_layernorm`` normalises the residual before the MLP instead, so its write
+    is ``o_proj(a)`` alone.
+
+    Args:
+        layer: one of :func:`decoder_layers`' layers.
+
+    Returns:
+        A function of an attention output ``[B, T, H, d_v]`` (float32) returning the write ``[B, T,
+        hidden]`` in float32; gradients flow to its input (the layer's own weights are the caller's
+        to freeze)."""
+    attn = layer.self_attn
+    sandwich = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_attention_layernorm")
+
+    def write(out: Tensor) -> Tensor:
+        batch, length = out.shape[:2]
+        projected = attn.o_proj(out.reshape(batch, length, -1).to(attn.o_proj.weight.dtype))
+        return (layer.post_attention_layernorm(projected) if sandwich else projected).float()
+
+    return write
+
+
 def kernels(model) -> dict[int, nn.Module]:
     """Layer index → its attached kernel (:class:`~.layer_kernels.RandomFeatureKernel` or
     :class:`~.layer_kernels.CubitKernel`), converted layers only.

@@ -126,6 +126,9 @@ class ConversionConfig:
 #: 8 × 1,024 calibration tokens): DARKFormer at 1e-3 already diverged, Hedgehog at 3e-2 fell behind 1e-2
 DEFAULT_LR = {"darkformer": 3e-4, "hedgehog": 1e-2}
 
+#: where the transfer compares a layer's output with the host's (kernelmix.pretrained.transfer)
+TRANSFER_OBJECTIVES = ("attention", "residual")
+
 #: what a transfer writes in its output directory (the checkpoints, the record of its losses)
 TRANSFER_FILES = ("transfer", "transfer.json")
 
@@ -142,6 +145,9 @@ class TransferConfig:
                                                                  "its features can estimate")] = 0.1
     grad_clip: PositiveFloat = 1.0
     checkpoint_every: Annotated[PositiveInt, Field(description="steps between checkpoints (with out_dir)")] = 50
+    objective: Annotated[str, Choice(TRANSFER_OBJECTIVES, "transfer objective"), Field(
+        description="what each layer's output is matched in: 'attention' (before o_proj) or 'residual' (what the "
+                    "layer adds to the residual stream: o_proj, then Gemma's post-attention norm)")] = "attention"
 
     def validate(self) -> None:
         check(self)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import platform
 import statistics
@@ -158,6 +159,26 @@ def _row_name(variant: str, settings, num_features: int | None) -> str:
     return variant if num_features in (None, settings.num_features) else f"{variant} m={num_features}"
 
 
+#: the settings each stage's result depends on (beyond its layers and variant): a stage's work directory
+#: is named by them, so a run with other settings trains afresh instead of resuming another budget's run
+_STAGE_INPUTS = {
+    "transfer": ("model", "text", "val_fraction", "seed", "num_features", "window", "sinks", "calib_seqs", "calib_len",
+                 "transfer_steps", "transfer_objective"),
+    "distill": ("kl_steps", "kl_lr"),
+    "lora": ("lora_steps", "lora_seq_len", "lora_lr"),
+}
+
+
+def _stage_dir(work: Path, stage: str, tag: str, settings, num_features=None) -> Path:
+    """``work/<stage>-<tag>-<digest>``: the digest covers the settings this stage and the ones before it
+    depend on (a LoRA run continues a distilled, transferred model)."""
+    order = list(_STAGE_INPUTS)
+    inputs = {k: getattr(settings, k) for s in order[:order.index(stage) + 1] for k in _STAGE_INPUTS[s]}
+    inputs["num_features"] = num_features or settings.num_features
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=list).encode()).hexdigest()[:8]
+    return work / f"{stage}-{tag}-{digest}"
+
+
 def _converted(settings, host, data, layers: str, variant: str, work: Path, progress, log, num_features=None):
     """A fresh copy of ``host`` converted as ``variant`` (transferred for darkformer/hedgehog, then
     distilled on the host's logits with ``kl_steps``), at ``num_features`` (default: the settings' m)."""
@@ -171,14 +192,15 @@ def _converted(settings, host, data, layers: str, variant: str, work: Path, prog
     model = convert(copy.deepcopy(host), config, calibration=calibration, init=init)
     record = None
     if variant in TRANSFERRED:
-        record = transfer(model, data["calibration"], TransferConfig(steps=settings.transfer_steps),
-                          out_dir=work / f"transfer-{tag}", resume=(work / f"transfer-{tag}" / "transfer").is_dir(),
-                          progress=progress, log=None)
+        where = _stage_dir(work, "transfer", tag, settings, num_features)
+        record = transfer(model, data["calibration"], TransferConfig(steps=settings.transfer_steps,
+                                                                   objective=settings.transfer_objective),
+                          out_dir=where, resume=(where / "transfer").is_dir(), progress=progress, log=None)
         if settings.kl_steps:
+            where = _stage_dir(work, "distill", tag, settings, num_features)
             record["kl"] = distill(model, data["calibration"], DistillConfig(steps=settings.kl_steps, lr=settings.kl_lr,
                                                                              seed=settings.seed),
-                                   out_dir=work / f"distill-{tag}",
-                                   resume=(work / f"distill-{tag}" / "distill").is_dir(), progress=progress)
+                                   out_dir=where, resume=(where / "distill").is_dir(), progress=progress)
     return model, record
 
 
@@ -210,10 +232,10 @@ def _variant_rows(settings, host, data, layers, variant, work, done, progress, l
         config = FinetuneConfig(mode="lora", steps=settings.lora_steps, seq_len=settings.lora_seq_len,
                                 lr=settings.lora_lr, warmup_steps=2, eval_every=settings.lora_steps, eval_seqs=1,
                                 seed=settings.seed, train_kernels=False)
+        where = _stage_dir(work, "lora", f"{layers}-{variant}", settings)
         tuned, result = finetune(model, data["finetune"], data["held_out"][:1, :settings.lora_seq_len], config,
-                                 out_dir=work / f"lora-{layers}-{variant}",
-                                 resume=(work / f"lora-{layers}-{variant}" / "checkpoints").is_dir(),
-                                 progress=progress, label=f"lora {layers}/{variant}")
+                                 out_dir=where, resume=(where / "checkpoints").is_dir(), progress=progress,
+                                 label=f"lora {layers}/{variant}")
         done[names[1]] = {"layers": layers, "variant": name, "stage": "lora", "loss": _loss(tuned, data["held_out"]),
                           "attention_error": None, "lora_seconds": result.get("wall_s")}
         _timed(done, names[1], started)

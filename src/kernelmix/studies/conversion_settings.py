@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import Choice, Distinct, Field, NonNegativeInt, PositiveFloat, PositiveInt, check
+from ..pretrained.settings import TRANSFER_OBJECTIVES
 
 VARIANTS = ("window", "performer", "whiten", "darkformer", "hedgehog")
 TRANSFERRED = ("darkformer", "hedgehog")
@@ -41,6 +42,9 @@ class ConversionReportSettings:
     eval_len: PositiveInt = 2048
     error_len: Annotated[PositiveInt, Field(description="held-out window for the per-layer attention error")] = 2048
     transfer_steps: PositiveInt = 200
+    transfer_objective: Annotated[str, Choice(TRANSFER_OBJECTIVES, "transfer objective"), Field(
+        description="where the transfer matches each layer: 'attention' (its output) or 'residual' (what it adds "
+                    "to the residual stream, after o_proj and Gemma's post-attention norm)")] = "attention"
     kl_steps: Annotated[NonNegativeInt, Field(description="steps of end-to-end logit distillation after the transfer "
                                                           "(darkformer and hedgehog rows; 0 = none)")] = 0
     kl_lr: PositiveFloat = 1e-4
