@@ -80,6 +80,7 @@ def test_each_stage_works_in_a_directory_named_by_its_budget(tmp_path, corpus):
                                    tokenizer=SavableByteTokenizer(), log=lambda msg: None)
         assert result["rows"][0]["stage"] == "transfer"
     assert len(list((tmp_path / "work").glob("transfer-global-darkformer-*"))) == 2
+    assert "`--transfer-objective residual`" in (tmp_path / "out" / "README.md").read_text()  # the last run's
 
 
 def test_the_report_measures_every_row_and_decoding(tmp_path, corpus):

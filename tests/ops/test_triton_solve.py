@@ -117,6 +117,14 @@ def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cut
         (37, 16, True, True, [1.0, 0.7], [[0, 5, 21], [0, 16, 30]], 2, (8, 12)),
         # dk = 20 (padded to 32), dv = 80: two value slices of 64 in the sequential kernels
         (37, 16, False, True, [0.5], None, 1, (20, 80)),
+        # dv = 100 (padded to 128, a wide head): blocks of 64 rows, the row gradient in its own blocks
+        # of 16 (GRADIENT_WIDE_ROWS), the column gradient streaming rows in tiles of 32; T = 77 not a
+        # multiple of either, a document boundary mid-block
+        (77, 64, False, False, [0.1], [[0, 30]], 1, (8, 100)),
+        (77, 64, True, True, [0.4], [[0, 45]], 1, (8, 100)),
+        # blocks of 64 without documents: the gradient kernels' streamed tiles without doc starts
+        (77, 64, False, False, [0.2], None, 1, (8, 12)),
+        (77, 64, True, True, [0.6], None, 1, (8, 100)),
     ],
 )
 def test_matches_dense_reference(length, chunk_size, strict, with_beta, gamma, cuts, batch, dims):
@@ -144,6 +152,22 @@ def test_spans_match_dense_reference(monkeypatch, span, length, chunk_size, stri
     monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "fp32")
     check_against_reference(length, chunk_size, strict=strict, with_beta=with_beta, gamma=gamma, cuts=cuts,
                             batch=batch, dims=dims)
+
+
+def test_wide_heads_take_their_own_gradient_blocks():
+    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): at a 128-wide head the
+    row gradient works on 16-row blocks streaming 16-row tiles, the column gradient on the 64-row
+    blocks streaming 32; at d = 64 both keep 64 rows and stream 32; all at 8 warps."""
+    launches = {x.name: x for x in _triton_solve.solve_launches(1, 16, 8192, 128, 128, chunk_size=64, strict=False,
+                                                                has_beta=False, has_doc=True)}
+    rows, columns = launches["solve_grad_rows"], launches["solve_grad_columns"]
+    rows_blocks = (rows.constexprs["BLOCK_T"], rows.constexprs["STREAM_T"], rows.grid, rows.num_warps)
+    assert rows_blocks == (16, 16, (16, 512), 8)
+    assert (columns.constexprs["BLOCK_T"], columns.constexprs["STREAM_T"], columns.grid) == (64, 32, (16, 128))
+    narrow = {x.name: x for x in _triton_solve.solve_launches(1, 12, 8192, 64, 64, chunk_size=64, strict=True,
+                                                              has_beta=True, has_doc=True)}
+    assert all((narrow[n].constexprs["BLOCK_T"], narrow[n].constexprs["STREAM_T"], narrow[n].num_warps) == (64, 32, 8)
+               for n in ("solve_grad_rows", "solve_grad_columns"))
 
 
 def test_spans_with_cubit_tiny_ridge(monkeypatch):

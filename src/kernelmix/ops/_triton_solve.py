@@ -42,6 +42,14 @@ SPAN_OPERANDS = "tf32"
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
+# The gradient kernels keep their own block's tiles (rows: x, db and the accumulator; columns: y,
+# u and dy) and stream the other side's in tiles of GRADIENT_STREAM_ROWS rows, at 8 warps. For
+# 128-wide heads the row kernel's own block is GRADIENT_WIDE_ROWS rows. ptxas (sm_90) per thread at
+# d = 128: rows 64/64 spilled 1.6-1.8 KB, 64/32 1.1-1.4 KB, 32/16 0.5-0.6 KB, 16/16 none (210-215
+# registers); columns 64/64 0.3-0.4 KB, 64/32 none. At d = 64 (4 warps) rows spilled 0.4-0.7 KB;
+# 64/32 at 8 warps none. The smaller row block reloads the streamed tiles 4x as often (plan.md).
+GRADIENT_STREAM_ROWS = 32
+GRADIENT_WIDE_ROWS = 16
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -130,6 +138,12 @@ class _Layout:
         # 64-row tiles of 128-wide head dims spill heavily at 4 warps (ptxas, sm_90: 25-37 KB stack
         # frames per kernel; 6-15 KB at 8 warps): a first guess, for a GPU run to tune
         self.num_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 128 else 4
+        # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS)
+        wide = max(self.block_k, self.block_dv) >= 128
+        self.grad_row_t = min(self.block_t, GRADIENT_WIDE_ROWS) if wide else self.block_t
+        self.row_stream_t = min(self.grad_row_t, GRADIENT_STREAM_ROWS)
+        self.column_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
+        self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -158,8 +172,19 @@ class _Layout:
 
     @property
     def block_grid(self) -> tuple[int, int]:
-        """The row and column gradient kernels: one program per (batch · head, row block)."""
+        """The column gradient kernel: one program per (batch · head, column block)."""
         return (self.batch * self.heads, self.blocks)
+
+    @property
+    def row_gradient_grid(self) -> tuple[int, int]:
+        """The row gradient kernel: one program per (batch · head, block of ``grad_row_t`` rows)."""
+        return (self.batch * self.heads, triton.cdiv(self.length, self.grad_row_t))
+
+    def gradient_flags(self, rows: bool) -> dict:
+        """The row (``rows``) or column gradient kernel's blocks and warps."""
+        return self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
+                                   BLOCK_T=self.grad_row_t if rows else self.block_t,
+                                   STREAM_T=self.row_stream_t if rows else self.column_stream_t)
 
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
@@ -242,20 +267,17 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
     grad_x = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-    grid = lay.block_grid
     tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
-    grad_rows_kernel[grid](
+    grad_rows_kernel[lay.row_gradient_grid](
         x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
-        lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, BLOCK_DV=lay.block_dv, OPERANDS=lay.operands,
-        HAS_E=given, **lay.flags(),
+        lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, HAS_E=given, **lay.gradient_flags(rows=True),
     )
     grad_y = None
     if need_y:
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-        grad_columns_kernel[grid](
+        grad_columns_kernel[lay.block_grid](
             x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, ends, *tensors, *_strides4(grad_y),
-            lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
-            BLOCK_DV=lay.block_dv, OPERANDS=lay.operands, **lay.flags(),
+            lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2, **lay.gradient_flags(rows=False),
         )
     return grad_b, (grad_x if need_x else None), grad_y, e
 
@@ -334,11 +356,12 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     several = lay.spans > 1
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
-                 operands=lay.operands)
+                 operands=lay.operands, grad_row_t=lay.grad_row_t)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
-    gradient = {"BLOCK_DV": lay.block_dv, "OPERANDS": lay.operands}
-    row_gradient = gradient | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
+    row_gradient = lay.gradient_flags(rows=True) | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
+    column_gradient = lay.gradient_flags(rows=False)
+    gradient_warps = row_gradient.pop("num_warps"), column_gradient.pop("num_warps")
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
     kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
@@ -348,8 +371,10 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, lay.spans),
-               ("solve_grad_rows", grad_rows_kernel, lay.block_grid, flags | row_gradient, 1),
-               ("solve_grad_columns", grad_columns_kernel, lay.block_grid, flags | gradient, 1)]
-    return [KernelLaunch(name, kernel, grid, constexprs, sub_warps if name in ("solve_forward", "solve_transposed")
-                         else warps, aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
+               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, 1),
+               ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
+    launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_grad_rows": gradient_warps[0],
+                    "solve_grad_columns": gradient_warps[1]}
+    return [KernelLaunch(name, kernel, grid, constexprs, launch_warps.get(name, warps),
+                         aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
             for name, kernel, grid, constexprs, calls in kernels if calls > 0]

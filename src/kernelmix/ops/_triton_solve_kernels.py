@@ -435,20 +435,21 @@ if triton is not None:
         x_tile, db_rows, lse_rows, e_given, starts, y_ptr, u_ptr, rows, first, i0,
         s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr, HAS_E: tl.constexpr,
+        OPERANDS: tl.constexpr, HAS_E: tl.constexpr, STREAM_T: tl.constexpr,
     ):
         """Over the columns rows I see, with S = db uᵀ: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and
         Σ_j K_ij y_j (one pass; dx follows from the three). With ``HAS_E`` (e given in ``e_given``)
         one accumulator instead of two, Σ_j K_ij (S_ij − e_i) y_j, and the third stays 0 (the two
-        spilled on sm_90 at 64 rows × d = 128)."""
+        spilled on sm_90 at 64 rows × d = 128). The columns stream in tiles of ``STREAM_T`` (a divisor
+        of BLOCK_T): the row block's own tiles stay in registers, the streamed ones are smaller."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         e_rows = e_given
         weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         j0 = first
-        while j0 <= i0:  # loads inline: each device call costs the interpreter
-            cols = j0 + tl.arange(0, BLOCK_T)
+        while j0 < i0 + BLOCK_T:  # loads inline: each device call costs the interpreter
+            cols = j0 + tl.arange(0, STREAM_T)
             y_tile = tl.load(y_ptr + cols[:, None].to(tl.int64) * s_yt + kcols[None, :] * s_yd,
                              mask=(cols[:, None] < length) & (kcols[None, :] < dk), other=0.0)
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
@@ -462,7 +463,7 @@ if triton is not None:
                 e_rows += tl.sum(products, 1)
                 weighted += product(products, y_tile, OPERANDS)
                 smoothed += product(kernel, y_tile, OPERANDS)
-            j0 += BLOCK_T
+            j0 += STREAM_T
         return e_rows, weighted, smoothed
 
     @triton.jit
@@ -474,7 +475,7 @@ if triton is not None:
         heads, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        HAS_E: tl.constexpr,
+        HAS_E: tl.constexpr, STREAM_T: tl.constexpr,
     ):
         """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
         dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j); with ``HAS_E`` e is given (read
@@ -500,7 +501,7 @@ if triton is not None:
         e_rows, weighted, smoothed = _grad_rows_sums(
             x_tile, db_rows, lse_rows, e_given, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
             rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
-            OPERANDS, HAS_E,
+            OPERANDS, HAS_E, STREAM_T,
         )
         factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
         grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)  # (smoothed is 0 with HAS_E)
@@ -514,19 +515,21 @@ if triton is not None:
         s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        STREAM_T: tl.constexpr,
     ):
-        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J."""
+        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J,
+        their rows streamed in tiles of ``STREAM_T`` (a divisor of BLOCK_T)."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        i_block = j_block
-        while i_block < end_block:  # loads inline: each device call costs the interpreter
-            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        r0 = j_block * BLOCK_T
+        while r0 < end_block * BLOCK_T:  # loads inline: each device call costs the interpreter
+            rows = r0 + tl.arange(0, STREAM_T)
             inside = rows < length
             if HAS_DOC:
                 starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
             else:
-                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
+                starts = tl.zeros([STREAM_T], dtype=tl.int32)
             x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
                              mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
             db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
@@ -538,7 +541,7 @@ if triton is not None:
                 scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
             total += product(tl.trans(kernel * scores), x_tile, OPERANDS)
-            i_block += 1
+            r0 += STREAM_T
         return total
 
     @triton.jit
@@ -550,6 +553,7 @@ if triton is not None:
         heads, length, blocks, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        STREAM_T: tl.constexpr,
     ):
         """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i)."""
         pid = tl.program_id(0)
@@ -566,6 +570,6 @@ if triton is not None:
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
             e_ptr + pid.to(tl.int64) * length, cols, j_block, end_block,
             s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
-            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
+            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T,
         )
         _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)

@@ -30,6 +30,14 @@ def _distillation(result: dict) -> str:
             "transfer rows include it.")
 
 
+def _objective(s: dict) -> str:
+    """What the transfer matched, when it was not the attention output (the default)."""
+    if s.get("transfer_objective", "attention") == "attention":
+        return ""
+    return (", matching what each layer writes into the residual stream (o_proj, then the post-attention norm: "
+            "`--transfer-objective residual`), not its attention output")
+
+
 def report_markdown(result: dict) -> str:
     s = result["settings"]
     host = result["host_loss"]
@@ -44,7 +52,8 @@ def report_markdown(result: dict) -> str:
         f"{result['tokens']['held_out']} tokens ({s['eval_seqs']} × {s['eval_len']}) of documents no calibration or "
         f"finetuning saw; attention error: ‖out − exact‖² / ‖exact‖² per converted layer on the host's own q/k/v of a "
         f"held-out {s['error_len']}-token window (the median over layers in the table). Transfer: "
-        f"{s['transfer_steps']} steps per layer on {s['calib_seqs']} × {s['calib_len']} calibration tokens; LoRA: "
+        f"{s['transfer_steps']} steps per layer on {s['calib_seqs']} × {s['calib_len']} calibration tokens"
+        f"{_objective(s)}; LoRA: "
         f"{s['lora_steps']} steps × {s['lora_seq_len']} tokens, "
         f"lr {s['lora_lr']}.{_distillation(result)} One seed ({s['seed']}).",
         "",

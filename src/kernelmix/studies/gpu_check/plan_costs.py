@@ -114,8 +114,12 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
     elif name == "solve_grad_rows":  # Cubit (no β) reads e from K U = b − γ U: one product with y fewer
-        flops = 2 * c * c * ((3 if has_beta else 2) * k + dv) * all_lower
-        moved = all_lower * c * (k + dv) * FP32 + n * c * ((2 * k + dv) * FP32 + row_scalars + FP32)
+        # in its own row blocks (grad_row_t rows): every block streams the columns it sees
+        rows = tiles.get("grad_row_t", c)
+        row_blocks = -(-n * c // rows)
+        row_lower = row_blocks * (row_blocks + 1) / 2
+        flops = 2 * rows * rows * ((3 if has_beta else 2) * k + dv) * row_lower
+        moved = row_lower * rows * (k + dv) * FP32 + row_blocks * rows * ((2 * k + dv) * FP32 + row_scalars + FP32)
     elif name == "solve_grad_columns":
         flops = 2 * c * c * (2 * k + dv) * all_lower
         moved = all_lower * c * ((k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
