@@ -38,7 +38,7 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     the gap against m."""
     host = tiny_gemma(layer_types=("full_attention", "sliding_attention", "full_attention"))
     settings = _settings(corpus, layers=["global"], variants=["darkformer"], lora_variants=[], feature_sweep=[16],
-                         kl_steps=2, kl_lr=1e-2, layer_gaps=True)
+                         kl_steps=2, kl_lr=1e-2, layer_gaps=True, estimator_check=[24])
     result = conversion_report(settings, tmp_path / "out", tmp_path / "work", model=host,
                                tokenizer=SavableByteTokenizer(), log=lambda msg: None)
     rows = {(r["layers"], r["variant"], r["stage"]): r for r in result["rows"]}
@@ -55,6 +55,15 @@ def test_the_feature_sweep_and_the_logit_distillation_rows(tmp_path, corpus):
     both = rows[("global", "darkformer", "transfer")]["loss"]
     assert set(gaps) == {"0", "2"} and len({gaps["0"], gaps["2"], both, result["host_loss"]}) == 4
     assert "## Which layer carries the gap" in readme and "| all 2 | " in readme
+    # estimator_check: the transferred M with three fresh draws at m = 8 (the row's) and 24, the whitened M
+    check = result["estimator"]
+    assert set(check["redrawn"]) == set(check["whitened"]) == {"8", "24"}
+    assert all(len(runs) == 3 and all(set(r) == {"0", "2"} for r in runs) for runs in check["redrawn"].values())
+    assert check["own"] == {k: pytest.approx(v) for k, v in
+                            rows[("global", "darkformer", "transfer")]["per_layer_error"].items()}
+    draws = [r["0"] for r in check["redrawn"]["8"]]
+    assert len(set(draws)) == 3 and check["own"]["0"] not in draws  # fresh draws, none the trained one
+    assert "## Is the feature part estimating a kernel?" in readme and "| 24 |" in readme
 
 
 def test_each_stage_works_in_a_directory_named_by_its_budget(tmp_path, corpus):

@@ -67,8 +67,8 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {row['layers']} | {row['variant']} | {row['stage']} | {row['loss']:.4f} | "
                      f"{row['loss'] - host:+.4f} | {err} |")
     lines += ["", "![held-out loss](loss.png)", "", "![per-layer attention error](attention_error.png)", ""]
-    lines += (_per_layer_table(result) + _feature_sweep(result) + _layer_gaps(result) + _decode_table(result)
-              + _targets(result))
+    lines += (_per_layer_table(result) + _feature_sweep(result) + _layer_gaps(result) + _estimator(result)
+              + _decode_table(result) + _targets(result))
     return "\n".join(lines) + "\n"
 
 
@@ -133,6 +133,29 @@ def _layer_gaps(result: dict) -> list[str]:
               f"{row['loss'] - host:+.4f} |",
               "", f"The one-layer gaps add to {sum(gaps.values()) - len(gaps) * host:+.4f}.", ""]
     return lines
+
+
+def _estimator(result: dict) -> list[str]:
+    """Whether the feature part estimates a kernel: errors with W redrawn at more features."""
+    check = result.get("estimator")
+    if not check:
+        return []
+    layers = sorted(check["own"], key=int)
+    span = lambda runs, layer: (f"{min(r[layer] for r in runs):.3f}–{max(r[layer] for r in runs):.3f}"  # noqa: E731
+                                if len(runs) > 1 else f"{runs[0][layer]:.3f}")
+    own = " / ".join(f"{check['own'][i]:.3f}" for i in layers)
+    lines = ["## Is the feature part estimating a kernel?", "",
+             f"Global layers {' / '.join(layers)}, attention error on the held-out window. *Transferred M*: "
+             f"DARKFormer after transfer with W redrawn ({len(next(iter(check['redrawn'].values())))} draws: "
+             f"min–max); with the draw it was trained on: {own}. *Whitened M*: the kernel is the host's own, "
+             "W drawn once. An estimator of a kernel gets better with m; a map fitted to its draw of W does not "
+             "survive a new one.", "",
+             "| m | transferred M, W redrawn | whitened M |", "|---:|---|---|"]
+    for m in sorted(check["redrawn"], key=int):
+        redrawn = " / ".join(span(check["redrawn"][m], i) for i in layers)
+        whitened = " / ".join(f"{check['whitened'][m][i]:.3f}" for i in layers)
+        lines.append(f"| {int(m):,} | {redrawn} | {whitened} |")
+    return lines + [""]
 
 
 def _decode_table(result: dict) -> list[str]:

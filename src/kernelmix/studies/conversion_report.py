@@ -41,7 +41,7 @@ from ..errors import KernelmixError
 from ..evaluate import evaluate_windows
 from ..locks import run_directory_lock
 from ..output import write_json_atomic, write_text_atomic
-from ..pretrained import ConversionConfig, FinetuneConfig, convert, finetune, kernels, load_pretrained
+from ..pretrained import ConversionConfig, FinetuneConfig, convert, finetune, kernels, load_pretrained, set_num_features
 from ..pretrained.calibration import capture
 from ..pretrained.logit_distill import DistillConfig, distill
 from ..pretrained.transfer import TransferConfig, layer_pieces, relative_error, transfer
@@ -100,11 +100,14 @@ def _report(settings, out: Path, work: Path, model, tokenizer, progress, log) ->
     if settings.layer_gaps and "global" in settings.layers and "darkformer" in settings.variants:
         _cached(done, "layer_gaps", lambda: _layer_gaps(settings, model, data, work, log), log)
         write_json_atomic(rows_file, {"key": key, "rows": done})
+    if settings.estimator_check and "global" in settings.layers and "darkformer" in settings.variants:
+        _cached(done, "estimator", lambda: _estimator_check(settings, model, data, work, log), log)
+        write_json_atomic(rows_file, {"key": key, "rows": done})
     decode = _cached(done, "decode",
                      lambda: decode_costs(model, settings, _decode_model(settings, model, data, work, log)), log)
     write_json_atomic(rows_file, {"key": key, "rows": done})
     result = {"host_loss": host_loss, "rows": rows, "decode": decode, "settings": asdict(settings),
-              "layer_gaps": done.get("layer_gaps"),
+              "layer_gaps": done.get("layer_gaps"), "estimator": done.get("estimator"),
               "row_seconds": done.get("seconds", {}),
               "tokens": {name: int(x.numel()) for name, x in data.items()}, "machine": _machine(),
               "seconds": time.perf_counter() - started}
@@ -273,6 +276,34 @@ def _layer_gaps(settings, host, data, work, log) -> dict[str, float]:
         losses[str(only)] = _loss(model, data["held_out"])
         log(f"layer gap: only layer {only} converted: loss {losses[str(only)]:.4f}")
     return losses
+
+
+ESTIMATOR_SEEDS = (1, 2, 3)  # not the conversion's own seed (settings.seed, 0 by default)
+
+
+def _estimator_check(settings, host, data, work, log) -> dict:
+    """The global layers' held-out attention errors (by layer) with W redrawn at each m of
+    ``settings.estimator_check``: for the transferred M (``redrawn``: one entry per seed of
+    :data:`ESTIMATOR_SEEDS`; ``own``: the draw it was trained with) and for the whitened M, whose
+    kernel is the host's own (``whitened``, seed 1). An estimator's error falls with m; a map fitted
+    to its draw of W loses its fit on any other draw."""
+    model, _ = _converted(settings, host, data, "global", "darkformer", work, False, log)
+    errors = lambda m: {str(i): e for i, e in _attention_errors(host, m, data["error"]).items()}  # noqa: E731
+    result = {"own": errors(model), "redrawn": {}, "whitened": {}}
+    whitened = convert(copy.deepcopy(host), ConversionConfig(mixer="darkformer", layers="global",
+                                                             num_features=settings.num_features,
+                                                             window=settings.window, sinks=settings.sinks,
+                                                             seed=settings.seed),
+                       calibration=data["calibration"][:2, :512], init="whiten")
+    for m in (settings.num_features, *settings.estimator_check):
+        result["redrawn"][str(m)] = []
+        for seed in ESTIMATOR_SEEDS:
+            set_num_features(model, m, seed=seed)
+            result["redrawn"][str(m)].append(errors(model))
+        set_num_features(whitened, m, seed=1)
+        result["whitened"][str(m)] = errors(whitened)
+        log(f"estimator check m={m}: redrawn {result['redrawn'][str(m)]}, whitened {result['whitened'][str(m)]}")
+    return result
 
 
 def _decode_model(settings, host, data, work, log):

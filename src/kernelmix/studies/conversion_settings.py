@@ -64,6 +64,11 @@ class ConversionReportSettings:
                                                   "transfer with one converted layer at a time (the others exact): "
                                                   "which layer carries the gap")] = False
 
+    estimator_check: Annotated[list[PositiveInt], Distinct("m"), Field(
+        description="also the global layers' attention error with W redrawn at these m for the "
+                    "transferred M (3 draws), and for the whitened M (the host's own kernel): is the feature part an "
+                    "estimate of a kernel or a map fitted to its draw? (e.g. 256,1024,4096)")] = ()
+
     def __post_init__(self) -> None:
         check(self)
 
