@@ -15,9 +15,12 @@ never mix — and stores R_{c−1} for every chunk (the solve's rows need it, an
 Backward, with G_c = dL/dR_c (from the later chunks and from R_c's own uses) and W_c = K_c G_c:
 dX_c = W_c, dA_c = −W_c R_{c−1}ᵀ, dK_c = (X_c − A_c R_{c−1}) G_cᵀ, da_c = ⟨G_c, R_{c−1}⟩ and
 G_{c−1} = a_c G_c − A_cᵀ W_c + dL/dR_{c−1} (its direct use); dR_{−1} is the initial state's gradient.
-The kernel walks the chunks from the last; the sums over value columns (dA, dK, da) are stored per
-value block and added by torch. Products are full fp32 (``input_precision="ieee"``): the state is
-carried through every chunk, so its errors would compound.
+The kernel walks the chunks from the last, carrying G alone and storing G_c for every chunk; the
+chunks' own gradients then come from G_c and R_{c−1} by batched torch products, all chunks at once.
+(The first design computed them in the walk too: at m = d_v = 128 it held R_{c−1}, X_c and three
+more products per row block and spilled 0.4 KB per thread on sm_90.) Products are full fp32
+(``input_precision="ieee"``, and torch's fp32 products): the state is carried through every chunk,
+so its errors would compound.
 
 Loops over chunks are ``while`` loops (Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4).
@@ -97,45 +100,33 @@ def _recurrence_forward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, r0_ptr, before_
 
 
 @triton.jit
-def _recurrence_backward_kernel(x_ptr, a_ptr, k_ptr, rescale_ptr, before_ptr, g_before_ptr, g_final_ptr,
-                                dx_ptr, da_ptr, dk_ptr, drescale_ptr, dr0_ptr, N, C, m, dv, BH,
-                                BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The chunks from the last: dX_c, this value block's parts of dA_c, dK_c and da_c, and
-    G_{c−1} = a_c G_c − A_cᵀ K_c G_c + dL/dR_{c−1}; dR_{−1} at the end (module docstring). Rows BLOCK_R
-    at a time, as the forward."""
+def _recurrence_backward_kernel(a_ptr, k_ptr, rescale_ptr, g_before_ptr, g_final_ptr, g_after_ptr, dr0_ptr,
+                                N, C, m, dv, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The chunks from the last: stores G_c = dL/dR_c for every chunk and walks G_{c−1} = a_c G_c −
+    A_cᵀ (K_c G_c) + dL/dR_{c−1} (its direct use); dR_{−1} at the end. Only this walk is sequential:
+    the chunks' own gradients (dX_c, dA_c, dK_c, da_c) follow from G_c and R_{c−1} in parallel, by
+    torch (module docstring). Rows BLOCK_R at a time, as the forward."""
     bh = tl.program_id(0).to(tl.int64)
-    pid_v = tl.program_id(1)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     cols_ok = cols < dv
     feats = tl.arange(0, BLOCK_M)
     feats_ok = feats < m
-    x_head, a_head, k_head = _head_pointers(x_ptr, a_ptr, k_ptr, N, C, m, dv)
-    dx_head = dx_ptr + bh * N * C * dv
-    part = pid_v * BH + bh  # this value block's slot of the partial sums
-    da_head = da_ptr + part * N * C * m
-    dk_head = dk_ptr + part * N * C * m
+    a_head = a_ptr + bh * N * C * m
+    k_head = k_ptr + bh * N * C * m
     state_offsets = feats[:, None] * dv + cols[None, :]
     state_mask = feats_ok[:, None] & cols_ok[None, :]
     grad = tl.load(g_final_ptr + bh * m * dv + state_offsets, mask=state_mask, other=0.0)
     step = 0
     while step < N:  # (a while loop: see the note at the top)
         c = N - 1 - step
-        previous = tl.load(before_ptr + (bh * N + c) * m * dv + state_offsets, mask=state_mask, other=0.0)
-        tl.store(drescale_ptr + part * N + c, tl.sum(tl.sum(grad * previous, axis=1), axis=0))
+        tl.store(g_after_ptr + (bh * N + c) * m * dv + state_offsets, grad, mask=state_mask)
         direct = tl.load(g_before_ptr + (bh * N + c) * m * dv + state_offsets, mask=state_mask, other=0.0)
         earlier = tl.load(rescale_ptr + bh * N + c) * grad + direct
         first = 0
         while first < C:
-            x = _chunk_tile(x_head, c, first, dv, cols, cols_ok, BLOCK_R, C)
             a = _chunk_tile(a_head, c, first, m, feats, feats_ok, BLOCK_R, C)
             k = _chunk_tile(k_head, c, first, m, feats, feats_ok, BLOCK_R, C)
             weighted = tl.dot(k, grad, input_precision="ieee")  # these rows of W_c = K_c G_c
-            _store_chunk_tile(dx_head, c, first, dv, cols, cols_ok, weighted, BLOCK_R, C)
-            _store_chunk_tile(da_head, c, first, m, feats, feats_ok,
-                              -tl.dot(weighted, tl.trans(previous), input_precision="ieee"), BLOCK_R, C)
-            solved = x - tl.dot(a, previous, input_precision="ieee")
-            _store_chunk_tile(dk_head, c, first, m, feats, feats_ok,
-                              tl.dot(solved, tl.trans(grad), input_precision="ieee"), BLOCK_R, C)
             earlier -= tl.dot(tl.trans(a), weighted, input_precision="ieee")
             first += BLOCK_R
         grad = earlier
@@ -199,15 +190,18 @@ class _Recurrence(torch.autograd.Function):
         m, bh, parts = a.shape[-1], batch * heads, blocks.value_blocks
         g_before = torch.zeros_like(before) if g_before is None else g_before.contiguous()
         g_final = before.new_zeros(batch, heads, m, dv) if g_final is None else g_final.contiguous()
-        dx = torch.empty_like(x)
-        da = x.new_empty(parts, batch, heads, n, chunk, m)
-        dk = x.new_empty(parts, batch, heads, n, chunk, m)
-        drescale = x.new_empty(parts, batch, heads, n)
+        g_after = torch.empty_like(before)  # G_c = dL/dR_c, the state after chunk c
         dr0 = x.new_empty(batch, heads, m, dv)
         _recurrence_backward_kernel[(bh, parts)](
-            x, a, keys, rescale, before, g_before, g_final, dx, da, dk, drescale, dr0, n, chunk, m, dv, bh,
-            **blocks.constexprs(), num_warps=WARPS)
-        return dx, da.sum(0), dk.sum(0), drescale.sum(0), dr0
+            a, keys, rescale, g_before, g_final, g_after, dr0, n, chunk, m, dv, **blocks.constexprs(),
+            num_warps=WARPS)
+        # every chunk's own gradients at once (batched fp32 products, in parallel over the chunks)
+        weighted = keys @ g_after  # W_c = K_c G_c
+        solved = x - a @ before  # U_c = X_c − A_c R_{c−1}
+        grad_a = -(weighted @ before.transpose(-1, -2))
+        grad_keys = solved @ g_after.transpose(-1, -2)
+        grad_rescale = (g_after * before).sum((-1, -2))
+        return weighted, grad_a, grad_keys, grad_rescale, dr0
 
 
 def recurrence_launches(batch: int, heads: int, length: int, features: int, value_dim: int, *,

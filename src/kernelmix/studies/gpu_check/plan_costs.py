@@ -166,13 +166,14 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
 def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
     """The executed cost of one launch of Cubit-RF's state recurrence: per program and chunk, the forward's
     two products (A_c R, K_cᵀ(X_c − A_c R): 4 C m v) with X_c, A_c, K_c read and R_{c−1} stored; the
-    backward's five (10 C m v) with those, R_{c−1} and its gradient read and dX_c, dA_c, dK_c stored."""
+    backward's walk two (K_c G, A_cᵀ W_c: 4 C m v) with A_c, K_c and dL/dR_{c−1} read and G_c stored
+    (the chunks' own gradients are torch products after it, not counted here)."""
     c, m, v, n = tiles["block_c"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
     rows, features, state = c * v * FP32, 2 * c * m * FP32, m * v * FP32
     if name == "cubit_rf_recurrence":
         flops, moved = 4 * c * m * v, rows + features + state + FP32
     elif name == "cubit_rf_recurrence_backward":
-        flops, moved = 10 * c * m * v, 2 * rows + 2 * features + 2 * state + 2 * FP32
+        flops, moved = 4 * c * m * v, features + 2 * state + FP32
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     programs = batch_heads * value_blocks
