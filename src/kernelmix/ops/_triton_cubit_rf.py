@@ -55,13 +55,6 @@ def _chunk_tile(ptr, c, first, width, cols, cols_ok, ROWS: tl.constexpr, C):
 
 
 @triton.jit
-def _store_chunk_tile(ptr, c, first, width, cols, cols_ok, value, ROWS: tl.constexpr, C):
-    rows = first + tl.arange(0, ROWS)
-    offsets = (c * C + rows).to(tl.int64)[:, None] * width + cols[None, :]
-    tl.store(ptr + offsets, value, mask=(rows < C)[:, None] & cols_ok[None, :])
-
-
-@triton.jit
 def _head_pointers(x_ptr, a_ptr, k_ptr, N, C, m, dv):
     """This program's head in X ``[B·H, N, C, d_v]``, A and K ``[B·H, N, C, m]``."""
     bh = tl.program_id(0).to(tl.int64)

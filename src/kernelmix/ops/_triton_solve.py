@@ -46,7 +46,7 @@ SUBSTITUTION_ROWS = 16
 # u and dy) and stream the other side's in tiles of GRADIENT_STREAM_ROWS rows, at 8 warps. For
 # 128-wide heads the row kernel's own block is GRADIENT_WIDE_ROWS rows. ptxas (sm_90) per thread at
 # d = 128: rows 64/64 spilled 1.6-1.8 KB, 64/32 1.1-1.4 KB, 32/16 0.5-0.6 KB, 16/16 none (210-215
-# registers); columns 64/64 0.3-0.4 KB, 64/32 none. At d = 64 (4 warps) rows spilled 0.4-0.7 KB;
+# registers); columns 64/64 0.3-0.4 KB, 64/32 none. At d = 64 (4 warps) rows spilled 0.2-0.4 KB;
 # 64/32 at 8 warps none. The smaller row block reloads the streamed tiles 4x as often (plan.md).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_ROWS = 16
@@ -361,7 +361,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     row_gradient = lay.gradient_flags(rows=True) | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
     column_gradient = lay.gradient_flags(rows=False)
-    gradient_warps = row_gradient.pop("num_warps"), column_gradient.pop("num_warps")
+    row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
     kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
@@ -373,8 +373,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 substitution | {"HAS_FUTURE": several}, lay.spans),
                ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, 1),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
-    launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_grad_rows": gradient_warps[0],
-                    "solve_grad_columns": gradient_warps[1]}
+    launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,
+                    "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
     return [KernelLaunch(name, kernel, grid, constexprs, launch_warps.get(name, warps),
                          aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
             for name, kernel, grid, constexprs, calls in kernels if calls > 0]

@@ -141,8 +141,10 @@ def _estimator(result: dict) -> list[str]:
     if not check:
         return []
     layers = sorted(check["own"], key=int)
-    span = lambda runs, layer: (f"{min(r[layer] for r in runs):.3f}–{max(r[layer] for r in runs):.3f}"  # noqa: E731
-                                if len(runs) > 1 else f"{runs[0][layer]:.3f}")
+    def span(runs: list[dict], layer: str) -> str:  # min–max over the draws
+        low, high = min(r[layer] for r in runs), max(r[layer] for r in runs)
+        return f"{low:.3f}–{high:.3f}" if len(runs) > 1 else f"{low:.3f}"
+
     own = " / ".join(f"{check['own'][i]:.3f}" for i in layers)
     lines = ["## Is the feature part estimating a kernel?", "",
              f"Global layers {' / '.join(layers)}, attention error on the held-out window. *Transferred M*: "

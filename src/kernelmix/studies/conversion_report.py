@@ -288,7 +288,9 @@ def _estimator_check(settings, host, data, work, log) -> dict:
     kernel is the host's own (``whitened``, seed 1). An estimator's error falls with m; a map fitted
     to its draw of W loses its fit on any other draw."""
     model, _ = _converted(settings, host, data, "global", "darkformer", work, False, log)
-    errors = lambda m: {str(i): e for i, e in _attention_errors(host, m, data["error"]).items()}  # noqa: E731
+    def errors(converted) -> dict[str, float]:
+        return {str(i): e for i, e in _attention_errors(host, converted, data["error"]).items()}
+
     result = {"own": errors(model), "redrawn": {}, "whitened": {}}
     whitened = convert(copy.deepcopy(host), ConversionConfig(mixer="darkformer", layers="global",
                                                              num_features=settings.num_features,
