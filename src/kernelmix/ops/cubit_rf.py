@@ -40,7 +40,7 @@ from ._backend import check_backend, resolve_backend
 from ._common import (
     autocast_off, check_4d, check_chunk_size, check_doc_start, check_per_token_heads, check_qkv, check_state,
     check_tensor, compute_dtype, expand_heads, find_nonfinite, per_head, reaches_causal, recompute_segments,
-    scan_syncs, segmented_cummax, zero_nonfinite,
+    scan_syncs, segmented_cummax, split_segments, zero_nonfinite,
 )
 from .cubit import REFERENCE_NORM_EPS, check_rho, normalize_reference
 from .random_features import (
@@ -290,21 +290,21 @@ def _chunked_solve(a_logits, b_logits, values, lam, chunk_size, doc_start, initi
 
 
 def _recomputed_solve(solve, r, v, rho, doc_start, initial_state: CubitRFState | None, chunk_size: int):
-    """``solve(r, v, rho, doc_start, reference_state)`` → (U, the Gram side's state), under autograd in
-    segments of ``_common.RECOMPUTE_SEGMENT_TOKENS`` tokens (a whole number of chunks), each checkpointed:
-    the solve's logits, scores and per-chunk states are recomputed in the backward instead of kept
-    (beside the read-out's they would double the peak memory), one segment at a time."""
+    """``solve(r, v, rho, doc_start, reference_state)`` → (U, the Gram side's state) in segments of
+    ``_common.RECOMPUTE_SEGMENT_TOKENS`` tokens (a whole number of chunks). Under autograd each is
+    checkpointed: the solve's logits, scores and per-chunk states are recomputed in the backward instead
+    of kept (beside the read-out's they would double the peak memory), one segment at a time. Without a
+    backward the segments keep a long prefill's tiles in the caches."""
     initial = None if initial_state is None else initial_state.reference
-    if not torch.is_grad_enabled():
-        return solve(r, v, rho, doc_start, initial)
+    grad = torch.is_grad_enabled()
     # under torch.compile one checkpoint of the whole solve (one graph, as before the segments)
     segments = [(0, r.shape[1])] if torch.compiler.is_compiling() else recompute_segments(r.shape[1], chunk_size)
     us, state = [], initial
-    for start, end in segments:
-        u, state = checkpoint(
-            solve, r[:, start:end], v[:, start:end], None if rho is None else rho[:, start:end],
-            None if doc_start is None else doc_start[:, start:end], state, use_reentrant=False,
-        )
+    for r_seg, v_seg, rho_seg, doc_seg in zip(*(split_segments(x, segments) for x in (r, v, rho, doc_start))):
+        if grad:
+            u, state = checkpoint(solve, r_seg, v_seg, rho_seg, doc_seg, state, use_reentrant=False)
+        else:
+            u, state = solve(r_seg, v_seg, rho_seg, doc_seg, state)
         us.append(u)
     return (us[0] if len(us) == 1 else torch.cat(us, dim=1)), state
 
@@ -400,6 +400,7 @@ def cubit_rf_attention(
     if guard is not None:  # computed on zeroed tokens, and the rows that see them set to NaN below
         k, v, r, rho = (guard.zeroed(name, x) for name, x in (("k", k), ("v", v), ("r", r), ("rho", rho)))
     initial_state, state_bad = _finite_state(initial_state)
+    check_doc_start(doc_start, q.shape[0], q.shape[1], offset=0 if initial_state is None else initial_state.length)
     with autocast_off(q):  # solves, logits and states stay ≥ fp32 (the precision policy, _common)
         dtype = compute_dtype(q, k, v, r, projection)
         recurrence = resolve_backend(backend, q.device, dtype)
