@@ -99,8 +99,19 @@ CASES = {
 }
 
 
+def _spans_of(monkeypatch, span_blocks: int) -> None:
+    """Spans of ``span_blocks`` chunks whatever the grid (the tests' grids are far below MIN_PROGRAMS,
+    which would otherwise make every span one chunk)."""
+    monkeypatch.setattr(f"{KERNELS}.SPAN_BLOCKS", span_blocks)
+    monkeypatch.setattr(f"{KERNELS}.MIN_PROGRAMS", 1)
+
+
+@pytest.mark.parametrize("span_blocks", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_values_and_gradients_match_the_float64_reference(case):
+def test_values_and_gradients_match_the_float64_reference(monkeypatch, case, span_blocks):
+    """Spans of 1, 2 and 3 chunks: the forward-direction walks (a span of 3 chunks does not divide
+    the 7 or 6 chunks of T = 97 or 130, and their documents start inside spans and on their edges)."""
+    _spans_of(monkeypatch, span_blocks)
     batch, length, heads, kv_heads, chunk, darkformer, per_head, starts = CASES[case]
     inputs = _problem(batch, length, heads, kv_heads, darkformer=darkformer, per_head=per_head)
     doc_start = None if starts is None else _documents(length, starts)
@@ -197,10 +208,12 @@ def test_large_logits_stay_finite_and_exact():
         assert torch.isfinite(got).all() and rel_rmse(got, want) <= 1e-4, name
 
 
-def test_continuation_from_a_state_equals_one_call():
+@pytest.mark.parametrize("span_blocks", [1, 2])
+def test_continuation_from_a_state_equals_one_call(monkeypatch, span_blocks):
     """Two calls on a split sequence (the split inside a chunk and inside a document) give the one
     call's output; the final state is the CPU path's; the second call's gradients w.r.t. its own
     q, k, v are those of the whole sequence."""
+    _spans_of(monkeypatch, span_blocks)
     length, split = 37, 21
     inputs = _problem(2, length, 2, 1)
     doc_start = _documents(length, [[0, 9, 30], [0]])
@@ -307,17 +320,61 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
 
 
 def test_large_heads_take_smaller_blocks():
-    """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 32 rows, value blocks of 64
-    (the key gradient's of 32), the logits over the head in steps of 16 (what ptxas compiled without
-    spills); at d = 64, chunks of 64."""
+    """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 16 rows, value blocks of 64
+    (the key gradient's of 16), the logits over the head in steps of 8 (what ptxas compiled without
+    spills with the walks' running states); at d = 64, chunks of 16, key value blocks of 32 and steps
+    of 16; below 64, chunks of 64."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
     q = torch.zeros(1, 5, 1, 128)
     geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0, True)
     assert kernels.LARGE_TILE == 128
-    assert (geometry.block_t, geometry.block_v, geometry.value_blocks) == (32, 64, 2)
-    assert (geometry.key_block_v, geometry.key_value_blocks, geometry.blocks()["D_STEP"]) == (32, 4, 16)
+    assert (geometry.block_t, geometry.block_v, geometry.value_blocks) == (16, 64, 2)
+    assert (geometry.key_block_v, geometry.key_value_blocks, geometry.blocks()["D_STEP"]) == (16, 8, 8)
     small = torch.zeros(1, 5, 1, 64)
     geometry = getattr(kernels, "_Geometry")(small, small, small, torch.zeros(64, 64), 64, 0, True)
-    assert (geometry.block_t, geometry.block_v, geometry.key_block_v) == (64, 64, 32)
+    assert (geometry.block_t, geometry.block_v, geometry.key_block_v, geometry.blocks()["D_STEP"]) == (16, 64, 32, 16)
+    narrow = torch.zeros(1, 5, 1, 32)
+    geometry = getattr(kernels, "_Geometry")(narrow, narrow, narrow, torch.zeros(32, 32), 64, 0, True)
+    assert (geometry.block_t, geometry.blocks()["num_warps"]) == (64, 4)
+
+
+def test_spans_shrink_until_the_grid_fills_the_machine():
+    """A span holds SPAN_BLOCKS chunks unless the grid would then have fewer than MIN_PROGRAMS
+    programs: at the 125m head (H = 12, d = m = 64, T = 8,192) 16 chunks of 16 rows, 384 programs;
+    at a quarter of that length, 4 chunks (and 384 programs again)."""
+    import importlib
+
+    kernels = importlib.import_module("kernelmix.ops._triton_features")
+    q = torch.empty(1, 8192, 12, 64, device="meta")
+    geometry = getattr(kernels, "_Geometry")(q, q, q, torch.empty(12, 64, 64, device="meta"), 64, 0, False)
+    assert (geometry.span_blocks, geometry.n_spans) == (16, 32)
+    assert geometry.n_spans * 12 * geometry.value_blocks >= kernels.MIN_PROGRAMS
+    short = torch.empty(1, 2048, 12, 64, device="meta")
+    geometry = getattr(kernels, "_Geometry")(short, short, short, torch.empty(12, 64, 64, device="meta"), 64, 0, False)
+    assert (geometry.span_blocks, geometry.n_spans) == (4, 32)
+    target = torch.empty(1, 8192, 16, 128, device="meta")
+    geometry = getattr(kernels, "_Geometry")(target, target, target, torch.empty(16, 128, 128, device="meta"), 64, 0,
+                                             False)
+    assert (geometry.block_t, geometry.span_blocks, geometry.n_spans) == (16, 16, 32)  # 256-row spans
+
+
+@pytest.mark.parametrize("span_blocks", [1, 3])
+def test_large_tiles_walk_16_row_chunks(monkeypatch, span_blocks):
+    """At m = 128 (a large tile) the chunks are 16 rows and the logits go 8 head columns at a time:
+    values and gradients against float64, documents starting inside and on the edges of chunks and spans."""
+    _spans_of(monkeypatch, span_blocks)
+    gen = torch.Generator().manual_seed(11)
+    length, heads, m = 75, 2, 128
+    q, k = (0.7 * torch.randn(1, length, heads, HEAD_DIM, generator=gen, dtype=F64) for _ in range(2))
+    v = torch.randn(1, length, heads, 8, generator=gen, dtype=F64)
+    projection = orthogonal_random_features(m, HEAD_DIM, num_heads=heads, generator=gen, dtype=F64)
+    inputs = [q, k, v, projection]
+    doc_start = _documents(length, [[0, 16, 40, 41]])
+    grad_out = torch.randn(1, length, heads, 8, generator=gen, dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 32)
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-4, name

@@ -25,16 +25,28 @@ from ._triton_features_kernels import (
 )
 
 #: Largest block of value columns one program holds (its part of the state is m × VALUE_BLOCK fp32);
-#: the key gradient, which holds the most tiles, takes half as many.
+#: the key gradient, which holds the most tiles, takes half as many (a quarter at large tiles).
 VALUE_BLOCK = 64
-#: From this padded m or d on, chunks are 32 rows, not 64. The blocks, the warps and ``LOGIT_STEP``
-#: are those with which ptxas (sm_90) spilled nothing at d = m = 128 and 64 (results/gpu-plan).
+#: From this padded m or d on, chunks are 16 rows, not 64 (8 warps); from LARGE_TILE on, the logits'
+#: step over the head is 8 columns, not 16, and the key gradient's value blocks are a quarter of
+#: VALUE_BLOCK: with the walks' running states, what ptxas (sm_90) compiled without a spill at
+#: d = m = 64 and 128 (32- and 64-row chunks spilled up to 1.1 KB per thread; docs/gpu.md).
+WIDE_TILE = 64
+WIDE_TILE_ROWS = 16
 LARGE_TILE = 128
+LARGE_TILE_LOGIT_STEP = 8
 #: Largest number of random features (and head dim) the kernels hold in one register tile.
 MAX_FEATURES = 256
 MAX_HEAD_DIM = 256
-#: Elementwise tile (features × value columns) of one program of the scans over chunks.
+#: Elementwise tile (features × value columns) of one program of the scans over spans.
 SCAN_TILE = (16, 16)
+#: Chunks per span: a program of the span kernels walks its span's chunks in order (the reverse
+#: direction from the last), carrying the state in registers, so the m × d_v states reach memory
+#: once per span, not once per chunk (256 rows at the 16-row chunks of large tiles).
+SPAN_BLOCKS = 16
+#: Fewest programs a span kernel's grid should have (2 per SM of a 132-SM H100/H200): spans are
+#: halved from SPAN_BLOCKS chunks until the grid has this many, or are single chunks.
+MIN_PROGRAMS = 264
 #: Operands of the products of features, states and values: "tf32" (tensor cores; the error against
 #: float64 is measured in tests/ops/test_triton_features.py and docs/gpu.md), "bf16" or "fp32".
 FEATURE_OPERANDS = "tf32"
@@ -64,26 +76,35 @@ class _Geometry:
         self.start = start
         self.block_d = max(16, triton.next_power_of_2(self.head_dim))
         self.block_m = max(16, triton.next_power_of_2(self.features))
+        wide = max(self.block_m, self.block_d) >= WIDE_TILE
         large = max(self.block_m, self.block_d) >= LARGE_TILE
-        self.block_t = min(32 if large else 64, max(16, triton.next_power_of_2(chunk_size)))
+        self.block_t = min(WIDE_TILE_ROWS if wide else 64, max(16, triton.next_power_of_2(chunk_size)))
+        self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else LOGIT_STEP)
         self.block_v = min(max(16, triton.next_power_of_2(self.value_dim)), max(16, VALUE_BLOCK))
-        self.key_block_v = max(16, self.block_v // 2)
+        # the key gradient holds the most tiles and its walk carries R: half as many value columns (a
+        # quarter at large tiles: at 32 columns ptxas spilled 80 B per thread at d = m = 128)
+        self.key_block_v = max(16, self.block_v // (4 if large else 2))
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
         self.key_value_blocks = triton.cdiv(self.value_dim, self.key_block_v)
+        self.span_blocks = SPAN_BLOCKS
+        while self.span_blocks > 1 and (triton.cdiv(self.n_chunks, self.span_blocks) * self.batch * self.heads
+                                        * self.value_blocks < MIN_PROGRAMS):
+            self.span_blocks //= 2
+        self.n_spans = triton.cdiv(self.n_chunks, self.span_blocks)
         self.operands = FEATURE_OPERANDS
         # a shared projection [m, d] is read by every head: a head stride of 0
         self.w_head_stride = 0 if projection.dim() == 2 else self.features * self.head_dim
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        """The chunk kernels': every chunk of every (batch, head), per block of value columns."""
-        return (self.n_chunks, self.batch * self.heads, self.value_blocks)
+        """The span kernels': every span of every (batch, head), per block of value columns."""
+        return (self.n_spans, self.batch * self.heads, self.value_blocks)
 
     @property
     def key_grid(self) -> tuple[int, int, int]:
         """The key gradient's: its value blocks are half as wide."""
-        return (self.n_chunks, self.batch * self.heads, self.key_value_blocks)
+        return (self.n_spans, self.batch * self.heads, self.key_value_blocks)
 
     @property
     def scan_grid(self) -> tuple[int, int, int]:
@@ -93,27 +114,28 @@ class _Geometry:
 
     def sizes(self) -> tuple:
         return (self.length, self.heads, self.key_heads, self.kv_heads, self.head_dim, self.value_dim, self.features,
-                self.start, self.n_chunks, self.w_head_stride, self.scale)
+                self.start, self.n_chunks, self.w_head_stride, self.scale, self.n_spans)
 
     def scan_sizes(self) -> tuple:
-        return (self.length, self.heads, self.value_dim, self.features, self.start, self.n_chunks)
+        return (self.length, self.heads, self.value_dim, self.features, self.start, self.n_spans)
 
     def blocks(self, key_grad: bool = False) -> dict:
-        """The chunk kernels' block sizes, products and warps per program (8 for tiles of 64 or more:
-        chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps)."""
+        """The span kernels' block sizes, chunks per span, products and warps per program (8 for tiles of
+        64 or more: chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps)."""
         warps = 8 if max(self.block_m, self.block_d) >= 64 else 4
         return dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_D=self.block_d, BLOCK_M=self.block_m,
-                    BLOCK_V=self.key_block_v if key_grad else self.block_v, D_STEP=min(self.block_d, LOGIT_STEP),
-                    num_warps=warps)
+                    BLOCK_V=self.key_block_v if key_grad else self.block_v, D_STEP=self.logit_step,
+                    SPAN_BLOCKS=self.span_blocks, num_warps=warps)
 
     def scan_blocks(self) -> dict:
-        return dict(BLOCK_T=self.block_t, SCAN_M=SCAN_TILE[0], SCAN_V=SCAN_TILE[1], num_warps=1)
+        """The scans' tiles; they run over spans (a scan's "chunk" is a span's rows)."""
+        return dict(BLOCK_T=self.block_t * self.span_blocks, SCAN_M=SCAN_TILE[0], SCAN_V=SCAN_TILE[1], num_warps=1)
 
     def state_buffers(self, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per chunk: the state ``[B·H, chunks, m, d_v]`` and its normaliser ``[B·H, chunks, m]``
-        (first each chunk's own part, then, after the scan, the state entering it), the local scale
-        and the scale of the entering state ``[B·H, chunks]``."""
-        bh, n, m = self.batch * self.heads, self.n_chunks, self.features
+        """Per span: the state ``[B·H, spans, m, d_v]`` and its normaliser ``[B·H, spans, m]`` (first each
+        span's own part, then, after the scan, the state entering it), the local scale and the scale of
+        the entering state ``[B·H, spans]``."""
+        bh, n, m = self.batch * self.heads, self.n_spans, self.features
         return (like.new_empty(bh, n, m, self.value_dim), like.new_empty(bh, n, m), like.new_empty(bh, n),
                 like.new_empty(bh, n))
 
@@ -184,31 +206,33 @@ def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Ge
 
 
 def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
-    """The states entering every chunk (the chunk-state kernel, then the scan over chunks):
-    (S per chunk, z per chunk, the entering scales, the final (S, z, shift))."""
-    chunk_s, chunk_z, local, carried = geometry.state_buffers(v)
+    """The states entering every span (the span-state kernel, then the scan over spans):
+    (S per span, z per span, the entering scales, the final (S, z, shift))."""
+    span_s, span_z, local, carried = geometry.state_buffers(v)
     doc_arg = k_in if doc is None else doc
     chunk_state_kernel[geometry.grid](
-        k_in, v, projection, doc_arg, chunk_s, chunk_z, local, *geometry.sizes(), HAS_DOC=doc is not None,
+        k_in, v, projection, doc_arg, span_s, span_z, local, *geometry.sizes(), HAS_DOC=doc is not None,
         **geometry.blocks())
     final = (torch.empty_like(state[0]), torch.empty_like(state[1]), torch.empty_like(state[2]))
     state_scan_kernel[geometry.scan_grid](
-        chunk_s, chunk_z, local, doc_arg, *state, carried, *final, *geometry.scan_sizes(),
+        span_s, span_z, local, doc_arg, *state, carried, *final, *geometry.scan_sizes(),
         HAS_DOC=doc is not None, **geometry.scan_blocks())
-    return chunk_s, chunk_z, carried, final
+    return span_s, span_z, carried, final
 
 
 def _launch_forward(q_in, k_in, v, projection, doc, state, geometry: _Geometry):
-    """The forward: (out, denominator, key shift, query max, S, z, shift)."""
+    """The forward: (out, denominator, key shift, query max, scale entering each chunk, the states
+    entering each span (S, z, scale), the final S, z, shift)."""
     batch, length, heads = geometry.batch, geometry.length, geometry.heads
-    chunk_s, chunk_z, carried, final = _launch_states(k_in, v, projection, doc, state, geometry)
+    span_s, span_z, carried, final = _launch_states(k_in, v, projection, doc, state, geometry)
     out = q_in.new_empty(batch, length, heads, geometry.value_dim)
     row_scalars = [q_in.new_empty(batch, heads, length) for _ in range(3)]  # denominator, key shift, query max
+    fine = q_in.new_empty(batch * heads, geometry.n_chunks)
     forward_kernel[geometry.grid](
-        q_in, k_in, v, projection, q_in if doc is None else doc, chunk_s, chunk_z, carried, out, *row_scalars,
+        q_in, k_in, v, projection, q_in if doc is None else doc, span_s, span_z, carried, out, *row_scalars, fine,
         *geometry.sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, **geometry.blocks(),
     )
-    return (out, *row_scalars, *final)
+    return (out, *row_scalars, fine, (span_s, span_z, carried), *final)
 
 
 def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_size: int, doc_start,
@@ -242,22 +266,24 @@ class _RandomFeatureAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, projection, transform, doc, state, geometry):
         q, k, v, projection = (x.contiguous() for x in (q, k, v, projection))
         transform = None if transform is None else transform.contiguous()
-        out, denominator, shift_rows, q_max, s, z, shift = _launch_forward(
+        out, denominator, shift_rows, q_max, fine, spans, s, z, shift = _launch_forward(
             *_kernel_inputs(q, k, transform, geometry), v, projection, doc, state, geometry)
-        ctx.save_for_backward(q, k, v, projection, transform, doc, *state, out, denominator, shift_rows, q_max)
+        # the span states are kept (B·H·T·m·d_v / (C · span) numbers: 1/256 of a T × m × d_v at C = 32),
+        # not recomputed: the backward launches no state kernel in the forward direction
+        ctx.save_for_backward(q, k, v, projection, transform, doc, out, denominator, shift_rows, q_max, fine, *spans)
         ctx.geometry = geometry
         ctx.mark_non_differentiable(denominator, s, z, shift)
         return out, denominator, s, z, shift
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        q, k, v, projection, transform, doc, s0, z0, shift0, out, denominator, shift_rows, q_max = ctx.saved_tensors
-        grads = _backward(q, k, v, projection, transform, doc, (s0, z0, shift0), out, denominator, shift_rows, q_max,
+        q, k, v, projection, transform, doc, out, denominator, shift_rows, q_max, fine, *spans = ctx.saved_tensors
+        grads = _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator, shift_rows, q_max,
                           grad_out, ctx.geometry)
         return (*grads, None, None, None)
 
 
-def _backward(q, k, v, projection, transform, doc, state, out, denominator, shift_rows, q_max, grad_out,
+def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator, shift_rows, q_max, grad_out,
               geometry: _Geometry):
     """dL/d(q, k, v, projection, transform): the two backward kernels give dv and the per-row
     gradients of the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`)."""
@@ -273,24 +299,24 @@ def _backward(q, k, v, projection, transform, doc, state, out, denominator, shif
     dq_logits = q.new_empty(geometry.value_blocks, batch, length, heads, m)  # per value block
     dk_logits = q.new_empty(geometry.key_value_blocks, batch, length, heads, m)
     dv = q.new_empty(batch, length, heads, geometry.value_dim)
-    common = dict(HAS_DOC=doc is not None, **geometry.blocks())
     q_in, k_in = _kernel_inputs(q, k, transform, geometry)
     doc_arg = q if doc is None else doc
-    # forward direction: the states entering each chunk again (recomputed: nothing of size T·m saved)
-    chunk_s, chunk_z, carried, _ = _launch_states(k_in, v, projection, doc, state, geometry)
+    span_s, span_z, carried = spans
+    # forward direction: each span's chunks walked from the forward's saved span states
     query_grad_kernel[geometry.grid](
-        q_in, k_in, v, projection, doc_arg, chunk_s, chunk_z, carried, g_hat, c_row, shift_rows, q_max, dq_logits,
-        *geometry.sizes(), **common)
-    # reverse direction: each chunk's part of R (in the same buffers), the scan from the last chunk, the keys
+        q_in, k_in, v, projection, doc_arg, span_s, span_z, carried, g_hat, c_row, shift_rows, q_max, dq_logits,
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks())
+    # reverse direction: each span's part of R, the scan from the last span, the keys walked back
+    reverse_s, reverse_z, _, _ = geometry.state_buffers(v)
     reverse_state_kernel[geometry.grid](
-        q_in, projection, doc_arg, g_hat, c_row, shift_rows, q_max, carried, chunk_s, chunk_z,
-        *geometry.sizes(), **common)
+        q_in, projection, doc_arg, g_hat, c_row, shift_rows, q_max, carried, reverse_s, reverse_z,
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks())
     reverse_scan_kernel[geometry.scan_grid](
-        chunk_s, chunk_z, doc_arg, shift_rows, carried, *geometry.scan_sizes(), HAS_DOC=doc is not None,
+        reverse_s, reverse_z, doc_arg, shift_rows, carried, *geometry.scan_sizes(), HAS_DOC=doc is not None,
         **geometry.scan_blocks())
     key_grad_kernel[geometry.key_grid](
-        q_in, k_in, v, projection, doc_arg, chunk_s, chunk_z, g_hat, c_row, shift_rows, q_max, dk_logits, dv,
-        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks(key_grad=True))
+        q_in, k_in, v, projection, doc_arg, reverse_s, reverse_z, fine, g_hat, c_row, shift_rows, q_max, dk_logits,
+        dv, *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks(key_grad=True))
     d_logits = (dq_logits.sum(0), dk_logits.sum(0))  # the value blocks' parts
     groups = heads // geometry.kv_heads
     keys = k.repeat_interleave(groups, dim=2)  # [B, T, H, d]: query head h reads kv head h // groups
@@ -332,9 +358,10 @@ def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weig
 
 def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,
                      features: int, *, chunk_size: int, has_transform: bool, has_doc: bool) -> list[KernelLaunch]:
-    """The kernels one differentiated call launches at these sizes (forward: the chunk states, the
-    scan, the outputs; backward: the states and the scan again, the query gradients, the reverse
-    states, their scan, the key gradients), with the grids, blocks and warps of the launches above
+    """The kernels one differentiated call launches at these sizes (forward: the span states, the
+    scan over spans, the outputs; backward: the query gradients from the saved span states, the
+    reverse span states, their scan, the key gradients; each once), with the grids, blocks and warps
+    of the launches above
     (the same ``_Geometry``, built on meta tensors: no memory, no GPU)."""
     q = torch.empty(batch, length, heads, head_dim, device="meta")
     k = torch.empty(batch, length, kv_heads, head_dim, device="meta")
@@ -342,16 +369,15 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     projection = torch.empty(heads, features, head_dim, device="meta")  # per head (a shared one launches the same)
     geometry = _Geometry(q, k, v, projection, chunk_size, 0, has_transform)
     tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
-                 block_v=geometry.block_v, chunks=geometry.n_chunks, has_transform=has_transform,
-                 features=features, value_dim=value_dim, scan_tile=SCAN_TILE)
+                 block_v=geometry.block_v, chunks=geometry.n_chunks, spans=geometry.n_spans,
+                 span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
+                 value_dim=value_dim, scan_tile=SCAN_TILE)
     launches = []
-    for name, kernel, scan, calls in (("features_chunk_states", chunk_state_kernel, False, 2),
-                                      ("features_state_scan", state_scan_kernel, True, 2),
-                                      ("features_forward", forward_kernel, False, 1),
-                                      ("features_query_grad", query_grad_kernel, False, 1),
-                                      ("features_reverse_states", reverse_state_kernel, False, 1),
-                                      ("features_reverse_scan", reverse_scan_kernel, True, 1),
-                                      ("features_key_grad", key_grad_kernel, False, 1)):
+    for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
+                         ("features_forward", forward_kernel), ("features_query_grad", query_grad_kernel),
+                         ("features_reverse_states", reverse_state_kernel),
+                         ("features_reverse_scan", reverse_scan_kernel), ("features_key_grad", key_grad_kernel)):
+        scan = kernel in (state_scan_kernel, reverse_scan_kernel)
         blocks = geometry.scan_blocks() if scan else geometry.blocks(key_grad=kernel is key_grad_kernel)
         warps = blocks.pop("num_warps")
         constexprs = dict(HAS_DOC=has_doc) | blocks
@@ -359,5 +385,5 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
         grid = geometry.scan_grid if scan else geometry.key_grid if kernel is key_grad_kernel else geometry.grid
         launches.append(KernelLaunch(name, kernel, grid, constexprs, warps,
                                      aot_signature(kernel, constexprs, {"doc_ptr": "*i64"}, {"scale", "floor"}),
-                                     dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v)), calls))
+                                     dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v)), 1))
     return launches

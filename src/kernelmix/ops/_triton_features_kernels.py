@@ -7,18 +7,23 @@ max s_i of their logit maxima (per document, at least the carried shift for rows
 ``initial_state``), the state (S, z) kept at scale exp(−shift) and rescaled when the shift grows,
 and a zero row (zero gradients) where the denominator is at or below √tiny(float32).
 
-Design: chunk-parallel, every chunk of C rows in its own program (grid: chunks × B·H × value blocks),
-as flash-linear-attention's chunked linear attention, with the running-max stabiliser carried
-through the states between chunks. The forward is three launches:
+Design: chunk-parallel, as flash-linear-attention's chunked linear attention, with the running-max
+stabiliser carried through the states between chunks. The forward direction works in spans of up to
+``SPAN_BLOCKS`` chunks of C rows (grid: spans × B·H × value blocks): one program walks its span's
+chunks in order and carries the state in registers from one chunk to the next, so the states reach
+memory once per span (at C = 32 and 8 chunks, 1/256 of a T × m × d_v tensor), not once per chunk.
+The forward is three launches:
 
-1. ``chunk_state_kernel``: each chunk's own part of the state, ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) φ'_j v_jᵀ
-   and Δz_c over the keys of the chunk's last document, at its local scale σ'_c (their max logit);
-2. ``state_scan_kernel``: one program per elementwise tile of the m × d_v state walks the chunks
+1. ``chunk_state_kernel``: each span's own part of the state, ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) φ'_j v_jᵀ
+   and Δz_c over the keys of the span's last document, at its local scale σ'_c (their max logit);
+2. ``state_scan_kernel``: one program per elementwise tile of the m × d_v state walks the spans
    in order, S_c = exp(σ_{c−1} − σ_c) S_{c−1} + exp(σ'_c − σ_c) ΔS_c with σ_c = max(σ_{c−1}, σ'_c)
-   (or ΔS_c alone where a document begins in the chunk), and leaves in each chunk's slot the state
-   entering it and its scale: a memory-bound pass over n·m·d_v numbers, no products;
+   (or ΔS_c alone where a document begins in the span), and leaves in each span's slot the state
+   entering it and its scale: a memory-bound pass over n_s·m·d_v numbers, no products;
 3. ``forward_kernel``: each chunk's outputs from its own keys (a C × C score tile with the
-   segmented running max as a masked C × C max, no scan) and the entering state.
+   segmented running max as a masked C × C max, no scan) and the state entering it, which the walk
+   updates after each chunk by the scan's step (``_walk_step``); it stores the scale entering every
+   chunk for the reverse direction.
 
 The feature map is fused: a program loads its C × d queries and keys, applies d^{-1/4}, the transform
 M and the projection W with ``tl.dot`` in full fp32 (the feature logits stay fp32) and forms the
@@ -27,13 +32,14 @@ and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default; ``_triton
 normalisers and states accumulate in fp32. Grouped heads are indexed (query head h reads kv head
 h // (H / H_kv)), never expanded.
 
-The backward saves only q, k, v, W, M and per-row scalars (the key shift s_i, the query max and
-the denominator), recomputes the features and the entering states (launches 1–2 again). With g =
+The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
+denominator), the scale entering each chunk and the states entering each span; it recomputes the
+features. With g =
 dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (computed in torch, like flash-attention's
 D), the gradient of an unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
 
-- ``query_grad_kernel`` (forward direction): dφq_i = Σ_j exp(ℓ^k_j − s_i) (ĝ_i · v_j + c_i), the
-  earlier chunks through the entering state;
+- ``query_grad_kernel`` (forward direction, spans walked as in the forward): dφq_i = Σ_j exp(ℓ^k_j −
+  s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state;
 - ``reverse_state_kernel`` and ``reverse_scan_kernel`` (reverse direction): R_c = Σ_{i after
   chunk c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each chunk's part in parallel and a scan
   from the last chunk; its scales are the forward's saved shifts, every factor ≤ 1;
@@ -44,8 +50,9 @@ Both gradient kernels store the per-row gradients of the feature logits, dℓ = 
 blocks and chains them through the feature map with five products over all rows
 (``_chain_feature_map``: dx', for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ).
 The kernels keep no dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and
-made ptxas take minutes. Memory: the per-chunk states, B·H·n·m·(d_v + 1) fp32 (one buffer, reused
-by the reverse direction), and O(T) per row; no T × m and no T × T tensor.
+made ptxas take minutes. Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward),
+the reverse direction's per-chunk states, B·H·n·m·(d_v + 1) (during the backward), and O(T) per row;
+no T × m and no T × T tensor.
 
 Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.
@@ -59,7 +66,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_products import product
+from ._triton_products import product, product_into
 
 __all__ = ["chunk_state_kernel", "state_scan_kernel", "forward_kernel", "query_grad_kernel", "reverse_state_kernel",
            "reverse_scan_kernel", "key_grad_kernel"]
@@ -184,29 +191,53 @@ def _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M:
 
 
 @triton.jit
+def _span_chunks(c, n_chunks, SPAN_BLOCKS: tl.constexpr):
+    """Span c's first chunk and how many chunks it holds (the last span may hold fewer)."""
+    first = c * SPAN_BLOCKS
+    return first, tl.minimum(n_chunks - first, SPAN_BLOCKS)
+
+
+@triton.jit
 def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
-                        T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                        T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
                         HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr):
-    """Chunk c's own part of the state, all chunks in parallel: the keys of the chunk's last document
-    at the chunk's local scale σ'_c (the max of their logit maxima), ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) v_jᵀ
-    and Δz_c, with σ'_c (every factor ≤ 1)."""
+                        D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Span c's own part of the state, all spans in parallel, its chunks walked in order: the keys of
+    the span's last document at the span's local scale σ'_c (the max of their logit maxima, grown as the
+    walk meets them, the sum rescaled when it grows), ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) v_jᵀ and Δz_c, with
+    σ'_c (every factor ≤ 1)."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
-    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
-                               scale, d, m_feats, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
-    in_last = row_ok & (pos >= _last_row(doc, t, c, T, BLOCK_T))  # the keys a later chunk may see
-    key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
-    local = tl.max(tl.where(in_last, key_max, float("-inf")), axis=0)
-    weighted = _exp_where(k_logits - local, valid & in_last[:, None])
-    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
-    tl.store(ds_ptr + offsets, product(tl.trans(weighted), v, OPERANDS), mask=mask)
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    span_end = tl.minimum(T, (first + n_sub) * BLOCK_T)
+    if HAS_DOC:
+        doc_last = tl.load(doc_ptr + b * T + span_end - 1)  # the span's last row's document
+    else:
+        doc_last = 0
+    delta = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    delta_z = tl.zeros([BLOCK_M], dtype=tl.float32)
+    local = -3.0e38  # below every logit, finite: the first key's rescale is exp(−huge) = 0, never −inf − −inf
+    j = 0
+    while j < n_sub:  # (a while loop: see the note at the top)
+        t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
+        k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
+                                   scale, d, m_feats, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+        in_last = row_ok & (pos >= doc_last)  # the keys a later span may see
+        key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
+        grown = tl.maximum(local, tl.max(tl.where(in_last, key_max, float("-inf")), axis=0))
+        keep = tl.exp(local - grown)
+        weighted = _exp_where(k_logits - grown, valid & in_last[:, None])
+        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+        delta = product_into(tl.trans(weighted), v, keep * delta, OPERANDS)
+        delta_z = keep * delta_z + tl.sum(weighted, axis=0)
+        local = grown
+        j += 1
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+    tl.store(ds_ptr + offsets, delta, mask=mask)
     if pid_v == 0:
-        tl.store(dz_ptr + rows, tl.sum(weighted, axis=0), mask=feat_ok)
-        tl.store(dsig_ptr + pid_bh * n_chunks + c, local)
+        tl.store(dz_ptr + rows, delta_z, mask=feat_ok)
+        tl.store(dsig_ptr + pid_bh * n_spans + c, local)
 
 
 @triton.jit
@@ -296,44 +327,68 @@ def _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, d
 
 
 @triton.jit
+def _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, c, t, row_ok, pos, doc, T, start,
+               OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+    """The state entering chunk c + 1 from the one entering chunk c, inside a span's walk: the step
+    of ``state_scan_kernel`` with chunk c's own part formed in place. The new scale is the key shift of
+    the chunk's last row (the max of the carried scale, unless its document restarts here, and of its
+    document's keys in the chunk), so its keys enter at exp(ℓ − σ) = φk · exp(s_j − σ) ≤ 1."""
+    new_sigma = _last_row(shift, t, c, T, BLOCK_T)
+    keep = tl.where(_restarts(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(sigma - new_sigma))
+    in_last = row_ok & (pos >= _last_row(doc, t, c, T, BLOCK_T))
+    weighted = key_feat * _exp_where(shift - new_sigma, in_last)[:, None]
+    return (product_into(tl.trans(weighted), v, keep * state_s, OPERANDS), keep * state_z + tl.sum(weighted, axis=0),
+            new_sigma)
+
+
+@triton.jit
 def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
-                    out_ptr, den_ptr, shift_ptr, qmax_ptr,
-                    T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, floor,
+                    out_ptr, den_ptr, shift_ptr, qmax_ptr, fine_ptr,
+                    T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans, floor,
                     HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr):
-    """The outputs of one chunk, all chunks in parallel: the chunk's own keys (a C × C masked score
-    tile) and the earlier chunks through the state entering it."""
+                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """The outputs of one span, all spans in parallel, its chunks walked in order: each chunk's own
+    keys (a C × C masked score tile) and the earlier chunks through the state entering it, which the
+    walk carries (in registers) from the span's entering state; the scale entering each chunk is
+    stored in ``fine`` for the reverse direction."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
-    chunk_start = start + c * BLOCK_T
-    q_logits, k_logits, valid = _chunk_features(
-        q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_K * d + kk * d, H * d, H_K * d, t, row_ok,
-        w_ptr + h * w_head_stride, scale, d, m_feats, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    state_s, state_z, carried = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv,
-                                                cols, cols_ok, BLOCK_M)
-    q_max = tl.where(row_ok, tl.max(tl.where(valid, q_logits, float("-inf")), axis=1), 0.0)
-    q_feat = _exp_where(q_logits - q_max[:, None], valid)
-    visible = _visible(t, pos, doc, row_ok)
-    continuing = row_ok & (doc < chunk_start)
-    key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
-    shift = _key_shift(key_max, visible, continuing, carried, row_ok)
-    key_feat = _exp_where(k_logits - shift[:, None], valid)  # ≤ 1
-    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-    decay = _exp_where(shift[None, :] - shift[:, None], visible)  # exp(s_j − s_i) ≤ 1
-    scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
-    carry = _exp_where(carried - shift, continuing)  # the entering state reaches row i at exp(σ − s_i)
-    numerator = product(scores, v, OPERANDS) + carry[:, None] * product(q_feat, state_s, OPERANDS)
-    denominator = tl.sum(scores, axis=1) + carry * tl.sum(q_feat * state_z[None, :], axis=1)
-    empty = denominator <= floor
-    out = tl.where(empty[:, None], 0.0, numerator / tl.where(empty, 1.0, denominator)[:, None])
-    tl.store(out_ptr + (b * T + t)[:, None] * H * dv + h * dv + cols[None, :], out,
-             mask=row_ok[:, None] & cols_ok[None, :])
-    if pid_v == 0:  # the per-row scalars: one value block writes them (a branch, not `row_ok & (pid_v == 0)`,
-        # whose dtype Triton 3.9's interpreter turns into int32, which a mask may not be)
-        tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_ok)
-        tl.store(shift_ptr + pid_bh * T + t, shift, mask=row_ok)
-        tl.store(qmax_ptr + pid_bh * T + t, q_max, mask=row_ok)
+    state_s, state_z, sigma = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_spans, m_feats, dv,
+                                              cols, cols_ok, BLOCK_M)
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    j = 0
+    while j < n_sub:  # (a while loop: see the note at the top)
+        chunk = first + j
+        t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC)
+        q_logits, k_logits, valid = _chunk_features(
+            q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_K * d + kk * d, H * d, H_K * d, t, row_ok,
+            w_ptr + h * w_head_stride, scale, d, m_feats, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        q_max = tl.where(row_ok, tl.max(tl.where(valid, q_logits, float("-inf")), axis=1), 0.0)
+        q_feat = _exp_where(q_logits - q_max[:, None], valid)
+        visible = _visible(t, pos, doc, row_ok)
+        continuing = row_ok & (doc < start + chunk * BLOCK_T)
+        key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
+        shift = _key_shift(key_max, visible, continuing, sigma, row_ok)
+        key_feat = _exp_where(k_logits - shift[:, None], valid)  # ≤ 1
+        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+        decay = _exp_where(shift[None, :] - shift[:, None], visible)  # exp(s_j − s_i) ≤ 1
+        scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
+        carry = _exp_where(sigma - shift, continuing)  # the entering state reaches row i at exp(σ − s_i)
+        numerator = product(scores, v, OPERANDS) + carry[:, None] * product(q_feat, state_s, OPERANDS)
+        denominator = tl.sum(scores, axis=1) + carry * tl.sum(q_feat * state_z[None, :], axis=1)
+        empty = denominator <= floor
+        out = tl.where(empty[:, None], 0.0, numerator / tl.where(empty, 1.0, denominator)[:, None])
+        tl.store(out_ptr + (b * T + t)[:, None] * H * dv + h * dv + cols[None, :], out,
+                 mask=row_ok[:, None] & cols_ok[None, :])
+        if pid_v == 0:  # the per-row scalars: one value block writes them (a branch, not `row_ok & (pid_v == 0)`,
+            # whose dtype Triton 3.9's interpreter turns into int32, which a mask may not be)
+            tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_ok)
+            tl.store(shift_ptr + pid_bh * T + t, shift, mask=row_ok)
+            tl.store(qmax_ptr + pid_bh * T + t, q_max, mask=row_ok)
+            tl.store(fine_ptr + pid_bh * n_chunks + chunk, sigma)
+        state_s, state_z, sigma = _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, chunk, t, row_ok,
+                                             pos, doc, T, start, OPERANDS, BLOCK_T, HAS_DOC)
+        j += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,49 +450,67 @@ def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats
 @triton.jit
 def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
                        g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
-                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr):
-    """Forward direction, all chunks in parallel: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the
-    earlier chunks through the recomputed state entering the chunk; stored as dL/dℓ^q = φq ⊙ dφq
+                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Forward direction, all spans in parallel, each span's chunks walked in order as the forward
+    does: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the earlier chunks through the state entering
+    the chunk (the forward's saved span state, carried by the walk); stored as dL/dℓ^q = φq ⊙ dφq
     (this value block's part)."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
-        q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, kk, cols,
-        cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D,
-        BLOCK_M, D_STEP)
-    state_s, state_z, carried = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv,
-                                                cols, cols_ok, BLOCK_M)
-    d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
-    d_feat = product(d_scores, key_feat, OPERANDS)
-    carry = _exp_where(carried - shift, continuing)
-    from_state = product(g_hat, tl.trans(state_s), OPERANDS) + c_row[:, None] * state_z[None, :]
-    d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
-    _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+    state_s, state_z, sigma = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_spans, m_feats, dv,
+                                              cols, cols_ok, BLOCK_M)
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    j = 0
+    while j < n_sub:  # (a while loop: see the note at the top)
+        chunk = first + j
+        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = \
+            _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh,
+                             pid_v, kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start,
+                             w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+        d_feat = product(d_scores, key_feat, OPERANDS)
+        carry = _exp_where(sigma - shift, continuing)
+        from_state = product(g_hat, tl.trans(state_s), OPERANDS) + c_row[:, None] * state_z[None, :]
+        d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
+        _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+        state_s, state_z, sigma = _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, chunk, t, row_ok,
+                                             pos, doc, T, start, OPERANDS, BLOCK_T, HAS_DOC)
+        j += 1
 
 
 @triton.jit
 def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
                           rs_ptr, rz_ptr, T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
-                          HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                          n_spans, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_V: tl.constexpr, D_STEP: tl.constexpr):
-    """Chunk c's own part of the reverse state, all chunks in parallel: its rows that continue the
-    document of chunk c − 1's last row, at the scale of that row, ΔR_c = Σ_i exp(σ_{c−1} − s_i)
-    φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; the c part in value block 0)."""
+                          BLOCK_V: tl.constexpr, D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Span c's own part of the reverse state, all spans in parallel (its chunks in any order): its rows
+    that continue the document of span c − 1's last row, at the scale of that row (the scale entering
+    the span), ΔR_c = Σ_i exp(σ_{c−1} − s_i) φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; the c part in value
+    block 0). A row reaches the keys before its span exactly when its document began before the span,
+    and at that absolute scale: no chain of rescales inside the span."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
-    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_ptr + h * w_head_stride,
-                             scale, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
-    carried = tl.load(carried_ptr + pid_bh * n_chunks + c)
-    reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + c * BLOCK_T))[:, None]
-    g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
-    tl.store(rs_ptr + offsets, product(tl.trans(reads_back), g_hat, OPERANDS), mask=mask)
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    carried = tl.load(carried_ptr + pid_bh * n_spans + c)
+    delta = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    delta_z = tl.zeros([BLOCK_M], dtype=tl.float32)
+    j = 0
+    while j < n_sub:  # (a while loop: see the note at the top)
+        t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
+        q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats,
+                                 w_ptr + h * w_head_stride, scale, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+        reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + first * BLOCK_T))[:, None]
+        g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
+        delta = product_into(tl.trans(reads_back), g_hat, delta, OPERANDS)
+        delta_z += tl.sum(reads_back * c_row[:, None], axis=0)
+        j += 1
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+    tl.store(rs_ptr + offsets, delta, mask=mask)
     if pid_v == 0:
-        tl.store(rz_ptr + rows, tl.sum(reads_back * c_row[:, None], axis=0), mask=feat_ok)
+        tl.store(rz_ptr + rows, delta_z, mask=feat_ok)
 
 
 @triton.jit
@@ -474,29 +547,43 @@ def reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, d
 
 
 @triton.jit
-def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr,
+def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_ptr,
                      g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr, dv_ptr,
-                     T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
+                     T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
                      HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr):
-    """Reverse direction, all chunks in parallel: dv_j and dφk_j from this chunk's rows and from the
-    later rows of the same document through the reverse state R_c (at most 1 per term); dL/dℓ^k =
-    φk ⊙ dφk stored (this value block's part)."""
+                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Reverse direction, all spans in parallel, each span's chunks walked from its last: dv_j and dφk_j
+    from the chunk's own rows and from the later rows of the same document through the reverse state
+    R_c (at most 1 per term), which the walk carries from the span's slot (the later spans' rows) and
+    extends by each chunk's rows before the next: R_{c−1} = exp(σ_{c−1} − σ_c) R_c + ΔR_c, or ΔR_c alone
+    where chunk c's last document begins inside it; dL/dℓ^k = φk ⊙ dφk stored (this value block's part)."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = _recompute_chunk(
-        q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v, kk, cols,
-        cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D,
-        BLOCK_M, D_STEP)
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
-    later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R_c: the later rows' ĝ part
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+    later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R: the later rows' ĝ part
     later_c = tl.load(rz_ptr + rows, mask=feat_ok, other=0.0) * (pid_v == 0).to(tl.float32)  # their c part (block 0)
-    sigma = _last_row(shift, t, c, T, BLOCK_T)
-    seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, c, T, BLOCK_T)))  # keys later chunks read
-    scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
-    d_v = product(tl.trans(scores), g_hat, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
-    tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v, mask=row_ok[:, None] & cols_ok[None, :])
-    d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
-    d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
-    d_feat += seen_later[:, None] * (product(v, tl.trans(later), OPERANDS) + later_c[None, :])
-    _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    j = n_sub - 1
+    while j >= 0:  # (a while loop: see the note at the top)
+        chunk = first + j
+        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = \
+            _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh,
+                             pid_v, kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start,
+                             w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
+        seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
+        scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
+        d_v = product(tl.trans(scores), g_hat, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
+        tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v,
+                 mask=row_ok[:, None] & cols_ok[None, :])
+        d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+        d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
+        d_feat += seen_later[:, None] * (product(v, tl.trans(later), OPERANDS) + later_c[None, :])
+        _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+        # R entering the chunk before: this chunk's rows that continue the previous chunk's document
+        carried = tl.load(fine_ptr + pid_bh * n_chunks + chunk)  # the scale entering this chunk
+        back = tl.where(_restarts(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(carried - sigma))
+        reads_back = q_feat * _exp_where(carried - shift, continuing)[:, None]
+        later = product_into(tl.trans(reads_back), g_hat, back * later, OPERANDS)
+        later_c = back * later_c + tl.sum(reads_back * c_row[:, None], axis=0)
+        j -= 1

@@ -50,3 +50,12 @@ if triton is not None:
             return tl.dot(a_hi, b_hi, acc=small, input_precision="tf32")
         else:
             return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), input_precision="tf32")
+
+    @triton.jit
+    def product_into(a, b, acc, OPERANDS: tl.constexpr):
+        """acc + a @ b as :func:`product` ("fp32", "tf32" or "bf16" operands), accumulated in place by
+        the product itself: no second tile of acc's size is live (a walk's running state)."""
+        if OPERANDS == "fp32":
+            return tl.dot(a, b, acc=acc, input_precision="ieee")
+        else:
+            return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), acc=acc, input_precision="tf32")

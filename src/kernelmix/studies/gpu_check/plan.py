@@ -56,13 +56,13 @@ GRID_BOUNDS = {
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
     "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
-    "features_chunk_states": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
-    "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the chunks in order",
-    "features_forward": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
-    "features_query_grad": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
-    "features_reverse_states": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
-    "features_reverse_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the chunks back",
-    "features_key_grad": "⌈T/C⌉·B·H·⌈d_v/BLOCK_V⌉: one program per chunk and value block",
+    "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
+    "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
+    "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
+    "features_query_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
+    "features_reverse_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block",
+    "features_reverse_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans back",
+    "features_key_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
@@ -86,7 +86,6 @@ def launch_cost(mixer: str, launch, shape: dict) -> Cost:
                                                              launch.grid[1])).flops, launch.calls * once.bytes)
     if launch.name.startswith("features_"):
         once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2])
-        # the chunk states and their scan run twice per call (the backward recomputes them)
         return Cost(launch.calls * once.flops, launch.calls * once.bytes, launch.calls * once.split_flops)
     return solve_cost(launch.name, launch.tiles, batch_heads, has_beta=bool(launch.constexprs.get("HAS_BETA", False)),
                       has_doc=bool(launch.constexprs["HAS_DOC"]))

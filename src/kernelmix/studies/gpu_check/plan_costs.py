@@ -23,21 +23,24 @@ value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span
                                                                (Cubit: one, e from K U = b − γ U)
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
 
-**The random features** (Performer, DARKFormer; chunk-parallel: ``n`` chunks of ``C`` rows, head
-``D``, features ``M``, ``s`` value blocks of ``V``; one side's feature logits cost
+**The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
+``S`` chunks, head ``D``, features ``M``, ``s`` value blocks of ``V``; one side's feature logits cost
 ``F = 2·C·D·M + [2·C·D²]``, the bracket with DARKFormer's transform), per (batch, head), chunk and
-value block (one program each):
+value block; every kernel but the scans runs one program per span and value block, which walks its
+chunks and loads or stores the m × V state once per span:
 
-    chunk states          F + 2·C·M·V                          keys' logits, ΔS = φᵀ v
-    forward               2F + 2·C²·(M + V) + 2·C·M·V          scores, their mix, the entering state
-    query gradient        2F + 2·C²·(M + V) + 2·C·M·V          stores dL/dℓ^q [C, M]
-    reverse states        F + 2·C·M·V                          queries' logits, ΔR = φᵀ ĝ
-    key gradient          2F + 4·C²·(M + V) + 4·C·M·V          stores dL/dℓ^k [C, M] and dv
+    span states           F + 2·C·M·V                          keys' logits, ΔS = φᵀ v
+    forward (span)        2F + 2·C²·(M + V) + 4·C·M·V          scores, their mix, the entering state,
+                                                               the walk's state update
+    query gradient (span) 2F + 2·C²·(M + V) + 4·C·M·V          stores dL/dℓ^q [C, M]
+    reverse span states   F + 2·C·M·V                          queries' logits, ΔR = φᵀ ĝ
+    key gradient          2F + 4·C²·(M + V) + 6·C·M·V          stores dL/dℓ^k [C, M] and dv; the walk
+                                                               back extends R
 
 The feature logits (``F``) stay fp32-accurate: each is three TF32 products on tensor cores
 (``Cost.split_flops``, at a third of the TF32 peak); the rest take the kernels' operands (TF32 by
-default). The two scans over chunks have no products: per (batch, head) and chunk they read and
-write the m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's
+default). The two scans have no products: per (batch, head) and span they read and write the
+m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's
 features: the logits' work grows with ``s``. W is read by every program of a head but counted
 once per head: the chunks of a head share it through L2 (1 MB for all heads at the target). The backward's chain
 through the feature map is torch's (:func:`feature_chain_flops`: products over all rows, which fill
@@ -132,35 +135,39 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
     """The executed cost of one launch of a random-feature kernel (the module docstring's formulas)."""
     c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
     if name in ("features_state_scan", "features_reverse_scan"):
+        steps = tiles["spans"]
         scan_m, scan_v = tiles["scan_tile"]
         state = -(-tiles["features"] // scan_m) * scan_m * -(-tiles["value_dim"] // scan_v) * scan_v
         normaliser = -(-tiles["features"] // scan_m) * scan_m
-        per_chunk = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
-        return Cost(0.0, batch_heads * (n * per_chunk + 2 * (state + normaliser) * FP32))
+        per_step = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
+        return Cost(0.0, batch_heads * (steps * per_step + 2 * (state + normaliser) * FP32))
     side = 2 * c * d * m  # one side's feature logits (a transform is applied by torch before the kernels)
     parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
     rows = c * d * FP32  # one side's rows
     values = c * v * FP32
     state = (m * v + m) * FP32
     scalars = 3 * c * FP32 + c * INT64  # shift, query max or c_i, and document starts
+    walk = 2 * c * m * v if name in ("features_forward", "features_query_grad", "features_key_grad") else 0
     if name == "features_chunk_states":
         logits, products = side, 2 * c * m * v
-        moved = rows + values + scalars + state
+        per_chunk = rows + values + scalars
     elif name in ("features_forward", "features_query_grad"):
-        logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v
+        logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
         stored = values if name == "features_forward" else c * m * FP32
-        moved = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + state + stored
+        per_chunk = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + stored
     elif name == "features_reverse_states":
         logits, products = side, 2 * c * m * v
-        moved = rows + values + scalars + state
+        per_chunk = rows + values + scalars
     elif name == "features_key_grad":
-        logits, products = 2 * side, 4 * c * c * (m + v) + 4 * c * m * v
-        moved = 2 * rows + 3 * values + scalars + state + c * m * FP32
+        logits, products = 2 * side, 4 * c * c * (m + v) + 4 * c * m * v + walk
+        per_chunk = 2 * rows + 3 * values + scalars + c * m * FP32
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
-    programs = batch_heads * value_blocks * n
-    return Cost(programs * (logits + products), programs * moved + batch_heads * parameters,
-                split_flops=programs * logits)
+    chunk_programs = batch_heads * value_blocks * n  # the span programs' walks over their chunks, in all
+    # a span program loads or stores its state once per span (and its chunks' scales, one number each)
+    once = batch_heads * value_blocks * tiles["spans"] * state + chunk_programs * FP32
+    return Cost(chunk_programs * (logits + products), chunk_programs * per_chunk + once + batch_heads * parameters,
+                split_flops=chunk_programs * logits)
 
 
 def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
