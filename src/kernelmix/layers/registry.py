@@ -34,10 +34,11 @@ trained, evaluated and generated with, but not measured at the op level. Name it
 
 ``in_defaults=False`` keeps a mixer (and its variants) out of the *default* mixer lists of the
 trained studies, ``compare`` and ``recall`` (:func:`default_variants`), while it stays one of their
-choices (``--mixers cubit-rf``): their defaults are what the committed results/compare and
-results/recall and the README's main job were made with, so a new mixer joins them when its results
-are committed with them, not silently. The measuring commands (bench, demo, gpu-check,
-generate-bench, model-info) list every registered mixer.
+choices (``--mixers ...``): their defaults are what the committed results/compare and results/recall
+and the README's main job were made with, so a new mixer joins them when its results are committed
+with them, not silently. A :class:`Variant` takes ``in_defaults=False`` too (Cubit-RF's dense
+ablations). The measuring commands (bench, demo, gpu-check, generate-bench, model-info) list every
+registered mixer.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Variant:
     options: Mapping[str, Any]
     note: str
     op_level: bool = True  # the op call takes its options too (demo checks it there); False: a layer-only setting
+    in_defaults: bool = True  # False: a choice of compare and recall, not one of their defaults (a slow ablation)
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ def variants() -> dict[str, tuple[str, dict[str, dict[str, Any]]]]:
 
 def default_variants() -> dict[str, tuple[str, dict[str, dict[str, Any]]]]:
     """What compare and recall train when no mixers are given: :func:`variants` of the mixers registered
-    with ``in_defaults=True``."""
-    return {name: value for name, value in variants().items() if REGISTRY[value[0]].in_defaults}
+    with ``in_defaults=True``, less their variants with ``in_defaults=False``."""
+    left_out = {variant.name for info in REGISTRY.values() for variant in info.variants if not variant.in_defaults}
+    return {name: value for name, value in variants().items()
+            if REGISTRY[value[0]].in_defaults and name not in left_out}
 
 
 def load(path: str) -> Any:
@@ -223,19 +227,18 @@ register(MixerInfo("darkformer", "kernelmix.layers.random_features:DarkFormerMix
 # a mixer is measured against (gpu-check part (b): the "solve" family gets the T² targets — within
 # 2.5× of SDPA, run at the long length — and "random-features" the linear ones — several times faster
 # than SDPA, a decode step that does not grow with the position). Cubit-RF is O(T·m·d) with an
-# O(m·d) state, and issue 27's targets for it are the linear ones. in_defaults=False: no results of it
-# are committed yet under results/compare or results/recall, and it would lengthen the README's main
-# job (`kernelmix compare`, ≈ 16 min for the six others) — train it with --mixers ...,cubit-rf.
+# O(m·d) state, and issue 27's targets for it are the linear ones. In the defaults of compare and recall
+# (issue 27; its rows are in results/compare and results/recall-cubit-rf); its dense ablations are not.
 register(MixerInfo("cubit-rf", "kernelmix.layers.cubit_rf:CubitRFMixer", "random-features", constant_cache=True,
                    options=CUBIT_RF_OPTIONS, op="kernelmix.ops.calls:cubit_rf",
-                   step="kernelmix.ops.calls:cubit_rf_step", leaves=("q", "k", "v", "r", "rho"), in_defaults=False,
+                   step="kernelmix.ops.calls:cubit_rf_step", leaves=("q", "k", "v", "r", "rho"),
                    # the ablation of results/recall-cubit-rf: which estimate costs the recall (dense, no decode)
                    variants=(Variant("cubit-rf-exact-readout", {"estimate": "gram"}, "Gram estimated, exact read-out",
-                                     op_level=False),
+                                     op_level=False, in_defaults=False),
                              Variant("cubit-rf-exact-gram", {"estimate": "readout"}, "exact Gram, read-out estimated",
-                                     op_level=False),
+                                     op_level=False, in_defaults=False),
                              Variant("cubit-rf-exact", {"estimate": "none"}, "both kernels exact (dense Cubit)",
-                                     op_level=False))))
+                                     op_level=False, in_defaults=False))))
 
 
 __all__ = [

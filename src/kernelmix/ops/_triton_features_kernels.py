@@ -8,11 +8,10 @@ max s_i of their logit maxima (per document, at least the carried shift for rows
 and a zero row (zero gradients) where the denominator is at or below √tiny(float32).
 
 Design: chunk-parallel, as flash-linear-attention's chunked linear attention, with the running-max
-stabiliser carried through the states between chunks. The forward direction works in spans of up to
-``SPAN_BLOCKS`` chunks of C rows (grid: spans × B·H × value blocks): one program walks its span's
-chunks in order and carries the state in registers from one chunk to the next, so the states reach
-memory once per span (at C = 32 and 8 chunks, 1/256 of a T × m × d_v tensor), not once per chunk.
-The forward is three launches:
+stabiliser carried through the states between chunks, in spans of up to ``SPAN_BLOCKS`` chunks of C
+rows (grid: spans × B·H × value blocks): one program walks its span's chunks in order (the key
+gradient from the last) and carries the state in registers from one chunk to the next, so the
+states reach memory once per span, not once per chunk. The forward is three launches:
 
 1. ``chunk_state_kernel``: each span's own part of the state, ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) φ'_j v_jᵀ
    and Δz_c over the keys of the span's last document, at its local scale σ'_c (their max logit);
@@ -34,16 +33,17 @@ h // (H / H_kv)), never expanded.
 
 The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
 denominator), the scale entering each chunk and the states entering each span; it recomputes the
-features. With g =
-dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (computed in torch, like flash-attention's
-D), the gradient of an unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
+features. With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (computed in torch, like
+flash-attention's D), the gradient of an unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
 
 - ``query_grad_kernel`` (forward direction, spans walked as in the forward): dφq_i = Σ_j exp(ℓ^k_j −
   s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state;
 - ``reverse_state_kernel`` and ``reverse_scan_kernel`` (reverse direction): R_c = Σ_{i after
-  chunk c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each chunk's part in parallel and a scan
-  from the last chunk; its scales are the forward's saved shifts, every factor ≤ 1;
-- ``key_grad_kernel``: dv_j and dφk_j from the chunk's own rows and R_c.
+  span c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each span's part in parallel (its rows whose
+  document began before the span, at the scale entering it) and a scan from the last span; its
+  scales are the forward's saved shifts, every factor ≤ 1;
+- ``key_grad_kernel``: dv_j and dφk_j from the chunk's own rows and the reverse state, which its walk
+  from the span's last chunk extends by each chunk's rows.
 
 Both gradient kernels store the per-row gradients of the feature logits, dℓ = φ ⊙ dφ ``[T, m]``
 (value-column blocks each store their part; the c_i terms enter only in block 0), and torch adds the
@@ -51,8 +51,7 @@ blocks and chains them through the feature map with five products over all rows
 (``_chain_feature_map``: dx', for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ).
 The kernels keep no dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and
 made ptxas take minutes. Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward),
-the reverse direction's per-chunk states, B·H·n·m·(d_v + 1) (during the backward), and O(T) per row;
-no T × m and no T × T tensor.
+as many for the reverse direction (during the backward), and O(T) per row; no T × m and no T × T tensor.
 
 Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.

@@ -25,8 +25,8 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "mixers")
 
 # name → (registry mixer, mixer_options): every registered mixer and its variants (cubit-nolrr), a live view
 MIXER_VARIANTS = registry.View(registry.variants)
-# what compare and recall train by default: those of the mixers registered with in_defaults=True (all but
-# cubit-rf, whose results are not committed yet: kernelmix.layers.registry), a live view
+# what compare and recall train by default: those of the mixers and variants registered with in_defaults=True
+# (all but Cubit-RF's dense ablations: kernelmix.layers.registry), a live view
 DEFAULT_MIXERS = registry.View(registry.default_variants)
 RESULT_FORMAT = "kernelmix.compare/1"
 CALIBRATION_FORMAT = "kernelmix.compare.calibration/1"
