@@ -42,13 +42,15 @@ def test_the_entry_names_the_layer_the_calls_and_the_metadata_the_layer_carries(
     assert registry.op_call(NAME) is calls.cubit_rf and registry.step_call(NAME) is calls.cubit_rf_step
     assert info.family == CubitRFMixer.family == "random-features" and info.family in registry.FAMILIES
     assert info.constant_cache is CubitRFMixer.constant_cache is True
-    assert info.leaves == ("q", "k", "v", "r", "rho") and info.in_defaults is False
-    # its variants are the dense ablation (ops/cubit_rf_parts), which the op-level call does not take
+    assert info.leaves == ("q", "k", "v", "r", "rho") and info.in_defaults is True
+    # its variants are the dense ablation (ops/cubit_rf_parts), which the op-level call does not take and
+    # the trained studies do not run by default (O(T²·m), no decode)
     assert {v.name for v in info.variants} == {"cubit-rf-exact-readout", "cubit-rf-exact-gram", "cubit-rf-exact"}
-    assert not any(v.op_level for v in info.variants)
+    assert not any(v.op_level or v.in_defaults for v in info.variants)
 
 
-def test_a_choice_everywhere_but_not_in_the_trained_studies_defaults():
+def test_a_choice_everywhere_and_in_the_trained_studies_defaults():
+    """Issue 27: Cubit-RF is one of compare's (the README's main job) and recall's default mixers."""
     from kernelmix.studies import gpu_check
     from kernelmix.studies.bench import BenchConfig
     from kernelmix.studies.compare import DEFAULT_MIXERS, MIXER_VARIANTS, CompareConfig
@@ -56,8 +58,9 @@ def test_a_choice_everywhere_but_not_in_the_trained_studies_defaults():
     from kernelmix.studies.generate_bench import GenerateBenchConfig
     from kernelmix.studies.recall import RecallConfig
 
-    assert MIXER_VARIANTS[NAME] == (NAME, {}) and NAME not in DEFAULT_MIXERS
-    assert NAME not in CompareConfig().mixers and NAME not in RecallConfig().mixers
+    assert MIXER_VARIANTS[NAME] == (NAME, {}) and NAME in DEFAULT_MIXERS
+    assert NAME in CompareConfig().mixers and NAME in RecallConfig().mixers
+    assert not {"cubit-rf-exact-readout", "cubit-rf-exact-gram", "cubit-rf-exact"} & set(DEFAULT_MIXERS)
     assert CompareConfig(mixers=["softmax", NAME]).mixers == ["softmax", NAME]
     assert RecallConfig(mixers=[NAME]).model_config(NAME, 64, 64).mixer == NAME
     # the measuring commands list every mixer with an op call
@@ -87,7 +90,7 @@ def test_the_committed_results_are_of_the_default_mixers(folder):
 
     committed = json.loads((ROOT / "results" / folder / "results.json").read_text())["settings"]["mixers"]
     defaults = (CompareConfig() if folder == "compare" else RecallConfig()).mixers
-    assert committed == defaults and NAME not in committed
+    assert committed == defaults and NAME in committed
 
 
 # ---------------------------------------------------------------------------------------------
