@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from ..config import Arg, Field, check
 from ..errors import Interrupted
-from ..studies.compare.settings import MIXER_VARIANTS, CompareConfig
+from ..studies.compare.settings import DEFAULT_MIXERS, MIXER_VARIANTS, CompareConfig
 from .commands import summary
 from .options import add_options, from_args
 
@@ -31,12 +31,13 @@ def add_command(sub) -> None:
     """Register ``kernelmix compare``."""
     p = sub.add_parser(
         "compare", help=summary("compare"),
-        description=f"Train every mixer ({', '.join(MIXER_VARIANTS)}) with the same "
-        "preset, data, tokenizer, seeds and budget at each training length, evaluate them (val loss at the "
-        "training length, loss by position), and write results.json, results.md and PNG plots. --budget says what is "
-        "equal: tokens (default), training FLOPs (softmax's for those tokens, analytic counts) or training seconds on "
-        "this machine (measured, so noisy); every run reports all three. Finished runs in the output directory are "
-        "reused, so an interrupted compare continues where it stopped.",
+        description=f"Train the default mixers ({', '.join(DEFAULT_MIXERS)}; --mixers chooses among "
+        f"{', '.join(MIXER_VARIANTS)}) with the same preset, data, tokenizer, seeds and budget at each training "
+        "length, evaluate them (val loss at the training length, loss by position), and write results.json, "
+        "results.md and PNG plots. --budget says what is equal: tokens (default), training FLOPs (softmax's for "
+        "those tokens, analytic counts) or training seconds on this machine (measured, so noisy); every run reports "
+        "all three. Finished runs in the output directory are reused, so an interrupted compare continues where it "
+        "stopped.",
     )
     add_options(p, CompareConfig, CompareOptions)
     p.set_defaults(func=_cli_compare, parser=p)
