@@ -103,7 +103,7 @@ class _Geometry:
 
     @property
     def key_grid(self) -> tuple[int, int, int]:
-        """The key gradient's: its value blocks are half as wide."""
+        """The key gradient's: its value blocks are half as wide (a quarter at large tiles)."""
         return (self.n_spans, self.batch * self.heads, self.key_value_blocks)
 
     @property
@@ -260,7 +260,8 @@ def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_siz
 
 
 class _RandomFeatureAttention(torch.autograd.Function):
-    """The kernels' forward and backward; saves q, k, v, W, M and O(T) row scalars, never features."""
+    """The kernels' forward and backward; saves q, k, v, W, M, O(T) row scalars and the span states,
+    never features."""
 
     @staticmethod
     def forward(ctx, q, k, v, projection, transform, doc, state, geometry):
@@ -268,7 +269,7 @@ class _RandomFeatureAttention(torch.autograd.Function):
         transform = None if transform is None else transform.contiguous()
         out, denominator, shift_rows, q_max, fine, spans, s, z, shift = _launch_forward(
             *_kernel_inputs(q, k, transform, geometry), v, projection, doc, state, geometry)
-        # the span states are kept (B·H·T·m·d_v / (C · span) numbers: 1/256 of a T × m × d_v at C = 32),
+        # the span states are kept (B·H·n_spans·m·d_v numbers: 1/256 of a T × m × d_v at 256-row spans),
         # not recomputed: the backward launches no state kernel in the forward direction
         ctx.save_for_backward(q, k, v, projection, transform, doc, out, denominator, shift_rows, q_max, fine, *spans)
         ctx.geometry = geometry
@@ -361,8 +362,7 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     """The kernels one differentiated call launches at these sizes (forward: the span states, the
     scan over spans, the outputs; backward: the query gradients from the saved span states, the
     reverse span states, their scan, the key gradients; each once), with the grids, blocks and warps
-    of the launches above
-    (the same ``_Geometry``, built on meta tensors: no memory, no GPU)."""
+    of the launches above (the same ``_Geometry``, built on meta tensors: no memory, no GPU)."""
     q = torch.empty(batch, length, heads, head_dim, device="meta")
     k = torch.empty(batch, length, kv_heads, head_dim, device="meta")
     v = torch.empty(batch, length, kv_heads, value_dim, device="meta")
