@@ -154,6 +154,24 @@ def test_the_cost_model_grows_with_the_work():
     assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here
 
 
+def test_the_random_features_roofline_counts_torch_s_sum_of_the_value_blocks():
+    """The present roofline of a random-feature mixer holds, beside its kernels and torch's products,
+    the bytes of summing the gradient kernels' per-value-block logit gradients (8 key blocks at the
+    target head): reading each block once is a floor the model may not undercut."""
+    from kernelmix.studies.gpu_check.plan import mixer_roofline
+    from kernelmix.studies.gpu_check.plan_costs import H200
+
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    rows = plan_rows({"a": shape}, ("performer",))
+    kernels_ms = sum(r["roofline_ms"] for r in rows)
+    key_blocks = next(r["grid"][2] for r in rows if r["kernel"] == "features_key_grad")
+    assert key_blocks == 8
+    one_tensor = shape["batch"] * shape["length"] * shape["heads"] * shape["features"] * 4
+    floor_ms = 1e3 * key_blocks * one_tensor / H200["hbm_bytes_per_s"]
+    roofline = mixer_roofline("performer", shape["length"], shape)
+    assert roofline["present_tf32_torch_ms"] >= kernels_ms + floor_ms
+
+
 def test_ptxas_report_is_read():
     log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
            "    3960 bytes stack frame, 5528 bytes spill stores, 14228 bytes spill loads\n"

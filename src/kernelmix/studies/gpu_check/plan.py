@@ -32,8 +32,8 @@ from pathlib import Path
 from ...errors import KernelmixError
 from ..flops import forward_flops
 from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
-from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, recurrence_cost,
-                         roofline_seconds, sdpa_cost, solve_cost)
+from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, logit_grad_sum_bytes,
+                         recurrence_cost, roofline_seconds, sdpa_cost, solve_cost)
 
 PLAN_FORMAT = "kernelmix.gpu_plan/1"
 TARGET_SHAPE = "target"
@@ -227,6 +227,10 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     if mixer in FEATURE_MIXERS:  # the transform and the backward's chain: torch products over all rows
         chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"],
                                     FEATURE_MIXERS[mixer]["has_transform"])
+        # torch adds the gradient kernels' per-value-block logit gradients (memory-bound) before the chain
+        blocks = {x.name: x.grid[2] for x in launches}
+        kernels += sum(logit_grad_sum_bytes(at["batch"], at["heads"], length, at["features"], blocks[name])
+                       for name in ("features_query_grad", "features_key_grad")) / H200["hbm_bytes_per_s"]
         high = 1e3 * (kernels + chain / H200["tf32_flops"])
         kernels += chain / H200["fp32_flops"]
     op = "performer" if mixer in FEATURE_MIXERS else mixer

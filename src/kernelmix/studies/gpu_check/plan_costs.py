@@ -187,6 +187,12 @@ def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int)
     return Cost(programs * n * flops, programs * n * moved)
 
 
+def logit_grad_sum_bytes(batch: int, heads: int, length: int, features: int, blocks: int) -> float:
+    """Bytes of torch's sum of the ``blocks`` per-value-block logit gradients of one side (each a
+    B·T·H·m fp32 tensor the gradient kernels store): every block read once, the sum written once."""
+    return (blocks + 1) * batch * length * heads * features * FP32
+
+
 def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
     """The torch products of a random-feature call, both sides: with a transform x' = M x̃ in the
     forward and again in the backward; the backward's chain (``_chain_feature_map``) dx' = dℓ W,

@@ -51,7 +51,8 @@ def _roofline(plan: dict) -> list[str]:
                      f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
     high = [r for r in plan["roofline"] if r.get("present_tf32_torch_ms") is not None]
     if high:
-        lines += ["", "The random features' *present* includes torch's products (DARKFormer's transform, the "
+        lines += ["", "The random features' *present* includes torch's work: the sum of the gradient kernels' "
+                  "per-value-block logit gradients (bytes) and the products (DARKFormer's transform, the "
                   "backward's chain through the feature map) at the fp32 peak, torch's default; with "
                   "`torch.set_float32_matmul_precision(\"high\")` they take TF32: " + "; ".join(
                       f"{r['mixer']} {r['length']:,}: {r['present_tf32_torch_ms']:.2f} ms "
