@@ -125,9 +125,10 @@ def test_values_and_gradients_match_the_float64_reference(monkeypatch, case, spa
         assert got.shape == want.shape and rel_rmse(got, want) <= 1e-4, name
 
 
-# The products of features, states and values on tensor cores. Measured against float64 on the
-# cases above (largest relative error over the output and the five gradients): TF32 3.3e-4 in the
-# output, 1.1e-3 in the gradients; bf16 3.0e-3 and 7.9e-3.
+# The products of features, states and values on tensor cores, and torch's products of the backward's
+# chain at the same operands. Measured against float64 on the cases above (largest relative error over
+# the output and the five gradients): TF32 3.3e-4 in the output, 1.14e-3 in the gradients; bf16 3.0e-3
+# and 8.5e-3.
 @pytest.mark.parametrize("operands, bound", [("tf32", 2e-3), ("bf16", 2e-2)])
 @pytest.mark.parametrize("case", ["T37-darkformer-gqa-3docs", "T97-darkformer-chunk16-docs-on-edges"])
 def test_tensor_core_products_within_their_measured_error(monkeypatch, operands, bound, case):
@@ -378,3 +379,27 @@ def test_large_tiles_walk_16_row_chunks(monkeypatch, span_blocks):
     assert rel_rmse(out, ref) <= 1e-4
     for name, got, want in zip(NAMES, grads, ref_grads):
         assert rel_rmse(got, want) <= 1e-4, name
+
+
+def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
+    """torch's products of the backward's chain round their operands as the kernels' tensor-core
+    products do (to nearest: TF32 keeps 10 mantissa bits, bf16 7), so the interpreter measures the
+    GPU's TF32 matmuls; with fp32 operands they are plain fp32 products."""
+    import importlib
+
+    kernels = importlib.import_module("kernelmix.ops._triton_features")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, generator=gen) * torch.logspace(-20, 20, 4096)
+    tf32 = getattr(kernels, "_rounded")(x, "tf32")
+    assert ((tf32.view(torch.int32) & 0x1FFF) == 0).all()
+    assert ((tf32 - x).abs() <= x.abs() * 2.0 ** -11).all()
+    bf16 = getattr(kernels, "_rounded")(x, "bf16")
+    assert (bf16 == x.to(torch.bfloat16).float()).float().mean() > 0.999  # ties aside, torch's own rounding
+    a, b = torch.randn(16, 64, generator=gen), torch.randn(64, 8, generator=gen)
+    product = getattr(kernels, "_chain_product")
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
+    rounded = product("ij,jk->ik", a, b)
+    expected = getattr(kernels, "_rounded")(a, "tf32") @ getattr(kernels, "_rounded")(b, "tf32")
+    assert torch.equal(rounded, expected) and not torch.equal(rounded, a @ b)
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "fp32")
+    assert torch.allclose(product("ij,jk->ik", a, b), a @ b, rtol=0, atol=1e-6)

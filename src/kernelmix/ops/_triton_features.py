@@ -334,27 +334,56 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
 
 
 
+# Rounding to a tensor-core operand precision on torch tensors, as ``_triton_products.rounded`` does in
+# the kernels (to nearest, ties away from zero): what the GPU's TF32 products read, emulated on CPU.
+_ROUNDING = {"tf32": (0x1000, -0x2000), "bf16": (0x8000, -0x10000)}  # (half an ulp, mask of the kept bits)
+
+
+def _rounded(x: Tensor, operands: str) -> Tensor:
+    half, mask = _ROUNDING[operands]
+    return ((x.contiguous().view(torch.int32) + half) & mask).view(torch.float32)
+
+
+def _chain_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
+    """``torch.einsum(equation, a, b)`` at the kernels' operand precision (``FEATURE_OPERANDS``): the
+    chain's input dL/dℓ already carries the error of the kernels' TF32 products, so fp32 products here
+    would buy no accuracy for 7× the time (67 against 495 TFLOP/s on an H200). On a GPU, TF32 (bf16:
+    the operands rounded first, exact in TF32) through torch's TF32 matmuls; elsewhere (Triton's
+    interpreter) the same rounding of the operands and fp32 products, so the tests measure its error."""
+    operands = FEATURE_OPERANDS
+    if operands == "fp32":
+        return torch.einsum(equation, a, b)
+    if a.is_cuda:
+        if operands == "bf16":
+            a, b = _rounded(a, operands), _rounded(b, operands)
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return torch.einsum(equation, a, b)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+    return torch.einsum(equation, _rounded(a, operands), _rounded(b, operands))
+
+
 def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weights: Tensor, transform: Tensor | None,
                        *, is_key: bool):
     """From dL/dℓ ``[B, T, H, m]`` of the logits ℓ = W x' (keys: − ½‖x'‖²), x' = M x̃, x̃ = d^{-1/4} x
     (``x`` ``[B, T, H, d]``, ``x_prime`` x' when there is a transform, W ``[H, m, d]``, M ``[H, d, d]`` or
-    None) to dL/dx and this side's dL/dW and dL/dM: four fp32 products over all rows, in place of
-    per-program accumulators in the kernels (an [m, d] and a [d, d] accumulator per program spilled
-    on sm_90 at m = d = 128)."""
+    None) to dL/dx and this side's dL/dW and dL/dM: four products over all rows at the kernels' operand
+    precision (:func:`_chain_product`), in place of per-program accumulators in the kernels (an [m, d]
+    and a [d, d] accumulator per program spilled on sm_90 at m = d = 128). The transform's own product
+    x' = M x̃, which feeds the logits, stays fp32 (:func:`_kernel_inputs`)."""
     scale = x.shape[-1] ** -0.25
     x_tilde = x * scale
     x_prime = x_tilde if transform is None else x_prime
-    d_prime = torch.einsum("bthm,hmd->bthd", d_logits, weights)
+    d_prime = _chain_product("bthm,hmd->bthd", d_logits, weights)
     if is_key:
         d_prime = d_prime - d_logits.sum(-1, keepdim=True) * x_prime
-    d_w = torch.einsum("bthm,bthd->hmd", d_logits, x_prime)
+    d_w = _chain_product("bthm,bthd->hmd", d_logits, x_prime)
     if transform is None:
         return d_prime * scale, d_w, None
-    d_m = torch.einsum("bthf,bthe->hfe", d_prime, x_tilde)
-    return torch.einsum("bthf,hfe->bthe", d_prime, transform) * scale, d_w, d_m
-
-
-
+    d_m = _chain_product("bthf,bthe->hfe", d_prime, x_tilde)
+    return _chain_product("bthf,hfe->bthe", d_prime, transform) * scale, d_w, d_m
 
 
 def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,

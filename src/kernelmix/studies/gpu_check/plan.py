@@ -32,8 +32,9 @@ from pathlib import Path
 from ...errors import KernelmixError
 from ..flops import forward_flops
 from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
-from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost, logit_grad_sum_bytes,
-                         recurrence_cost, roofline_seconds, sdpa_cost, solve_cost)
+from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost,
+                         feature_transform_flops, logit_grad_sum_bytes, recurrence_cost, roofline_seconds, sdpa_cost,
+                         solve_cost)
 
 PLAN_FORMAT = "kernelmix.gpu_plan/1"
 TARGET_SHAPE = "target"
@@ -223,16 +224,18 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
-    high = None  # the random features with torch's matmuls at TF32 (set_float32_matmul_precision("high"))
-    if mixer in FEATURE_MIXERS:  # the transform and the backward's chain: torch products over all rows
-        chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"],
-                                    FEATURE_MIXERS[mixer]["has_transform"])
+    high = None  # DARKFormer with its transform at TF32 too (set_float32_matmul_precision("high"))
+    if mixer in FEATURE_MIXERS:  # torch's work over all rows: the backward's chain, the transform
+        has_transform = FEATURE_MIXERS[mixer]["has_transform"]
+        chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"], has_transform)
+        fixed = feature_transform_flops(at["batch"], at["heads"], length, at["head_dim"], has_transform)
         # torch adds the gradient kernels' per-value-block logit gradients (memory-bound) before the chain
         blocks = {x.name: x.grid[2] for x in launches}
         kernels += sum(logit_grad_sum_bytes(at["batch"], at["heads"], length, at["features"], blocks[name])
                        for name in ("features_query_grad", "features_key_grad")) / H200["hbm_bytes_per_s"]
-        high = 1e3 * (kernels + chain / H200["tf32_flops"])
-        kernels += chain / H200["fp32_flops"]
+        kernels += chain / H200["tf32_flops"]  # the kernels' operands (FEATURE_OPERANDS, TF32)
+        high = 1e3 * (kernels + fixed / H200["tf32_flops"]) if has_transform else None
+        kernels += fixed / H200["fp32_flops"]
     op = "performer" if mixer in FEATURE_MIXERS else mixer
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
     if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above

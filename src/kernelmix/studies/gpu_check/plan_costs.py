@@ -44,7 +44,9 @@ m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chu
 features: the logits' work grows with ``s``. W is read by every program of a head but counted
 once per head: the chunks of a head share it through L2 (1 MB for all heads at the target). The backward's chain
 through the feature map is torch's (:func:`feature_chain_flops`: products over all rows, which fill
-the machine), not a kernel's.
+the machine, at the kernels' operands), not a kernel's, as are DARKFormer's transform x' = M x̃ (fp32:
+:func:`feature_transform_flops`) and the sum of the value blocks' logit gradients
+(:func:`logit_grad_sum_bytes`).
 """
 
 from __future__ import annotations
@@ -194,11 +196,16 @@ def logit_grad_sum_bytes(batch: int, heads: int, length: int, features: int, blo
 
 
 def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
-    """The torch products of a random-feature call, both sides: with a transform x' = M x̃ in the
-    forward and again in the backward; the backward's chain (``_chain_feature_map``) dx' = dℓ W,
-    dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
-    per_row = 2 * (2 * head_dim * features * 2 + transform * 4 * 2 * head_dim * head_dim)
+    """The backward's torch products of a random-feature call, both sides (``_chain_feature_map``, at the
+    kernels' operand precision): dx' = dℓ W, dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
+    per_row = 2 * (2 * 2 * head_dim * features + transform * 2 * 2 * head_dim * head_dim)
     return batch * heads * length * per_row
+
+
+def feature_transform_flops(batch: int, heads: int, length: int, head_dim: int, transform: bool) -> float:
+    """DARKFormer's transform x' = M x̃ in torch, both sides, in the forward and again in the backward:
+    it feeds the feature logits, so it stays fp32 (0 without a transform)."""
+    return batch * heads * length * 2 * transform * 2 * 2 * head_dim * head_dim
 
 
 def roofline_seconds(cost: Cost, programs: int, peak_flops: float, machine: dict = H200) -> float:
@@ -219,5 +226,6 @@ def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost,
     return Cost(forward, 4 * tensors), Cost(2.5 * forward, 8 * tensors)
 
 
-__all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_chain_flops", "feature_cost", "roofline_seconds",
+__all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_chain_flops", "feature_transform_flops",
+           "logit_grad_sum_bytes", "feature_cost", "roofline_seconds",
            "sdpa_cost", "solve_cost", "span_tiles"]

@@ -52,9 +52,10 @@ def _roofline(plan: dict) -> list[str]:
     high = [r for r in plan["roofline"] if r.get("present_tf32_torch_ms") is not None]
     if high:
         lines += ["", "The random features' *present* includes torch's work: the sum of the gradient kernels' "
-                  "per-value-block logit gradients (bytes) and the products (DARKFormer's transform, the "
-                  "backward's chain through the feature map) at the fp32 peak, torch's default; with "
-                  "`torch.set_float32_matmul_precision(\"high\")` they take TF32: " + "; ".join(
+                  "per-value-block logit gradients (bytes), the backward's chain through the feature map at the "
+                  "kernels' TF32 operands, and DARKFormer's transform x' = M x̃, which feeds the logits, at the "
+                  "fp32 peak; with `torch.set_float32_matmul_precision(\"high\")` the transform takes TF32 too "
+                  "(and the logits lose their fp32 accuracy): " + "; ".join(
                       f"{r['mixer']} {r['length']:,}: {r['present_tf32_torch_ms']:.2f} ms "
                       f"({r['present_tf32_torch_ms'] / r['sdpa_ms']:.2f}× SDPA)" for r in high) + "."]
     return lines
