@@ -403,3 +403,19 @@ def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
     assert torch.equal(rounded, expected) and not torch.equal(rounded, a @ b)
     monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "fp32")
     assert torch.allclose(product("ij,jk->ik", a, b), a @ b, rtol=0, atol=1e-6)
+
+
+def test_the_transform_feeding_the_logits_stays_fp32_accurate(monkeypatch):
+    """DARKFormer's x' = M x̃ feeds the feature logits: with tensor-core operands it is three TF32
+    products (a_hi·b_hi + a_hi·b_lo + a_lo·b_hi), as the kernels' logits, not one: against float64 its
+    error is fp32's, where one TF32 product's is a thousand times larger."""
+    import importlib
+
+    kernels = importlib.import_module("kernelmix.ops._triton_features")
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
+    gen = torch.Generator().manual_seed(6)
+    x, m = torch.randn(2, 33, 4, 64, generator=gen), torch.randn(4, 64, 64, generator=gen)
+    exact = torch.einsum("bthe,hfe->bthf", x.double(), m.double())
+    split = getattr(kernels, "_fp32_accurate_product")("bthe,hfe->bthf", x, m)
+    single = getattr(kernels, "_chain_product")("bthe,hfe->bthf", x, m)  # one TF32 product
+    assert rel_rmse(split, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)

@@ -6,6 +6,7 @@ feature-map chain rule in torch, and the launch plan that ``kernelmix gpu-check 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -201,8 +202,23 @@ def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Ge
         return q, k
     scale = geometry.head_dim ** -0.25
     keys = k.repeat_interleave(geometry.heads // geometry.kv_heads, dim=2)
-    return (torch.einsum("bthe,hfe->bthf", q * scale, transform).contiguous(),
-            torch.einsum("bthe,hfe->bthf", keys * scale, transform).contiguous())
+    return (_fp32_accurate_product("bthe,hfe->bthf", q * scale, transform).contiguous(),
+            _fp32_accurate_product("bthe,hfe->bthf", keys * scale, transform).contiguous())
+
+
+def _fp32_accurate_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
+    """``torch.einsum(equation, a, b)`` at fp32 accuracy for what feeds the feature logits (DARKFormer's
+    x' = M x̃), as the kernels' logits (``"tf32x3"``): a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi with TF32
+    parts, three TF32 products at a third of the TF32 rate, against fp32 products at a seventh of it (on an
+    H200). On a GPU through torch's TF32 matmuls; elsewhere the same parts in fp32 products (the
+    interpreter's tests measure it). With ``FEATURE_OPERANDS="fp32"``, plain fp32 products."""
+    if FEATURE_OPERANDS == "fp32":
+        return torch.einsum(equation, a, b)
+    a_hi, b_hi = _rounded(a, "tf32"), _rounded(b, "tf32")
+    a_lo, b_lo = _rounded(a - a_hi, "tf32"), _rounded(b - b_hi, "tf32")
+    with _tf32_matmuls(a.is_cuda):
+        small = torch.einsum(equation, a_hi, b_lo) + torch.einsum(equation, a_lo, b_hi)
+        return torch.einsum(equation, a_hi, b_hi) + small
 
 
 def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
@@ -353,16 +369,22 @@ def _chain_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
     operands = FEATURE_OPERANDS
     if operands == "fp32":
         return torch.einsum(equation, a, b)
-    if a.is_cuda:
-        if operands == "bf16":
-            a, b = _rounded(a, operands), _rounded(b, operands)
-        before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
+    if a.is_cuda and operands == "tf32":  # the GPU rounds the operands itself
+        with _tf32_matmuls(True):
             return torch.einsum(equation, a, b)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = before
-    return torch.einsum(equation, _rounded(a, operands), _rounded(b, operands))
+    with _tf32_matmuls(a.is_cuda):  # bf16-rounded operands are exact in TF32
+        return torch.einsum(equation, _rounded(a, operands), _rounded(b, operands))
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(on: bool):
+    """torch's CUDA matmuls in TF32 inside (``on``), restored after; nothing off the GPU."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before or on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weights: Tensor, transform: Tensor | None,
@@ -372,7 +394,7 @@ def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weig
     None) to dL/dx and this side's dL/dW and dL/dM: four products over all rows at the kernels' operand
     precision (:func:`_chain_product`), in place of per-program accumulators in the kernels (an [m, d]
     and a [d, d] accumulator per program spilled on sm_90 at m = d = 128). The transform's own product
-    x' = M x̃, which feeds the logits, stays fp32 (:func:`_kernel_inputs`)."""
+    x' = M x̃, which feeds the logits, stays fp32-accurate (:func:`_fp32_accurate_product`)."""
     scale = x.shape[-1] ** -0.25
     x_tilde = x * scale
     x_prime = x_tilde if transform is None else x_prime

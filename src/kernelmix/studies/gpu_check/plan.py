@@ -224,7 +224,6 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
-    high = None  # DARKFormer with its transform at TF32 too (set_float32_matmul_precision("high"))
     if mixer in FEATURE_MIXERS:  # torch's work over all rows: the backward's chain, the transform
         has_transform = FEATURE_MIXERS[mixer]["has_transform"]
         chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"], has_transform)
@@ -234,8 +233,7 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         kernels += sum(logit_grad_sum_bytes(at["batch"], at["heads"], length, at["features"], blocks[name])
                        for name in ("features_query_grad", "features_key_grad")) / H200["hbm_bytes_per_s"]
         kernels += chain / H200["tf32_flops"]  # the kernels' operands (FEATURE_OPERANDS, TF32)
-        high = 1e3 * (kernels + fixed / H200["tf32_flops"]) if has_transform else None
-        kernels += fixed / H200["fp32_flops"]
+        kernels += 3 * fixed / H200["tf32_flops"]  # fp32-accurate: three TF32 products
     op = "performer" if mixer in FEATURE_MIXERS else mixer
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
     if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above
@@ -244,7 +242,6 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
     return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
-                present_tf32_torch_ms=high,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)
 
 

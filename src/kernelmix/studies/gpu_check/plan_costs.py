@@ -44,8 +44,8 @@ m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chu
 features: the logits' work grows with ``s``. W is read by every program of a head but counted
 once per head: the chunks of a head share it through L2 (1 MB for all heads at the target). The backward's chain
 through the feature map is torch's (:func:`feature_chain_flops`: products over all rows, which fill
-the machine, at the kernels' operands), not a kernel's, as are DARKFormer's transform x' = M x̃ (fp32:
-:func:`feature_transform_flops`) and the sum of the value blocks' logit gradients
+the machine, at the kernels' operands), not a kernel's, as are DARKFormer's transform x' = M x̃
+(fp32-accurate: :func:`feature_transform_flops`) and the sum of the value blocks' logit gradients
 (:func:`logit_grad_sum_bytes`).
 """
 
@@ -203,8 +203,8 @@ def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, feat
 
 
 def feature_transform_flops(batch: int, heads: int, length: int, head_dim: int, transform: bool) -> float:
-    """DARKFormer's transform x' = M x̃ in torch, both sides, in the forward and again in the backward:
-    it feeds the feature logits, so it stays fp32 (0 without a transform)."""
+    """DARKFormer's transform x' = M x̃ in torch, both sides, in the forward and again in the backward
+    (0 without a transform): it feeds the feature logits, so it is fp32-accurate, three TF32 products."""
     return batch * heads * length * 2 * transform * 2 * 2 * head_dim * head_dim
 
 

@@ -49,15 +49,11 @@ def _roofline(plan: dict) -> list[str]:
         lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | "
                      f"{r['present_ratio']:.1f} | {r['design_tf32_ms']:.2f} | {r['design_tf32_ratio']:.2f} | "
                      f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
-    high = [r for r in plan["roofline"] if r.get("present_tf32_torch_ms") is not None]
-    if high:
+    if any(r["mixer"] in ("performer", "darkformer") for r in plan["roofline"]):
         lines += ["", "The random features' *present* includes torch's work: the sum of the gradient kernels' "
                   "per-value-block logit gradients (bytes), the backward's chain through the feature map at the "
-                  "kernels' TF32 operands, and DARKFormer's transform x' = M x̃, which feeds the logits, at the "
-                  "fp32 peak; with `torch.set_float32_matmul_precision(\"high\")` the transform takes TF32 too "
-                  "(and the logits lose their fp32 accuracy): " + "; ".join(
-                      f"{r['mixer']} {r['length']:,}: {r['present_tf32_torch_ms']:.2f} ms "
-                      f"({r['present_tf32_torch_ms'] / r['sdpa_ms']:.2f}× SDPA)" for r in high) + "."]
+                  "kernels' TF32 operands, and DARKFormer's transform x' = M x̃, which feeds the logits, "
+                  "fp32-accurate as three TF32 products (ops/_triton_features)."]
     return lines
 
 
