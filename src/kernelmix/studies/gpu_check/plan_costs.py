@@ -166,8 +166,10 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     chunk_programs = batch_heads * value_blocks * n  # the span programs' walks over their chunks, in all
-    # a span program loads or stores its state once per span (and its chunks' scales, one number each)
-    once = batch_heads * value_blocks * tiles["spans"] * state + chunk_programs * FP32
+    # a span program loads or stores its state once per span; the forward stores the scale entering
+    # each chunk and the key gradient reads it back (one number per chunk)
+    scales = chunk_programs * FP32 if name in ("features_forward", "features_key_grad") else 0
+    once = batch_heads * value_blocks * tiles["spans"] * state + scales
     return Cost(chunk_programs * (logits + products), chunk_programs * per_chunk + once + batch_heads * parameters,
                 split_flops=chunk_programs * logits)
 
