@@ -102,7 +102,9 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
                                            "query_grad_kernel": "features_query_grad",
                                            "reverse_state_kernel": "features_reverse_states",
                                            "reverse_scan_kernel": "features_reverse_scan",
-                                           "key_grad_kernel": "features_key_grad"})
+                                           "key_grad_kernel": "features_key_grad",
+                                           "value_grad_kernel": "features_value_grad",
+                                           "transform_kernel": "features_transform"})
     batch, heads, kv_heads, length, d, dv, m, chunk = 1, 4, 2, 29, 8, 24, 16, 8
     q = torch.randn(batch, length, heads, d, requires_grad=True)
     k = torch.randn(batch, length, kv_heads, d, requires_grad=True)
@@ -116,7 +118,8 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
     # every kernel at its planned grid, as many times as planned (the states and their scan twice:
     # the forward's, recomputed in the backward)
     assert Counter(grids) == {(p.name, p.grid): p.calls for p in planned}
-    assert [name for name, _ in grids][:3] == ["features_chunk_states", "features_state_scan", "features_forward"]
+    assert [name for name, _ in grids][:5] == ["features_transform"] * 2 + ["features_chunk_states",
+                                                                        "features_state_scan", "features_forward"]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
@@ -154,22 +157,59 @@ def test_the_cost_model_grows_with_the_work():
     assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here
 
 
-def test_the_random_features_roofline_counts_torch_s_sum_of_the_value_blocks():
-    """The present roofline of a random-feature mixer holds, beside its kernels and torch's products,
-    the bytes of summing the gradient kernels' per-value-block logit gradients (8 key blocks at the
-    target head): reading each block once is a floor the model may not undercut."""
+def test_the_logit_gradients_are_feature_blocks_with_every_value_column():
+    """The two logit-gradient kernels run over blocks of features with every value column (so each
+    stores its own columns of dL/dℓ, whole: nothing for torch to add up), the value gradient and the
+    span states over blocks of value columns with every feature; at the target head each forms a
+    chunk's logits once (one block, or blocks of features that form only their own)."""
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    rows = {r["kernel"]: r for r in plan_rows({"a": shape}, ("performer",))}
+    for name in ("features_query_grad", "features_key_grad"):
+        assert rows[name]["blocks"]["BLOCK_V"] >= shape["head_dim"], name
+        assert rows[name]["grid"][2] * rows[name]["blocks"]["BLOCK_M"] >= shape["features"], name
+    for name in ("features_chunk_states", "features_reverse_states", "features_value_grad"):
+        assert rows[name]["blocks"]["BLOCK_M"] >= shape["features"] and rows[name]["grid"][2] == 1, name
+    logits = 2 * 2 * shape["length"] * shape["heads"] * shape["head_dim"] * shape["features"]  # both sides, once
+    for name in ("features_query_grad", "features_key_grad", "features_value_grad"):
+        split = next(r for r in plan_rows({"a": shape}, ("performer",), kernels=(name,)))
+        assert launch_split(split) == pytest.approx(logits), name
+
+
+def launch_split(row: dict) -> float:
+    """The fp32-accurate (logit) FLOPs of a planned row's launches."""
+    from kernelmix.studies.gpu_check.plan import launch_cost
+    from kernelmix.studies.gpu_check.plan_compile import mixer_launches
+
+    shape = {k: v for k, v in row["shape"].items() if k != "label"}
+    launch = next(x for x in mixer_launches(row["mixer"], shape) if x.name == row["kernel"])
+    return launch_cost(row["mixer"], launch, shape).split_flops
+
+
+def test_torch_s_work_is_counted_from_the_ops_it_runs():
+    """The glue around the random-feature kernels is counted from the aten ops one forward + backward
+    runs (on meta tensors, the kernels stubbed): the chain's four products over all rows are there at
+    2·N·m·d FLOPs each, every T-long tensor op costs bytes, the kernels are restored after, and the
+    roofline's present time holds it."""
+    from kernelmix.ops import _triton_features as module
     from kernelmix.studies.gpu_check.plan import mixer_roofline
-    from kernelmix.studies.gpu_check.plan_costs import H200
+    from kernelmix.studies.gpu_check.plan_glue import feature_glue_ops, glue_seconds
 
     shape = PLAN_SHAPES[TARGET_SHAPE]
-    rows = plan_rows({"a": shape}, ("performer",))
-    kernels_ms = sum(r["roofline_ms"] for r in rows)
-    key_blocks = next(r["grid"][2] for r in rows if r["kernel"] == "features_key_grad")
-    assert key_blocks == 8
-    one_tensor = shape["batch"] * shape["length"] * shape["heads"] * shape["features"] * 4
-    floor_ms = 1e3 * key_blocks * one_tensor / H200["hbm_bytes_per_s"]
+    kernels_before = module.key_grad_kernel
+    ops = feature_glue_ops(shape, has_transform=False)
+    assert module.key_grad_kernel is kernels_before and module._on_gpu(torch.empty(1)) is False
+    rows = shape["batch"] * shape["length"] * shape["heads"]
+    products = [cost for name, cost in ops if name == "bmm" and cost.flops > 0.5 * 2 * rows * shape["features"] ** 2]
+    assert len(products) == 4
+    assert all(cost.flops == 2 * rows * shape["features"] * shape["head_dim"] for cost in products)
+    one_tensor = rows * shape["features"] * 4
+    assert sum(cost.bytes for _, cost in ops) >= 8 * one_tensor  # each side's dL/dℓ read by two products, at least
+    darkformer = feature_glue_ops(shape, has_transform=True)
+    assert len([name for name, _ in darkformer if name == "bmm"]) > len([name for name, _ in ops if name == "bmm"])
     roofline = mixer_roofline("performer", shape["length"], shape)
-    assert roofline["present_ms"] >= kernels_ms + floor_ms
+    assert roofline["torch_ms"] == pytest.approx(1e3 * glue_seconds(ops))
+    kernels_ms = sum(r["roofline_ms"] for r in plan_rows({"a": shape}, ("performer",)))
+    assert roofline["present_ms"] == pytest.approx(kernels_ms + roofline["torch_ms"])
 
 
 def test_ptxas_report_is_read():

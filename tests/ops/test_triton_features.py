@@ -145,12 +145,37 @@ def test_tensor_core_products_within_their_measured_error(monkeypatch, operands,
 
 
 def test_several_value_blocks(monkeypatch):
-    """d_v = 24 in blocks of 16: two programs per head, each with its part of the state; the
-    denominator's gradient (c_i) is counted once."""
+    """d_v = 24 in blocks of 16 (the value-blocked kernels, the span states and the value gradient): two
+    programs per head, each with its part of the state; the denominator's gradient (c_i) is counted once."""
     monkeypatch.setattr(f"{KERNELS}.VALUE_BLOCK", 16)
+    monkeypatch.setattr(f"{KERNELS}.WIDE_VALUE_BLOCK", 16)
     inputs = _problem(1, 37, 1, 1, value_dim=24)
     doc_start = _documents(37, [[0, 17]])
     grad_out = torch.randn(1, 37, 1, 24, generator=torch.Generator().manual_seed(6), dtype=F64)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-4, name
+
+
+@pytest.mark.parametrize("span_blocks", [1, 2])
+def test_several_feature_blocks(monkeypatch, span_blocks):
+    """The logit gradients in blocks of 16 features with every value column (m = 40: blocks of 16, 16
+    and 8 real features, each its own program, each storing its columns of dL/dℓ), grouped heads and
+    documents: values and gradients against float64."""
+    _spans_of(monkeypatch, span_blocks)
+    monkeypatch.setattr(f"{KERNELS}.FEATURE_TILE", 16 * 16)
+    gen = torch.Generator().manual_seed(12)
+    length, heads, m = 53, 2, 40
+    q = 0.7 * torch.randn(1, length, heads, HEAD_DIM, generator=gen, dtype=F64)
+    k = 0.7 * torch.randn(1, length, 1, HEAD_DIM, generator=gen, dtype=F64)
+    v = torch.randn(1, length, 1, 8, generator=gen, dtype=F64)
+    projection = orthogonal_random_features(m, HEAD_DIM, num_heads=heads, generator=gen, dtype=F64)
+    transform = torch.eye(HEAD_DIM, dtype=F64) + 0.2 * torch.randn(heads, HEAD_DIM, HEAD_DIM, generator=gen, dtype=F64)
+    inputs = [q, k, v, projection, transform]
+    doc_start = _documents(length, [[0, 16, 29]])
+    grad_out = torch.randn(1, length, heads, 8, generator=gen, dtype=F64)
     ref, ref_grads = _reference(inputs, doc_start, grad_out)
     out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
     assert rel_rmse(out, ref) <= 1e-4
@@ -280,6 +305,9 @@ def test_errors_name_the_fix(monkeypatch):
         triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None, initial_state=state)
     with pytest.raises(KernelmixError, match='at most 256 features.*backend="torch"'):
         triton_random_feature_attention(q, k, v, torch.randn(300, HEAD_DIM), None, chunk_size=16, doc_start=None)
+    wide = torch.zeros(1, 5, 1, 300)  # the logit gradients hold every value column: d_v ≤ 256
+    with pytest.raises(KernelmixError, match='value dims of 256.*d_v=300.*backend="torch"'):
+        triton_random_feature_attention(q, k, wide, projection, None, chunk_size=16, doc_start=None)
     monkeypatch.setattr(f"{KERNELS}._interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
         triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None)
@@ -304,10 +332,10 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the seven kernels for sm_90
-    down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
+    """The interpreter accepts code the GPU compiler rejects: compile the nine kernels (the transform with
+    them) for sm_90 down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=7)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=9)
 
 
 @pytest.mark.slow
@@ -317,13 +345,15 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
                                 "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=7, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=9, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
     """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 16 rows, value blocks of 64
-    (the key gradient's of 16), the logits over the head in steps of 8 (what ptxas compiled without
-    spills with the walks' running states); at d = 64, chunks of 16, key value blocks of 32 and steps
+    (the span states' and the value gradient's one block of 128), the logit gradients' 64 features with
+    every value column,
+    the logits over the head in steps of 8 (16 in the logit gradients: what ptxas compiled without
+    spills with the walks' running states); at d = 64, chunks of 16, one block of everything and steps
     of 16; below 64, chunks of 64."""
     import importlib
 
@@ -332,10 +362,13 @@ def test_large_heads_take_smaller_blocks():
     geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0, True)
     assert kernels.LARGE_TILE == 128
     assert (geometry.block_t, geometry.block_v, geometry.value_blocks) == (16, 64, 2)
-    assert (geometry.key_block_v, geometry.key_value_blocks, geometry.blocks()["D_STEP"]) == (16, 8, 8)
+    assert (geometry.wide_block_v, geometry.wide_value_blocks, geometry.blocks()["D_STEP"]) == (128, 1, 8)
+    features = geometry.blocks("features")
+    assert (features["BLOCK_M"], features["BLOCK_V"], features["D_STEP"], geometry.feature_blocks) == (64, 128, 16, 2)
     small = torch.zeros(1, 5, 1, 64)
     geometry = getattr(kernels, "_Geometry")(small, small, small, torch.zeros(64, 64), 64, 0, True)
-    assert (geometry.block_t, geometry.block_v, geometry.key_block_v, geometry.blocks()["D_STEP"]) == (16, 64, 32, 16)
+    assert (geometry.block_t, geometry.block_v, geometry.wide_block_v, geometry.blocks()["D_STEP"]) == (16, 64, 64, 16)
+    assert (geometry.block_f, geometry.feature_blocks) == (64, 1)
     narrow = torch.zeros(1, 5, 1, 32)
     geometry = getattr(kernels, "_Geometry")(narrow, narrow, narrow, torch.zeros(32, 32), 64, 0, True)
     assert (geometry.block_t, geometry.blocks()["num_warps"]) == (64, 4)
@@ -406,16 +439,19 @@ def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
 
 
 def test_the_transform_feeding_the_logits_stays_fp32_accurate(monkeypatch):
-    """DARKFormer's x' = M x̃ feeds the feature logits: with tensor-core operands it is three TF32
-    products (a_hi·b_hi + a_hi·b_lo + a_lo·b_hi), as the kernels' logits, not one: against float64 its
-    error is fp32's, where one TF32 product's is a thousand times larger."""
+    """DARKFormer's x' = M x̃ feeds the feature logits: its kernel (``transform_kernel``, keys read per kv
+    head and written per query head) takes the logits' own product, three TF32 products (a_hi·b_hi +
+    a_hi·b_lo + a_lo·b_hi), not one: against float64 its error is fp32's, where one TF32 product's is a
+    thousand times larger."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
     monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
     gen = torch.Generator().manual_seed(6)
-    x, m = torch.randn(2, 33, 4, 64, generator=gen), torch.randn(4, 64, 64, generator=gen)
-    exact = torch.einsum("bthe,hfe->bthf", x.double(), m.double())
-    split = getattr(kernels, "_fp32_accurate_product")("bthe,hfe->bthf", x, m)
-    single = getattr(kernels, "_chain_product")("bthe,hfe->bthf", x, m)  # one TF32 product
+    x, m = torch.randn(2, 33, 2, 64, generator=gen), torch.randn(4, 64, 64, generator=gen)  # 2 kv heads, 4 heads
+    q = torch.empty(2, 33, 4, 64)
+    geometry = getattr(kernels, "_Geometry")(q, x, x, torch.empty(4, 16, 64), 16, 0, True)
+    exact = torch.einsum("bthe,hfe->bthf", x.double().repeat_interleave(2, dim=2) * 64 ** -0.25, m.double())
+    split = getattr(kernels, "_transformed")(x, m, geometry)
+    single = getattr(kernels, "_chain_product")("bthe,hfe->bthf", x.repeat_interleave(2, dim=2) * 64 ** -0.25, m)
     assert rel_rmse(split, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)

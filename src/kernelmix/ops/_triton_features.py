@@ -23,20 +23,32 @@ from ._triton_features_kernels import (
     reverse_scan_kernel,
     reverse_state_kernel,
     state_scan_kernel,
+    transform_kernel,
+    value_grad_kernel,
 )
 
-#: Largest block of value columns one program holds (its part of the state is m × VALUE_BLOCK fp32);
-#: the key gradient, which holds the most tiles, takes half as many (a quarter at large tiles).
+#: Largest block of value columns one program of the value-blocked kernels holds (its part of the
+#: state is m × VALUE_BLOCK fp32).
 VALUE_BLOCK = 64
+#: The logit-gradient kernels hold every value column and a block of features instead: most
+#: features × value columns of their part of the state (64 × 128 fp32; more features at d_v < 128),
+#: with the logits' step at LOGIT_STEP columns: at d = m = d_v = 128 ptxas (sm_90) spilled 44–184 B
+#: per thread with all 128 features, and with 64 at 8-column steps, none at 64 and 16 (docs/gpu.md).
+FEATURE_TILE = 64 * 128
+#: Largest block of value columns of the kernels that hold every feature but carry only the state and
+#: one side's rows (the span states of both directions, the value gradient): at d = m = d_v = 128 one
+#: block compiled without a spill (205–255 registers; the forward spilled 44 B), so they form the
+#: logits once.
+WIDE_VALUE_BLOCK = 128
 #: From this padded m or d on, chunks are 16 rows, not 64 (8 warps); from LARGE_TILE on, the logits'
-#: step over the head is 8 columns, not 16, and the key gradient's value blocks are a quarter of
-#: VALUE_BLOCK: with the walks' running states, what ptxas (sm_90) compiled without a spill at
-#: d = m = 64 and 128 (32- and 64-row chunks spilled up to 1.1 KB per thread; docs/gpu.md).
+#: step over the head is 8 columns, not 16: with the walks' running states, what ptxas (sm_90)
+#: compiled without a spill at d = m = 64 and 128 (32- and 64-row chunks spilled up to 1.1 KB per
+#: thread; docs/gpu.md).
 WIDE_TILE = 64
 WIDE_TILE_ROWS = 16
 LARGE_TILE = 128
 LARGE_TILE_LOGIT_STEP = 8
-#: Largest number of random features (and head dim) the kernels hold in one register tile.
+#: Largest number of random features, head dim and value dim the kernels hold in one register tile.
 MAX_FEATURES = 256
 MAX_HEAD_DIM = 256
 #: Elementwise tile (features × value columns) of one program of the scans over spans.
@@ -53,6 +65,8 @@ MIN_PROGRAMS = 264
 FEATURE_OPERANDS = "tf32"
 #: Head columns per step of the feature logits' product (a K loop: small tiles, few registers).
 LOGIT_STEP = 16
+#: Rows per program of DARKFormer's transform x' = M x̃ (its own kernel, before the span kernels).
+TRANSFORM_ROWS = 32
 #: √tiny(float32): a denominator at or below it gives a zero row (as ``safe_ratio``).
 UNDERFLOW_FLOOR = math.sqrt(torch.finfo(torch.float32).tiny)
 
@@ -81,16 +95,19 @@ class _Geometry:
         large = max(self.block_m, self.block_d) >= LARGE_TILE
         self.block_t = min(WIDE_TILE_ROWS if wide else 64, max(16, triton.next_power_of_2(chunk_size)))
         self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else LOGIT_STEP)
-        self.block_v = min(max(16, triton.next_power_of_2(self.value_dim)), max(16, VALUE_BLOCK))
-        # the key gradient holds the most tiles and its walk carries R: half as many value columns (a
-        # quarter at large tiles: at 32 columns ptxas spilled 80 B per thread at d = m = 128)
-        self.key_block_v = max(16, self.block_v // (4 if large else 2))
+        self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
+        self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
+        # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
+        self.block_f = min(self.block_m, max(16, FEATURE_TILE // self.block_dv))
+        self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK)
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
-        self.key_value_blocks = triton.cdiv(self.value_dim, self.key_block_v)
+        self.wide_value_blocks = triton.cdiv(self.value_dim, self.wide_block_v)
+        self.feature_blocks = triton.cdiv(self.features, self.block_f)
         self.span_blocks = SPAN_BLOCKS
+        fewest_blocks = min(self.value_blocks, self.wide_value_blocks, self.feature_blocks)  # the smallest grid's
         while self.span_blocks > 1 and (triton.cdiv(self.n_chunks, self.span_blocks) * self.batch * self.heads
-                                        * self.value_blocks < MIN_PROGRAMS):
+                                        * fewest_blocks < MIN_PROGRAMS):
             self.span_blocks //= 2
         self.n_spans = triton.cdiv(self.n_chunks, self.span_blocks)
         self.operands = FEATURE_OPERANDS
@@ -103,9 +120,14 @@ class _Geometry:
         return (self.n_spans, self.batch * self.heads, self.value_blocks)
 
     @property
-    def key_grid(self) -> tuple[int, int, int]:
-        """The key gradient's: its value blocks are half as wide (a quarter at large tiles)."""
-        return (self.n_spans, self.batch * self.heads, self.key_value_blocks)
+    def wide_grid(self) -> tuple[int, int, int]:
+        """The span states' and the value gradient's: value blocks WIDE_VALUE_BLOCK wide."""
+        return (self.n_spans, self.batch * self.heads, self.wide_value_blocks)
+
+    @property
+    def feature_grid(self) -> tuple[int, int, int]:
+        """The logit-gradient kernels': every span of every (batch, head), per block of features."""
+        return (self.n_spans, self.batch * self.heads, self.feature_blocks)
 
     @property
     def scan_grid(self) -> tuple[int, int, int]:
@@ -120,12 +142,17 @@ class _Geometry:
     def scan_sizes(self) -> tuple:
         return (self.length, self.heads, self.value_dim, self.features, self.start, self.n_spans)
 
-    def blocks(self, key_grad: bool = False) -> dict:
+    def blocks(self, kind: str = "values") -> dict:
         """The span kernels' block sizes, chunks per span, products and warps per program (8 for tiles of
-        64 or more: chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps)."""
+        64 or more: chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps).
+        ``kind``: "values" (every feature, VALUE_BLOCK columns), "wide" (every feature, WIDE_VALUE_BLOCK
+        columns) or "features" (the logit gradients: a block of features, every column)."""
         warps = 8 if max(self.block_m, self.block_d) >= 64 else 4
-        return dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_D=self.block_d, BLOCK_M=self.block_m,
-                    BLOCK_V=self.key_block_v if key_grad else self.block_v, D_STEP=self.logit_step,
+        block_v = dict(values=self.block_v, wide=self.wide_block_v, features=self.block_dv)[kind]
+        features = kind == "features"
+        return dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_D=self.block_d,
+                    BLOCK_M=self.block_f if features else self.block_m, BLOCK_V=block_v,
+                    D_STEP=min(self.block_d, LOGIT_STEP) if features else self.logit_step,
                     SPAN_BLOCKS=self.span_blocks, num_warps=warps)
 
     def scan_blocks(self) -> dict:
@@ -169,10 +196,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, transform
             "TRITON_INTERPRET=1 in the environment before triton is imported, move the tensors to a GPU, "
             "or use backend=\"torch\""
         )
-    if projection.shape[-2] > MAX_FEATURES or q.shape[-1] > MAX_HEAD_DIM:
+    if projection.shape[-2] > MAX_FEATURES or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise KernelmixError(
-            f"the Triton random-feature kernel holds at most {MAX_FEATURES} features and head dim {MAX_HEAD_DIM} "
-            f"(got m={projection.shape[-2]}, d={q.shape[-1]}); use backend=\"torch\""
+            f"the Triton random-feature kernel holds at most {MAX_FEATURES} features and head and value dims of "
+            f"{MAX_HEAD_DIM} (got m={projection.shape[-2]}, d={q.shape[-1]}, d_v={v.shape[-1]}); use "
+            "backend=\"torch\""
         )
 
 
@@ -195,30 +223,31 @@ def _as_tuple(state):
 
 
 def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Geometry) -> tuple[Tensor, Tensor]:
-    """The queries and keys the kernels read: with a transform, x' = M (d^{-1/4} x) per query head (torch
-    products over all rows, the keys expanded to the query heads); without, q and k as they are (the
-    kernels scale them). Keeps the [d, d] transform out of the kernels' registers."""
+    """The queries and keys the kernels read: with a transform, x' = M (d^{-1/4} x) per query head
+    (``transform_kernel``: one pass over the rows, fp32-accurate as the logits it feeds, the keys read
+    per kv head and written per query head); without, q and k as they are (the kernels scale them).
+    Keeps the [d, d] transform out of the span kernels' registers."""
     if transform is None:
         return q, k
-    scale = geometry.head_dim ** -0.25
-    keys = k.repeat_interleave(geometry.heads // geometry.kv_heads, dim=2)
-    return (_fp32_accurate_product("bthe,hfe->bthf", q * scale, transform).contiguous(),
-            _fp32_accurate_product("bthe,hfe->bthf", keys * scale, transform).contiguous())
+    return _transformed(q, transform, geometry), _transformed(k, transform, geometry)
 
 
-def _fp32_accurate_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.einsum(equation, a, b)`` at fp32 accuracy for what feeds the feature logits (DARKFormer's
-    x' = M x̃), as the kernels' logits (``"tf32x3"``): a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi with TF32
-    parts, three TF32 products at a third of the TF32 rate, against fp32 products at a seventh of it (on an
-    H200). On a GPU through torch's TF32 matmuls; elsewhere the same parts in fp32 products (the
-    interpreter's tests measure it). With ``FEATURE_OPERANDS="fp32"``, plain fp32 products."""
-    if FEATURE_OPERANDS == "fp32":
-        return torch.einsum(equation, a, b)
-    a_hi, b_hi = _rounded(a, "tf32"), _rounded(b, "tf32")
-    a_lo, b_lo = _rounded(a - a_hi, "tf32"), _rounded(b - b_hi, "tf32")
-    with _tf32_matmuls(a.is_cuda):
-        small = torch.einsum(equation, a_hi, b_lo) + torch.einsum(equation, a_lo, b_hi)
-        return torch.einsum(equation, a_hi, b_hi) + small
+def _transformed(x: Tensor, transform: Tensor, geometry: _Geometry) -> Tensor:
+    """x' = M_h (d^{-1/4} x) ``[B, T, H, d]`` of x ``[B, T, H_x, d]`` (H_x = H or the kv heads)."""
+    batch, length, heads, d = geometry.batch, geometry.length, geometry.heads, geometry.head_dim
+    out = x.new_empty(batch, length, heads, d)
+    transform_kernel[transform_grid(geometry)](
+        x, transform, out, length, heads, x.shape[2], d, d ** -0.25, **_transform_blocks(geometry))
+    return out
+
+
+def transform_grid(geometry: _Geometry) -> tuple[int, int]:
+    return (triton.cdiv(geometry.length, TRANSFORM_ROWS), geometry.batch * geometry.heads)
+
+
+def _transform_blocks(geometry: _Geometry) -> dict:
+    return dict(BLOCK_T=TRANSFORM_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP),
+                num_warps=4)
 
 
 def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
@@ -226,9 +255,9 @@ def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
     (S per span, z per span, the entering scales, the final (S, z, shift))."""
     span_s, span_z, local, carried = geometry.state_buffers(v)
     doc_arg = k_in if doc is None else doc
-    chunk_state_kernel[geometry.grid](
+    chunk_state_kernel[geometry.wide_grid](
         k_in, v, projection, doc_arg, span_s, span_z, local, *geometry.sizes(), HAS_DOC=doc is not None,
-        **geometry.blocks())
+        **geometry.blocks("wide"))
     final = (torch.empty_like(state[0]), torch.empty_like(state[1]), torch.empty_like(state[2]))
     state_scan_kernel[geometry.scan_grid](
         span_s, span_z, local, doc_arg, *state, carried, *final, *geometry.scan_sizes(),
@@ -302,52 +331,54 @@ class _RandomFeatureAttention(torch.autograd.Function):
 
 def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator, shift_rows, q_max, grad_out,
               geometry: _Geometry):
-    """dL/d(q, k, v, projection, transform): the two backward kernels give dv and the per-row
-    gradients of the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`)."""
-    g = grad_out.float()
-    den = denominator.transpose(1, 2)[..., None]  # [B, T, H, 1]
-    empty = den <= UNDERFLOW_FLOOR  # zero rows have zero gradients (as safe_ratio)
-    safe = torch.where(empty, torch.ones_like(den), den)
-    g_hat = torch.where(empty, torch.zeros_like(g), g / safe).contiguous()
-    c_row = torch.where(empty, torch.zeros_like(den), -(g * out).sum(-1, keepdim=True) / safe)
-    c_row = c_row[..., 0].transpose(1, 2).contiguous()  # [B, H, T]
+    """dL/d(q, k, v, projection, transform): the backward kernels give dv and the per-row gradients of
+    the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`). torch's
+    work over all rows is kept to what cannot be fused: every op here reads and writes T-long tensors
+    (``kernelmix gpu-check --plan`` counts it from these very ops)."""
+    g = grad_out.float().contiguous()
+    empty = denominator <= UNDERFLOW_FLOOR  # [B, H, T]: zero rows have zero gradients (as safe_ratio)
+    # 1/den (0 on empty rows): the kernels form ĝ = g / den as they load g
+    inv = torch.where(empty, torch.zeros_like(denominator), 1.0 / denominator).contiguous()
+    c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i) / den_i
     batch, length, heads, d = q.shape
     m = geometry.features
-    dq_logits = q.new_empty(geometry.value_blocks, batch, length, heads, m)  # per value block
-    dk_logits = q.new_empty(geometry.key_value_blocks, batch, length, heads, m)
+    d_logits = (q.new_empty(batch, length, heads, m), q.new_empty(batch, length, heads, m))  # queries', keys'
     dv = q.new_empty(batch, length, heads, geometry.value_dim)
     q_in, k_in = _kernel_inputs(q, k, transform, geometry)
     doc_arg = q if doc is None else doc
     span_s, span_z, carried = spans
+    rows = (g, inv, c_row, shift_rows, q_max)
     # forward direction: each span's chunks walked from the forward's saved span states
-    query_grad_kernel[geometry.grid](
-        q_in, k_in, v, projection, doc_arg, span_s, span_z, carried, g_hat, c_row, shift_rows, q_max, dq_logits,
-        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks())
+    query_grad_kernel[geometry.feature_grid](
+        q_in, k_in, v, projection, doc_arg, span_s, span_z, carried, *rows, d_logits[0],
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
     # reverse direction: each span's part of R, the scan from the last span, the keys walked back
     reverse_s, reverse_z, _, _ = geometry.state_buffers(v)
-    reverse_state_kernel[geometry.grid](
-        q_in, projection, doc_arg, g_hat, c_row, shift_rows, q_max, carried, reverse_s, reverse_z,
-        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks())
+    reverse_state_kernel[geometry.wide_grid](
+        q_in, projection, doc_arg, *rows, carried, reverse_s, reverse_z,
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("wide"))
     reverse_scan_kernel[geometry.scan_grid](
         reverse_s, reverse_z, doc_arg, shift_rows, carried, *geometry.scan_sizes(), HAS_DOC=doc is not None,
         **geometry.scan_blocks())
-    key_grad_kernel[geometry.key_grid](
-        q_in, k_in, v, projection, doc_arg, reverse_s, reverse_z, fine, g_hat, c_row, shift_rows, q_max, dk_logits,
-        dv, *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks(key_grad=True))
-    d_logits = (dq_logits.sum(0), dk_logits.sum(0))  # the value blocks' parts
+    key_grad_kernel[geometry.feature_grid](
+        q_in, k_in, v, projection, doc_arg, reverse_s, reverse_z, fine, *rows, d_logits[1],
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
+    value_grad_kernel[geometry.wide_grid](
+        q_in, k_in, projection, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
+        HAS_DOC=doc is not None, **geometry.blocks("wide"))
     groups = heads // geometry.kv_heads
-    keys = k.repeat_interleave(groups, dim=2)  # [B, T, H, d]: query head h reads kv head h // groups
+    keys = k if groups == 1 else k.repeat_interleave(groups, dim=2)  # query head h reads kv head h // groups
     weights = projection if projection.dim() == 3 else projection.expand(heads, m, d)
     primes = (None, None) if transform is None else (q_in, k_in)  # x' = M x̃, as the kernels read them
     d_q, dw_q, dm_q = _chain_feature_map(q, primes[0], d_logits[0], weights, transform, is_key=False)
     d_k, dw_k, dm_k = _chain_feature_map(keys, primes[1], d_logits[1], weights, transform, is_key=True)
-    d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3)
-    d_v = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3)
+    if groups > 1:
+        d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3)
+        dv = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3)
     d_w = dw_q + dw_k  # [H, m, d]
     d_w = d_w.sum(0) if projection.dim() == 2 else d_w
     d_m = None if transform is None else dm_q + dm_k
-    return d_q, d_k, d_v, d_w, d_m
-
+    return d_q, d_k, dv, d_w, d_m
 
 
 # Rounding to a tensor-core operand precision on torch tensors, as ``_triton_products.rounded`` does in
@@ -369,11 +400,18 @@ def _chain_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
     operands = FEATURE_OPERANDS
     if operands == "fp32":
         return torch.einsum(equation, a, b)
-    if a.is_cuda and operands == "tf32":  # the GPU rounds the operands itself
+    on_gpu = _on_gpu(a)
+    if on_gpu and operands == "tf32":  # the GPU rounds the operands itself
         with _tf32_matmuls(True):
             return torch.einsum(equation, a, b)
-    with _tf32_matmuls(a.is_cuda):  # bf16-rounded operands are exact in TF32
+    with _tf32_matmuls(on_gpu):  # bf16-rounded operands are exact in TF32
         return torch.einsum(equation, _rounded(a, operands), _rounded(b, operands))
+
+
+def _on_gpu(x: Tensor) -> bool:
+    """Whether torch's products run on the GPU (the TF32 branch); ``gpu-check --plan`` counts torch's
+    work on meta tensors as if they did."""
+    return x.is_cuda
 
 
 @contextlib.contextmanager
@@ -391,21 +429,23 @@ def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weig
                        *, is_key: bool):
     """From dL/dℓ ``[B, T, H, m]`` of the logits ℓ = W x' (keys: − ½‖x'‖²), x' = M x̃, x̃ = d^{-1/4} x
     (``x`` ``[B, T, H, d]``, ``x_prime`` x' when there is a transform, W ``[H, m, d]``, M ``[H, d, d]`` or
-    None) to dL/dx and this side's dL/dW and dL/dM: four products over all rows at the kernels' operand
+    None) to dL/dx and this side's dL/dW and dL/dM: products over all rows at the kernels' operand
     precision (:func:`_chain_product`), in place of per-program accumulators in the kernels (an [m, d]
-    and a [d, d] accumulator per program spilled on sm_90 at m = d = 128). The transform's own product
-    x' = M x̃, which feeds the logits, stays fp32-accurate (:func:`_fp32_accurate_product`)."""
+    and a [d, d] accumulator per program spilled on sm_90 at m = d = 128). The scale d^{-1/4} goes on the
+    small operands (W, M) and results (dW, dM), and the keys' −Σ dℓ · x' term is added in place, so that
+    each T-long tensor is read or written as few times as the products need."""
     scale = x.shape[-1] ** -0.25
-    x_tilde = x * scale
-    x_prime = x_tilde if transform is None else x_prime
+    if transform is None:  # x' = x̃ = scale · x
+        d_x = _chain_product("bthm,hmd->bthd", d_logits, weights * scale)
+        if is_key:
+            d_x.addcmul_(d_logits.sum(-1, keepdim=True), x, value=-scale * scale)
+        return d_x, _chain_product("bthm,bthd->hmd", d_logits, x) * scale, None
     d_prime = _chain_product("bthm,hmd->bthd", d_logits, weights)
     if is_key:
-        d_prime = d_prime - d_logits.sum(-1, keepdim=True) * x_prime
+        d_prime.addcmul_(d_logits.sum(-1, keepdim=True), x_prime, value=-1.0)
     d_w = _chain_product("bthm,bthd->hmd", d_logits, x_prime)
-    if transform is None:
-        return d_prime * scale, d_w, None
-    d_m = _chain_product("bthf,bthe->hfe", d_prime, x_tilde)
-    return _chain_product("bthf,hfe->bthe", d_prime, transform) * scale, d_w, d_m
+    d_m = _chain_product("bthf,bthe->hfe", d_prime, x) * scale
+    return _chain_product("bthf,hfe->bthe", d_prime, transform * scale), d_w, d_m
 
 
 def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,
@@ -420,21 +460,35 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     projection = torch.empty(heads, features, head_dim, device="meta")  # per head (a shared one launches the same)
     geometry = _Geometry(q, k, v, projection, chunk_size, 0, has_transform)
     tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
-                 block_v=geometry.block_v, chunks=geometry.n_chunks, spans=geometry.n_spans,
+                 block_v=geometry.block_v, block_f=geometry.block_f, block_dv=geometry.block_dv,
+                 chunks=geometry.n_chunks, spans=geometry.n_spans,
                  span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
                  value_dim=value_dim, scan_tile=SCAN_TILE)
     launches = []
     for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
                          ("features_forward", forward_kernel), ("features_query_grad", query_grad_kernel),
                          ("features_reverse_states", reverse_state_kernel),
-                         ("features_reverse_scan", reverse_scan_kernel), ("features_key_grad", key_grad_kernel)):
+                         ("features_reverse_scan", reverse_scan_kernel), ("features_key_grad", key_grad_kernel),
+                         ("features_value_grad", value_grad_kernel)):
         scan = kernel in (state_scan_kernel, reverse_scan_kernel)
-        blocks = geometry.scan_blocks() if scan else geometry.blocks(key_grad=kernel is key_grad_kernel)
+        kind = ("features" if kernel in (query_grad_kernel, key_grad_kernel) else
+                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel, value_grad_kernel) else "values")
+        blocks = geometry.scan_blocks() if scan else geometry.blocks(kind)
         warps = blocks.pop("num_warps")
         constexprs = dict(HAS_DOC=has_doc) | blocks
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
-        grid = geometry.scan_grid if scan else geometry.key_grid if kernel is key_grad_kernel else geometry.grid
+        grid = geometry.scan_grid if scan else dict(features=geometry.feature_grid,
+                                                    wide=geometry.wide_grid).get(kind, geometry.grid)
         launches.append(KernelLaunch(name, kernel, grid, constexprs, warps,
                                      aot_signature(kernel, constexprs, {"doc_ptr": "*i64"}, {"scale", "floor"}),
-                                     dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v)), 1))
+                                     dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v),
+                                          block_m=blocks.get("BLOCK_M", geometry.block_m),
+                                          logit_step=blocks.get("D_STEP", geometry.logit_step)), 1))
+    if has_transform:  # queries and keys, in the forward and again in the backward
+        blocks = _transform_blocks(geometry)
+        warps = blocks.pop("num_warps")
+        launches.insert(0, KernelLaunch("features_transform", transform_kernel, transform_grid(geometry), blocks, warps,
+                                        aot_signature(transform_kernel, blocks, {}, {"scale"}),
+                                        dict(tiles, block_t=blocks["BLOCK_T"],
+                                             chunks=transform_grid(geometry)[0]), 4))
     return launches

@@ -24,30 +24,35 @@ states reach memory once per span, not once per chunk. The forward is three laun
    updates after each chunk by the scan's step (``_walk_step``); it stores the scale entering every
    chunk for the reverse direction.
 
-The feature map is fused: a program loads its C × d queries and keys, applies d^{-1/4}, the transform
-M and the projection W with ``tl.dot`` in full fp32 (the feature logits stay fp32) and forms the
-features in registers, so φ(Q), φ(K) (T × m) never reach memory. The products of features, states
-and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default; ``_triton_products``), the
-normalisers and states accumulate in fp32. Grouped heads are indexed (query head h reads kv head
-h // (H / H_kv)), never expanded.
+The feature map is fused: a program loads its C × d queries and keys, applies d^{-1/4} and the
+projection W with ``tl.dot`` at fp32 accuracy (the feature logits stay fp32) and forms the features
+in registers, so φ(Q), φ(K) (T × m) never reach memory. DARKFormer's transform x' = M x̃ is applied
+before, by ``transform_kernel`` (one pass over the rows, the same fp32-accurate product). The
+products of features, states and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default;
+``_triton_products``), the normalisers and states accumulate in fp32. Grouped heads are indexed
+(query head h reads kv head h // (H / H_kv)), never expanded.
 
 The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
 denominator), the scale entering each chunk and the states entering each span; it recomputes the
-features. With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (computed in torch, like
-flash-attention's D), the gradient of an unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
+features. With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (c and 1/den computed in
+torch, like flash-attention's D; the kernels form ĝ from g as they load it), the gradient of an
+unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
 
 - ``query_grad_kernel`` (forward direction, spans walked as in the forward): dφq_i = Σ_j exp(ℓ^k_j −
-  s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state;
+  s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state, per block of features;
 - ``reverse_state_kernel`` and ``reverse_scan_kernel`` (reverse direction): R_c = Σ_{i after
   span c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each span's part in parallel (its rows whose
   document began before the span, at the scale entering it) and a scan from the last span; its
   scales are the forward's saved shifts, every factor ≤ 1;
-- ``key_grad_kernel``: dv_j and dφk_j from the chunk's own rows and the reverse state, which its walk
-  from the span's last chunk extends by each chunk's rows.
+- ``key_grad_kernel``: dφk_j, per block of features, and ``value_grad_kernel``: dv_j, per block of
+  value columns, each from the chunk's own rows and the reverse state, which their walks from the
+  span's last chunk extend by each chunk's rows.
 
-Both gradient kernels store the per-row gradients of the feature logits, dℓ = φ ⊙ dφ ``[T, m]``
-(value-column blocks each store their part; the c_i terms enter only in block 0), and torch adds the
-blocks and chains them through the feature map with five products over all rows
+The two logit-gradient kernels (queries', keys') run per block of features with every value column:
+a block of dφ needs only its own features and the full score gradient ĝ vᵀ + c, so each program forms
+only its own features' logits (no block recomputes another's) and stores its columns of dℓ = φ ⊙ dφ
+``[T, m]``, whole. The value gradient needs every feature (a score is φq · φk) and runs per block of
+value columns, as the forward. torch chains dℓ through the feature map with products over all rows
 (``_chain_feature_map``: dx', for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ).
 The kernels keep no dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and
 made ptxas take minutes. Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward),
@@ -56,8 +61,8 @@ as many for the reverse direction (during the backward), and O(T) per row; no T 
 Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.
 
-Sizes: any T ≥ 0, any d_v (blocks of :data:`VALUE_BLOCK` columns), m ≤ 256 features and head dim
-d ≤ 256 (one register tile each; beyond that use ``backend="torch"``).
+Sizes: any T ≥ 0, m ≤ 256 features, head dim d ≤ 256 and d_v ≤ 256 (one register tile each: the
+logit gradients hold every value column; beyond that use ``backend="torch"``).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ import triton.language as tl
 from ._triton_products import product, product_into
 
 __all__ = ["chunk_state_kernel", "state_scan_kernel", "forward_kernel", "query_grad_kernel", "reverse_state_kernel",
-           "reverse_scan_kernel", "key_grad_kernel"]
+           "reverse_scan_kernel", "key_grad_kernel", "value_grad_kernel",
+           "transform_kernel"]
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces of the kernels
@@ -90,13 +96,13 @@ def _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.cons
 
 
 @triton.jit
-def _feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, IS_KEY: tl.constexpr,
+def _feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, IS_KEY: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
-    """The feature logits of the rows t of x (``x_ptr`` at the head's first element): W (scale·x)
-    ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖²; padding is 0. Over the head in steps of
-    ``D_STEP`` columns (small tiles, few registers), each step's product at fp32 accuracy on tensor
-    cores (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
-    offs_m = tl.arange(0, BLOCK_M)
+    """The feature logits of the rows t of x (``x_ptr`` at the head's first element) for the features
+    from ``first_feature``: W (scale·x) ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖²; padding is 0.
+    Over the head in steps of ``D_STEP`` columns (small tiles, few registers), each step's product at fp32
+    accuracy on tensor cores (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
+    offs_m = first_feature + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_feats
     logits = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     half_norm = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -147,9 +153,9 @@ def _key_shift(key_max, visible, continuing, carried, row_ok):
 def _chunk_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The chunk's query and key feature logits (keys with −½‖x'‖²) and which are real (``valid``)."""
-    q_logits = _feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, False, BLOCK_T, BLOCK_D,
-                               BLOCK_M, D_STEP)
-    k_logits = _feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, True, BLOCK_T, BLOCK_D,
+    q_logits = _feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, False, BLOCK_T,
+                               BLOCK_D, BLOCK_M, D_STEP)
+    k_logits = _feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D,
                                BLOCK_M, D_STEP)
     valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
     return q_logits, k_logits, valid
@@ -180,10 +186,11 @@ def _chunk_program(H, H_K, H_KV, dv, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M: tl.constexpr):
-    """Where this program's block of chunk c's state lives in ``[B·H, chunks, m, d_v]`` (offsets,
-    mask) and its normaliser part in ``[B·H, chunks, m]`` (offsets, mask)."""
-    offs_m = tl.arange(0, BLOCK_M)
+def _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, first_feature, BLOCK_M: tl.constexpr):
+    """Where this program's block of chunk c's state (its features from ``first_feature``, its value
+    columns) lives in ``[B·H, chunks, m, d_v]`` (offsets, mask) and its normaliser part in
+    ``[B·H, chunks, m]`` (offsets, mask)."""
+    offs_m = first_feature + tl.arange(0, BLOCK_M)
     feat_ok = offs_m < m_feats
     rows = (pid_bh * n_chunks + c).to(tl.int64) * m_feats + offs_m
     return rows[:, None] * dv + cols[None, :], feat_ok[:, None] & cols_ok[None, :], rows, feat_ok
@@ -220,7 +227,7 @@ def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
     while j < n_sub:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
         k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
-                                   scale, d, m_feats, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+                                   scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
         in_last = row_ok & (pos >= doc_last)  # the keys a later span may see
         key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
@@ -232,7 +239,7 @@ def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
         delta_z = keep * delta_z + tl.sum(weighted, axis=0)
         local = grown
         j += 1
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
     tl.store(ds_ptr + offsets, delta, mask=mask)
     if pid_v == 0:
         tl.store(dz_ptr + rows, delta_z, mask=feat_ok)
@@ -316,7 +323,7 @@ def state_scan_kernel(ds_ptr, dz_ptr, dsig_ptr, doc_ptr, s0_ptr, z0_ptr, shift0_
 def _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok,
                     BLOCK_M: tl.constexpr):
     """The state entering chunk c, this program's block of it: (S, z, σ_{c−1})."""
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, BLOCK_M)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_chunks, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
     return (tl.load(ds_ptr + offsets, mask=mask, other=0.0), tl.load(dz_ptr + rows, mask=feat_ok, other=0.0),
             tl.load(carried_ptr + pid_bh * n_chunks + c))
 
@@ -395,100 +402,136 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
 
 
 @triton.jit
-def _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale,
+def _feature_program(H, H_K, H_KV, dv, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's span, (batch, query head), key and value heads and block of features, from the
+    grid (spans, B·H, feature blocks); it holds every value column (BLOCK_V ≥ d_v):
+    (c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    first_feature = tl.program_id(2) * BLOCK_M
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    kk = h // (H // H_K)
+    kv = h // (H // H_KV)
+    cols = tl.arange(0, BLOCK_V)
+    return c, pid_bh, b, h, kk, kv, first_feature, cols, cols < dv
+
+
+@triton.jit
+def _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale, first_feature,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
-    """The chunk's query features again, at the forward's query max (so they are the forward's)."""
-    q_logits = _feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats, False,
-                               BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    """The chunk's query features (the block from ``first_feature``) again, at the forward's query max (so
+    they are the forward's)."""
+    q_logits = _feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats,
+                               first_feature, False, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     q_max = tl.load(qmax_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
     return _exp_where(q_logits - q_max[:, None], valid)
 
 
 @triton.jit
-def _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok):
-    """ĝ of the chunk's rows (this value block) and c_i, which belongs to no value block: block 0 carries it."""
-    g_hat = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
-    c_row = tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0) * (pid_v == 0).to(tl.float32)
-    return g_hat, c_row
-
-
-@triton.jit
-def _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh, pid_v,
-                     kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start, w_head, scale, HAS_DOC: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
-    """What both gradient kernels need of chunk c: the features again (from the saved key shift and
-    query max, so they are the forward's), the masks, the value block, ĝ and (block 0 only) c_i."""
+def _gradient_features(q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, c, pid_bh, T, H, H_K, d, m_feats,
+                       start, w_head, scale, first_feature, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """What every gradient kernel needs of chunk c: its rows, its query and key features (the block from
+    ``first_feature``) again from the saved query max and key shift (so they are the forward's), and the
+    masks: (t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay)."""
     t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
-    chunk_start = start + c * BLOCK_T
-    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale, BLOCK_T,
-                             BLOCK_D, BLOCK_M, D_STEP)
-    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats, True,
-                               BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
+    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale,
+                             first_feature, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats,
+                               first_feature, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
     key_feat = _exp_where(k_logits - shift[:, None], valid)
     visible = _visible(t, pos, doc, row_ok)
-    continuing = row_ok & (doc < chunk_start)
+    continuing = row_ok & (doc < start + c * BLOCK_T)
     decay = _exp_where(shift[None, :] - shift[:, None], visible)
-    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-    g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
-    return t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row
+    return t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay
 
 
 @triton.jit
-def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M: tl.constexpr):
-    """This value block's dL/dlogit of the chunk's rows into its slot of ``[blocks, B, T, H, m]``
-    (torch adds the blocks and chains them through the feature map: no dW, dM accumulators here)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = ((pid_v * (tl.num_programs(1) // H) + b) * T + t) * H + h
+def _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok):
+    """ĝ_i = g_i / den_i of the chunk's rows (these value columns; ``inv`` holds 1/den, 0 on empty rows,
+    so ĝ is formed here, never stored) and c_i."""
+    inv = tl.load(inv_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+    g_hat = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok) * inv[:, None]
+    return g_hat, tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M: tl.constexpr):
+    """dL/dlogit of the chunk's rows, this program's block of features, into ``[B, T, H, m]`` (torch
+    chains them through the feature map: no dW, dM accumulators here)."""
+    offs_m = first_feature + tl.arange(0, BLOCK_M)
+    rows = (b * T + t) * H + h
     tl.store(dlog_ptr + rows[:, None] * m_feats + offs_m[None, :], d_logits,
              mask=row_ok[:, None] & (offs_m < m_feats)[None, :])
 
 
 @triton.jit
+def _reverse_step(later, q_feat, g_hat, row_scale, shift, sigma, continuing, fine_ptr, doc_ptr, b, pid_bh, chunk,
+                  n_chunks, T, start, OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DOC: tl.constexpr):
+    """R entering chunk c − 1 (from the later rows) from R entering chunk c, inside a span's walk back:
+    R_{c−1} = exp(σ_{c−1} − σ_c) R_c + ΔR_c, or ΔR_c alone where chunk c's last document begins inside
+    it, with ΔR_c from this chunk's rows that continue the previous chunk's document (``g_hat`` times
+    ``row_scale`` per row is ĝ). Returns the new R, the factor on the old one and those rows' weighted
+    features (for the c part)."""
+    carried = tl.load(fine_ptr + pid_bh * n_chunks + chunk)  # the scale entering this chunk
+    back = tl.where(_restarts(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(carried - sigma))
+    reads_back = q_feat * _exp_where(carried - shift, continuing)[:, None]
+    return (product_into(tl.trans(reads_back * row_scale[:, None]), g_hat, back * later, OPERANDS), back,
+            reads_back)
+
+
+@triton.jit
 def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
-                       g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
+                       g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
                        T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+                       D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """Forward direction, all spans in parallel, each span's chunks walked in order as the forward
-    does: dφq_i = Σ_j exp(ℓ^k_j − s_i)(ĝ_i·v_j + c_i), the earlier chunks through the state entering
-    the chunk (the forward's saved span state, carried by the walk); stored as dL/dℓ^q = φq ⊙ dφq
-    (this value block's part)."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    state_s, state_z, sigma = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_spans, m_feats, dv,
-                                              cols, cols_ok, BLOCK_M)
+    does, one program per block of features with every value column: dφq_i = Σ_j exp(ℓ^k_j − s_i)
+    (ĝ_i·v_j + c_i), the earlier chunks through the state entering the chunk (the forward's saved span
+    state, these features' rows of it, carried by the walk); stored as dL/dℓ^q = φq ⊙ dφq, whole (a
+    block of features needs only its own features and the full score gradient ĝ vᵀ + c)."""
+    c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok = _feature_program(H, H_K, H_KV, dv, BLOCK_M, BLOCK_V)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, first_feature,
+                                                      BLOCK_M)
+    state_s = tl.load(ds_ptr + offsets, mask=mask, other=0.0)
+    state_z = tl.load(dz_ptr + rows, mask=feat_ok, other=0.0)
+    sigma = tl.load(carried_ptr + pid_bh * n_spans + c)
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
     j = 0
     while j < n_sub:  # (a while loop: see the note at the top)
         chunk = first + j
-        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = \
-            _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh,
-                             pid_v, kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start,
-                             w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
+            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
+            w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
         d_feat = product(d_scores, key_feat, OPERANDS)
         carry = _exp_where(sigma - shift, continuing)
         from_state = product(g_hat, tl.trans(state_s), OPERANDS) + c_row[:, None] * state_z[None, :]
         d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
-        _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
+        _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)
         state_s, state_z, sigma = _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, chunk, t, row_ok,
                                              pos, doc, T, start, OPERANDS, BLOCK_T, HAS_DOC)
         j += 1
 
 
 @triton.jit
-def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
+def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
                           rs_ptr, rz_ptr, T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
                           n_spans, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_V: tl.constexpr, D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """Span c's own part of the reverse state, all spans in parallel (its chunks in any order): its rows
     that continue the document of span c − 1's last row, at the scale of that row (the scale entering
-    the span), ΔR_c = Σ_i exp(σ_{c−1} − s_i) φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; the c part in value
-    block 0). A row reaches the keys before its span exactly when its document began before the span,
+    the span), ΔR_c = Σ_i exp(σ_{c−1} − s_i) φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; value block 0 stores the c
+    part). A row reaches the keys before its span exactly when its document began before the span,
     and at that absolute scale: no chain of rescales inside the span."""
     c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
@@ -499,14 +542,14 @@ def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, c_ptr, shift_ptr, qmax_pt
     while j < n_sub:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
         q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats,
-                                 w_ptr + h * w_head_stride, scale, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+                                 w_ptr + h * w_head_stride, scale, 0, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
         reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + first * BLOCK_T))[:, None]
-        g_hat, c_row = _gradient_rows(g_ptr, c_ptr, b, h, pid_bh, pid_v, t, row_ok, T, H, dv, cols, cols_ok)
+        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         delta = product_into(tl.trans(reads_back), g_hat, delta, OPERANDS)
         delta_z += tl.sum(reads_back * c_row[:, None], axis=0)
         j += 1
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
     tl.store(rs_ptr + offsets, delta, mask=mask)
     if pid_v == 0:
         tl.store(rz_ptr + rows, delta_z, mask=feat_ok)
@@ -547,42 +590,97 @@ def reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, d
 
 @triton.jit
 def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_ptr,
-                     g_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr, dv_ptr,
+                     g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
                      T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
                      HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
-    """Reverse direction, all spans in parallel, each span's chunks walked from its last: dv_j and dφk_j
-    from the chunk's own rows and from the later rows of the same document through the reverse state
-    R_c (at most 1 per term), which the walk carries from the span's slot (the later spans' rows) and
-    extends by each chunk's rows before the next: R_{c−1} = exp(σ_{c−1} − σ_c) R_c + ΔR_c, or ΔR_c alone
-    where chunk c's last document begins inside it; dL/dℓ^k = φk ⊙ dφk stored (this value block's part)."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
-    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, BLOCK_M)
+                     D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Reverse direction, all spans in parallel, each span's chunks walked from its last, one program per
+    block of features with every value column: dφk_j from the chunk's own rows and from the later rows of
+    the same document through the reverse state R_c (these features' rows of it; at most 1 per term),
+    which the walk carries from the span's slot (the later spans' rows) and extends by each chunk's rows
+    (``_reverse_step``); dL/dℓ^k = φk ⊙ dφk stored, whole."""
+    c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok = _feature_program(H, H_K, H_KV, dv, BLOCK_M, BLOCK_V)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, first_feature,
+                                                      BLOCK_M)
     later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R: the later rows' ĝ part
-    later_c = tl.load(rz_ptr + rows, mask=feat_ok, other=0.0) * (pid_v == 0).to(tl.float32)  # their c part (block 0)
+    later_c = tl.load(rz_ptr + rows, mask=feat_ok, other=0.0)  # and their c part
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
     j = n_sub - 1
     while j >= 0:  # (a while loop: see the note at the top)
         chunk = first + j
-        t, row_ok, pos, doc, chunk_start, q_feat, key_feat, shift, continuing, decay, v, g_hat, c_row = \
-            _recompute_chunk(q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh,
-                             pid_v, kk, cols, cols_ok, T, H, H_K, H_KV, d, dv, m_feats, start,
-                             w_ptr + h * w_head_stride, scale, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
+            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
+            w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
         seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
-        scores = product(q_feat, tl.trans(key_feat), OPERANDS) * decay
-        d_v = product(tl.trans(scores), g_hat, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
-        tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v,
-                 mask=row_ok[:, None] & cols_ok[None, :])
         d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
         d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
-        d_feat += seen_later[:, None] * (product(v, tl.trans(later), OPERANDS) + later_c[None, :])
-        _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, pid_v, T, H, m_feats, BLOCK_M)
-        # R entering the chunk before: this chunk's rows that continue the previous chunk's document
-        carried = tl.load(fine_ptr + pid_bh * n_chunks + chunk)  # the scale entering this chunk
-        back = tl.where(_restarts(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC), 0.0, tl.exp(carried - sigma))
-        reads_back = q_feat * _exp_where(carried - shift, continuing)[:, None]
-        later = product_into(tl.trans(reads_back), g_hat, back * later, OPERANDS)
+        d_feat += seen_later[:, None] * (tl.trans(product(later, tl.trans(v), OPERANDS)) + later_c[None, :])
+        _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)
+        later, back, reads_back = _reverse_step(later, q_feat, g_hat, tl.full([BLOCK_T], 1.0, tl.float32), shift,
+                                                sigma, continuing, fine_ptr, doc_ptr, b, pid_bh, chunk, n_chunks, T,
+                                                start, OPERANDS, BLOCK_T, HAS_DOC)
         later_c = back * later_c + tl.sum(reads_back * c_row[:, None], axis=0)
         j -= 1
+
+
+@triton.jit
+def value_grad_kernel(q_ptr, k_ptr, w_ptr, doc_ptr, rs_ptr, fine_ptr, g_ptr, inv_ptr, shift_ptr, qmax_ptr, dv_ptr,
+                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
+                       HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                       D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+    """Reverse direction, all spans in parallel, each span's chunks walked from its last, one program per
+    block of value columns with every feature (a score φq·φk needs them all): dv_j = Σ_{i ≥ j} P_ij ĝ_i,
+    the chunk's own rows by a masked C × C score tile and the later rows through R_c's value columns,
+    carried and extended by the walk as in ``key_grad_kernel``."""
+    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
+    later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R: the later rows' ĝ part
+    first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
+    j = n_sub - 1
+    while j >= 0:  # (a while loop: see the note at the top)
+        chunk = first + j
+        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
+            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
+            w_ptr + h * w_head_stride, scale, 0, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        # g as stored, its rows' 1/den folded into the C × C scores and the rows' weights (no scaled copy of
+        # the C × V tile: at d = m = d_v = 128 that copy made ptxas spill)
+        g = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
+        inv = tl.load(inv_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+        sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
+        seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
+        scores = product(q_feat, tl.trans(key_feat), OPERANDS) * (decay * inv[:, None])
+        d_v = product(tl.trans(scores), g, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
+        tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v,
+                 mask=row_ok[:, None] & cols_ok[None, :])
+        later, _, _ = _reverse_step(later, q_feat, g, inv, shift, sigma, continuing, fine_ptr, doc_ptr, b, pid_bh,
+                                    chunk, n_chunks, T, start, OPERANDS, BLOCK_T, HAS_DOC)
+        j -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# DARKFormer's transform
+
+
+@triton.jit
+def transform_kernel(x_ptr, m_ptr, out_ptr, T, H, H_X, d, scale,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_STEP: tl.constexpr):
+    """x' = M_h (scale·x) of a block of rows of one (batch, query head) (grid: row blocks, B·H): x per
+    its own head of H_X (kv heads for the keys: read where they are, never expanded), x' ``[B, T, H, d]``
+    per query head. It feeds the feature logits, so it is fp32-accurate as they are: the logits' own
+    product (three TF32 products on tensor cores) with M for W."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    x_prime = _feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok, m_ptr + h * d * d,
+                              scale, d, d, 0, False, BLOCK_T, BLOCK_D, BLOCK_D, D_STEP)
+    offs = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * d + offs[None, :], x_prime,
+             mask=row_ok[:, None] & (offs < d)[None, :])

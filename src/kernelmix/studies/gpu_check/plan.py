@@ -32,9 +32,9 @@ from pathlib import Path
 from ...errors import KernelmixError
 from ..flops import forward_flops
 from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
-from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_chain_flops, feature_cost,
-                         feature_transform_flops, logit_grad_sum_bytes, recurrence_cost, roofline_seconds, sdpa_cost,
-                         solve_cost)
+from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_cost, recurrence_cost, roofline_seconds,
+                         sdpa_cost, solve_cost)
+from .plan_glue import feature_glue_ops, glue_seconds
 
 PLAN_FORMAT = "kernelmix.gpu_plan/1"
 TARGET_SHAPE = "target"
@@ -60,10 +60,13 @@ GRID_BOUNDS = {
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
     "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
-    "features_query_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
+    "features_query_grad": "⌈T/(S·C)⌉·B·H·⌈m/BLOCK_M⌉: one program per span and block of features walks its chunks",
     "features_reverse_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block",
     "features_reverse_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans back",
-    "features_key_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
+    "features_key_grad": "⌈T/(S·C)⌉·B·H·⌈m/BLOCK_M⌉: one program per span and block of features walks its chunks "
+                         "back",
+    "features_value_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
+    "features_transform": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
@@ -86,7 +89,7 @@ def launch_cost(mixer: str, launch, shape: dict) -> Cost:
         return Cost(launch.calls * (once := recurrence_cost(launch.name, launch.tiles, batch_heads,
                                                              launch.grid[1])).flops, launch.calls * once.bytes)
     if launch.name.startswith("features_"):
-        once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2])
+        once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2] if len(launch.grid) > 2 else 1)
         return Cost(launch.calls * once.flops, launch.calls * once.bytes, launch.calls * once.split_flops)
     return solve_cost(launch.name, launch.tiles, batch_heads, has_beta=bool(launch.constexprs.get("HAS_BETA", False)),
                       has_doc=bool(launch.constexprs["HAS_DOC"]))
@@ -224,23 +227,18 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
-    if mixer in FEATURE_MIXERS:  # torch's work over all rows: the backward's chain, the transform
-        has_transform = FEATURE_MIXERS[mixer]["has_transform"]
-        chain = feature_chain_flops(at["batch"], at["heads"], length, at["head_dim"], at["features"], has_transform)
-        fixed = feature_transform_flops(at["batch"], at["heads"], length, at["head_dim"], has_transform)
-        # torch adds the gradient kernels' per-value-block logit gradients (memory-bound) before the chain
-        blocks = {x.name: x.grid[2] for x in launches}
-        kernels += sum(logit_grad_sum_bytes(at["batch"], at["heads"], length, at["features"], blocks[name])
-                       for name in ("features_query_grad", "features_key_grad")) / H200["hbm_bytes_per_s"]
-        kernels += chain / H200["tf32_flops"]  # the kernels' operands (FEATURE_OPERANDS, TF32)
-        kernels += 3 * fixed / H200["tf32_flops"]  # fp32-accurate: three TF32 products
+    torch_side = 0.0
+    if mixer in FEATURE_MIXERS:  # torch's work around the kernels, from the aten ops the op runs
+        torch_side = glue_seconds(feature_glue_ops(at, has_transform=FEATURE_MIXERS[mixer]["has_transform"]))
+    kernels += torch_side
     op = "performer" if mixer in FEATURE_MIXERS else mixer
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
     if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above
         useful -= 3 * at["batch"] * at["heads"] * forward_flops("softmax", length, at["head_dim"], 0, at["chunk_size"])
     tf32 = useful / H200["tf32_flops"] + readout
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
-    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), design_tf32_ms=1e3 * tf32,
+    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), torch_ms=1e3 * torch_side,
+                design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)
 

@@ -24,29 +24,34 @@ value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
-``S`` chunks, head ``D``, features ``M``, ``s`` value blocks of ``V``; one side's feature logits cost
-``F = 2·C·D·M + [2·C·D²]``, the bracket with DARKFormer's transform), per (batch, head), chunk and
-value block; every kernel but the scans runs one program per span and value block, which walks its
-chunks and loads or stores the m × V state once per span:
+``S`` chunks, head ``D``; a program's ``M`` features and ``V`` value columns: every feature and a block
+of value columns, or, in the two logit gradients, a block of features and every value column; one
+side's feature logits cost ``F = 2·C·D·M``), per (batch, head), chunk and block; every kernel but the
+scans runs one program per span and block, which walks its chunks and loads or stores its M × V part
+of the state once per span:
 
     span states           F + 2·C·M·V                          keys' logits, ΔS = φᵀ v
     forward (span)        2F + 2·C²·(M + V) + 4·C·M·V          scores, their mix, the entering state,
                                                                the walk's state update
-    query gradient (span) 2F + 2·C²·(M + V) + 4·C·M·V          stores dL/dℓ^q [C, M]
+    query gradient (span) 2F + 2·C²·(M + V) + 4·C·M·V          ĝ vᵀ, stores dL/dℓ^q [C, M]
     reverse span states   F + 2·C·M·V                          queries' logits, ΔR = φᵀ ĝ
-    key gradient          2F + 4·C²·(M + V) + 6·C·M·V          stores dL/dℓ^k [C, M] and dv; the walk
-                                                               back extends R
+    key gradient          2F + 2·C²·(M + V) + 4·C·M·V          ĝ vᵀ, v Rᵀ, stores dL/dℓ^k [C, M]; the
+                                                               walk back extends R
+    value gradient        2F + 2·C²·(M + V) + 4·C·M·V          scores, stores dv [C, V]; the walk back
+                                                               extends R
 
 The feature logits (``F``) stay fp32-accurate: each is three TF32 products on tensor cores
 (``Cost.split_flops``, at a third of the TF32 peak); the rest take the kernels' operands (TF32 by
 default). The two scans have no products: per (batch, head) and span they read and write the
-m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's
-features: the logits' work grows with ``s``. W is read by every program of a head but counted
-once per head: the chunks of a head share it through L2 (1 MB for all heads at the target). The backward's chain
-through the feature map is torch's (:func:`feature_chain_flops`: products over all rows, which fill
-the machine, at the kernels' operands), not a kernel's, as are DARKFormer's transform x' = M x̃
-(fp32-accurate: :func:`feature_transform_flops`) and the sum of the value blocks' logit gradients
-(:func:`logit_grad_sum_bytes`).
+m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's features (the
+logits' work grows with the blocks); blocks of features form only their own. W is read by every
+program of a head but counted once per head: the chunks of a head share it through L2 (1 MB for
+all heads at the target). DARKFormer's transform x' = M x̃ is its own kernel
+(``features_transform``, per block of ``C`` rows: ``2·C·D²`` fp32-accurate FLOPs, x read and x'
+written), four launches a call (queries and keys, in the forward and again in the backward). The
+logit gradients' feature blocks store disjoint columns of one T × m tensor per side: nothing is
+added up after them. torch's work around the kernels (the backward's chain through the feature map,
+the per-row 1/den and c) is counted from its aten ops (:mod:`.plan_glue`).
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
 def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
     """The executed cost of one launch of a random-feature kernel (the module docstring's formulas)."""
     c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
+    if name == "features_transform":  # x' = M x̃ over a block of rows, fp32-accurate; M counted once per head
+        rows = c * d
+        return Cost(batch_heads * n * 2 * rows * d, batch_heads * (n * 2 * rows * FP32 + d * d * FP32),
+                    split_flops=batch_heads * n * 2 * rows * d)
     if name in ("features_state_scan", "features_reverse_scan"):
         steps = tiles["spans"]
         scan_m, scan_v = tiles["scan_tile"]
@@ -149,7 +158,8 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
     values = c * v * FP32
     state = (m * v + m) * FP32
     scalars = 3 * c * FP32 + c * INT64  # shift, query max or c_i, and document starts
-    walk = 2 * c * m * v if name in ("features_forward", "features_query_grad", "features_key_grad") else 0
+    walk = 2 * c * m * v if name in ("features_forward", "features_query_grad", "features_key_grad",
+                                     "features_value_grad") else 0
     if name == "features_chunk_states":
         logits, products = side, 2 * c * m * v
         per_chunk = rows + values + scalars
@@ -160,15 +170,18 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
     elif name == "features_reverse_states":
         logits, products = side, 2 * c * m * v
         per_chunk = rows + values + scalars
-    elif name == "features_key_grad":
-        logits, products = 2 * side, 4 * c * c * (m + v) + 4 * c * m * v + walk
-        per_chunk = 2 * rows + 3 * values + scalars + c * m * FP32
+    elif name == "features_key_grad":  # ĝ vᵀ, its transpose against φq, v Rᵀ, and the walk's R update
+        logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
+        per_chunk = 2 * rows + 2 * values + scalars + c * m * FP32
+    elif name == "features_value_grad":  # the scores, their transpose against ĝ, φk R, and the walk's R update
+        logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
+        per_chunk = 2 * rows + 2 * values + scalars
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     chunk_programs = batch_heads * value_blocks * n  # the span programs' walks over their chunks, in all
     # a span program loads or stores its state once per span; the forward stores the scale entering
     # each chunk and the key gradient reads it back (one number per chunk)
-    scales = chunk_programs * FP32 if name in ("features_forward", "features_key_grad") else 0
+    scales = chunk_programs * FP32 if name in ("features_forward", "features_key_grad", "features_value_grad") else 0
     once = batch_heads * value_blocks * tiles["spans"] * state + scales
     return Cost(chunk_programs * (logits + products), chunk_programs * per_chunk + once + batch_heads * parameters,
                 split_flops=chunk_programs * logits)
@@ -191,25 +204,6 @@ def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int)
     return Cost(programs * n * flops, programs * n * moved)
 
 
-def logit_grad_sum_bytes(batch: int, heads: int, length: int, features: int, blocks: int) -> float:
-    """Bytes of torch's sum of the ``blocks`` per-value-block logit gradients of one side (each a
-    B·T·H·m fp32 tensor the gradient kernels store): every block read once, the sum written once."""
-    return (blocks + 1) * batch * length * heads * features * FP32
-
-
-def feature_chain_flops(batch: int, heads: int, length: int, head_dim: int, features: int, transform: bool) -> float:
-    """The backward's torch products of a random-feature call, both sides (``_chain_feature_map``, at the
-    kernels' operand precision): dx' = dℓ W, dW = dℓᵀ x', and with a transform dM = dx'ᵀ x̃ and dx̃ = Mᵀ dx'."""
-    per_row = 2 * (2 * 2 * head_dim * features + transform * 2 * 2 * head_dim * head_dim)
-    return batch * heads * length * per_row
-
-
-def feature_transform_flops(batch: int, heads: int, length: int, head_dim: int, transform: bool) -> float:
-    """DARKFormer's transform x' = M x̃ in torch, both sides, in the forward and again in the backward
-    (0 without a transform): it feeds the feature logits, so it is fp32-accurate, three TF32 products."""
-    return batch * heads * length * 2 * transform * 2 * 2 * head_dim * head_dim
-
-
 def roofline_seconds(cost: Cost, programs: int, peak_flops: float, machine: dict = H200) -> float:
     """A lower bound on a launch's time: its FLOPs at the peak that the programs can occupy (a grid
     of fewer programs than SMs leaves the rest idle; ``cost.split_flops`` as three TF32 products, the
@@ -228,6 +222,5 @@ def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost,
     return Cost(forward, 4 * tensors), Cost(2.5 * forward, 8 * tensors)
 
 
-__all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_chain_flops", "feature_transform_flops",
-           "logit_grad_sum_bytes", "feature_cost", "roofline_seconds",
+__all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_cost", "roofline_seconds",
            "sdpa_cost", "solve_cost", "span_tiles"]

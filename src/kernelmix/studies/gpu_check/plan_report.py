@@ -43,17 +43,21 @@ def _targets(plan: dict) -> list[str]:
 
 
 def _roofline(plan: dict) -> list[str]:
-    lines = ["| mixer | T | SDPA (ms) | present kernels (ms) | × SDPA | design, TF32 (ms) | × SDPA | "
-             "design, bf16 (ms) | × SDPA |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mixer | T | SDPA (ms) | present (ms) | of it torch's (ms) | × SDPA | design, TF32 (ms) | × SDPA | "
+             "design, bf16 (ms) | × SDPA |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in plan["roofline"]:
-        lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | "
-                     f"{r['present_ratio']:.1f} | {r['design_tf32_ms']:.2f} | {r['design_tf32_ratio']:.2f} | "
+        torch_ms = f"{r['torch_ms']:.2f}" if r.get("torch_ms") else "–"
+        lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | {torch_ms} | "
+                     f"{r['present_ratio']:.2f} | {r['design_tf32_ms']:.2f} | {r['design_tf32_ratio']:.2f} | "
                      f"{r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
     if any(r["mixer"] in ("performer", "darkformer") for r in plan["roofline"]):
-        lines += ["", "The random features' *present* includes torch's work: the sum of the gradient kernels' "
-                  "per-value-block logit gradients (bytes), the backward's chain through the feature map at the "
-                  "kernels' TF32 operands, and DARKFormer's transform x' = M x̃, which feeds the logits, "
-                  "fp32-accurate as three TF32 products (ops/_triton_features)."]
+        lines += ["", "The random features' *present* includes torch's work around the kernels (*of it torch's*): "
+                  "the backward's chain through the feature map (at the kernels' TF32 operands) and the per-row "
+                  "1/den and c, counted from the aten ops one forward + backward runs "
+                  "(`kernelmix.studies.gpu_check.plan_glue`: on meta tensors, every op reading its inputs and "
+                  "writing its outputs once, products at the TF32 peak). DARKFormer's transform x' = M x̃ is a "
+                  "kernel of its own (`features_transform`, above). For float32 inputs: bf16 inputs add the op's "
+                  "casts to float32. The solve mixers' torch work around their kernels is not counted."]
     return lines
 
 
