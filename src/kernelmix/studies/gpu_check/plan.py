@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from ...errors import KernelmixError
 from ..flops import forward_flops
 from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
@@ -227,9 +229,13 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
-    torch_side = 0.0
+    torch_side = public_side = 0.0
     if mixer in FEATURE_MIXERS:  # torch's work around the kernels, from the aten ops the op runs
-        torch_side = glue_seconds(feature_glue_ops(at, has_transform=FEATURE_MIXERS[mixer]["has_transform"]))
+        has_transform = FEATURE_MIXERS[mixer]["has_transform"]
+        torch_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform))
+        public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True,
+                                                    dtype=torch.bfloat16))
+    public = kernels + public_side
     kernels += torch_side
     op = "performer" if mixer in FEATURE_MIXERS else mixer
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
@@ -237,7 +243,9 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         useful -= 3 * at["batch"] * at["heads"] * forward_flops("softmax", length, at["head_dim"], 0, at["chunk_size"])
     tf32 = useful / H200["tf32_flops"] + readout
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
-    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), torch_ms=1e3 * torch_side,
+    extra = dict(torch_ms=1e3 * torch_side, public_bf16_ms=1e3 * public,
+                 public_bf16_ratio=public / sdpa) if mixer in FEATURE_MIXERS else {}
+    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), **extra,
                 design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)

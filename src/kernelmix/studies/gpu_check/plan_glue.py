@@ -9,7 +9,10 @@ nothing; any other op reads each tensor it takes and writes each it returns once
 tensor's elements, at most its storage), and a matrix product (``mm``, ``bmm``, ``addmm``,
 ``baddbmm``) executes 2·m·n·k FLOPs at the TF32 peak. Each op's roofline is max(FLOPs / peak,
 bytes / bandwidth) over the whole machine; their sum is a lower bound on torch's share of the call,
-taken from the very code the op runs, so a change to the torch side moves it.
+taken from the very code the op runs, so a change to the torch side moves it. Counted for the Triton op
+(float32 in and out: what the kernels' cost model pairs with), and for the public op a model calls on
+bf16 inputs (its casts to float32 and back, and its guard against non-finite inputs, which on a GPU
+builds its masks without a sync on every call).
 """
 
 from __future__ import annotations
@@ -82,22 +85,48 @@ def _stubbed(module, names):
             setattr(module, name, value)
 
 
-def feature_glue_ops(shape: dict, *, has_transform: bool, per_head: bool = True) -> list[tuple[str, Cost]]:
-    """The aten ops of torch's side of one forward + backward of the Triton random-feature op at ``shape``
-    (batch, heads, kv_heads, length, head_dim, features; d_v = head_dim), with their costs."""
+@contextlib.contextmanager
+def _public_op_on_meta(ops_module):
+    """``random_feature_attention`` on meta tensors as on a GPU: the Triton backend, no autocast
+    context (meta has none; the op only turns autocast off) and no underflow check (a device sync,
+    one call in a hundred)."""
+    saved = dict(resolve_backend=ops_module.resolve_backend, autocast_off=ops_module.autocast_off)
+    warned = ops_module.UNDERFLOW_CHECK.warned
+    try:
+        ops_module.resolve_backend = lambda *args, **kwargs: "triton"
+        ops_module.autocast_off = lambda x: contextlib.nullcontext()
+        ops_module.UNDERFLOW_CHECK.warned = True
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ops_module, name, value)
+        ops_module.UNDERFLOW_CHECK.warned = warned
+
+
+def feature_glue_ops(shape: dict, *, has_transform: bool, public: bool = False,
+                     dtype: torch.dtype = torch.float32) -> list[tuple[str, Cost]]:
+    """The aten ops of torch's side of one forward + backward at ``shape`` (batch, heads, kv_heads, length,
+    head_dim, features; d_v = head_dim; per-head projections), with their costs: of the Triton op
+    (``triton_random_feature_attention``, float32 in and out), or with ``public`` of what a model calls,
+    ``random_feature_attention`` on ``dtype`` inputs (its casts and its guard against non-finite inputs too)."""
     module = importlib.import_module("kernelmix.ops._triton_features")
+    ops_module = importlib.import_module("kernelmix.ops.random_features")
     kernel_names = [name for name in vars(module) if name.endswith("_kernel")]
     batch, heads, kv_heads = shape["batch"], shape["heads"], shape["kv_heads"]
     length, d, m = shape["length"], shape["head_dim"], shape["features"]
     meta = dict(device="meta", requires_grad=True)
-    q = torch.empty(batch, length, heads, d, **meta)
-    k, v = (torch.empty(batch, length, kv_heads, d, **meta) for _ in range(2))
-    projection = torch.empty(*((heads,) if per_head else ()), m, d, **meta)
+    q = torch.empty(batch, length, heads, d, dtype=dtype, **meta)
+    k, v = (torch.empty(batch, length, kv_heads, d, dtype=dtype, **meta) for _ in range(2))
+    projection = torch.empty(heads, m, d, **meta)
     transform = torch.empty(heads, d, d, **meta) if has_transform else None
     inputs = [x for x in (q, k, v, projection, transform) if x is not None]
-    with _stubbed(module, kernel_names), _AtenCounter() as counter:
-        out, _, _ = module.triton_random_feature_attention(q, k, v, projection, transform,
-                                                            chunk_size=shape["chunk_size"], doc_start=None)
+    with _stubbed(module, kernel_names), _public_op_on_meta(ops_module), _AtenCounter() as counter:
+        if public:
+            out = ops_module.random_feature_attention(q, k, v, projection, transform=transform,
+                                                      chunk_size=shape["chunk_size"], backend="triton")
+        else:
+            out, _, _ = module.triton_random_feature_attention(q, k, v, projection, transform,
+                                                                chunk_size=shape["chunk_size"], doc_start=None)
         torch.autograd.grad(out, inputs, torch.empty_like(out))
     return counter.ops
 
