@@ -197,6 +197,31 @@ def test_bfloat16_inputs():
         assert rel_rmse(got, want) <= 1e-4, name
 
 
+@pytest.mark.parametrize("darkformer", [False, True])
+def test_bfloat16_rows_are_read_and_written_as_bfloat16(darkformer):
+    """bf16 q, k, v go into the kernels as they are (no cast passes): they compute in fp32 and write
+    the output (and dv) in bf16, rounded to nearest, so the output is the fp32 computation's rounded
+    (what casting did), and the gradients, whose c = −g·o/den takes the output at fp32, are as accurate
+    as through a cast: against float64 on the same bf16 values, within bf16's own rounding."""
+    inputs = _problem(1, 37, 2, 1, darkformer=darkformer)
+    inputs = [x.to(torch.bfloat16 if i < 3 else F32) for i, x in enumerate(inputs)]
+    doc_start = _documents(37, [[0, 12]])
+    grad_out = torch.randn(1, 37, 2, 8, generator=torch.Generator().manual_seed(8), dtype=F64).to(torch.bfloat16)
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    leaves = [x.detach().requires_grad_() for x in inputs]  # bf16 rows, fp32 parameters
+    out, _, _ = triton_random_feature_attention(*leaves[:4], leaves[4] if darkformer else None, chunk_size=16,
+                                                doc_start=doc_start)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    assert out.dtype == torch.bfloat16 and [g.dtype for g in grads[:3]] == [torch.bfloat16] * 3
+    through_fp32, _, _ = triton_random_feature_attention(*(x.float() for x in inputs[:4]),
+                                                         inputs[4].float() if darkformer else None, chunk_size=16,
+                                                         doc_start=doc_start)
+    assert (out != through_fp32.to(torch.bfloat16)).float().mean() <= 1e-3  # ties aside, the same rounding
+    assert rel_rmse(out, ref) <= 4e-3
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 4e-3, name
+
+
 def _log_domain_reference(q, k, v, projection, transform, doc_start):
     """Dense float64 attention with the weights formed in the log domain (logsumexp over features):
     exact where the feature logits leave even float64's exp range, which random_feature_attention_naive
@@ -298,8 +323,10 @@ def test_empty_sequence_keeps_the_state():
 
 def test_errors_name_the_fix(monkeypatch):
     q, k, v, projection = (x.to(F32) for x in _problem(1, 5, 2, 1, darkformer=False))
-    with pytest.raises(KernelmixError, match="float32 tensors, but v is torch.float64"):
+    with pytest.raises(KernelmixError, match="q, k, v of one dtype among float32, bfloat16 and float16"):
         triton_random_feature_attention(q, k, v.double(), projection, None, chunk_size=16, doc_start=None)
+    with pytest.raises(KernelmixError, match="float32 projection, but it is torch.bfloat16"):
+        triton_random_feature_attention(q, k, v, projection.bfloat16(), None, chunk_size=16, doc_start=None)
     state = (torch.zeros(1, 2, FEATURES, 8, requires_grad=True), torch.zeros(1, 2, FEATURES), torch.zeros(1, 2), 3)
     with pytest.raises(KernelmixError, match='initial_state.*backend="torch"'):
         triton_random_feature_attention(q, k, v, projection, None, chunk_size=16, doc_start=None, initial_state=state)
@@ -332,10 +359,10 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the nine kernels (the transform with
-    them) for sm_90 down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
-    first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=9)
+    """The interpreter accepts code the GPU compiler rejects: compile the eleven kernels (the transform
+    and the chain with them) for sm_90 down to a cubin (Triton ships ptxas) in a process without
+    TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=11)
 
 
 @pytest.mark.slow
@@ -345,7 +372,7 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
                                 "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=9, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=11, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
@@ -414,28 +441,36 @@ def test_large_tiles_walk_16_row_chunks(monkeypatch, span_blocks):
         assert rel_rmse(got, want) <= 1e-4, name
 
 
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to TF32 (10 mantissa bits, to nearest, ties away from zero), as float64: the tests' own."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32).double()
+
+
 def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
-    """torch's products of the backward's chain round their operands as the kernels' tensor-core
-    products do (to nearest: TF32 keeps 10 mantissa bits, bf16 7), so the interpreter measures the
-    GPU's TF32 matmuls; with fp32 operands they are plain fp32 products."""
+    """The chain kernels (dx' = dℓ W with the keys' term, the span parts of dW = Σ dℓᵀ x) round their
+    operands to TF32 as the span kernels' products do (their input dℓ already carries that error), so
+    under the interpreter they equal the float64 product of TF32-rounded operands and differ from the
+    exact one; with fp32 operands they are the exact product. Grouped heads read x per kv head."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(4096, generator=gen) * torch.logspace(-20, 20, 4096)
-    tf32 = getattr(kernels, "_rounded")(x, "tf32")
-    assert ((tf32.view(torch.int32) & 0x1FFF) == 0).all()
-    assert ((tf32 - x).abs() <= x.abs() * 2.0 ** -11).all()
-    bf16 = getattr(kernels, "_rounded")(x, "bf16")
-    assert (bf16 == x.to(torch.bfloat16).float()).float().mean() > 0.999  # ties aside, torch's own rounding
-    a, b = torch.randn(16, 64, generator=gen), torch.randn(64, 8, generator=gen)
-    product = getattr(kernels, "_chain_product")
+    g = torch.randn(1, 45, 4, 40, generator=gen)  # 45 rows: blocks of 32 that do not divide it
+    w = torch.randn(4, 40, 24, generator=gen)
+    x = torch.randn(1, 45, 2, 24, generator=gen)  # 2 kv heads for 4 query heads
+    x_q = x.double().repeat_interleave(2, dim=2)
+    for operands, round_ in (("tf32", _tf32), ("fp32", torch.Tensor.double)):
+        monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", operands)
+        rows = getattr(kernels, "_chain_rows")(g, x, w, torch.float32, 0.5, 0.25)
+        want = 0.5 * torch.einsum("bthm,hmd->bthd", round_(g), round_(w)) - 0.25 * g.double().sum(-1, True) * x_q
+        assert rel_rmse(rows, want) <= 1e-6, operands
+        weights = getattr(kernels, "_chain_weights")(g, x)
+        assert rel_rmse(weights, torch.einsum("bthm,bthd->hmd", round_(g), round_(x_q))) <= 1e-6, operands
+    exact = torch.einsum("bthm,hmd->bthd", g.double(), w.double())
+    assert rel_rmse(getattr(kernels, "_chain_rows")(g, None, w, torch.float32, 1.0, 0.0), exact) <= 1e-6
     monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
-    rounded = product("ij,jk->ik", a, b)
-    expected = getattr(kernels, "_rounded")(a, "tf32") @ getattr(kernels, "_rounded")(b, "tf32")
-    assert torch.equal(rounded, expected) and not torch.equal(rounded, a @ b)
-    monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "fp32")
-    assert torch.allclose(product("ij,jk->ik", a, b), a @ b, rtol=0, atol=1e-6)
+    assert rel_rmse(getattr(kernels, "_chain_rows")(g, None, w, torch.float32, 1.0, 0.0), exact) >= 1e-5
 
 
 def test_the_transform_feeding_the_logits_stays_fp32_accurate(monkeypatch):
@@ -453,5 +488,5 @@ def test_the_transform_feeding_the_logits_stays_fp32_accurate(monkeypatch):
     geometry = getattr(kernels, "_Geometry")(q, x, x, torch.empty(4, 16, 64), 16, 0, True)
     exact = torch.einsum("bthe,hfe->bthf", x.double().repeat_interleave(2, dim=2) * 64 ** -0.25, m.double())
     split = getattr(kernels, "_transformed")(x, m, geometry)
-    single = getattr(kernels, "_chain_product")("bthe,hfe->bthf", x.repeat_interleave(2, dim=2) * 64 ** -0.25, m)
+    single = torch.einsum("bthe,hfe->bthf", _tf32(x.repeat_interleave(2, dim=2) * 64 ** -0.25), _tf32(m))
     assert rel_rmse(split, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)

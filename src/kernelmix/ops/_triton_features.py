@@ -6,7 +6,6 @@ feature-map chain rule in torch, and the launch plan that ``kernelmix gpu-check 
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -15,6 +14,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
+from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, transform_kernel
 from ._triton_features_kernels import (
     chunk_state_kernel,
     forward_kernel,
@@ -23,7 +23,6 @@ from ._triton_features_kernels import (
     reverse_scan_kernel,
     reverse_state_kernel,
     state_scan_kernel,
-    transform_kernel,
     value_grad_kernel,
 )
 
@@ -35,10 +34,13 @@ VALUE_BLOCK = 64
 #: with the logits' step at LOGIT_STEP columns: at d = m = d_v = 128 ptxas (sm_90) spilled 44–184 B
 #: per thread with all 128 features, and with 64 at 8-column steps, none at 64 and 16 (docs/gpu.md).
 FEATURE_TILE = 64 * 128
-#: Largest block of value columns of the kernels that hold every feature but carry only the state and
-#: one side's rows (the span states of both directions, the value gradient): at d = m = d_v = 128 one
-#: block compiled without a spill (205–255 registers; the forward spilled 44 B), so they form the
-#: logits once.
+#: The same for q, k rows of 16 bits (their conversion to fp32 takes registers too): with 64 features
+#: every step spilled 16–88 B; with 32 and the large tiles' 8-column steps, none.
+NARROW_ROWS_FEATURE_TILE = 32 * 128
+#: Largest block of value columns of the span states of both directions, which hold every feature but
+#: carry only the state and one side's rows: at d = m = d_v = 128 one block compiled without a spill
+#: (205–255 registers; the forward spilled 44 B there, the value gradient 4–12 B with bf16 ĝ and fp32
+#: x'), so they form the logits once.
 WIDE_VALUE_BLOCK = 128
 #: From this padded m or d on, chunks are 16 rows, not 64 (8 warps); from LARGE_TILE on, the logits'
 #: step over the head is 8 columns, not 16: with the walks' running states, what ptxas (sm_90)
@@ -67,6 +69,13 @@ FEATURE_OPERANDS = "tf32"
 LOGIT_STEP = 16
 #: Rows per program of DARKFormer's transform x' = M x̃ (its own kernel, before the span kernels).
 TRANSFORM_ROWS = 32
+#: The backward's chain through the feature map (after the span kernels): rows per program of its row
+#: kernel (dx' = dℓ W, dx̃ = dx' M) and columns per step of its product; rows per program and columns
+#: per block of its weight-gradient kernel (the parts of dW = Σ dℓᵀ x', dM = Σ dx'ᵀ x̃, one per span).
+CHAIN_ROWS = 32
+CHAIN_STEP = 16
+CHAIN_SPAN_ROWS = 512
+CHAIN_COLUMNS = 64
 #: √tiny(float32): a denominator at or below it gives a zero row (as ``safe_ratio``).
 UNDERFLOW_FLOOR = math.sqrt(torch.finfo(torch.float32).tiny)
 
@@ -97,8 +106,13 @@ class _Geometry:
         self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else LOGIT_STEP)
         self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
         self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
-        # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
-        self.block_f = min(self.block_m, max(16, FEATURE_TILE // self.block_dv))
+        # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE);
+        # the kernels read x' = M x̃ in fp32 with a transform, else q and k in their own dtype
+        self.narrow_rows = not has_transform and q.dtype != torch.float32
+        tile = NARROW_ROWS_FEATURE_TILE if self.narrow_rows else FEATURE_TILE  # (swept below)
+        self.block_f = min(self.block_m, max(16, tile // self.block_dv))
+        self.feature_logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if self.narrow_rows and large
+                                      else LOGIT_STEP)
         self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK)
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
@@ -121,7 +135,7 @@ class _Geometry:
 
     @property
     def wide_grid(self) -> tuple[int, int, int]:
-        """The span states' and the value gradient's: value blocks WIDE_VALUE_BLOCK wide."""
+        """The span states': value blocks WIDE_VALUE_BLOCK wide."""
         return (self.n_spans, self.batch * self.heads, self.wide_value_blocks)
 
     @property
@@ -152,7 +166,7 @@ class _Geometry:
         features = kind == "features"
         return dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_D=self.block_d,
                     BLOCK_M=self.block_f if features else self.block_m, BLOCK_V=block_v,
-                    D_STEP=min(self.block_d, LOGIT_STEP) if features else self.logit_step,
+                    D_STEP=self.feature_logit_step if features else self.logit_step,
                     SPAN_BLOCKS=self.span_blocks, num_warps=warps)
 
     def scan_blocks(self) -> dict:
@@ -164,8 +178,9 @@ class _Geometry:
         span's own part, then, after the scan, the state entering it), the local scale and the scale of
         the entering state ``[B·H, spans]``."""
         bh, n, m = self.batch * self.heads, self.n_spans, self.features
-        return (like.new_empty(bh, n, m, self.value_dim), like.new_empty(bh, n, m), like.new_empty(bh, n),
-                like.new_empty(bh, n))
+        f32 = dict(dtype=torch.float32)
+        return (like.new_empty(bh, n, m, self.value_dim, **f32), like.new_empty(bh, n, m, **f32),
+                like.new_empty(bh, n, **f32), like.new_empty(bh, n, **f32))
 
 
 def _interpreted() -> bool:
@@ -173,8 +188,18 @@ def _interpreted() -> bool:
     return defined_for_the_interpreter(forward_kernel)
 
 
+#: What the kernels read q, k, v in (and write the output and dv in): they compute in fp32 either way.
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, transform: Tensor | None, state) -> None:
-    named = {"q": q, "k": k, "v": v, "projection": projection}
+    if q.dtype not in ROW_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise KernelmixError(
+            f"the Triton random-feature kernel takes q, k, v of one dtype among float32, bfloat16 and float16 "
+            f"(got {q.dtype}, {k.dtype}, {v.dtype}); cast them to one (random_feature_attention does) or use "
+            "backend=\"torch\""
+        )
+    named = {"projection": projection}
     if transform is not None:
         named["transform"] = transform
     if state is not None:
@@ -182,7 +207,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, transform
     for name, tensor in named.items():
         if tensor.dtype != torch.float32:
             raise KernelmixError(
-                f"the Triton random-feature kernel takes float32 tensors, but {name} is {tensor.dtype}; "
+                f"the Triton random-feature kernel takes a float32 {name}, but it is {tensor.dtype}; "
                 "cast to float32 first (random_feature_attention does) or use backend=\"torch\""
             )
     if state is not None and any(x.requires_grad for x in state[:3]):
@@ -208,8 +233,9 @@ def _state_tensors(state, geometry: _Geometry, like: Tensor) -> tuple[Tensor, Te
     """(S, z, shift) to start from, detached and contiguous: the given state or an empty one."""
     batch, heads, m, dv = geometry.batch, geometry.heads, geometry.features, geometry.value_dim
     if state is None:
-        return (like.new_zeros(batch, heads, m, dv), like.new_zeros(batch, heads, m),
-                like.new_full((batch, heads), NEG_INF))
+        f32 = dict(dtype=torch.float32)
+        return (like.new_zeros(batch, heads, m, dv, **f32), like.new_zeros(batch, heads, m, **f32),
+                like.new_full((batch, heads), NEG_INF, **f32))
     return tuple(x.detach().contiguous() for x in state[:3])
 
 
@@ -235,7 +261,7 @@ def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Ge
 def _transformed(x: Tensor, transform: Tensor, geometry: _Geometry) -> Tensor:
     """x' = M_h (d^{-1/4} x) ``[B, T, H, d]`` of x ``[B, T, H_x, d]`` (H_x = H or the kv heads)."""
     batch, length, heads, d = geometry.batch, geometry.length, geometry.heads, geometry.head_dim
-    out = x.new_empty(batch, length, heads, d)
+    out = x.new_empty(batch, length, heads, d, dtype=torch.float32)  # it feeds the logits: fp32
     transform_kernel[transform_grid(geometry)](
         x, transform, out, length, heads, x.shape[2], d, d ** -0.25, **_transform_blocks(geometry))
     return out
@@ -266,18 +292,22 @@ def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
 
 
 def _launch_forward(q_in, k_in, v, projection, doc, state, geometry: _Geometry):
-    """The forward: (out, denominator, key shift, query max, scale entering each chunk, the states
-    entering each span (S, z, scale), the final S, z, shift)."""
+    """The forward: (out in v's dtype, out in fp32 (the same tensor for fp32 rows), denominator, key
+    shift, query max, scale entering each chunk, the states entering each span (S, z, scale), the final
+    S, z, shift)."""
     batch, length, heads = geometry.batch, geometry.length, geometry.heads
     span_s, span_z, carried, final = _launch_states(k_in, v, projection, doc, state, geometry)
-    out = q_in.new_empty(batch, length, heads, geometry.value_dim)
-    row_scalars = [q_in.new_empty(batch, heads, length) for _ in range(3)]  # denominator, key shift, query max
-    fine = q_in.new_empty(batch * heads, geometry.n_chunks)
+    out = v.new_empty(batch, length, heads, geometry.value_dim)  # in the rows' dtype
+    f32 = dict(dtype=torch.float32)
+    row_scalars = [v.new_empty(batch, heads, length, **f32) for _ in range(3)]  # denominator, key shift, query max
+    fine = v.new_empty(batch * heads, geometry.n_chunks, **f32)
+    keep = v.dtype != torch.float32
+    kept = out.new_empty(out.shape, **f32) if keep else out
     forward_kernel[geometry.grid](
-        q_in, k_in, v, projection, q_in if doc is None else doc, span_s, span_z, carried, out, *row_scalars, fine,
-        *geometry.sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, **geometry.blocks(),
+        q_in, k_in, v, projection, q_in if doc is None else doc, span_s, span_z, carried, out, kept, *row_scalars,
+        fine, *geometry.sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, KEEP_FP32=keep, **geometry.blocks(),
     )
-    return (out, *row_scalars, fine, (span_s, span_z, carried), *final)
+    return (out, kept, *row_scalars, fine, (span_s, span_z, carried), *final)
 
 
 def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_size: int, doc_start,
@@ -296,7 +326,7 @@ def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_siz
     s0, z0, shift0 = _state_tensors(state, geometry, v)
     if geometry.length == 0 or geometry.batch == 0:  # nothing to mix: no launch, the state as it was
         out = v.repeat_interleave(geometry.heads // geometry.kv_heads, dim=2)  # empty, and autograd sees v
-        return (out, v.new_zeros(geometry.batch, geometry.heads, geometry.length),
+        return (out, v.new_zeros(geometry.batch, geometry.heads, geometry.length, dtype=torch.float32),
                 (s0, z0, shift0, start + geometry.length))
     doc = None if doc_start is None else doc_start.to(device=q.device, dtype=torch.int64).contiguous()
     out, denominator, s, z, shift = _RandomFeatureAttention.apply(
@@ -312,11 +342,11 @@ class _RandomFeatureAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, projection, transform, doc, state, geometry):
         q, k, v, projection = (x.contiguous() for x in (q, k, v, projection))
         transform = None if transform is None else transform.contiguous()
-        out, denominator, shift_rows, q_max, fine, spans, s, z, shift = _launch_forward(
+        out, kept, denominator, shift_rows, q_max, fine, spans, s, z, shift = _launch_forward(
             *_kernel_inputs(q, k, transform, geometry), v, projection, doc, state, geometry)
         # the span states are kept (B·H·n_spans·m·d_v numbers: 1/256 of a T × m × d_v at 256-row spans),
-        # not recomputed: the backward launches no state kernel in the forward direction
-        ctx.save_for_backward(q, k, v, projection, transform, doc, out, denominator, shift_rows, q_max, fine, *spans)
+        # not recomputed: the backward launches no state kernel in the forward direction; the output at fp32
+        ctx.save_for_backward(q, k, v, projection, transform, doc, kept, denominator, shift_rows, q_max, fine, *spans)
         ctx.geometry = geometry
         ctx.mark_non_differentiable(denominator, s, z, shift)
         return out, denominator, s, z, shift
@@ -335,15 +365,18 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`). torch's
     work over all rows is kept to what cannot be fused: every op here reads and writes T-long tensors
     (``kernelmix gpu-check --plan`` counts it from these very ops)."""
-    g = grad_out.float().contiguous()
+    g = grad_out.contiguous()  # in the output's dtype: the kernels read it so
     empty = denominator <= UNDERFLOW_FLOOR  # [B, H, T]: zero rows have zero gradients (as safe_ratio)
     # 1/den (0 on empty rows): the kernels form ĝ = g / den as they load g
     inv = torch.where(empty, torch.zeros_like(denominator), 1.0 / denominator).contiguous()
-    c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i) / den_i
+    c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i) / den_i (o fp32)
     batch, length, heads, d = q.shape
     m = geometry.features
-    d_logits = (q.new_empty(batch, length, heads, m), q.new_empty(batch, length, heads, m))  # queries', keys'
-    dv = q.new_empty(batch, length, heads, geometry.value_dim)
+    f32 = dict(dtype=torch.float32)
+    d_logits = (q.new_empty(batch, length, heads, m, **f32), q.new_empty(batch, length, heads, m, **f32))
+    groups = heads // geometry.kv_heads
+    # dv per query head: in v's dtype when it is dv itself, fp32 when grouped heads add up into it
+    dv = v.new_empty(batch, length, heads, geometry.value_dim, **(f32 if groups > 1 else {}))
     q_in, k_in = _kernel_inputs(q, k, transform, geometry)
     doc_arg = q if doc is None else doc
     span_s, span_z, carried = spans
@@ -363,107 +396,97 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     key_grad_kernel[geometry.feature_grid](
         q_in, k_in, v, projection, doc_arg, reverse_s, reverse_z, fine, *rows, d_logits[1],
         *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
-    value_grad_kernel[geometry.wide_grid](
+    value_grad_kernel[geometry.grid](
         q_in, k_in, projection, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
-        HAS_DOC=doc is not None, **geometry.blocks("wide"))
-    groups = heads // geometry.kv_heads
-    keys = k if groups == 1 else k.repeat_interleave(groups, dim=2)  # query head h reads kv head h // groups
-    weights = projection if projection.dim() == 3 else projection.expand(heads, m, d)
+        HAS_DOC=doc is not None, **geometry.blocks())
     primes = (None, None) if transform is None else (q_in, k_in)  # x' = M x̃, as the kernels read them
-    d_q, dw_q, dm_q = _chain_feature_map(q, primes[0], d_logits[0], weights, transform, is_key=False)
-    d_k, dw_k, dm_k = _chain_feature_map(keys, primes[1], d_logits[1], weights, transform, is_key=True)
-    if groups > 1:
-        d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3)
-        dv = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3)
+    d_q, dw_q, dm_q = _chain_feature_map(q, primes[0], d_logits[0], projection, transform, is_key=False,
+                                         out_dtype=q.dtype)
+    d_k, dw_k, dm_k = _chain_feature_map(k, primes[1], d_logits[1], projection, transform, is_key=True,
+                                         out_dtype=k.dtype if groups == 1 else torch.float32)
+    if groups > 1:  # query head h read kv head h // groups
+        d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3).to(k.dtype)
+        dv = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3).to(v.dtype)
     d_w = dw_q + dw_k  # [H, m, d]
     d_w = d_w.sum(0) if projection.dim() == 2 else d_w
     d_m = None if transform is None else dm_q + dm_k
     return d_q, d_k, dv, d_w, d_m
 
 
-# Rounding to a tensor-core operand precision on torch tensors, as ``_triton_products.rounded`` does in
-# the kernels (to nearest, ties away from zero): what the GPU's TF32 products read, emulated on CPU.
-_ROUNDING = {"tf32": (0x1000, -0x2000), "bf16": (0x8000, -0x10000)}  # (half an ulp, mask of the kept bits)
-
-
-def _rounded(x: Tensor, operands: str) -> Tensor:
-    half, mask = _ROUNDING[operands]
-    return ((x.contiguous().view(torch.int32) + half) & mask).view(torch.float32)
-
-
-def _chain_product(equation: str, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.einsum(equation, a, b)`` at the kernels' operand precision (``FEATURE_OPERANDS``): the
-    chain's input dL/dℓ already carries the error of the kernels' TF32 products, so fp32 products here
-    would buy no accuracy for 7× the time (67 against 495 TFLOP/s on an H200). On a GPU, TF32 (bf16:
-    the operands rounded first, exact in TF32) through torch's TF32 matmuls; elsewhere (Triton's
-    interpreter) the same rounding of the operands and fp32 products, so the tests measure its error."""
-    operands = FEATURE_OPERANDS
-    if operands == "fp32":
-        return torch.einsum(equation, a, b)
-    on_gpu = _on_gpu(a)
-    if on_gpu and operands == "tf32":  # the GPU rounds the operands itself
-        with _tf32_matmuls(True):
-            return torch.einsum(equation, a, b)
-    with _tf32_matmuls(on_gpu):  # bf16-rounded operands are exact in TF32
-        return torch.einsum(equation, _rounded(a, operands), _rounded(b, operands))
-
-
-def _on_gpu(x: Tensor) -> bool:
-    """Whether torch's products run on the GPU (the TF32 branch); ``gpu-check --plan`` counts torch's
-    work on meta tensors as if they did."""
-    return x.is_cuda
-
-
-@contextlib.contextmanager
-def _tf32_matmuls(on: bool):
-    """torch's CUDA matmuls in TF32 inside (``on``), restored after; nothing off the GPU."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = before or on
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
-def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, weights: Tensor, transform: Tensor | None,
-                       *, is_key: bool):
+def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, projection: Tensor,
+                       transform: Tensor | None, *, is_key: bool, out_dtype: torch.dtype):
     """From dL/dℓ ``[B, T, H, m]`` of the logits ℓ = W x' (keys: − ½‖x'‖²), x' = M x̃, x̃ = d^{-1/4} x
-    (``x`` ``[B, T, H, d]``, ``x_prime`` x' when there is a transform, W ``[H, m, d]``, M ``[H, d, d]`` or
-    None) to dL/dx and this side's dL/dW and dL/dM: products over all rows at the kernels' operand
-    precision (:func:`_chain_product`), in place of per-program accumulators in the kernels (an [m, d]
-    and a [d, d] accumulator per program spilled on sm_90 at m = d = 128). The scale d^{-1/4} goes on the
-    small operands (W, M) and results (dW, dM), and the keys' −Σ dℓ · x' term is added in place, so that
-    each T-long tensor is read or written as few times as the products need."""
+    (``x`` ``[B, T, H_x, d]`` as given, ``x_prime`` x' ``[B, T, H, d]`` when there is a transform, W
+    ``[H, m, d]`` or ``[m, d]``, M ``[H, d, d]`` or None) to dL/dx ``[B, T, H, d]`` in ``out_dtype`` and
+    this side's dL/dW and dL/dM: the chain kernels (``chain_rows_kernel``: dx' = dℓ W with the keys'
+    −Σ dℓ · x' term, dx̃ = dx' M, the scales fused; ``chain_weights_kernel``: the span parts of dW and dM),
+    at the kernels' operands (``FEATURE_OPERANDS``: their input dℓ already carries the span kernels'
+    TF32 error). Each T-long tensor is read once per product and written once, in place of per-program
+    [m, d] and [d, d] accumulators in the span kernels (those spilled on sm_90 at m = d = 128)."""
     scale = x.shape[-1] ** -0.25
-    if transform is None:  # x' = x̃ = scale · x
-        d_x = _chain_product("bthm,hmd->bthd", d_logits, weights * scale)
-        if is_key:
-            d_x.addcmul_(d_logits.sum(-1, keepdim=True), x, value=-scale * scale)
-        return d_x, _chain_product("bthm,bthd->hmd", d_logits, x) * scale, None
-    d_prime = _chain_product("bthm,hmd->bthd", d_logits, weights)
-    if is_key:
-        d_prime.addcmul_(d_logits.sum(-1, keepdim=True), x_prime, value=-1.0)
-    d_w = _chain_product("bthm,bthd->hmd", d_logits, x_prime)
-    d_m = _chain_product("bthf,bthe->hfe", d_prime, x) * scale
-    return _chain_product("bthf,hfe->bthe", d_prime, transform * scale), d_w, d_m
+    if transform is None:  # x' = x̃ = scale · x: d/dx = scale · (dℓ W − Σ dℓ · x̃)
+        d_x = _chain_rows(d_logits, x if is_key else None, projection, out_dtype, scale, scale * scale)
+        return d_x, _chain_weights(d_logits, x) * scale, None
+    d_prime = _chain_rows(d_logits, x_prime if is_key else None, projection, torch.float32, 1.0, 1.0)
+    d_w = _chain_weights(d_logits, x_prime)
+    d_m = _chain_weights(d_prime, x) * scale
+    return _chain_rows(d_prime, None, transform, out_dtype, scale, 0.0), d_w, d_m
+
+
+def _chain_rows(g: Tensor, x: Tensor | None, weights: Tensor, out_dtype: torch.dtype, w_scale: float,
+                x_coef: float) -> Tensor:
+    """w_scale · (G W_h) − x_coef · (Σ_f G_f) x ``[B, T, H, d]`` (no x term for x None)."""
+    batch, length, heads, m_g = g.shape
+    d = weights.shape[-1]
+    out = g.new_empty(batch, length, heads, d, dtype=out_dtype)
+    x_arg = g if x is None else x
+    chain_rows_kernel[(triton.cdiv(length, CHAIN_ROWS), batch * heads)](
+        g, x_arg, weights, out, length, heads, heads if x is None else x.shape[2], m_g, d,
+        0 if weights.dim() == 2 else m_g * d, w_scale, x_coef, HAS_X_TERM=x is not None, OPERANDS=FEATURE_OPERANDS,
+        BLOCK_T=CHAIN_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d)), F_STEP=CHAIN_STEP, num_warps=8)
+    return out
+
+
+def _chain_weights(g: Tensor, x: Tensor) -> Tensor:
+    """Σ over rows of G_iᵀ x_i per query head ``[H, m_g, d]`` (fp32): the kernel's span parts, added."""
+    batch, length, heads, m_g = g.shape
+    d = x.shape[-1]
+    spans = triton.cdiv(length, CHAIN_SPAN_ROWS)
+    block_f = min(CHAIN_COLUMNS, max(16, triton.next_power_of_2(m_g)))
+    part = g.new_empty(spans, batch * heads, m_g, d)
+    chain_weights_kernel[(spans, batch * heads, triton.cdiv(m_g, block_f))](
+        g, x, part, length, heads, x.shape[2], m_g, d, CHAIN_SPAN_ROWS, OPERANDS=FEATURE_OPERANDS,
+        BLOCK_T=CHAIN_ROWS, BLOCK_F=block_f, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=8)
+    return part.view(spans, batch, heads, m_g, d).sum((0, 1))
+
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
 def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, value_dim: int,
-                     features: int, *, chunk_size: int, has_transform: bool, has_doc: bool) -> list[KernelLaunch]:
-    """The kernels one differentiated call launches at these sizes (forward: the span states, the
-    scan over spans, the outputs; backward: the query gradients from the saved span states, the
-    reverse span states, their scan, the key gradients; each once), with the grids, blocks and warps
-    of the launches above (the same ``_Geometry``, built on meta tensors: no memory, no GPU)."""
-    q = torch.empty(batch, length, heads, head_dim, device="meta")
-    k = torch.empty(batch, length, kv_heads, head_dim, device="meta")
-    v = torch.empty(batch, length, kv_heads, value_dim, device="meta")
+                     features: int, *, chunk_size: int, has_transform: bool, has_doc: bool,
+                     row_dtype: torch.dtype = torch.float32) -> list[KernelLaunch]:
+    """The kernels one differentiated call launches at these sizes on q, k, v of ``row_dtype`` (forward:
+    the transform, the span states, the scan over spans, the outputs; backward: the transform again, the
+    query logits' gradients from the saved span states, the reverse span states, their scan, the key
+    logits' and the value gradients), with the grids, blocks and warps of the launches above (the same
+    ``_Geometry``, built on meta tensors: no memory, no GPU)."""
+    q = torch.empty(batch, length, heads, head_dim, device="meta", dtype=row_dtype)
+    k = torch.empty(batch, length, kv_heads, head_dim, device="meta", dtype=row_dtype)
+    v = torch.empty(batch, length, kv_heads, value_dim, device="meta", dtype=row_dtype)
     projection = torch.empty(heads, features, head_dim, device="meta")  # per head (a shared one launches the same)
     geometry = _Geometry(q, k, v, projection, chunk_size, 0, has_transform)
+    rows = _POINTER_TYPES[row_dtype]
+    # the span kernels read x' = M x̃ (fp32) with a transform, else q and k as given; v, g, the output in the rows'
+    keys = "*fp32" if has_transform else rows
+    pointers = {"doc_ptr": "*i64", "q_ptr": keys, "k_ptr": keys, "v_ptr": rows, "g_ptr": rows, "out_ptr": rows,
+                "dv_ptr": rows if heads == kv_heads else "*fp32"}
+    width = {"*fp32": 4, "*bf16": 2, "*fp16": 2}
     tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
                  block_v=geometry.block_v, block_f=geometry.block_f, block_dv=geometry.block_dv,
                  chunks=geometry.n_chunks, spans=geometry.n_spans,
                  span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
-                 value_dim=value_dim, scan_tile=SCAN_TILE)
+                 value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[keys], value_bytes=width[rows])
     launches = []
     for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
                          ("features_forward", forward_kernel), ("features_query_grad", query_grad_kernel),
@@ -472,23 +495,39 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                          ("features_value_grad", value_grad_kernel)):
         scan = kernel in (state_scan_kernel, reverse_scan_kernel)
         kind = ("features" if kernel in (query_grad_kernel, key_grad_kernel) else
-                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel, value_grad_kernel) else "values")
+                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel) else "values")
         blocks = geometry.scan_blocks() if scan else geometry.blocks(kind)
         warps = blocks.pop("num_warps")
-        constexprs = dict(HAS_DOC=has_doc) | blocks
+        constexprs = dict(HAS_DOC=has_doc, KEEP_FP32=row_dtype != torch.float32) | blocks
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
         grid = geometry.scan_grid if scan else dict(features=geometry.feature_grid,
                                                     wide=geometry.wide_grid).get(kind, geometry.grid)
         launches.append(KernelLaunch(name, kernel, grid, constexprs, warps,
-                                     aot_signature(kernel, constexprs, {"doc_ptr": "*i64"}, {"scale", "floor"}),
+                                     aot_signature(kernel, constexprs, pointers, {"scale", "floor"}),
                                      dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v),
                                           block_m=blocks.get("BLOCK_M", geometry.block_m),
                                           logit_step=blocks.get("D_STEP", geometry.logit_step)), 1))
+    # the chain through the feature map: dx' = dℓ W per side (and dx̃ = dx' M with a transform), the span
+    # parts of dW (and dM); compiled and costed as the keys' (with the −Σ dℓ · x' term, the heavier)
+    chain = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d)
+    row_blocks = dict(chain, HAS_X_TERM=True, F_STEP=CHAIN_STEP)
+    chain_pointers = {"g_ptr": "*fp32", "x_ptr": keys, "w_ptr": "*fp32", "out_ptr": rows, "part_ptr": "*fp32"}
+    launches.append(KernelLaunch(
+        "features_chain_rows", chain_rows_kernel, (triton.cdiv(length, CHAIN_ROWS), batch * heads), row_blocks, 8,
+        aot_signature(chain_rows_kernel, row_blocks, chain_pointers, {"w_scale", "x_coef"}),
+        dict(tiles, length=length, chain_rows=CHAIN_ROWS), 4 if has_transform else 2))
+    weight_blocks = dict(chain, BLOCK_F=min(CHAIN_COLUMNS, geometry.block_m))
+    launches.append(KernelLaunch(
+        "features_chain_weights", chain_weights_kernel,
+        (triton.cdiv(length, CHAIN_SPAN_ROWS), batch * heads, triton.cdiv(features, weight_blocks["BLOCK_F"])),
+        weight_blocks, 8, aot_signature(chain_weights_kernel, weight_blocks, chain_pointers, set()),
+        dict(tiles, length=length, chain_rows=CHAIN_ROWS, chain_spans=triton.cdiv(length, CHAIN_SPAN_ROWS),
+             chain_columns=weight_blocks["BLOCK_F"]), 4 if has_transform else 2))
     if has_transform:  # queries and keys, in the forward and again in the backward
         blocks = _transform_blocks(geometry)
         warps = blocks.pop("num_warps")
         launches.insert(0, KernelLaunch("features_transform", transform_kernel, transform_grid(geometry), blocks, warps,
-                                        aot_signature(transform_kernel, blocks, {}, {"scale"}),
+                                        aot_signature(transform_kernel, blocks, {"x_ptr": rows}, {"scale"}),
                                         dict(tiles, block_t=blocks["BLOCK_T"],
                                              chunks=transform_grid(geometry)[0]), 4))
     return launches

@@ -70,11 +70,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_products import product, product_into
+from ._triton_products import product, product_into, stored_as
 
 __all__ = ["chunk_state_kernel", "state_scan_kernel", "forward_kernel", "query_grad_kernel", "reverse_state_kernel",
-           "reverse_scan_kernel", "key_grad_kernel", "value_grad_kernel",
-           "transform_kernel"]
+           "reverse_scan_kernel", "key_grad_kernel", "value_grad_kernel", "feature_logits"]
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces of the kernels
@@ -96,7 +95,7 @@ def _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.cons
 
 
 @triton.jit
-def _feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, IS_KEY: tl.constexpr,
+def feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, IS_KEY: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The feature logits of the rows t of x (``x_ptr`` at the head's first element) for the features
     from ``first_feature``: W (scale·x) ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖²; padding is 0.
@@ -110,7 +109,7 @@ def _feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, fi
         offs_d = first + tl.arange(0, D_STEP)
         d_ok = offs_d < d
         x = tl.load(x_ptr + t[:, None] * x_row_stride + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0) * scale
+                    other=0.0).to(tl.float32) * scale  # (rows in any float dtype: bf16 rows are read as bf16)
         w_t = tl.load(w_ptr + offs_m[None, :] * d + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
         logits += product(x, w_t, "tf32x3")
         if IS_KEY:
@@ -153,9 +152,9 @@ def _key_shift(key_max, visible, continuing, carried, row_ok):
 def _chunk_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The chunk's query and key feature logits (keys with −½‖x'‖²) and which are real (``valid``)."""
-    q_logits = _feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, False, BLOCK_T,
+    q_logits = feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, False, BLOCK_T,
                                BLOCK_D, BLOCK_M, D_STEP)
-    k_logits = _feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D,
+    k_logits = feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D,
                                BLOCK_M, D_STEP)
     valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
     return q_logits, k_logits, valid
@@ -163,7 +162,9 @@ def _chunk_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_hea
 
 @triton.jit
 def _load_value_block(ptr, t, row_ok, row_stride, cols, cols_ok):
-    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :], other=0.0)
+    """A [rows, value columns] tile in fp32, from any float dtype."""
+    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :],
+                   other=0.0).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
     j = 0
     while j < n_sub:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
-        k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
+        k_logits = feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
                                    scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
         in_last = row_ok & (pos >= doc_last)  # the keys a later span may see
@@ -349,9 +350,9 @@ def _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, c, t, ro
 
 @triton.jit
 def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
-                    out_ptr, den_ptr, shift_ptr, qmax_ptr, fine_ptr,
+                    out_ptr, kept_ptr, den_ptr, shift_ptr, qmax_ptr, fine_ptr,
                     T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans, floor,
-                    HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+                    HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, KEEP_FP32: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                     D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """The outputs of one span, all spans in parallel, its chunks walked in order: each chunk's own
@@ -384,8 +385,10 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
         denominator = tl.sum(scores, axis=1) + carry * tl.sum(q_feat * state_z[None, :], axis=1)
         empty = denominator <= floor
         out = tl.where(empty[:, None], 0.0, numerator / tl.where(empty, 1.0, denominator)[:, None])
-        tl.store(out_ptr + (b * T + t)[:, None] * H * dv + h * dv + cols[None, :], out,
-                 mask=row_ok[:, None] & cols_ok[None, :])
+        out_offsets = (b * T + t)[:, None] * H * dv + h * dv + cols[None, :]
+        tl.store(out_ptr + out_offsets, stored_as(out, out_ptr), mask=row_ok[:, None] & cols_ok[None, :])
+        if KEEP_FP32:  # rows narrower than fp32: the backward's c = −g·o/den takes o at fp32 (``kept``)
+            tl.store(kept_ptr + out_offsets, out, mask=row_ok[:, None] & cols_ok[None, :])
         if pid_v == 0:  # the per-row scalars: one value block writes them (a branch, not `row_ok & (pid_v == 0)`,
             # whose dtype Triton 3.9's interpreter turns into int32, which a mask may not be)
             tl.store(den_ptr + pid_bh * T + t, denominator, mask=row_ok)
@@ -422,7 +425,7 @@ def _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, 
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The chunk's query features (the block from ``first_feature``) again, at the forward's query max (so
     they are the forward's)."""
-    q_logits = _feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats,
+    q_logits = feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats,
                                first_feature, False, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
     valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     q_max = tl.load(qmax_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
@@ -439,7 +442,7 @@ def _gradient_features(q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, c, 
     t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
     q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale,
                              first_feature, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    k_logits = _feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats,
+    k_logits = feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats,
                                first_feature, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
     valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
@@ -452,11 +455,12 @@ def _gradient_features(q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, c, 
 
 @triton.jit
 def _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok):
-    """ĝ_i = g_i / den_i of the chunk's rows (these value columns; ``inv`` holds 1/den, 0 on empty rows,
-    so ĝ is formed here, never stored) and c_i."""
-    inv = tl.load(inv_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
-    g_hat = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok) * inv[:, None]
-    return g_hat, tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+    """g of the chunk's rows (these value columns), 1/den_i (0 on empty rows) and c_i: ĝ_i = g_i / den_i
+    is never formed as a tile: the kernels scale the small products of g by 1/den per row (a scaled
+    copy of the C × V tile costs registers the walks do not have at d = m = d_v = 128)."""
+    g = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
+    return (g, tl.load(inv_ptr + pid_bh * T + t, mask=row_ok, other=0.0),
+            tl.load(c_ptr + pid_bh * T + t, mask=row_ok, other=0.0))
 
 
 @triton.jit
@@ -510,11 +514,11 @@ def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carri
             q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
             w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
-        d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+        d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
         d_feat = product(d_scores, key_feat, OPERANDS)
         carry = _exp_where(sigma - shift, continuing)
-        from_state = product(g_hat, tl.trans(state_s), OPERANDS) + c_row[:, None] * state_z[None, :]
+        from_state = product(g, tl.trans(state_s), OPERANDS) * inv[:, None] + c_row[:, None] * state_z[None, :]
         d_logits = q_feat * (d_feat + carry[:, None] * from_state)  # the query max is detached
         _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)
         state_s, state_z, sigma = _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, chunk, t, row_ok,
@@ -545,8 +549,8 @@ def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr
                                  w_ptr + h * w_head_stride, scale, 0, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
         reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + first * BLOCK_T))[:, None]
-        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
-        delta = product_into(tl.trans(reads_back), g_hat, delta, OPERANDS)
+        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+        delta = product_into(tl.trans(reads_back * inv[:, None]), g, delta, OPERANDS)
         delta_z += tl.sum(reads_back * c_row[:, None], axis=0)
         j += 1
     offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
@@ -613,16 +617,15 @@ def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_pt
             q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
             w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-        g_hat, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
         seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
-        d_scores = (product(g_hat, tl.trans(v), OPERANDS) + c_row[:, None]) * decay
+        d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
         d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
         d_feat += seen_later[:, None] * (tl.trans(product(later, tl.trans(v), OPERANDS)) + later_c[None, :])
         _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)
-        later, back, reads_back = _reverse_step(later, q_feat, g_hat, tl.full([BLOCK_T], 1.0, tl.float32), shift,
-                                                sigma, continuing, fine_ptr, doc_ptr, b, pid_bh, chunk, n_chunks, T,
-                                                start, OPERANDS, BLOCK_T, HAS_DOC)
+        later, back, reads_back = _reverse_step(later, q_feat, g, inv, shift, sigma, continuing, fine_ptr, doc_ptr, b,
+                                                pid_bh, chunk, n_chunks, T, start, OPERANDS, BLOCK_T, HAS_DOC)
         later_c = back * later_c + tl.sum(reads_back * c_row[:, None], axis=0)
         j -= 1
 
@@ -655,32 +658,8 @@ def value_grad_kernel(q_ptr, k_ptr, w_ptr, doc_ptr, rs_ptr, fine_ptr, g_ptr, inv
         seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
         scores = product(q_feat, tl.trans(key_feat), OPERANDS) * (decay * inv[:, None])
         d_v = product(tl.trans(scores), g, OPERANDS) + seen_later[:, None] * product(key_feat, later, OPERANDS)
-        tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], d_v,
+        tl.store(dv_ptr + ((b * T + t) * H + h)[:, None] * dv + cols[None, :], stored_as(d_v, dv_ptr),
                  mask=row_ok[:, None] & cols_ok[None, :])
         later, _, _ = _reverse_step(later, q_feat, g, inv, shift, sigma, continuing, fine_ptr, doc_ptr, b, pid_bh,
                                     chunk, n_chunks, T, start, OPERANDS, BLOCK_T, HAS_DOC)
         j -= 1
-
-
-# ---------------------------------------------------------------------------------------------
-# DARKFormer's transform
-
-
-@triton.jit
-def transform_kernel(x_ptr, m_ptr, out_ptr, T, H, H_X, d, scale,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_STEP: tl.constexpr):
-    """x' = M_h (scale·x) of a block of rows of one (batch, query head) (grid: row blocks, B·H): x per
-    its own head of H_X (kv heads for the keys: read where they are, never expanded), x' ``[B, T, H, d]``
-    per query head. It feeds the feature logits, so it is fp32-accurate as they are: the logits' own
-    product (three TF32 products on tensor cores) with M for W."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = t < T
-    x_prime = _feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok, m_ptr + h * d * d,
-                              scale, d, d, 0, False, BLOCK_T, BLOCK_D, BLOCK_D, D_STEP)
-    offs = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * d + offs[None, :], x_prime,
-             mask=row_ok[:, None] & (offs < d)[None, :])

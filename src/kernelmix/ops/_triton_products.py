@@ -52,6 +52,15 @@ if triton is not None:
             return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), input_precision="tf32")
 
     @triton.jit
+    def stored_as(x, ptr):
+        """fp32 ``x`` in the element type of ``ptr``, rounded to nearest: for bf16 rounded here first
+        (to nearest, ties away from zero), because the interpreter's own cast truncates where the GPU's
+        conversion rounds; fp16 and fp32 by the cast."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = rounded(x, "bf16")
+        return x.to(ptr.dtype.element_ty)
+
+    @triton.jit
     def product_into(a, b, acc, OPERANDS: tl.constexpr):
         """acc + a @ b as :func:`product` ("fp32", "tf32" or "bf16" operands), accumulated in place by
         the product itself: no second tile of acc's size is live (a walk's running state)."""

@@ -333,8 +333,10 @@ def _chunked_sums(q_logits, k_logits, values, chunk_size, doc_start, initial_sta
 
 def _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, initial_state):
     """:func:`random_feature_attention` by the Triton kernel (float32 inside, as the chunked pass):
-    the output in v's dtype, the final state and the denominators ``[B, H, T]``."""
-    from ._triton_features import triton_random_feature_attention  # imports triton: only when asked for
+    the output in v's dtype, the final state and the denominators ``[B, H, T]``. q, k, v of one 16- or
+    32-bit float dtype go in as they are (the kernels read bf16 rows as bf16 and write the output in
+    it: no cast passes over T-long tensors); mixed dtypes are cast to float32 first."""
+    from ._triton_features import ROW_DTYPES, triton_random_feature_attention  # imports triton: only when asked
 
     start = 0 if initial_state is None else initial_state.length
     check_doc_start(doc_start, q.shape[0], q.shape[1], offset=start)
@@ -342,8 +344,9 @@ def _triton_attention(q, k, v, projection, transform, chunk_size, doc_start, ini
     state = None
     if initial_state is not None:
         state = (initial_state.S.to(f32), initial_state.z.to(f32), initial_state.shift.to(f32), initial_state.length)
+    rows = (q, k, v) if q.dtype in ROW_DTYPES and k.dtype == q.dtype == v.dtype else (q.to(f32), k.to(f32), v.to(f32))
     out, denominator, (s, z, shift, length) = triton_random_feature_attention(
-        q.to(f32), k.to(f32), v.to(f32), projection.to(f32), None if transform is None else transform.to(f32),
+        *rows, projection.to(f32), None if transform is None else transform.to(f32),
         chunk_size=chunk_size, doc_start=doc_start, initial_state=state,
     )
     return out.to(v.dtype), RandomFeatureState(S=s, z=z, shift=shift, length=length), denominator

@@ -69,6 +69,8 @@ GRID_BOUNDS = {
                          "back",
     "features_value_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
     "features_transform": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
+    "features_chain_rows": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
+    "features_chain_weights": "⌈T/512⌉·B·H·⌈m/BLOCK_F⌉: one program per span of rows, head and block of columns",
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
@@ -232,7 +234,8 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     torch_side = public_side = 0.0
     if mixer in FEATURE_MIXERS:  # torch's work around the kernels, from the aten ops the op runs
         has_transform = FEATURE_MIXERS[mixer]["has_transform"]
-        torch_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform))
+        rows = getattr(torch, FEATURE_MIXERS[mixer]["rows"])
+        torch_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, dtype=rows))
         public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True,
                                                     dtype=torch.bfloat16))
     public = kernels + public_side

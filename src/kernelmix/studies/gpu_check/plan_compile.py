@@ -23,7 +23,10 @@ from ...errors import KernelmixError
 
 TARGET = ("cuda", 90, 32)  # sm_90, 32 threads per warp: what triton.compile targets without a GPU
 SOLVE_MIXERS = {"cubit": dict(strict=False, has_beta=False), "deltaformer": dict(strict=True, has_beta=True)}
-FEATURE_MIXERS = {"performer": dict(has_transform=False), "darkformer": dict(has_transform=True)}
+# the rows' dtype the plan launches with: bf16 for the mixers a model calls on bf16 activations (gpu-check's
+# bench), fp32 for Cubit-RF's read-out (it mixes the solve's fp32 U with the queries, and casts them)
+FEATURE_MIXERS = {"performer": dict(has_transform=False, rows="bfloat16"),
+                  "darkformer": dict(has_transform=True, rows="bfloat16")}
 # Cubit-RF: the solve's state recurrence over the chunks, and its read-out on the random-feature kernels
 # (M = I; its per-chunk systems are torch solves, outside the plan)
 RECURRENCE_MIXERS = {"cubit-rf": dict(has_transform=False)}
@@ -42,12 +45,15 @@ def mixer_launches(mixer: str, shape: dict) -> list:
         return solve_launches(shape["batch"], shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"],
                               chunk_size=shape["chunk_size"], has_doc=True, **SOLVE_MIXERS[mixer])
     if mixer in FEATURE_MIXERS or mixer in RECURRENCE_MIXERS:
+        import torch
+
         from ...ops._triton_features import feature_launches
 
-        options = FEATURE_MIXERS.get(mixer) or RECURRENCE_MIXERS[mixer]
+        options = dict(FEATURE_MIXERS.get(mixer) or RECURRENCE_MIXERS[mixer])
+        rows = getattr(torch, options.pop("rows", "float32"))
         launches = feature_launches(shape["batch"], shape["heads"], shape["kv_heads"], shape["length"],
                                     shape["head_dim"], shape["head_dim"], shape["features"],
-                                    chunk_size=shape["chunk_size"], has_doc=True, **options)
+                                    chunk_size=shape["chunk_size"], has_doc=True, row_dtype=rows, **options)
         if mixer in RECURRENCE_MIXERS:
             from ...ops._triton_cubit_rf import recurrence_launches
 

@@ -141,10 +141,12 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
 def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
     """The executed cost of one launch of a random-feature kernel (the module docstring's formulas)."""
     c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
+    if name in ("features_chain_rows", "features_chain_weights"):
+        return chain_cost(name, tiles, batch_heads)
     if name == "features_transform":  # x' = M x̃ over a block of rows, fp32-accurate; M counted once per head
-        rows = c * d
-        return Cost(batch_heads * n * 2 * rows * d, batch_heads * (n * 2 * rows * FP32 + d * d * FP32),
-                    split_flops=batch_heads * n * 2 * rows * d)
+        rows = c * d  # read in the rows' dtype, x' written in fp32
+        moved = n * rows * (tiles.get("value_bytes", FP32) + FP32) + d * d * FP32
+        return Cost(batch_heads * n * 2 * rows * d, batch_heads * moved, split_flops=batch_heads * n * 2 * rows * d)
     if name in ("features_state_scan", "features_reverse_scan"):
         steps = tiles["spans"]
         scan_m, scan_v = tiles["scan_tile"]
@@ -152,10 +154,10 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
         normaliser = -(-tiles["features"] // scan_m) * scan_m
         per_step = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
         return Cost(0.0, batch_heads * (steps * per_step + 2 * (state + normaliser) * FP32))
-    side = 2 * c * d * m  # one side's feature logits (a transform is applied by torch before the kernels)
+    side = 2 * c * d * m  # one side's feature logits (a transform is applied by its own kernel before)
     parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
-    rows = c * d * FP32  # one side's rows
-    values = c * v * FP32
+    rows = c * d * tiles.get("key_bytes", FP32)  # one side's rows (x' in fp32 with a transform)
+    values = c * v * tiles.get("value_bytes", FP32)  # v, g, the output, dv: in the rows' dtype
     state = (m * v + m) * FP32
     scalars = 3 * c * FP32 + c * INT64  # shift, query max or c_i, and document starts
     walk = 2 * c * m * v if name in ("features_forward", "features_query_grad", "features_key_grad",
@@ -165,7 +167,9 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
         per_chunk = rows + values + scalars
     elif name in ("features_forward", "features_query_grad"):
         logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
-        stored = values if name == "features_forward" else c * m * FP32
+        # the forward stores the output, and at fp32 too when the rows are narrower (the backward's c)
+        kept = c * v * FP32 if tiles.get("value_bytes", FP32) < FP32 else 0
+        stored = values + kept if name == "features_forward" else c * m * FP32
         per_chunk = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + stored
     elif name == "features_reverse_states":
         logits, products = side, 2 * c * m * v
@@ -185,6 +189,22 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
     once = batch_heads * value_blocks * tiles["spans"] * state + scales
     return Cost(chunk_programs * (logits + products), chunk_programs * per_chunk + once + batch_heads * parameters,
                 split_flops=chunk_programs * logits)
+
+
+def chain_cost(name: str, tiles: dict, batch_heads: int) -> Cost:
+    """One launch of the backward's chain through the feature map, per (batch, head) over all T rows: the
+    row kernel's G W (2·T·m·d, G read in fp32, x read for the keys' term, out written; W once per head,
+    shared through L2), the weight kernel's span parts of Gᵀ x (2·T·m·d; each block of G's columns reads
+    x again; the parts written, one m × d per span)."""
+    length, m, d = tiles["length"], tiles["features"], tiles["block_d"]
+    flops = 2 * length * m * d
+    if name == "features_chain_rows":
+        moved = length * (m * FP32 + d * tiles.get("key_bytes", FP32) + d * tiles.get("value_bytes", FP32)) \
+            + m * d * FP32
+    else:
+        blocks = -(-m // tiles["chain_columns"])
+        moved = length * (m * FP32 + blocks * d * tiles.get("key_bytes", FP32)) + tiles["chain_spans"] * m * d * FP32
+    return Cost(batch_heads * flops, batch_heads * moved)
 
 
 def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:

@@ -3,8 +3,7 @@ ops the op runs — the part of a call's time the kernels' cost model (:mod:`.pl
 
 The op (``triton_random_feature_attention``, forward and backward) runs on **meta** tensors at the
 plan's shape: no memory, no GPU, no time. Its Triton launches are stubbed out (they are costed as
-kernels), and torch's products take the GPU's branch (TF32 matmuls, no rounding of their operands on
-the CPU's behalf). A dispatch mode records every aten op it runs: a view or an allocation costs
+kernels). A dispatch mode records every aten op it runs: a view or an allocation costs
 nothing; any other op reads each tensor it takes and writes each it returns once (bytes: the
 tensor's elements, at most its storage), and a matrix product (``mm``, ``bmm``, ``addmm``,
 ``baddbmm``) executes 2·m·n·k FLOPs at the TF32 peak. Each op's roofline is max(FLOPs / peak,
@@ -74,11 +73,10 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def _stubbed(module, names):
-    saved = {name: getattr(module, name) for name in (*names, "_on_gpu")}
+    saved = {name: getattr(module, name) for name in names}
     try:
         for name in names:
             setattr(module, name, _NoLaunch())
-        setattr(module, "_on_gpu", lambda x: True)  # torch's products as on a GPU: TF32, no operand rounding here
         yield
     finally:
         for name, value in saved.items():

@@ -1,0 +1,120 @@
+"""The Triton kernels (device code) around the span kernels of ``_triton_features_kernels``: DARKFormer's
+transform x' = M x̃ before them, and the backward's chain through the feature map after them.
+
+- ``transform_kernel``: x' = M_h (d^{-1/4} x), fp32-accurate as the feature logits it feeds (the same
+  product: three TF32 products on tensor cores), one pass over the rows.
+- ``chain_rows_kernel``: dx' = dℓ W with the keys' −Σ dℓ · x' term and the scales fused (and
+  DARKFormer's dx̃ = dx' M, the same kernel with M for W), one read of dℓ and x, one write of dx.
+- ``chain_weights_kernel``: the span parts of dW = Σ dℓᵀ x' (and dM = Σ dx'ᵀ x̃), torch adds the spans.
+
+The chain's products take ``FEATURE_OPERANDS`` (TF32 by default: their input dℓ already carries the
+span kernels' TF32 error); rows are read in any float dtype and dx written in its own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_features_kernels import feature_logits
+from ._triton_products import product_into, stored_as
+
+__all__ = ["chain_rows_kernel", "chain_weights_kernel", "transform_kernel"]
+
+
+@triton.jit
+def transform_kernel(x_ptr, m_ptr, out_ptr, T, H, H_X, d, scale,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_STEP: tl.constexpr):
+    """x' = M_h (scale·x) of a block of rows of one (batch, query head) (grid: row blocks, B·H): x per
+    its own head of H_X (kv heads for the keys: read where they are, never expanded), x' ``[B, T, H, d]``
+    per query head. It feeds the feature logits, so it is fp32-accurate as they are: the logits' own
+    product (three TF32 products on tensor cores) with M for W."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    x_prime = feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok, m_ptr + h * d * d,
+                              scale, d, d, 0, False, BLOCK_T, BLOCK_D, BLOCK_D, D_STEP)
+    offs = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * d + offs[None, :], x_prime,
+             mask=row_ok[:, None] & (offs < d)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's chain through the feature map (after the span kernels)
+
+
+@triton.jit
+def chain_rows_kernel(g_ptr, x_ptr, w_ptr, out_ptr, T, H, H_X, m_g, d, w_head_stride, w_scale, x_coef,
+                      HAS_X_TERM: tl.constexpr, OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr, F_STEP: tl.constexpr):
+    """out = w_scale · (G W_h) − x_coef · (Σ_f G_f) x for a block of rows of one (batch, query head)
+    (grid: row blocks, B·H): G ``[B, T, H, m_g]`` fp32 (a logit gradient, or dx' for DARKFormer's dx̃),
+    W_h ``[m_g, d]``, x ``[B, T, H_X, d]`` in any float dtype (read per its own head: kv heads are never
+    expanded), out ``[B, T, H, d]`` in its own dtype. The product over m_g in steps of F_STEP (small
+    tiles, few registers) at the kernels' operands; the keys' −Σ dℓ · x' term and the scales fused:
+    one read of G and x, one write of out."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    g_rows = g_ptr + ((b * T + t) * H + h) * m_g
+    first = 0
+    while first < m_g:  # (a while loop: see the note at the top)
+        offs_f = first + tl.arange(0, F_STEP)
+        f_ok = offs_f < m_g
+        g = tl.load(g_rows[:, None] + offs_f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + h * w_head_stride + offs_f[:, None] * d + offs_d[None, :],
+                    mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = product_into(g, w, acc, OPERANDS)
+        total += tl.sum(g, axis=1)
+        first += F_STEP
+    out = w_scale * acc
+    if HAS_X_TERM:
+        x = tl.load(x_ptr + ((b * T + t) * H_X + h // (H // H_X))[:, None] * d + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        out -= x_coef * total[:, None] * x
+    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * d + offs_d[None, :], stored_as(out, out_ptr),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def chain_weights_kernel(g_ptr, x_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, OPERANDS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One span's part of Σ_rows G_iᵀ x_i for one (batch, query head) and block of G's columns (grid:
+    spans, B·H, column blocks): G ``[B, T, H, m_g]`` fp32, x ``[B, T, H_X, d]`` in any float dtype (per its
+    own head), the part into ``[spans, B·H, m_g, d]`` (torch adds the spans: a few MB, where an [m, d]
+    accumulator over all rows in one program would leave the machine idle). dW = Σ dℓᵀ x', and
+    DARKFormer's dM = Σ dx'ᵀ x̃."""
+    span = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_f = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = offs_f < m_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d
+    acc = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
+    first = span * span_rows
+    stop = tl.minimum(T, first + span_rows)
+    row = first
+    while row < stop:  # (a while loop: see the note at the top)
+        t = row + tl.arange(0, BLOCK_T)
+        row_ok = t < stop
+        g = tl.load(g_ptr + ((b * T + t) * H + h)[:, None] * m_g + offs_f[None, :],
+                    mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + ((b * T + t) * H_X + h // (H // H_X))[:, None] * d + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = product_into(tl.trans(g), x, acc, OPERANDS)
+        row += BLOCK_T
+    rows = (span * tl.num_programs(1) + pid_bh).to(tl.int64) * m_g + offs_f
+    tl.store(part_ptr + rows[:, None] * d + offs_d[None, :], acc, mask=f_ok[:, None] & d_ok[None, :])
