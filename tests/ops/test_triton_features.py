@@ -359,10 +359,10 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the eleven kernels (the transform
-    and the chain with them) for sm_90 down to a cubin (Triton ships ptxas) in a process without
-    TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=11)
+    """The interpreter accepts code the GPU compiler rejects: compile the twelve kernels (the transform,
+    the logits and the chain with them) for sm_90 down to a cubin (Triton ships ptxas) in a process
+    without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=12)
 
 
 @pytest.mark.slow
@@ -372,16 +372,15 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
                                 "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=11, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=12, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
-    """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 16 rows, value blocks of 64
-    (the span states' and the value gradient's one block of 128), the logit gradients' 64 features with
-    every value column,
-    the logits over the head in steps of 8 (16 in the logit gradients: what ptxas compiled without
-    spills with the walks' running states); at d = 64, chunks of 16, one block of everything and steps
-    of 16; below 64, chunks of 64."""
+    """The block sizes of gpu-check's head (d = m = d_v = 128): chunks of 16 rows, the forward's value
+    blocks of 64 with the logits formed over the head in steps of 8, the span states' and the value
+    gradient's one block of 128, the logit gradients' 64 features with every value column (what ptxas
+    compiled without spills with the walks' running states); at d = 64, chunks of 16, one block of
+    everything and steps of 16; below 64, chunks of 64."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
@@ -389,13 +388,14 @@ def test_large_heads_take_smaller_blocks():
     geometry = getattr(kernels, "_Geometry")(q, q, q, torch.zeros(128, 128), 64, 0, True)
     assert kernels.LARGE_TILE == 128
     assert (geometry.block_t, geometry.block_v, geometry.value_blocks) == (16, 64, 2)
-    assert (geometry.wide_block_v, geometry.wide_value_blocks, geometry.blocks()["D_STEP"]) == (128, 1, 8)
+    assert geometry.blocks(rows=True)["D_STEP"] == 8 and "D_STEP" not in geometry.blocks()
+    assert (geometry.wide_block_v, geometry.wide_value_blocks) == (128, 1)
     features = geometry.blocks("features")
-    assert (features["BLOCK_M"], features["BLOCK_V"], features["D_STEP"], geometry.feature_blocks) == (64, 128, 16, 2)
+    assert (features["BLOCK_M"], features["BLOCK_V"], geometry.feature_blocks) == (64, 128, 2)
     small = torch.zeros(1, 5, 1, 64)
     geometry = getattr(kernels, "_Geometry")(small, small, small, torch.zeros(64, 64), 64, 0, True)
-    assert (geometry.block_t, geometry.block_v, geometry.wide_block_v, geometry.blocks()["D_STEP"]) == (16, 64, 64, 16)
-    assert (geometry.block_f, geometry.feature_blocks) == (64, 1)
+    assert (geometry.block_t, geometry.block_v, geometry.wide_block_v) == (16, 64, 64)
+    assert (geometry.blocks(rows=True)["D_STEP"], geometry.block_f, geometry.feature_blocks) == (16, 64, 1)
     narrow = torch.zeros(1, 5, 1, 32)
     geometry = getattr(kernels, "_Geometry")(narrow, narrow, narrow, torch.zeros(32, 32), 64, 0, True)
     assert (geometry.block_t, geometry.blocks()["num_warps"]) == (64, 4)

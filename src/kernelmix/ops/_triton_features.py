@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
-from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, transform_kernel
+from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, logits_kernel, transform_kernel
 from ._triton_features_kernels import (
     chunk_state_kernel,
     forward_kernel,
@@ -26,21 +26,17 @@ from ._triton_features_kernels import (
     value_grad_kernel,
 )
 
-#: Largest block of value columns one program of the value-blocked kernels holds (its part of the
-#: state is m × VALUE_BLOCK fp32).
+#: Largest block of value columns of the forward's programs (its part of the state is m × VALUE_BLOCK
+#: fp32), a quarter of it at large tiles: at d = m = d_v = 128 ptxas (sm_90) spilled 72 B per thread
+#: with 64 columns, none with 32 (docs/gpu.md).
 VALUE_BLOCK = 64
 #: The logit-gradient kernels hold every value column and a block of features instead: most
-#: features × value columns of their part of the state (64 × 128 fp32; more features at d_v < 128),
-#: with the logits' step at LOGIT_STEP columns: at d = m = d_v = 128 ptxas (sm_90) spilled 44–184 B
-#: per thread with all 128 features, and with 64 at 8-column steps, none at 64 and 16 (docs/gpu.md).
+#: features × value columns of their part of the state (64 × 128 fp32; more features at d_v < 128):
+#: at d = m = d_v = 128 ptxas spilled 132–224 B per thread with all 128 features, none with 64.
 FEATURE_TILE = 64 * 128
-#: The same for q, k rows of 16 bits (their conversion to fp32 takes registers too): with 64 features
-#: every step spilled 16–88 B; with 32 and the large tiles' 8-column steps, none.
-NARROW_ROWS_FEATURE_TILE = 32 * 128
-#: Largest block of value columns of the span states of both directions, which hold every feature but
-#: carry only the state and one side's rows: at d = m = d_v = 128 one block compiled without a spill
-#: (205–255 registers; the forward spilled 44 B there, the value gradient 4–12 B with bf16 ĝ and fp32
-#: x'), so they form the logits once.
+#: Largest block of value columns of the kernels that hold every feature but carry less than the
+#: forward (the span states of both directions, the value gradient): at d = m = d_v = 128 one block
+#: compiled without a spill (254–255 registers).
 WIDE_VALUE_BLOCK = 128
 #: From this padded m or d on, chunks are 16 rows, not 64 (8 warps); from LARGE_TILE on, the logits'
 #: step over the head is 8 columns, not 16: with the walks' running states, what ptxas (sm_90)
@@ -67,15 +63,17 @@ MIN_PROGRAMS = 264
 FEATURE_OPERANDS = "tf32"
 #: Head columns per step of the feature logits' product (a K loop: small tiles, few registers).
 LOGIT_STEP = 16
-#: Rows per program of DARKFormer's transform x' = M x̃ (its own kernel, before the span kernels).
+#: Rows per program of DARKFormer's transform x' = M x̃ and of the feature logits (their own kernels,
+#: before the span kernels).
 TRANSFORM_ROWS = 32
+LOGIT_ROWS = 32
 #: The backward's chain through the feature map (after the span kernels): rows per program of its row
 #: kernel (dx' = dℓ W, dx̃ = dx' M) and columns per step of its product; rows per program and columns
 #: per block of its weight-gradient kernel (the parts of dW = Σ dℓᵀ x', dM = Σ dx'ᵀ x̃, one per span).
 CHAIN_ROWS = 32
 CHAIN_STEP = 16
-CHAIN_SPAN_ROWS = 512
-CHAIN_COLUMNS = 64
+CHAIN_SPAN_ROWS = 256
+CHAIN_COLUMNS = 128
 #: √tiny(float32): a denominator at or below it gives a zero row (as ``safe_ratio``).
 UNDERFLOW_FLOOR = math.sqrt(torch.finfo(torch.float32).tiny)
 
@@ -106,13 +104,8 @@ class _Geometry:
         self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else LOGIT_STEP)
         self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
         self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
-        # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE);
-        # the kernels read x' = M x̃ in fp32 with a transform, else q and k in their own dtype
-        self.narrow_rows = not has_transform and q.dtype != torch.float32
-        tile = NARROW_ROWS_FEATURE_TILE if self.narrow_rows else FEATURE_TILE  # (swept below)
-        self.block_f = min(self.block_m, max(16, tile // self.block_dv))
-        self.feature_logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if self.narrow_rows and large
-                                      else LOGIT_STEP)
+        # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
+        self.block_f = min(self.block_m, max(16, FEATURE_TILE // self.block_dv))
         self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK)
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
@@ -135,7 +128,7 @@ class _Geometry:
 
     @property
     def wide_grid(self) -> tuple[int, int, int]:
-        """The span states': value blocks WIDE_VALUE_BLOCK wide."""
+        """The span states' and the value gradient's: value blocks WIDE_VALUE_BLOCK wide."""
         return (self.n_spans, self.batch * self.heads, self.wide_value_blocks)
 
     @property
@@ -150,24 +143,35 @@ class _Geometry:
                 triton.cdiv(self.value_dim, SCAN_TILE[1]))
 
     def sizes(self) -> tuple:
+        """The backward's span kernels' sizes (they read the stored logits, never q, k or W)."""
+        return (self.length, self.heads, self.kv_heads, self.value_dim, self.features, self.start, self.n_chunks,
+                self.n_spans)
+
+    def row_sizes(self) -> tuple:
+        """The forward's span kernels' sizes (they form the logits from q, k and W)."""
         return (self.length, self.heads, self.key_heads, self.kv_heads, self.head_dim, self.value_dim, self.features,
                 self.start, self.n_chunks, self.w_head_stride, self.scale, self.n_spans)
 
     def scan_sizes(self) -> tuple:
         return (self.length, self.heads, self.value_dim, self.features, self.start, self.n_spans)
 
-    def blocks(self, kind: str = "values") -> dict:
+    def blocks(self, kind: str = "values", rows: bool = False) -> dict:
         """The span kernels' block sizes, chunks per span, products and warps per program (8 for tiles of
         64 or more: chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps).
-        ``kind``: "values" (every feature, VALUE_BLOCK columns), "wide" (every feature, WIDE_VALUE_BLOCK
-        columns) or "features" (the logit gradients: a block of features, every column)."""
+        ``kind``: "values" (the forward: every feature, VALUE_BLOCK columns), "wide" (every feature,
+        WIDE_VALUE_BLOCK columns) or "features" (the logit gradients: a block of features, every column);
+        ``rows``: the forward's kernels, which form the logits from the rows (the head's tile and steps too)."""
         warps = 8 if max(self.block_m, self.block_d) >= 64 else 4
         block_v = dict(values=self.block_v, wide=self.wide_block_v, features=self.block_dv)[kind]
         features = kind == "features"
-        return dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_D=self.block_d,
-                    BLOCK_M=self.block_f if features else self.block_m, BLOCK_V=block_v,
-                    D_STEP=self.feature_logit_step if features else self.logit_step,
-                    SPAN_BLOCKS=self.span_blocks, num_warps=warps)
+        blocks = dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_M=self.block_f if features else self.block_m,
+                      BLOCK_V=block_v, SPAN_BLOCKS=self.span_blocks, num_warps=warps)
+        return dict(blocks, BLOCK_D=self.block_d, D_STEP=self.logit_step) if rows else blocks
+
+    def logit_blocks(self) -> dict:
+        """The logits kernel's: rows per program, the head and the features in one tile, the head in steps."""
+        return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=self.block_d, BLOCK_M=self.block_m, D_STEP=self.logit_step,
+                    num_warps=8 if max(self.block_m, self.block_d) >= 64 else 4)
 
     def scan_blocks(self) -> dict:
         """The scans' tiles; they run over spans (a scan's "chunk" is a span's rows)."""
@@ -276,14 +280,28 @@ def _transform_blocks(geometry: _Geometry) -> dict:
                 num_warps=4)
 
 
+def _feature_logits(q_in, k_in, projection, geometry: _Geometry) -> tuple[Tensor, Tensor]:
+    """The queries' and the keys' feature logits ``[B, T, H, m]`` fp32 (keys with −½‖x'‖²), once for all the
+    span kernels of a pass (``logits_kernel``): q per query head, the keys per their own head."""
+    batch, length, heads = geometry.batch, geometry.length, geometry.heads
+    grid = (triton.cdiv(length, LOGIT_ROWS), batch * heads)
+    logits = []
+    for x, is_key in ((q_in, False), (k_in, True)):
+        out = x.new_empty(batch, length, heads, geometry.features, dtype=torch.float32)
+        logits_kernel[grid](x, projection, out, length, heads, x.shape[2], geometry.head_dim, geometry.features,
+                            geometry.w_head_stride, geometry.scale, IS_KEY=is_key, **geometry.logit_blocks())
+        logits.append(out)
+    return logits[0], logits[1]
+
+
 def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
     """The states entering every span (the span-state kernel, then the scan over spans):
     (S per span, z per span, the entering scales, the final (S, z, shift))."""
     span_s, span_z, local, carried = geometry.state_buffers(v)
     doc_arg = k_in if doc is None else doc
     chunk_state_kernel[geometry.wide_grid](
-        k_in, v, projection, doc_arg, span_s, span_z, local, *geometry.sizes(), HAS_DOC=doc is not None,
-        **geometry.blocks("wide"))
+        k_in, v, projection, doc_arg, span_s, span_z, local, *geometry.row_sizes(), HAS_DOC=doc is not None,
+        **geometry.blocks("wide", rows=True))
     final = (torch.empty_like(state[0]), torch.empty_like(state[1]), torch.empty_like(state[2]))
     state_scan_kernel[geometry.scan_grid](
         span_s, span_z, local, doc_arg, *state, carried, *final, *geometry.scan_sizes(),
@@ -305,7 +323,8 @@ def _launch_forward(q_in, k_in, v, projection, doc, state, geometry: _Geometry):
     kept = out.new_empty(out.shape, **f32) if keep else out
     forward_kernel[geometry.grid](
         q_in, k_in, v, projection, q_in if doc is None else doc, span_s, span_z, carried, out, kept, *row_scalars,
-        fine, *geometry.sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, KEEP_FP32=keep, **geometry.blocks(),
+        fine, *geometry.row_sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, KEEP_FP32=keep,
+        **geometry.blocks(rows=True),
     )
     return (out, kept, *row_scalars, fine, (span_s, span_z, carried), *final)
 
@@ -369,7 +388,11 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     empty = denominator <= UNDERFLOW_FLOOR  # [B, H, T]: zero rows have zero gradients (as safe_ratio)
     # 1/den (0 on empty rows): the kernels form ĝ = g / den as they load g
     inv = torch.where(empty, torch.zeros_like(denominator), 1.0 / denominator).contiguous()
-    c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i) / den_i (o fp32)
+    forms_c = geometry.wide_value_blocks == 1  # the reverse-state kernel holds every value column: it forms c
+    if forms_c:
+        c_row = torch.empty_like(inv)
+    else:
+        c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i)/den_i (o fp32)
     batch, length, heads, d = q.shape
     m = geometry.features
     f32 = dict(dtype=torch.float32)
@@ -378,27 +401,29 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     # dv per query head: in v's dtype when it is dv itself, fp32 when grouped heads add up into it
     dv = v.new_empty(batch, length, heads, geometry.value_dim, **(f32 if groups > 1 else {}))
     q_in, k_in = _kernel_inputs(q, k, transform, geometry)
+    lq, lk = _feature_logits(q_in, k_in, projection, geometry)
     doc_arg = q if doc is None else doc
     span_s, span_z, carried = spans
     rows = (g, inv, c_row, shift_rows, q_max)
-    # forward direction: each span's chunks walked from the forward's saved span states
-    query_grad_kernel[geometry.feature_grid](
-        q_in, k_in, v, projection, doc_arg, span_s, span_z, carried, *rows, d_logits[0],
-        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
-    # reverse direction: each span's part of R, the scan from the last span, the keys walked back
+    # reverse direction first (its span kernel forms c): each span's part of R, the scan from the last span
     reverse_s, reverse_z, _, _ = geometry.state_buffers(v)
     reverse_state_kernel[geometry.wide_grid](
-        q_in, projection, doc_arg, *rows, carried, reverse_s, reverse_z,
-        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("wide"))
+        lq, doc_arg, *rows, carried, reverse_s, reverse_z, out, *geometry.sizes(), HAS_DOC=doc is not None,
+        FORMS_C=forms_c, **geometry.blocks("wide"))
     reverse_scan_kernel[geometry.scan_grid](
         reverse_s, reverse_z, doc_arg, shift_rows, carried, *geometry.scan_sizes(), HAS_DOC=doc is not None,
         **geometry.scan_blocks())
-    key_grad_kernel[geometry.feature_grid](
-        q_in, k_in, v, projection, doc_arg, reverse_s, reverse_z, fine, *rows, d_logits[1],
+    # forward direction: each span's chunks walked from the forward's saved span states
+    query_grad_kernel[geometry.feature_grid](
+        lq, lk, v, doc_arg, span_s, span_z, carried, *rows, d_logits[0],
         *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
-    value_grad_kernel[geometry.grid](
-        q_in, k_in, projection, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
-        HAS_DOC=doc is not None, **geometry.blocks())
+    # the keys walked back
+    key_grad_kernel[geometry.feature_grid](
+        lq, lk, v, doc_arg, reverse_s, reverse_z, fine, *rows, d_logits[1],
+        *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
+    value_grad_kernel[geometry.wide_grid](
+        lq, lk, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
+        HAS_DOC=doc is not None, **geometry.blocks("wide"))
     primes = (None, None) if transform is None else (q_in, k_in)  # x' = M x̃, as the kernels read them
     d_q, dw_q, dm_q = _chain_feature_map(q, primes[0], d_logits[0], projection, transform, is_key=False,
                                          out_dtype=q.dtype)
@@ -479,14 +504,15 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     rows = _POINTER_TYPES[row_dtype]
     # the span kernels read x' = M x̃ (fp32) with a transform, else q and k as given; v, g, the output in the rows'
     keys = "*fp32" if has_transform else rows
-    pointers = {"doc_ptr": "*i64", "q_ptr": keys, "k_ptr": keys, "v_ptr": rows, "g_ptr": rows, "out_ptr": rows,
-                "dv_ptr": rows if heads == kv_heads else "*fp32"}
+    pointers = {"doc_ptr": "*i64", "v_ptr": rows, "g_ptr": rows, "out_ptr": rows,
+                "dv_ptr": rows if heads == kv_heads else "*fp32"}  # the stored logits lq, lk: fp32
     width = {"*fp32": 4, "*bf16": 2, "*fp16": 2}
     tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
                  block_v=geometry.block_v, block_f=geometry.block_f, block_dv=geometry.block_dv,
                  chunks=geometry.n_chunks, spans=geometry.n_spans,
                  span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
-                 value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[keys], value_bytes=width[rows])
+                 value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[keys], value_bytes=width[rows],
+                 forms_c=geometry.wide_value_blocks == 1)
     launches = []
     for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
                          ("features_forward", forward_kernel), ("features_query_grad", query_grad_kernel),
@@ -495,18 +521,29 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                          ("features_value_grad", value_grad_kernel)):
         scan = kernel in (state_scan_kernel, reverse_scan_kernel)
         kind = ("features" if kernel in (query_grad_kernel, key_grad_kernel) else
-                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel) else "values")
-        blocks = geometry.scan_blocks() if scan else geometry.blocks(kind)
+                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel, value_grad_kernel) else "values")
+        blocks = geometry.scan_blocks() if scan else geometry.blocks(kind, rows=kernel in (chunk_state_kernel,
+                                                                                           forward_kernel))
         warps = blocks.pop("num_warps")
-        constexprs = dict(HAS_DOC=has_doc, KEEP_FP32=row_dtype != torch.float32) | blocks
+        constexprs = dict(HAS_DOC=has_doc, KEEP_FP32=row_dtype != torch.float32,
+                          FORMS_C=geometry.wide_value_blocks == 1) | blocks
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
+        # the reverse states read the output kept at fp32 (to form c), the forward writes it in the rows' dtype
+        kernel_pointers = dict(pointers, out_ptr="*fp32") if kernel is reverse_state_kernel else pointers
         grid = geometry.scan_grid if scan else dict(features=geometry.feature_grid,
                                                     wide=geometry.wide_grid).get(kind, geometry.grid)
         launches.append(KernelLaunch(name, kernel, grid, constexprs, warps,
-                                     aot_signature(kernel, constexprs, pointers, {"scale", "floor"}),
+                                     aot_signature(kernel, constexprs, kernel_pointers, {"scale", "floor"}),
                                      dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v),
-                                          block_m=blocks.get("BLOCK_M", geometry.block_m),
-                                          logit_step=blocks.get("D_STEP", geometry.logit_step)), 1))
+                                          block_m=blocks.get("BLOCK_M", geometry.block_m)), 1))
+    # the feature logits of both sides, in the forward and again in the backward; compiled as the keys'
+    logit_blocks = geometry.logit_blocks()
+    warps = logit_blocks.pop("num_warps")
+    logit_blocks["IS_KEY"] = True
+    launches.insert(0, KernelLaunch(
+        "features_logits", logits_kernel, (triton.cdiv(length, LOGIT_ROWS), batch * heads), logit_blocks, warps,
+        aot_signature(logits_kernel, logit_blocks, {"x_ptr": keys}, {"scale"}),
+        dict(tiles, block_t=LOGIT_ROWS, chunks=triton.cdiv(length, LOGIT_ROWS)), 2))  # both sides, the backward
     # the chain through the feature map: dx' = dℓ W per side (and dx̃ = dx' M with a transform), the span
     # parts of dW (and dM); compiled and costed as the keys' (with the −Σ dℓ · x' term, the heavier)
     chain = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d)

@@ -1,8 +1,11 @@
 """The Triton kernels (device code) around the span kernels of ``_triton_features_kernels``: DARKFormer's
-transform x' = M x̃ before them, and the backward's chain through the feature map after them.
+transform x' = M x̃ and the feature logits before them, and the backward's chain through the feature
+map after them.
 
 - ``transform_kernel``: x' = M_h (d^{-1/4} x), fp32-accurate as the feature logits it feeds (the same
   product: three TF32 products on tensor cores), one pass over the rows.
+- ``logits_kernel``: the feature logits ℓ = W x' of both sides, once per call (forward, and again in the
+  backward), for every span kernel to read instead of forming them again (each did, per block).
 - ``chain_rows_kernel``: dx' = dℓ W with the keys' −Σ dℓ · x' term and the scales fused (and
   DARKFormer's dx̃ = dx' M, the same kernel with M for W), one read of dℓ and x, one write of dx.
 - ``chain_weights_kernel``: the span parts of dW = Σ dℓᵀ x' (and dM = Σ dx'ᵀ x̃), torch adds the spans.
@@ -19,7 +22,7 @@ import triton.language as tl
 from ._triton_features_kernels import feature_logits
 from ._triton_products import product_into, stored_as
 
-__all__ = ["chain_rows_kernel", "chain_weights_kernel", "transform_kernel"]
+__all__ = ["chain_rows_kernel", "chain_weights_kernel", "logits_kernel", "transform_kernel"]
 
 
 @triton.jit
@@ -118,3 +121,23 @@ def chain_weights_kernel(g_ptr, x_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, O
         row += BLOCK_T
     rows = (span * tl.num_programs(1) + pid_bh).to(tl.int64) * m_g + offs_f
     tl.store(part_ptr + rows[:, None] * d + offs_d[None, :], acc, mask=f_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def logits_kernel(x_ptr, w_ptr, out_ptr, T, H, H_X, d, m_feats, w_head_stride, scale, IS_KEY: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+    """The feature logits ℓ = W_h (scale·x) (keys: − ½‖scale·x‖²) of a block of rows of one (batch, query
+    head) (grid: row blocks, B·H), once per call for every span kernel to read: x ``[B, T, H_X, d]`` in any
+    float dtype (per its own head: kv heads are never expanded), ℓ ``[B, T, H, m]`` fp32. fp32-accurate:
+    three TF32 products (they are exponentiated)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    logits = feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok,
+                            w_ptr + h * w_head_stride, scale, d, m_feats, 0, IS_KEY, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    offs_m = tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * m_feats + offs_m[None, :], logits,
+             mask=row_ok[:, None] & (offs_m < m_feats)[None, :])

@@ -149,11 +149,21 @@ def _key_shift(key_max, visible, continuing, carried, row_ok):
 
 
 @triton.jit
-def _chunk_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
+def _stored_logits(l_ptr, b, h, T, H, m_feats, t, row_ok, first_feature, BLOCK_M: tl.constexpr):
+    """The feature logits of the rows t of head h, the features from ``first_feature``, from ``[B, T, H,
+    m]`` (``logits_kernel`` forms them once for the backward's kernels: keys with −½‖x'‖²); padding is 0."""
+    offs_m = first_feature + tl.arange(0, BLOCK_M)
+    return tl.load(l_ptr + ((b * T + t) * H + h)[:, None] * m_feats + offs_m[None, :],
+                   mask=row_ok[:, None] & (offs_m < m_feats)[None, :], other=0.0)
+
+
+@triton.jit
+def _row_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
-    """The chunk's query and key feature logits (keys with −½‖x'‖²) and which are real (``valid``)."""
+    """The chunk's query and key feature logits from its rows (keys with −½‖x'‖²) and which are real
+    (``valid``): the forward's kernels form them (the backward's read them stored)."""
     q_logits = feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, False, BLOCK_T,
-                               BLOCK_D, BLOCK_M, D_STEP)
+                              BLOCK_D, BLOCK_M, D_STEP)
     k_logits = feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D,
                                BLOCK_M, D_STEP)
     valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
@@ -172,18 +182,17 @@ def _load_value_block(ptr, t, row_ok, row_stride, cols, cols_ok):
 
 
 @triton.jit
-def _chunk_program(H, H_K, H_KV, dv, BLOCK_V: tl.constexpr):
-    """This program's chunk, (batch, query head), key and value heads and block of value columns, from
-    the grid (chunks, B·H, value blocks): (c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok)."""
+def _chunk_program(H, H_KV, dv, BLOCK_V: tl.constexpr):
+    """This program's chunk, (batch, query head), value head and block of value columns, from the grid
+    (chunks, B·H, value blocks): (c, pid_bh, pid_v, b, h, kv, cols, cols_ok)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_v = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B·T·H·d may pass 2^31
     h = pid_bh % H
-    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
     kv = h // (H // H_KV)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    return c, pid_bh, pid_v, b, h, kk, kv, cols, cols < dv
+    return c, pid_bh, pid_v, b, h, kv, cols, cols < dv
 
 
 @triton.jit
@@ -214,7 +223,8 @@ def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
     the span's last document at the span's local scale σ'_c (the max of their logit maxima, grown as the
     walk meets them, the sum rescaled when it grows), ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) v_jᵀ and Δz_c, with
     σ'_c (every factor ≤ 1)."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
+    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
     span_end = tl.minimum(T, (first + n_sub) * BLOCK_T)
     if HAS_DOC:
@@ -359,7 +369,8 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
     keys (a C × C masked score tile) and the earlier chunks through the state entering it, which the
     walk carries (in registers) from the span's entering state; the scale entering each chunk is
     stored in ``fine`` for the reverse direction."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
+    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
     state_s, state_z, sigma = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_spans, m_feats, dv,
                                               cols, cols_ok, BLOCK_M)
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
@@ -367,7 +378,7 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
     while j < n_sub:  # (a while loop: see the note at the top)
         chunk = first + j
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC)
-        q_logits, k_logits, valid = _chunk_features(
+        q_logits, k_logits, valid = _row_features(
             q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_K * d + kk * d, H * d, H_K * d, t, row_ok,
             w_ptr + h * w_head_stride, scale, d, m_feats, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
         q_max = tl.where(row_ok, tl.max(tl.where(valid, q_logits, float("-inf")), axis=1), 0.0)
@@ -405,45 +416,39 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
 
 
 @triton.jit
-def _feature_program(H, H_K, H_KV, dv, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """This program's span, (batch, query head), key and value heads and block of features, from the
-    grid (spans, B·H, feature blocks); it holds every value column (BLOCK_V ≥ d_v):
-    (c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok)."""
+def _feature_program(H, H_KV, dv, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's span, (batch, query head), value head and block of features, from the grid (spans,
+    B·H, feature blocks); it holds every value column (BLOCK_V ≥ d_v):
+    (c, pid_bh, b, h, kv, first_feature, cols, cols_ok)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     first_feature = tl.program_id(2) * BLOCK_M
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    kk = h // (H // H_K)
     kv = h // (H // H_KV)
     cols = tl.arange(0, BLOCK_V)
-    return c, pid_bh, b, h, kk, kv, first_feature, cols, cols < dv
+    return c, pid_bh, b, h, kv, first_feature, cols, cols < dv
 
 
 @triton.jit
-def _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale, first_feature,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+def _query_features(lq_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, m_feats, first_feature, BLOCK_M: tl.constexpr):
     """The chunk's query features (the block from ``first_feature``) again, at the forward's query max (so
     they are the forward's)."""
-    q_logits = feature_logits(q_ptr + b * T * H * d + h * d, H * d, t, row_ok, w_head, scale, d, m_feats,
-                               first_feature, False, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    q_logits = _stored_logits(lq_ptr, b, h, T, H, m_feats, t, row_ok, first_feature, BLOCK_M)
     valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     q_max = tl.load(qmax_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
     return _exp_where(q_logits - q_max[:, None], valid)
 
 
 @triton.jit
-def _gradient_features(q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, c, pid_bh, T, H, H_K, d, m_feats,
-                       start, w_head, scale, first_feature, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+def _gradient_features(lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, c, pid_bh, T, H, m_feats, start,
+                       first_feature, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
     """What every gradient kernel needs of chunk c: its rows, its query and key features (the block from
     ``first_feature``) again from the saved query max and key shift (so they are the forward's), and the
     masks: (t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay)."""
     t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T, HAS_DOC)
-    q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats, w_head, scale,
-                             first_feature, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
-    k_logits = feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_head, scale, d, m_feats,
-                               first_feature, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    q_feat = _query_features(lq_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)
+    k_logits = _stored_logits(lk_ptr, b, h, T, H, m_feats, t, row_ok, first_feature, BLOCK_M)
     valid = row_ok[:, None] & ((first_feature + tl.arange(0, BLOCK_M)) < m_feats)[None, :]
     shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
     key_feat = _exp_where(k_logits - shift[:, None], valid)
@@ -489,18 +494,18 @@ def _reverse_step(later, q_feat, g_hat, row_scale, shift, sigma, continuing, fin
 
 
 @triton.jit
-def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
+def query_grad_kernel(lq_ptr, lk_ptr, v_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
                        g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
-                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
+                       T, H, H_KV, dv, m_feats, start, n_chunks, n_spans,
                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                       D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SPAN_BLOCKS: tl.constexpr):
     """Forward direction, all spans in parallel, each span's chunks walked in order as the forward
     does, one program per block of features with every value column: dφq_i = Σ_j exp(ℓ^k_j − s_i)
     (ĝ_i·v_j + c_i), the earlier chunks through the state entering the chunk (the forward's saved span
     state, these features' rows of it, carried by the walk); stored as dL/dℓ^q = φq ⊙ dφq, whole (a
     block of features needs only its own features and the full score gradient ĝ vᵀ + c)."""
-    c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok = _feature_program(H, H_K, H_KV, dv, BLOCK_M, BLOCK_V)
+    c, pid_bh, b, h, kv, first_feature, cols, cols_ok = _feature_program(H, H_KV, dv, BLOCK_M, BLOCK_V)
     offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, first_feature,
                                                       BLOCK_M)
     state_s = tl.load(ds_ptr + offsets, mask=mask, other=0.0)
@@ -511,8 +516,8 @@ def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carri
     while j < n_sub:  # (a while loop: see the note at the top)
         chunk = first + j
         t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
-            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
-            w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+            lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, chunk, pid_bh, T, H, m_feats, start, first_feature,
+            HAS_DOC, BLOCK_T, BLOCK_M)
         v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
         g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
@@ -527,17 +532,19 @@ def query_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carri
 
 
 @triton.jit
-def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
-                          rs_ptr, rz_ptr, T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale,
-                          n_spans, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_V: tl.constexpr, D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+def reverse_state_kernel(lq_ptr, doc_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, carried_ptr,
+                          rs_ptr, rz_ptr, out_ptr, T, H, H_KV, dv, m_feats, start, n_chunks,
+                          n_spans, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, FORMS_C: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_V: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """Span c's own part of the reverse state, all spans in parallel (its chunks in any order): its rows
     that continue the document of span c − 1's last row, at the scale of that row (the scale entering
     the span), ΔR_c = Σ_i exp(σ_{c−1} − s_i) φq_i [ĝ_i, c_i]ᵀ (every factor ≤ 1; value block 0 stores the c
     part). A row reaches the keys before its span exactly when its document began before the span,
-    and at that absolute scale: no chain of rescales inside the span."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    and at that absolute scale: no chain of rescales inside the span. With ``FORMS_C`` (one block holds
+    every value column) it forms c_i = −(g_i · o_i) / den_i itself, from g and the fp32 output ``out``,
+    and stores it for the logit gradients (which run after it): one pass fewer over g and o."""
+    c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
     carried = tl.load(carried_ptr + pid_bh * n_spans + c)
     delta = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
@@ -545,11 +552,17 @@ def reverse_state_kernel(q_ptr, w_ptr, doc_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr
     j = 0
     while j < n_sub:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
-        q_feat = _query_features(q_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, d, m_feats,
-                                 w_ptr + h * w_head_stride, scale, 0, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        q_feat = _query_features(lq_ptr, qmax_ptr, b, h, pid_bh, t, row_ok, T, H, m_feats, 0, BLOCK_M)
         shift = tl.load(shift_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
         reads_back = q_feat * _exp_where(carried - shift, row_ok & (doc < start + first * BLOCK_T))[:, None]
-        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+        if FORMS_C:
+            g = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
+            inv = tl.load(inv_ptr + pid_bh * T + t, mask=row_ok, other=0.0)
+            o = _load_value_block(out_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)
+            c_row = -tl.sum(g * o, axis=1) * inv
+            tl.store(c_ptr + pid_bh * T + t, c_row, mask=row_ok)
+        else:
+            g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         delta = product_into(tl.trans(reads_back * inv[:, None]), g, delta, OPERANDS)
         delta_z += tl.sum(reads_back * c_row[:, None], axis=0)
         j += 1
@@ -593,18 +606,18 @@ def reverse_scan_kernel(rs_ptr, rz_ptr, doc_ptr, shift_ptr, carried_ptr, T, H, d
 
 
 @triton.jit
-def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_ptr,
+def key_grad_kernel(lq_ptr, lk_ptr, v_ptr, doc_ptr, rs_ptr, rz_ptr, fine_ptr,
                      g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, dlog_ptr,
-                     T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
+                     T, H, H_KV, dv, m_feats, start, n_chunks, n_spans,
                      HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                     D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                     SPAN_BLOCKS: tl.constexpr):
     """Reverse direction, all spans in parallel, each span's chunks walked from its last, one program per
     block of features with every value column: dφk_j from the chunk's own rows and from the later rows of
     the same document through the reverse state R_c (these features' rows of it; at most 1 per term),
     which the walk carries from the span's slot (the later spans' rows) and extends by each chunk's rows
     (``_reverse_step``); dL/dℓ^k = φk ⊙ dφk stored, whole."""
-    c, pid_bh, b, h, kk, kv, first_feature, cols, cols_ok = _feature_program(H, H_K, H_KV, dv, BLOCK_M, BLOCK_V)
+    c, pid_bh, b, h, kv, first_feature, cols, cols_ok = _feature_program(H, H_KV, dv, BLOCK_M, BLOCK_V)
     offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, first_feature,
                                                       BLOCK_M)
     later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R: the later rows' ĝ part
@@ -614,8 +627,8 @@ def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_pt
     while j >= 0:  # (a while loop: see the note at the top)
         chunk = first + j
         t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
-            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
-            w_ptr + h * w_head_stride, scale, first_feature, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+            lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, chunk, pid_bh, T, H, m_feats, start, first_feature,
+            HAS_DOC, BLOCK_T, BLOCK_M)
         v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
         g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
         sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
@@ -631,16 +644,16 @@ def key_grad_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, rs_ptr, rz_ptr, fine_pt
 
 
 @triton.jit
-def value_grad_kernel(q_ptr, k_ptr, w_ptr, doc_ptr, rs_ptr, fine_ptr, g_ptr, inv_ptr, shift_ptr, qmax_ptr, dv_ptr,
-                       T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
+def value_grad_kernel(lq_ptr, lk_ptr, doc_ptr, rs_ptr, fine_ptr, g_ptr, inv_ptr, shift_ptr, qmax_ptr, dv_ptr,
+                       T, H, H_KV, dv, m_feats, start, n_chunks, n_spans,
                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                       D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SPAN_BLOCKS: tl.constexpr):
     """Reverse direction, all spans in parallel, each span's chunks walked from its last, one program per
     block of value columns with every feature (a score φq·φk needs them all): dv_j = Σ_{i ≥ j} P_ij ĝ_i,
     the chunk's own rows by a masked C × C score tile and the later rows through R_c's value columns,
     carried and extended by the walk as in ``key_grad_kernel``."""
-    c, pid_bh, pid_v, b, h, kk, kv, cols, cols_ok = _chunk_program(H, H_K, H_KV, dv, BLOCK_V)
+    c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
     offsets, mask, rows, feat_ok = _chunk_state_block(pid_bh, c, n_spans, m_feats, dv, cols, cols_ok, 0, BLOCK_M)
     later = tl.load(rs_ptr + offsets, mask=mask, other=0.0)  # R: the later rows' ĝ part
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
@@ -648,8 +661,8 @@ def value_grad_kernel(q_ptr, k_ptr, w_ptr, doc_ptr, rs_ptr, fine_ptr, g_ptr, inv
     while j >= 0:  # (a while loop: see the note at the top)
         chunk = first + j
         t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
-            q_ptr, k_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kk, chunk, pid_bh, T, H, H_K, d, m_feats, start,
-            w_ptr + h * w_head_stride, scale, 0, HAS_DOC, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+            lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, chunk, pid_bh, T, H, m_feats, start, 0, HAS_DOC,
+            BLOCK_T, BLOCK_M)
         # g as stored, its rows' 1/den folded into the C × C scores and the rows' weights (no scaled copy of
         # the C × V tile: at d = m = d_v = 128 that copy made ptxas spill)
         g = _load_value_block(g_ptr + b * T * H * dv + h * dv, t, row_ok, H * dv, cols, cols_ok)

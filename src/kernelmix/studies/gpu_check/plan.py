@@ -69,8 +69,9 @@ GRID_BOUNDS = {
                          "back",
     "features_value_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
     "features_transform": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
+    "features_logits": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
     "features_chain_rows": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
-    "features_chain_weights": "⌈T/512⌉·B·H·⌈m/BLOCK_F⌉: one program per span of rows, head and block of columns",
+    "features_chain_weights": "⌈T/256⌉·B·H·⌈m/BLOCK_F⌉: one program per span of rows, head and block of columns",
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
@@ -119,6 +120,8 @@ def plan_rows(shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None) -> l
                     continue
                 cost = launch_cost(mixer, launch, shape)
                 precision = launch.constexprs.get("OPERANDS", "fp32")
+                if cost.flops and cost.split_flops == cost.flops:  # all of it fp32-accurate (the logits, x')
+                    precision = "tf32x3"
                 rows.append(dict(
                     name=f"{mixer}/{launch.name}", mixer=mixer, kernel=launch.name, shape=dict(label=label, **shape),
                     grid=list(launch.grid), programs=launch.programs, calls=launch.calls, num_warps=launch.num_warps,

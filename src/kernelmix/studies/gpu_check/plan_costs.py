@@ -154,9 +154,16 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
         normaliser = -(-tiles["features"] // scan_m) * scan_m
         per_step = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
         return Cost(0.0, batch_heads * (steps * per_step + 2 * (state + normaliser) * FP32))
-    side = 2 * c * d * m  # one side's feature logits (a transform is applied by its own kernel before)
-    parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
-    rows = c * d * tiles.get("key_bytes", FP32)  # one side's rows (x' in fp32 with a transform)
+    if name == "features_logits":  # ℓ = W x' of a block of rows, fp32-accurate; W counted once per head
+        moved = n * c * (d * tiles.get("key_bytes", FP32) + m * FP32) + m * d * FP32
+        return Cost(batch_heads * n * 2 * c * d * m, batch_heads * moved, split_flops=batch_heads * n * 2 * c * d * m)
+    if name in ("features_chunk_states", "features_forward"):  # the forward's kernels form the logits from rows
+        side = 2 * c * d * m  # one side's feature logits (a transform is applied by its own kernel before)
+        parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
+        rows = c * d * tiles.get("key_bytes", FP32)  # one side's rows (x' in fp32 with a transform)
+    else:  # the backward's read the stored logits (``features_logits``): they form none
+        side, parameters = 0, 0
+        rows = c * m * FP32  # one side's logits, this program's block of features
     values = c * v * tiles.get("value_bytes", FP32)  # v, g, the output, dv: in the rows' dtype
     state = (m * v + m) * FP32
     scalars = 3 * c * FP32 + c * INT64  # shift, query max or c_i, and document starts
@@ -171,9 +178,9 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
         kept = c * v * FP32 if tiles.get("value_bytes", FP32) < FP32 else 0
         stored = values + kept if name == "features_forward" else c * m * FP32
         per_chunk = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + stored
-    elif name == "features_reverse_states":
+    elif name == "features_reverse_states":  # with forms_c it also reads the fp32 output and stores c
         logits, products = side, 2 * c * m * v
-        per_chunk = rows + values + scalars
+        per_chunk = rows + values + scalars + tiles.get("forms_c", False) * (c * v * FP32 + c * FP32)
     elif name == "features_key_grad":  # ĝ vᵀ, its transpose against φq, v Rᵀ, and the walk's R update
         logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
         per_chunk = 2 * rows + 2 * values + scalars + c * m * FP32
