@@ -21,7 +21,7 @@ from .settings import FORMAT, PART_TITLES, PARTS, PYDANTIC_FIX, GpuCheckConfig, 
 
 def run_compare_part(part: dict, sizes: Sizes, device: torch.device, out_dir: Path, overrides: dict,
                      say: Callable[[str], None]) -> None:
-    """Part (c) into ``part``: a short compare of all six mixers into ``out_dir/compare``."""
+    """Part (c) into ``part``: a short compare of compare's default mixers into ``out_dir/compare``."""
     try:
         from ..compare import CompareConfig, run_compare
     except ImportError as error:  # pydantic (kernelmix.config) missing on the GPU machine
@@ -31,7 +31,7 @@ def run_compare_part(part: dict, sizes: Sizes, device: torch.device, out_dir: Pa
         return
     settings = {**sizes.compare, **overrides, "device": device.type, "out_dir": str(out_dir / "compare")}
     part["settings"] = settings
-    say(f"(c) compare: preset {settings['preset']}, T={settings['lengths']}, all six mixers → {settings['out_dir']}")
+    say(f"(c) compare: preset {settings['preset']}, T={settings['lengths']}, compare's default mixers → {settings['out_dir']}")
     results = run_compare(CompareConfig(**settings), progress=False)
     part["summary"] = [
         {"mixer": row["mixer"], "length": row["length"], "val_loss": row["val_loss"], "steps": row.get("steps"),
