@@ -31,7 +31,8 @@ def run_compare_part(part: dict, sizes: Sizes, device: torch.device, out_dir: Pa
         return
     settings = {**sizes.compare, **overrides, "device": device.type, "out_dir": str(out_dir / "compare")}
     part["settings"] = settings
-    say(f"(c) compare: preset {settings['preset']}, T={settings['lengths']}, compare's default mixers → {settings['out_dir']}")
+    say(f"(c) compare: preset {settings['preset']}, T={settings['lengths']}, the default mixers "
+        f"→ {settings['out_dir']}")
     results = run_compare(CompareConfig(**settings), progress=False)
     part["summary"] = [
         {"mixer": row["mixer"], "length": row["length"], "val_loss": row["val_loss"], "steps": row.get("steps"),
