@@ -1,7 +1,9 @@
 """The Python side of the Triton random-feature attention (Performer, DARKFormer): input checks,
-the launches of the kernels in ``_triton_features_kernels`` (whose docstring gives the design:
-three forward launches, four backward ones, the feature map fused), the autograd function with the
-feature-map chain rule in torch, and the launch plan that ``kernelmix gpu-check --plan`` compiles.
+the launches of the span kernels in ``_triton_features_kernels`` (whose docstring gives the design:
+three forward launches with the feature map fused, the backward's five and a scan on the logits
+formed once) and of the kernels around them in ``_triton_features_chain`` (DARKFormer's transform,
+the logits, the chain through the feature map), the autograd function, and the launch plan that
+``kernelmix gpu-check --plan`` compiles.
 """
 
 from __future__ import annotations

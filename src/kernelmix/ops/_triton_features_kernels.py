@@ -24,39 +24,43 @@ states reach memory once per span, not once per chunk. The forward is three laun
    updates after each chunk by the scan's step (``_walk_step``); it stores the scale entering every
    chunk for the reverse direction.
 
-The feature map is fused: a program loads its C × d queries and keys, applies d^{-1/4} and the
-projection W with ``tl.dot`` at fp32 accuracy (the feature logits stay fp32) and forms the features
-in registers, so φ(Q), φ(K) (T × m) never reach memory. DARKFormer's transform x' = M x̃ is applied
-before, by ``transform_kernel`` (one pass over the rows, the same fp32-accurate product). The
+The feature map is fused in the forward: a program loads its C × d queries and keys (in their own
+dtype), applies d^{-1/4} and the projection W with ``tl.dot`` at fp32 accuracy (the feature logits
+stay fp32) and forms the features in registers, so the forward keeps no T × m tensor. DARKFormer's
+transform x' = M x̃ is applied before, by ``transform_kernel`` (``_triton_features_chain``: one pass
+over the rows, the same fp32-accurate product). The
 products of features, states and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default;
 ``_triton_products``), the normalisers and states accumulate in fp32. Grouped heads are indexed
 (query head h reads kv head h // (H / H_kv)), never expanded.
 
 The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
-denominator), the scale entering each chunk and the states entering each span; it recomputes the
-features. With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (c and 1/den computed in
-torch, like flash-attention's D; the kernels form ĝ from g as they load it), the gradient of an
-unnormalised score P_ij is ĝ_i · v_j + c_i. Then:
+denominator), the output at fp32, the scale entering each chunk and the states entering each span.
+It forms the feature logits of both sides once (``logits_kernel``), which its span kernels read
+(``_stored_logits``). With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (like
+flash-attention's D; 1/den from torch, c from the reverse-state kernel when it holds every value
+column; ĝ is never a tile: 1/den scales the small products of g), the gradient of an unnormalised
+score P_ij is ĝ_i · v_j + c_i. Then, in this order:
 
-- ``query_grad_kernel`` (forward direction, spans walked as in the forward): dφq_i = Σ_j exp(ℓ^k_j −
-  s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state, per block of features;
 - ``reverse_state_kernel`` and ``reverse_scan_kernel`` (reverse direction): R_c = Σ_{i after
   span c, same document} exp(σ_c − s_i) φq_i [ĝ_i, c_i]ᵀ, each span's part in parallel (its rows whose
   document began before the span, at the scale entering it) and a scan from the last span; its
   scales are the forward's saved shifts, every factor ≤ 1;
+- ``query_grad_kernel`` (forward direction, spans walked as in the forward): dφq_i = Σ_j exp(ℓ^k_j −
+  s_i) (ĝ_i · v_j + c_i), the earlier chunks through the entering state, per block of features;
 - ``key_grad_kernel``: dφk_j, per block of features, and ``value_grad_kernel``: dv_j, per block of
   value columns, each from the chunk's own rows and the reverse state, which their walks from the
   span's last chunk extend by each chunk's rows.
 
 The two logit-gradient kernels (queries', keys') run per block of features with every value column:
-a block of dφ needs only its own features and the full score gradient ĝ vᵀ + c, so each program forms
-only its own features' logits (no block recomputes another's) and stores its columns of dℓ = φ ⊙ dφ
-``[T, m]``, whole. The value gradient needs every feature (a score is φq · φk) and runs per block of
-value columns, as the forward. torch chains dℓ through the feature map with products over all rows
-(``_chain_feature_map``: dx', for keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ).
-The kernels keep no dW [m, d] or dM [d, d] accumulator: at m = d = 128 those spilled on sm_90 and
-made ptxas take minutes. Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward),
-as many for the reverse direction (during the backward), and O(T) per row; no T × m and no T × T tensor.
+a block of dφ needs only its own features and the full score gradient ĝ vᵀ + c, so each program reads
+only its own features' logits and stores its columns of dℓ = φ ⊙ dφ ``[T, m]``, whole. The value
+gradient needs every feature (a score is φq · φk) and runs per block of value columns, as the
+forward. The chain kernels of ``_triton_features_chain`` take dℓ through the feature map (dx', for
+keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ): the span kernels keep no
+dW [m, d] or dM [d, d] accumulator (at m = d = 128 those spilled on sm_90 and made ptxas take
+minutes). Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward), the output at
+fp32 for 16-bit rows, and during the backward as many span states for the reverse direction and the
+two sides' logits and logit gradients (T × m fp32 each); no T × T tensor.
 
 Loops over chunks are ``while`` loops: Triton 3.6's interpreter passes a run-time scalar as a
 1-element array, which ``range`` cannot take under NumPy ≥ 2.4; on a GPU both compile to the same loop.
