@@ -81,6 +81,15 @@ def _kernel(inputs, doc_start, grad_out, chunk_size, initial_state=None):
 NAMES = ["q", "k", "v", "projection", "transform"]
 
 
+def _assert_matches_reference(inputs, doc_start, grad_out, chunk_size):
+    """The kernel's output and every input's gradient within 1e-4 of the float64 reference."""
+    ref, ref_grads = _reference(inputs, doc_start, grad_out)
+    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, chunk_size)
+    assert rel_rmse(out, ref) <= 1e-4
+    for name, got, want in zip(NAMES, grads, ref_grads):
+        assert rel_rmse(got, want) <= 1e-4, name
+
+
 @pytest.fixture(autouse=True)
 def fp32_products(monkeypatch):
     """Full-fp32 products, so that the 1e-4 bounds check the algorithm (the tensor-core operands
@@ -152,11 +161,7 @@ def test_several_value_blocks(monkeypatch):
     inputs = _problem(1, 37, 1, 1, value_dim=24)
     doc_start = _documents(37, [[0, 17]])
     grad_out = torch.randn(1, 37, 1, 24, generator=torch.Generator().manual_seed(6), dtype=F64)
-    ref, ref_grads = _reference(inputs, doc_start, grad_out)
-    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
-    assert rel_rmse(out, ref) <= 1e-4
-    for name, got, want in zip(NAMES, grads, ref_grads):
-        assert rel_rmse(got, want) <= 1e-4, name
+    _assert_matches_reference(inputs, doc_start, grad_out, 16)
 
 
 @pytest.mark.parametrize("span_blocks", [1, 2])
@@ -176,11 +181,7 @@ def test_several_feature_blocks(monkeypatch, span_blocks):
     inputs = [q, k, v, projection, transform]
     doc_start = _documents(length, [[0, 16, 29]])
     grad_out = torch.randn(1, length, heads, 8, generator=gen, dtype=F64)
-    ref, ref_grads = _reference(inputs, doc_start, grad_out)
-    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
-    assert rel_rmse(out, ref) <= 1e-4
-    for name, got, want in zip(NAMES, grads, ref_grads):
-        assert rel_rmse(got, want) <= 1e-4, name
+    _assert_matches_reference(inputs, doc_start, grad_out, 16)
 
 
 def test_bfloat16_inputs():
@@ -190,11 +191,7 @@ def test_bfloat16_inputs():
     inputs = [x.to(torch.bfloat16) for x in _problem(1, 37, 2, 1)]
     doc_start = _documents(37, [[0, 12]])
     grad_out = torch.randn(1, 37, 2, 8, generator=torch.Generator().manual_seed(7), dtype=F64)
-    ref, ref_grads = _reference(inputs, doc_start, grad_out)
-    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 16)
-    assert rel_rmse(out, ref) <= 1e-4
-    for name, got, want in zip(NAMES, grads, ref_grads):
-        assert rel_rmse(got, want) <= 1e-4, name
+    _assert_matches_reference(inputs, doc_start, grad_out, 16)
 
 
 @pytest.mark.parametrize("darkformer", [False, True])
@@ -434,11 +431,7 @@ def test_large_tiles_walk_16_row_chunks(monkeypatch, span_blocks):
     inputs = [q, k, v, projection]
     doc_start = _documents(length, [[0, 16, 40, 41]])
     grad_out = torch.randn(1, length, heads, 8, generator=gen, dtype=F64)
-    ref, ref_grads = _reference(inputs, doc_start, grad_out)
-    out, grads, _, _ = _kernel(inputs, doc_start, grad_out, 32)
-    assert rel_rmse(out, ref) <= 1e-4
-    for name, got, want in zip(NAMES, grads, ref_grads):
-        assert rel_rmse(got, want) <= 1e-4, name
+    _assert_matches_reference(inputs, doc_start, grad_out, 32)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
-from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, logits_kernel, transform_kernel
+from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, logits_kernel
 from ._triton_features_kernels import (
     chunk_state_kernel,
     forward_kernel,
@@ -67,7 +67,6 @@ FEATURE_OPERANDS = "tf32"
 LOGIT_STEP = 16
 #: Rows per program of DARKFormer's transform x' = M x̃ and of the feature logits (their own kernels,
 #: before the span kernels).
-TRANSFORM_ROWS = 32
 LOGIT_ROWS = 32
 #: The backward's chain through the feature map (after the span kernels): rows per program of its row
 #: kernel (dx' = dℓ W, dx̃ = dx' M) and columns per step of its product; rows per program and columns
@@ -137,6 +136,17 @@ class _Geometry:
     def feature_grid(self) -> tuple[int, int, int]:
         """The logit-gradient kernels': every span of every (batch, head), per block of features."""
         return (self.n_spans, self.batch * self.heads, self.feature_blocks)
+
+    @property
+    def row_grid(self) -> tuple[int, int]:
+        """The row kernels' (the logits, the transform, the chain's rows): every block of LOGIT_ROWS rows
+        of every (batch, head)."""
+        return (triton.cdiv(self.length, LOGIT_ROWS), self.batch * self.heads)
+
+    @property
+    def forms_c(self) -> bool:
+        """Whether the reverse-state kernel forms c = −g·o/den itself: its one block holds every value column."""
+        return self.wide_value_blocks == 1
 
     @property
     def scan_grid(self) -> tuple[int, int, int]:
@@ -256,7 +266,7 @@ def _as_tuple(state):
 
 def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Geometry) -> tuple[Tensor, Tensor]:
     """The queries and keys the kernels read: with a transform, x' = M (d^{-1/4} x) per query head
-    (``transform_kernel``: one pass over the rows, fp32-accurate as the logits it feeds, the keys read
+    (``logits_kernel`` with M for W: one pass over the rows, fp32-accurate as the logits it feeds, the keys read
     per kv head and written per query head); without, q and k as they are (the kernels scale them).
     Keeps the [d, d] transform out of the span kernels' registers."""
     if transform is None:
@@ -268,17 +278,14 @@ def _transformed(x: Tensor, transform: Tensor, geometry: _Geometry) -> Tensor:
     """x' = M_h (d^{-1/4} x) ``[B, T, H, d]`` of x ``[B, T, H_x, d]`` (H_x = H or the kv heads)."""
     batch, length, heads, d = geometry.batch, geometry.length, geometry.heads, geometry.head_dim
     out = x.new_empty(batch, length, heads, d, dtype=torch.float32)  # it feeds the logits: fp32
-    transform_kernel[transform_grid(geometry)](
-        x, transform, out, length, heads, x.shape[2], d, d ** -0.25, **_transform_blocks(geometry))
+    logits_kernel[geometry.row_grid](x, transform, out, length, heads, x.shape[2], d, d, d * d, d ** -0.25,
+                                     IS_KEY=False, **_transform_blocks(geometry))
     return out
 
 
-def transform_grid(geometry: _Geometry) -> tuple[int, int]:
-    return (triton.cdiv(geometry.length, TRANSFORM_ROWS), geometry.batch * geometry.heads)
-
-
 def _transform_blocks(geometry: _Geometry) -> dict:
-    return dict(BLOCK_T=TRANSFORM_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP),
+    return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, BLOCK_M=geometry.block_d,
+                D_STEP=min(geometry.block_d, LOGIT_STEP),
                 num_warps=4)
 
 
@@ -286,12 +293,12 @@ def _feature_logits(q_in, k_in, projection, geometry: _Geometry) -> tuple[Tensor
     """The queries' and the keys' feature logits ``[B, T, H, m]`` fp32 (keys with −½‖x'‖²), once for all the
     span kernels of a pass (``logits_kernel``): q per query head, the keys per their own head."""
     batch, length, heads = geometry.batch, geometry.length, geometry.heads
-    grid = (triton.cdiv(length, LOGIT_ROWS), batch * heads)
     logits = []
     for x, is_key in ((q_in, False), (k_in, True)):
         out = x.new_empty(batch, length, heads, geometry.features, dtype=torch.float32)
-        logits_kernel[grid](x, projection, out, length, heads, x.shape[2], geometry.head_dim, geometry.features,
-                            geometry.w_head_stride, geometry.scale, IS_KEY=is_key, **geometry.logit_blocks())
+        logits_kernel[geometry.row_grid](x, projection, out, length, heads, x.shape[2], geometry.head_dim,
+                                         geometry.features, geometry.w_head_stride, geometry.scale, IS_KEY=is_key,
+                                         **geometry.logit_blocks())
         logits.append(out)
     return logits[0], logits[1]
 
@@ -390,8 +397,7 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     empty = denominator <= UNDERFLOW_FLOOR  # [B, H, T]: zero rows have zero gradients (as safe_ratio)
     # 1/den (0 on empty rows): the kernels form ĝ = g / den as they load g
     inv = torch.where(empty, torch.zeros_like(denominator), 1.0 / denominator).contiguous()
-    forms_c = geometry.wide_value_blocks == 1  # the reverse-state kernel holds every value column: it forms c
-    if forms_c:
+    if geometry.forms_c:
         c_row = torch.empty_like(inv)
     else:
         c_row = (g * out).sum(-1).transpose(1, 2).neg_().mul_(inv).contiguous()  # c_i = −(g_i · o_i)/den_i (o fp32)
@@ -411,7 +417,7 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     reverse_s, reverse_z, _, _ = geometry.state_buffers(v)
     reverse_state_kernel[geometry.wide_grid](
         lq, doc_arg, *rows, carried, reverse_s, reverse_z, out, *geometry.sizes(), HAS_DOC=doc is not None,
-        FORMS_C=forms_c, **geometry.blocks("wide"))
+        FORMS_C=geometry.forms_c, **geometry.blocks("wide"))
     reverse_scan_kernel[geometry.scan_grid](
         reverse_s, reverse_z, doc_arg, shift_rows, carried, *geometry.scan_sizes(), HAS_DOC=doc is not None,
         **geometry.scan_blocks())
@@ -514,7 +520,7 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                  chunks=geometry.n_chunks, spans=geometry.n_spans,
                  span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
                  value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[keys], value_bytes=width[rows],
-                 forms_c=geometry.wide_value_blocks == 1)
+                 forms_c=geometry.forms_c)
     launches = []
     for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
                          ("features_forward", forward_kernel), ("features_query_grad", query_grad_kernel),
@@ -528,7 +534,7 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                                                                                            forward_kernel))
         warps = blocks.pop("num_warps")
         constexprs = dict(HAS_DOC=has_doc, KEEP_FP32=row_dtype != torch.float32,
-                          FORMS_C=geometry.wide_value_blocks == 1) | blocks
+                          FORMS_C=geometry.forms_c) | blocks
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
         # the reverse states read the output kept at fp32 (to form c), the forward writes it in the rows' dtype
         kernel_pointers = dict(pointers, out_ptr="*fp32") if kernel is reverse_state_kernel else pointers
@@ -543,9 +549,9 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     warps = logit_blocks.pop("num_warps")
     logit_blocks["IS_KEY"] = True
     launches.insert(0, KernelLaunch(
-        "features_logits", logits_kernel, (triton.cdiv(length, LOGIT_ROWS), batch * heads), logit_blocks, warps,
+        "features_logits", logits_kernel, geometry.row_grid, logit_blocks, warps,
         aot_signature(logits_kernel, logit_blocks, {"x_ptr": keys}, {"scale"}),
-        dict(tiles, block_t=LOGIT_ROWS, chunks=triton.cdiv(length, LOGIT_ROWS)), 2))  # both sides, the backward
+        dict(tiles, block_t=LOGIT_ROWS, chunks=geometry.row_grid[0]), 2))  # both sides, the backward
     # the chain through the feature map: dx' = dℓ W per side (and dx̃ = dx' M with a transform), the span
     # parts of dW (and dM); compiled and costed as the keys' (with the −Σ dℓ · x' term, the heavier)
     chain = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d)
@@ -565,8 +571,8 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     if has_transform:  # queries and keys, in the forward and again in the backward
         blocks = _transform_blocks(geometry)
         warps = blocks.pop("num_warps")
-        launches.insert(0, KernelLaunch("features_transform", transform_kernel, transform_grid(geometry), blocks, warps,
-                                        aot_signature(transform_kernel, blocks, {"x_ptr": rows}, {"scale"}),
-                                        dict(tiles, block_t=blocks["BLOCK_T"],
-                                             chunks=transform_grid(geometry)[0]), 4))
+        blocks["IS_KEY"] = False
+        launches.insert(0, KernelLaunch("features_transform", logits_kernel, geometry.row_grid, blocks, warps,
+                                        aot_signature(logits_kernel, blocks, {"x_ptr": rows}, {"scale"}),
+                                        dict(tiles, block_t=blocks["BLOCK_T"], chunks=geometry.row_grid[0]), 4))
     return launches

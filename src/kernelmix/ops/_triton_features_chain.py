@@ -2,10 +2,9 @@
 transform x' = M x̃ and the feature logits before them, and the backward's chain through the feature
 map after them.
 
-- ``transform_kernel``: x' = M_h (d^{-1/4} x), fp32-accurate as the feature logits it feeds (the same
-  product: three TF32 products on tensor cores), one pass over the rows.
-- ``logits_kernel``: the feature logits ℓ = W x' of both sides, once per call (forward, and again in the
-  backward), for every span kernel to read instead of forming them again (each did, per block).
+- ``logits_kernel``: the feature logits ℓ = W x' of both sides, once in the backward, for its span
+  kernels to read instead of forming them again per block; with M for W it is DARKFormer's transform
+  x' = M_h (d^{-1/4} x), fp32-accurate as the logits it feeds, one pass over the rows.
 - ``chain_rows_kernel``: dx' = dℓ W with the keys' −Σ dℓ · x' term and the scales fused (and
   DARKFormer's dx̃ = dx' M, the same kernel with M for W), one read of dℓ and x, one write of dx.
 - ``chain_weights_kernel``: the span parts of dW = Σ dℓᵀ x' (and dM = Σ dx'ᵀ x̃), torch adds the spans.
@@ -22,31 +21,15 @@ import triton.language as tl
 from ._triton_features_kernels import feature_logits
 from ._triton_products import product_into, stored_as
 
-__all__ = ["chain_rows_kernel", "chain_weights_kernel", "logits_kernel", "transform_kernel"]
+__all__ = ["chain_rows_kernel", "chain_weights_kernel", "logits_kernel"]
 
 
 @triton.jit
-def transform_kernel(x_ptr, m_ptr, out_ptr, T, H, H_X, d, scale,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_STEP: tl.constexpr):
-    """x' = M_h (scale·x) of a block of rows of one (batch, query head) (grid: row blocks, B·H): x per
-    its own head of H_X (kv heads for the keys: read where they are, never expanded), x' ``[B, T, H, d]``
-    per query head. It feeds the feature logits, so it is fp32-accurate as they are: the logits' own
-    product (three TF32 products on tensor cores) with M for W."""
-    pid_t = tl.program_id(0)
+def _row_block(T, H, BLOCK_T: tl.constexpr):
+    """A row kernel's program, from the grid (row blocks, B·H): (batch, query head, its rows, which exist)."""
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = t < T
-    x_prime = feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok, m_ptr + h * d * d,
-                              scale, d, d, 0, False, BLOCK_T, BLOCK_D, BLOCK_D, D_STEP)
-    offs = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + ((b * T + t) * H + h)[:, None] * d + offs[None, :], x_prime,
-             mask=row_ok[:, None] & (offs < d)[None, :])
-
-
-# ---------------------------------------------------------------------------------------------
-# The backward's chain through the feature map (after the span kernels)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return (pid_bh // H).to(tl.int64), pid_bh % H, t, t < T
 
 
 @triton.jit
@@ -59,12 +42,7 @@ def chain_rows_kernel(g_ptr, x_ptr, w_ptr, out_ptr, T, H, H_X, m_g, d, w_head_st
     expanded), out ``[B, T, H, d]`` in its own dtype. The product over m_g in steps of F_STEP (small
     tiles, few registers) at the kernels' operands; the keys' −Σ dℓ · x' term and the scales fused:
     one read of G and x, one write of out."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = t < T
+    b, h, t, row_ok = _row_block(T, H, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < d
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
@@ -127,15 +105,11 @@ def chain_weights_kernel(g_ptr, x_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, O
 def logits_kernel(x_ptr, w_ptr, out_ptr, T, H, H_X, d, m_feats, w_head_stride, scale, IS_KEY: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The feature logits ℓ = W_h (scale·x) (keys: − ½‖scale·x‖²) of a block of rows of one (batch, query
-    head) (grid: row blocks, B·H), once per call for every span kernel to read: x ``[B, T, H_X, d]`` in any
-    float dtype (per its own head: kv heads are never expanded), ℓ ``[B, T, H, m]`` fp32. fp32-accurate:
-    three TF32 products (they are exponentiated)."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = t < T
+    head) (grid: row blocks, B·H), once for the backward's span kernels to read: x ``[B, T, H_X, d]`` in
+    any float dtype (per its own head: kv heads are never expanded), ℓ ``[B, T, H, m]`` fp32.
+    fp32-accurate: three TF32 products (they are exponentiated). With M_h for W_h (m = d, not a key)
+    it is DARKFormer's transform x' = M x̃, which feeds the logits and so is fp32-accurate as they are."""
+    b, h, t, row_ok = _row_block(T, H, BLOCK_T)
     logits = feature_logits(x_ptr + b * T * H_X * d + (h // (H // H_X)) * d, H_X * d, t, row_ok,
                             w_ptr + h * w_head_stride, scale, d, m_feats, 0, IS_KEY, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
     offs_m = tl.arange(0, BLOCK_M)

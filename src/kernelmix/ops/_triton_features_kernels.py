@@ -27,11 +27,11 @@ states reach memory once per span, not once per chunk. The forward is three laun
 The feature map is fused in the forward: a program loads its C × d queries and keys (in their own
 dtype), applies d^{-1/4} and the projection W with ``tl.dot`` at fp32 accuracy (the feature logits
 stay fp32) and forms the features in registers, so the forward keeps no T × m tensor. DARKFormer's
-transform x' = M x̃ is applied before, by ``transform_kernel`` (``_triton_features_chain``: one pass
-over the rows, the same fp32-accurate product). The
-products of features, states and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default;
-``_triton_products``), the normalisers and states accumulate in fp32. Grouped heads are indexed
-(query head h reads kv head h // (H / H_kv)), never expanded.
+transform x' = M x̃ is applied before, by ``logits_kernel`` with M for W (``_triton_features_chain``:
+one pass over the rows, the same fp32-accurate product). The products of features, states and
+values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default; ``_triton_products``), the
+normalisers and states accumulate in fp32. Grouped heads are indexed (query head h reads kv head
+h // (H / H_kv)), never expanded.
 
 The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
 denominator), the output at fp32, the scale entering each chunk and the states entering each span.
@@ -473,6 +473,22 @@ def _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, col
 
 
 @triton.jit
+def _logit_grad_chunk(lq_ptr, lk_ptr, v_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, c, pid_bh,
+                      T, H, H_KV, dv, m_feats, start, first_feature, cols, cols_ok, HAS_DOC: tl.constexpr,
+                      OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What both logit-gradient kernels need of chunk c: its rows and features (``_gradient_features``),
+    v and g (every value column), 1/den, c, and the gradient of its unnormalised scores,
+    dP_ij = (ĝ_i · v_j + c_i) exp(s_j − s_i) on the masked C × C tile."""
+    t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
+        lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, c, pid_bh, T, H, m_feats, start, first_feature, HAS_DOC,
+        BLOCK_T, BLOCK_M)
+    v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
+    g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+    d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
+    return t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, v, g, inv, c_row, d_scores
+
+
+@triton.jit
 def _store_logit_grads(dlog_ptr, d_logits, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M: tl.constexpr):
     """dL/dlogit of the chunk's rows, this program's block of features, into ``[B, T, H, m]`` (torch
     chains them through the feature map: no dW, dM accumulators here)."""
@@ -519,12 +535,9 @@ def query_grad_kernel(lq_ptr, lk_ptr, v_ptr, doc_ptr, ds_ptr, dz_ptr, carried_pt
     j = 0
     while j < n_sub:  # (a while loop: see the note at the top)
         chunk = first + j
-        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
-            lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, chunk, pid_bh, T, H, m_feats, start, first_feature,
-            HAS_DOC, BLOCK_T, BLOCK_M)
-        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
-        d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
+        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, v, g, inv, c_row, d_scores = _logit_grad_chunk(
+            lq_ptr, lk_ptr, v_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh, T, H,
+            H_KV, dv, m_feats, start, first_feature, cols, cols_ok, HAS_DOC, OPERANDS, BLOCK_T, BLOCK_M)
         d_feat = product(d_scores, key_feat, OPERANDS)
         carry = _exp_where(sigma - shift, continuing)
         from_state = product(g, tl.trans(state_s), OPERANDS) * inv[:, None] + c_row[:, None] * state_z[None, :]
@@ -630,14 +643,11 @@ def key_grad_kernel(lq_ptr, lk_ptr, v_ptr, doc_ptr, rs_ptr, rz_ptr, fine_ptr,
     j = n_sub - 1
     while j >= 0:  # (a while loop: see the note at the top)
         chunk = first + j
-        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, decay = _gradient_features(
-            lq_ptr, lk_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, chunk, pid_bh, T, H, m_feats, start, first_feature,
-            HAS_DOC, BLOCK_T, BLOCK_M)
-        v = _load_value_block(v_ptr + b * T * H_KV * dv + kv * dv, t, row_ok, H_KV * dv, cols, cols_ok)
-        g, inv, c_row = _gradient_rows(g_ptr, inv_ptr, c_ptr, b, h, pid_bh, t, row_ok, T, H, dv, cols, cols_ok)
+        t, row_ok, pos, doc, q_feat, key_feat, shift, continuing, v, g, inv, c_row, d_scores = _logit_grad_chunk(
+            lq_ptr, lk_ptr, v_ptr, g_ptr, inv_ptr, c_ptr, shift_ptr, qmax_ptr, doc_ptr, b, h, kv, chunk, pid_bh, T, H,
+            H_KV, dv, m_feats, start, first_feature, cols, cols_ok, HAS_DOC, OPERANDS, BLOCK_T, BLOCK_M)
         sigma = _last_row(shift, t, chunk, T, BLOCK_T)  # R's scale: the chunk's last row's
         seen_later = _exp_where(shift - sigma, row_ok & (pos >= _last_row(doc, t, chunk, T, BLOCK_T)))
-        d_scores = (product(g, tl.trans(v), OPERANDS) * inv[:, None] + c_row[:, None]) * decay
         d_feat = product(tl.trans(d_scores), q_feat, OPERANDS)
         d_feat += seen_later[:, None] * (tl.trans(product(later, tl.trans(v), OPERANDS)) + later_c[None, :])
         _store_logit_grads(dlog_ptr, key_feat * d_feat, b, h, t, row_ok, T, H, m_feats, first_feature, BLOCK_M)

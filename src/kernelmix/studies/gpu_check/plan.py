@@ -239,8 +239,7 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         has_transform = FEATURE_MIXERS[mixer]["has_transform"]
         rows = getattr(torch, FEATURE_MIXERS[mixer]["rows"])
         torch_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, dtype=rows))
-        public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True,
-                                                    dtype=torch.bfloat16))
+        public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True, dtype=rows))
     public = kernels + public_side
     kernels += torch_side
     op = "performer" if mixer in FEATURE_MIXERS else mixer
@@ -249,8 +248,8 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         useful -= 3 * at["batch"] * at["heads"] * forward_flops("softmax", length, at["head_dim"], 0, at["chunk_size"])
     tf32 = useful / H200["tf32_flops"] + readout
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
-    extra = dict(torch_ms=1e3 * torch_side, public_bf16_ms=1e3 * public,
-                 public_bf16_ratio=public / sdpa) if mixer in FEATURE_MIXERS else {}
+    extra = dict(torch_ms=1e3 * torch_side, public_ms=1e3 * public,
+                 public_ratio=public / sdpa) if mixer in FEATURE_MIXERS else {}
     return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), **extra,
                 design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,

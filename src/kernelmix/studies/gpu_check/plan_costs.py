@@ -28,16 +28,17 @@ value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span
 of value columns, or, in the two logit gradients, a block of features and every value column; one
 side's feature logits cost ``F = 2·C·D·M``), per (batch, head), chunk and block; every kernel but the
 scans runs one program per span and block, which walks its chunks and loads or stores its M × V part
-of the state once per span:
+of the state once per span. The forward's two kernels form their logits from the rows (C × D each);
+the backward's read the ones ``features_logits`` stored (C × M fp32 each, no F):
 
     span states           F + 2·C·M·V                          keys' logits, ΔS = φᵀ v
     forward (span)        2F + 2·C²·(M + V) + 4·C·M·V          scores, their mix, the entering state,
                                                                the walk's state update
-    query gradient (span) 2F + 2·C²·(M + V) + 4·C·M·V          ĝ vᵀ, stores dL/dℓ^q [C, M]
-    reverse span states   F + 2·C·M·V                          queries' logits, ΔR = φᵀ ĝ
-    key gradient          2F + 2·C²·(M + V) + 4·C·M·V          ĝ vᵀ, v Rᵀ, stores dL/dℓ^k [C, M]; the
+    reverse span states   2·C·M·V                              ΔR = φᵀ ĝ (and c, from g and the output)
+    query gradient (span) 2·C²·(M + V) + 4·C·M·V               ĝ vᵀ, stores dL/dℓ^q [C, M]
+    key gradient          2·C²·(M + V) + 4·C·M·V               ĝ vᵀ, v Rᵀ, stores dL/dℓ^k [C, M]; the
                                                                walk back extends R
-    value gradient        2F + 2·C²·(M + V) + 4·C·M·V          scores, stores dv [C, V]; the walk back
+    value gradient        2·C²·(M + V) + 4·C·M·V               scores, stores dv [C, V]; the walk back
                                                                extends R
 
 The feature logits (``F``) stay fp32-accurate: each is three TF32 products on tensor cores

@@ -9,9 +9,9 @@ tensor's elements, at most its storage), and a matrix product (``mm``, ``bmm``, 
 ``baddbmm``) executes 2·m·n·k FLOPs at the TF32 peak. Each op's roofline is max(FLOPs / peak,
 bytes / bandwidth) over the whole machine; their sum is a lower bound on torch's share of the call,
 taken from the very code the op runs, so a change to the torch side moves it. Counted for the Triton op
-(float32 in and out: what the kernels' cost model pairs with), and for the public op a model calls on
-bf16 inputs (its casts to float32 and back, and its guard against non-finite inputs, which on a GPU
-builds its masks without a sync on every call).
+(what the kernels' cost model pairs with), and for the public op a model calls
+(``random_feature_attention``: its guard against non-finite inputs on top, which on a GPU builds its
+masks, without a sync, on every call), both on q, k, v of the plan's dtype.
 """
 
 from __future__ import annotations

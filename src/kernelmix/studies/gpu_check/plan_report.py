@@ -48,7 +48,7 @@ def _roofline(plan: dict) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in plan["roofline"]:
         torch_ms = f"{r['torch_ms']:.2f}" if "torch_ms" in r else "–"
-        public = (f"{r['public_bf16_ms']:.2f} | {r['public_bf16_ratio']:.2f}" if "public_bf16_ms" in r else "– | –")
+        public = f"{r['public_ms']:.2f} | {r['public_ratio']:.2f}" if "public_ms" in r else "– | –"
         lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | {torch_ms} | "
                      f"{r['present_ratio']:.2f} | {public} | {r['design_tf32_ms']:.2f} | "
                      f"{r['design_tf32_ratio']:.2f} | {r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
