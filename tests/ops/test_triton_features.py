@@ -356,7 +356,7 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the twelve kernels (the transform,
+    """The interpreter accepts code the GPU compiler rejects: compile the twelve launches (the transform,
     the logits and the chain with them) for sm_90 down to a cubin (Triton ships ptxas) in a process
     without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
     compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=12)
