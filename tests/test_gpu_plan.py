@@ -74,12 +74,16 @@ def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypatch):
-    """Spans of 32 rows at T = 100 (4 spans, the last partial): each span kernel launches once per
-    span after the first (before the last), the in-span solves once per span, with the planned grids."""
+    """Spans of 32 rows in sub-spans of 16 at T = 100 (4 spans, the last partial, 7 sub-spans): each
+    span kernel launches once per span after the first (before the last), the in-span solves once per
+    sub-span, a push after every sub-span but a span's last, with the planned grids."""
     monkeypatch.setattr(solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(solve, "SUBSPAN_ROWS", 16)
+    # a span kernel and its pushes are one kernel (the first push of the first span is a span launch in
+    # all but name: the rows after its sub-span against everything before them): recorded as the pair
     grids = record(monkeypatch, solve,
-                   {"past_span_kernel": "solve_past_span", "solve_forward_kernel": "solve_forward",
-                    "future_span_kernel": "solve_future_span",
+                   {"past_span_kernel": "solve_past_span+solve_span_push", "solve_forward_kernel": "solve_forward",
+                    "future_span_kernel": "solve_future_span+solve_span_push_transposed",
                     "solve_transposed_kernel": "solve_transposed",
                     "grad_rows_kernel": "solve_grad_rows", "grad_columns_kernel": "solve_grad_columns"})
     batch, heads, length, d, chunk = 1, 2, 100, 8, 16
@@ -88,10 +92,17 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
                             doc_start=None)
     u.sum().backward()
     planned = solve_launches(batch, heads, length, d, d, chunk_size=chunk, strict=False, has_beta=False, has_doc=False)
-    assert [p.calls for p in planned] == [3, 4, 3, 4, 1, 1]
-    for launch in planned:
-        seen = [grid for name, grid in grids if name == launch.name]
-        assert len(seen) == launch.calls and max(seen) == launch.grid, launch.name
+    assert [p.name for p in planned] == ["solve_past_span", "solve_forward", "solve_span_push", "solve_future_span",
+                                         "solve_transposed", "solve_span_push_transposed", "solve_grad_rows",
+                                         "solve_grad_columns"]
+    assert [p.calls for p in planned] == [3, 7, 3, 3, 7, 3, 1, 1]
+    by_name = {p.name: p for p in planned}
+    for name in {name for name, _ in grids}:
+        launches = [by_name[part] for part in name.split("+")]
+        seen = [grid for recorded, grid in grids if recorded == name]
+        assert len(seen) == sum(x.calls for x in launches) and max(seen) == max(x.grid for x in launches), name
+    # the pushes reach one row block (a span's second sub-span): the planned grid
+    assert by_name["solve_span_push"].grid == (2, 1, 1) == by_name["solve_span_push_transposed"].grid
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
@@ -157,7 +168,7 @@ def test_the_cost_model_grows_with_the_work():
         long = sum(r["flops"] for r in plan_rows({"a": longer}, (mixer,)))
         assert long / short == pytest.approx(power, rel=0.05), mixer  # the spans' own work grows as T
     forward = sum(r["flops"] for r in plan_rows({"a": shape}, ("cubit",))
-                  if r["kernel"] in ("solve_past_span", "solve_forward"))
+                  if r["kernel"] in ("solve_past_span", "solve_forward", "solve_span_push"))
     heads, length, d = shape["heads"], shape["length"], shape["head_dim"]
     useful = heads * (forward_flops("cubit", length, d, 0, 64) - forward_flops("softmax", length, d, 0, 64))
     assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here

@@ -154,6 +154,29 @@ def test_spans_match_dense_reference(monkeypatch, span, length, chunk_size, stri
                             batch=batch, dims=dims)
 
 
+# Sub-spans inside the spans: the sequential launches solve 16 or 32 rows at a time, each followed
+# by a push of its rows into the span's later rows (forward) and earlier columns (backward); spans of
+# 48 or 64 rows, so that a span has 2-4 sub-spans, the last one partial where T ends mid-span, with
+# documents that begin inside a sub-span and cross sub-span and span edges; one span (T ≤ SPAN_ROWS)
+# whose sub-spans are the only pushes.
+@pytest.mark.parametrize(
+    "span, subspan, length, chunk_size, strict, with_beta, gamma, cuts, batch, dims",
+    [
+        (64, 16, 130, 16, False, False, [0.1], [[0, 40, 97], [0, 70]], 2, (8, 12)),  # Cubit-shaped
+        (48, 32, 131, 16, True, True, [0.3, 0.8], [[0, 21, 50]], 1, (8, 12)),  # DeltaFormer, 2 sub-spans of 2/1
+        (1024, 16, 77, 16, True, True, [0.5], [[0, 33]], 1, (20, 80)),  # one span of 5 sub-spans, 2 slices
+        (64, 32, 100, 32, False, True, [0.2], None, 1, (8, 12)),  # blocks of 32, substitution in 16s
+    ],
+)
+def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chunk_size, strict, with_beta, gamma,
+                                        cuts, batch, dims):
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", span)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", subspan)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "fp32")
+    check_against_reference(length, chunk_size, strict=strict, with_beta=with_beta, gamma=gamma, cuts=cuts,
+                            batch=batch, dims=dims)
+
+
 def test_wide_heads_take_their_own_gradient_blocks():
     """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): at a 128-wide head the
     row gradient works on 16-row blocks streaming 16-row tiles, the column gradient on the 64-row
@@ -179,11 +202,14 @@ def test_spans_with_cubit_tiny_ridge(monkeypatch):
 
 # The span products on tensor cores: the interpreter computes in fp32, the kernels round the operands
 # as the GPU does; the bounds are the errors measured here (docs/gpu.md), worst over values and
-# gradients at T = 193 in spans of 32 (dγ at Cubit's tiny ridge is the largest: 1.4e-3 / 1.2e-2).
+# gradients at T = 193 in spans of 32 (dγ at Cubit's tiny ridge is the largest: 1.4e-3 / 1.2e-2), and
+# in spans of 64 with sub-spans of 16, whose pushes take the same operands (1.3e-3 / 1.5e-2).
 @pytest.mark.parametrize("operands, bound", [("tf32", 2e-3), ("bf16", 2e-2)])
 @pytest.mark.parametrize("case", ["cubit", "deltaformer"])
-def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bound, case):
-    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+@pytest.mark.parametrize("span, subspan", [(32, 128), (64, 16)])
+def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bound, case, span, subspan):
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", span)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", subspan)
     monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", operands)
     if case == "cubit":
         kw = dict(strict=False, with_beta=False, gamma=[1e-6, 1e-6], cuts=[[0, 100], [0, 9]], cubit_like=True)
@@ -260,7 +286,8 @@ AOT_SCRIPT = textwrap.dedent("""
         source = triton.compiler.ASTSource
     except (ImportError, AttributeError) as error:
         sys.exit(f"SKIP: this Triton has no ahead-of-time compile API ({error})")
-    solve.SPAN_ROWS = 32  # several spans: every kernel of the chunk-parallel solve is launched
+    solve.SPAN_ROWS = 32  # several spans of two sub-spans: every kernel of the chunk-parallel solve is launched
+    solve.SUBSPAN_ROWS = 16
     # the launches the op makes (the same blocks, flags and warps; kernelmix gpu-check --plan compiles these)
     for launch in solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True):
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
@@ -273,6 +300,7 @@ AOT_SCRIPT = textwrap.dedent("""
 
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
-    type that changes in a loop): compile the six kernels for sm_90 down to a cubin (Triton ships
-    ptxas), in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=6)
+    type that changes in a loop): compile the eight launches (six kernels, two of them also as pushes)
+    for sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a
+    GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=8)

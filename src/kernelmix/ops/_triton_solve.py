@@ -39,6 +39,13 @@ LOG2E = 1.0 / math.log(2.0)
 # (≤ 1.3e-3; 1.2e-2 in dγ) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
 SPAN_ROWS = 1024
 SPAN_OPERANDS = "tf32"
+# Inside a span, the sequential launch solves SUBSPAN_ROWS rows at a time (whole row blocks); after
+# each sub-span, one parallel launch pushes its solved rows into the online softmax of the span's
+# later rows (forward; backward: into the sums of the span's earlier columns). The sequential work,
+# on B·H·(value slices) programs only, is then ∝ T·SUBSPAN_ROWS instead of T·SPAN_ROWS (plan.md: 3.2
+# ms of 21.3 per direction at the target shape with whole spans), for 2·(SPAN_ROWS / SUBSPAN_ROWS − 1)
+# more launches per span. The pushes' products take SPAN_OPERANDS like the span kernels'.
+SUBSPAN_ROWS = 128
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
@@ -125,6 +132,9 @@ class _Layout:
         # spans of the chunk-parallel solve: whole row blocks, SPAN_ROWS rows or fewer
         self.span_blocks = max(1, SPAN_ROWS // self.block_t)
         self.spans = triton.cdiv(self.blocks, self.span_blocks)
+        self.subspan_blocks = max(1, min(self.span_blocks, SUBSPAN_ROWS // self.block_t))
+        # partials (forward) and sums (backward) from outside a sub-span: needed unless one sub-span is all
+        self.has_partials = self.blocks > self.subspan_blocks
         self.slices = triton.cdiv(self.dv, self.block_v)
         # tensor cores for the products across spans and the gradients' products; one span: all fp32
         self.operands = SPAN_OPERANDS if self.spans > 1 else "fp32"
@@ -165,10 +175,20 @@ class _Layout:
         first = span * self.span_blocks
         return first, min(first + self.span_blocks, self.blocks)
 
+    def subspans_of(self, span: int) -> list[tuple[int, int]]:
+        """The row blocks [first, stop) of each sub-span of span ``span``, in order."""
+        first, stop = self.span_blocks_of(span)
+        return [(i, min(i + self.subspan_blocks, stop)) for i in range(first, stop, self.subspan_blocks)]
+
     def span_grid(self, span: int) -> tuple[int, int, int]:
         """The past / future span kernels: one program per (batch · head, row block of the span, value slice)."""
         first, stop = self.span_blocks_of(span)
-        return (self.batch * self.heads, stop - first, self.slices)
+        return self.push_grid(stop - first)
+
+    def push_grid(self, blocks: int) -> tuple[int, int, int]:
+        """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block,
+        value slice)."""
+        return (self.batch * self.heads, blocks, self.slices)
 
     @property
     def block_grid(self) -> tuple[int, int]:
@@ -189,12 +209,14 @@ class _Layout:
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
     """U and the row log-normalisers, span by span: the past spans' products in parallel
-    (:func:`past_span_kernel`), then the span's own substitution (:func:`solve_forward_kernel`)."""
+    (:func:`past_span_kernel`), then the span's own rows, a sub-span at a time: its substitution
+    (:func:`solve_forward_kernel`), then a push of its solved rows into the span's later rows."""
     # U laid out [B, T, H, dv] (the callers' layout), seen as [B, H, T, dv]
     u = b.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     lse = x.new_empty(lay.batch, lay.heads, lay.length)  # base-2 row log-normalisers
-    if lay.spans > 1:  # the past spans' running max, sum and mix of each row
-        row_max, row_sum = x.new_empty(lay.batch, lay.heads, lay.length), x.new_empty(lay.batch, lay.heads, lay.length)
+    if lay.has_partials:  # the running max and sum (per value slice) and mix of each row so far
+        row_max = x.new_empty(lay.slices, lay.batch, lay.heads, lay.length)
+        row_sum = x.new_empty(lay.slices, lay.batch, lay.heads, lay.length)
         acc = b.new_empty(lay.batch, lay.heads, lay.length, lay.dv)
     else:
         row_max = row_sum = lse
@@ -202,51 +224,73 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     flags = lay.flags()
+
+    def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
+        past_span_kernel[lay.push_grid(grid_blocks)](
+            x, y, u, ds_arg, row_max, row_sum, acc, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(acc),
+            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start, column_start,
+            column_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
+            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, num_warps=flags["num_warps"],
+        )
+
     for span in range(lay.spans):
         first, stop = lay.span_blocks_of(span)
-        start, end = first * lay.block_t, min(stop * lay.block_t, lay.length)
-        if span > 0:
-            past_span_kernel[lay.span_grid(span)](
-                x, y, u, ds_arg, row_max, row_sum, acc, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(acc),
-                *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, BLOCK_T=lay.block_t,
-                BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict, HAS_DOC=lay.has_doc,
-                OPERANDS=lay.operands, num_warps=flags["num_warps"],
+        if span > 0:  # every row of the span against all earlier spans
+            mix(stop - first, first * lay.block_t, 0, first * lay.block_t, False)
+        subspans = lay.subspans_of(span)
+        for index, (sub_first, sub_stop) in enumerate(subspans):
+            start, end = sub_first * lay.block_t, min(sub_stop * lay.block_t, lay.length)
+            seen = span > 0 or index > 0  # partials stored for these rows
+            solve_forward_kernel[lay.sequential_grid](
+                x, y, b, u, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
+                *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
+                *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end,
+                BLOCK_V=lay.block_v, HAS_PAST=seen, **lay.substitution_flags(),
             )
-        solve_forward_kernel[lay.sequential_grid](
-            x, y, b, u, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
-            *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
-            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end, BLOCK_V=lay.block_v,
-            HAS_PAST=span > 0, **lay.substitution_flags(),
-        )
+            if sub_stop < stop:  # push the solved rows into the span's later rows
+                mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
     return u, lse
 
 
 def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout) -> Tensor:
     """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
-    (:func:`future_span_kernel`), then the span's own back substitution (:func:`solve_transposed_kernel`)."""
+    (:func:`future_span_kernel`), then the span's own rows a sub-span at a time from the last: its back
+    substitution (:func:`solve_transposed_kernel`), then a push of its db into the span's earlier columns."""
     grad_b = grad_u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
-    future = grad_u.new_empty(lay.batch, lay.heads, lay.length, lay.dv) if lay.spans > 1 else grad_b
+    future = grad_u.new_empty(lay.batch, lay.heads, lay.length, lay.dv) if lay.has_partials else grad_b
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     common = (*lay.beta_strides, *lay.ds_strides)
     flags = lay.flags()
+
+    def gather(column_first, columns, row_first, row_stop, accumulate):
+        future_span_kernel[lay.push_grid(columns)](
+            x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
+            *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
+            column_first, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v,
+            STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands,
+            ACCUMULATE=accumulate, num_warps=flags["num_warps"],
+        )
+
+    ratio = lay.block_t // lay.sub_t  # bounds in substitution blocks
     for span in reversed(range(lay.spans)):
         first, stop = lay.span_blocks_of(span)
         later = span < lay.spans - 1
-        if later:
-            future_span_kernel[lay.span_grid(span)](
-                x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
-                *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2, first, stop,
-                BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
-                HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands, num_warps=flags["num_warps"],
+        if later:  # every column of the span against all later spans
+            gather(first, stop - first, stop, lay.blocks, False)
+        subspans = lay.subspans_of(span)
+        for index in reversed(range(len(subspans))):
+            sub_first, sub_stop = subspans[index]
+            seen = later or index < len(subspans) - 1  # sums stored for these columns
+            solve_transposed_kernel[lay.sequential_grid](
+                x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, sub_ends, future,
+                *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
+                lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, sub_first * ratio,
+                min(sub_stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=seen,
+                **lay.substitution_flags(),
             )
-        ratio = lay.block_t // lay.sub_t  # the span's bounds in substitution blocks
-        solve_transposed_kernel[lay.sequential_grid](
-            x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, sub_ends, future,
-            *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
-            lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, first * ratio,
-            min(stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=later, **lay.substitution_flags(),
-        )
+            if sub_first > first:  # push the solved db into the span's earlier columns
+                gather(first, sub_first - first, sub_first, sub_stop, seen)
     return grad_b
 
 
@@ -353,24 +397,34 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     lay = _Layout(x, b, beta, doc, 1.0, strict, chunk_size)
     flags = lay.flags()
     warps = flags.pop("num_warps")
-    several = lay.spans > 1
+    several = lay.has_partials
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
-                 operands=lay.operands, grad_row_t=lay.grad_row_t)
+                 operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
+    # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
+    reach = sorted(lay.span_blocks_of(index)[1] - sub_stop for index in range(lay.spans)
+                   for _, sub_stop in lay.subspans_of(index)[:-1])
+    subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
+    push_grid = lay.push_grid(reach[len(reach) // 2] if reach else 1)
     row_gradient = lay.gradient_flags(rows=True) | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
     column_gradient = lay.gradient_flags(rows=False)
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
-    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span, lay.spans - 1),
+    transposed = span | {"HAS_BETA": lay.has_beta}
+    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span | {"CONTINUE": False},
+                lay.spans - 1),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
-                lay.spans),
-               ("solve_future_span", future_span_kernel, lay.span_grid(0), span | {"HAS_BETA": lay.has_beta},
+                subspans),
+               ("solve_span_push", past_span_kernel, push_grid, span | {"CONTINUE": True}, len(reach)),
+               ("solve_future_span", future_span_kernel, lay.span_grid(0), transposed | {"ACCUMULATE": False},
                 lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
-                substitution | {"HAS_FUTURE": several}, lay.spans),
+                substitution | {"HAS_FUTURE": several}, subspans),
+               ("solve_span_push_transposed", future_span_kernel, push_grid, transposed | {"ACCUMULATE": True},
+                len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, 1),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,

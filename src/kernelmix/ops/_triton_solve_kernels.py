@@ -274,8 +274,10 @@ if triton is not None:
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
-        max_ptr += pid.to(tl.int64) * length
-        sum_ptr += pid.to(tl.int64) * length
+        # the partials are kept per value slice: a push updates them in place, slice by slice
+        partials = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64) * length
+        max_ptr += partials
+        sum_ptr += partials
         i0 = span_start
         while i0 < span_end:
             _forward_block(
@@ -291,36 +293,49 @@ if triton is not None:
     def past_span_kernel(
         x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad,
-        s_dsb, s_dst, heads, length, dk, dv, scale2, span_start,
+        s_dsb, s_dst, heads, length, dk, dv, scale2, row_start, column_start, column_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, CONTINUE: tl.constexpr,
     ):
-        """Grid (B·H, row blocks of the span, value slices), all in parallel: row block I of the span
-        starting at ``span_start`` against every solved column before the span, [first_I, span_start):
-        the online softmax's running max and sum (slice 0 stores them) and Σ_j exp2(s_ij − max) u_j,
-        which :func:`solve_forward_kernel` continues from. Its products are the off-diagonal ones, the
-        bulk of the solve: on tensor cores unless ``OPERANDS`` is "fp32"."""
+        """Grid (B·H, row blocks from ``row_start``, value slices), all in parallel: row block I against
+        the solved columns [max(first_I, column_start), column_stop), all before its rows: the online
+        softmax's running max, sum and Σ_j exp2(s_ij − max) u_j, started afresh or, with ``CONTINUE``,
+        carried on from the partials stored (per value slice, so that no slice reads another's update);
+        :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
+        earlier span, and, inside a span, for the rows after a solved sub-span against it (a push).
+        Its products are the off-diagonal ones, the bulk of the solve: on tensor cores unless
+        ``OPERANDS`` is "fp32"."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        i0 = span_start + tl.program_id(1) * BLOCK_T
+        i0 = row_start + tl.program_id(1) * BLOCK_T
         rows = i0 + tl.arange(0, BLOCK_T)
         vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
+        partials = (tl.program_id(2) * tl.num_programs(0) + pid).to(tl.int64) * length
+        acc_ptr += bi * s_ab + hi * s_ah
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
         x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
+        first = tl.maximum(_first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), column_start)
         row_max, row_sum, acc = _forward_past(
-            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, span_start,
+            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, column_stop,
             s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32),
             tl.zeros([BLOCK_T], dtype=tl.float32), tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
             BLOCK_T, BLOCK_K, STRICT, OPERANDS,
         )
-        _store_rows(acc_ptr + bi * s_ab + hi * s_ah, rows, vcols, s_at, s_ad, length, dv, acc)
-        if tl.program_id(2) == 0:
-            tl.store(max_ptr + pid.to(tl.int64) * length + rows, row_max, mask=rows < length)
-            tl.store(sum_ptr + pid.to(tl.int64) * length + rows, row_sum, mask=rows < length)
+        if CONTINUE:  # merged with the stored partials after the loop, whose tiles are then dead (ptxas
+            # spilled 180 B at d = 128 when they were loaded before it)
+            old_max, old_sum, old_acc = _span_partials(max_ptr + partials, sum_ptr + partials, acc_ptr, rows, vcols,
+                                                       s_at, s_ad, length, dv, BLOCK_T, BLOCK_V, True)
+            new_max = tl.maximum(old_max, row_max)
+            old_scale, scale = tl.exp2(old_max - new_max), tl.exp2(row_max - new_max)
+            row_sum = old_sum * old_scale + row_sum * scale
+            acc = old_acc * old_scale[:, None] + acc * scale[:, None]
+            row_max = new_max
+        _store_rows(acc_ptr, rows, vcols, s_at, s_ad, length, dv, acc)
+        tl.store(max_ptr + partials + rows, row_max, mask=rows < length)
+        tl.store(sum_ptr + partials + rows, row_sum, mask=rows < length)
 
     @triton.jit
     def _transposed_later(
@@ -406,29 +421,35 @@ if triton is not None:
     def future_span_kernel(
         x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd,
-        s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, span_first, span_stop,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, column_first,
+        row_first, row_stop,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STRICT: tl.constexpr,
+        HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, ACCUMULATE: tl.constexpr,
     ):
-        """Grid (B·H, column blocks of the span, value slices), all in parallel: column block J of the
-        span [span_first, span_stop) against every row block after the span that sees it,
-        Σ_{I ≥ span_stop} K_IJᵀ (β_I db_I) (their db solved already): the transposed solve's
-        off-diagonal products, on tensor cores unless ``OPERANDS`` is "fp32"."""
+        """Grid (B·H, column blocks from ``column_first``, value slices), all in parallel: column block J
+        against the row blocks [row_first, row_stop) after it that see it, Σ_I K_IJᵀ (β_I db_I) (their
+        db solved already), stored, or with ``ACCUMULATE`` added to what is stored: the transposed
+        solve's off-diagonal products, for a span's columns against every later span, and inside a
+        span for the columns before a solved sub-span against it (a push); on tensor cores unless
+        ``OPERANDS`` is "fp32"."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        j_block = span_first + tl.program_id(1)
+        j_block = column_first + tl.program_id(1)
         cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
         vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, tl.arange(0, BLOCK_K), s_yt, s_yd, length, dk)
-        end_block = tl.load(end_ptr + bi * blocks + j_block)
+        end_block = tl.minimum(tl.load(end_ptr + bi * blocks + j_block), row_stop)
         total = _transposed_later(
             y_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            cols, span_stop, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
+            cols, row_first, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
             BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
         )
-        _store_rows(fut_ptr + bi * s_fb + hi * s_fh, cols, vcols, s_ft, s_fd, length, dv, total)
+        fut_ptr += bi * s_fb + hi * s_fh
+        if ACCUMULATE:
+            total += _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
+        _store_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv, total)
 
     @triton.jit
     def _grad_rows_sums(

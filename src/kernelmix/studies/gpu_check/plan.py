@@ -51,11 +51,15 @@ LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=2
 # what bounds each kernel's grid: the reason its program count is what it is
 GRID_BOUNDS = {
     "solve_past_span": "B·H·(row blocks of a span)·⌈d_v/BLOCK_V⌉: every row of the span against the earlier spans",
-    "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows in order "
+    "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
                      "(the forward substitution)",
+    "solve_span_push": "B·H·(row blocks after the sub-span in its span)·⌈d_v/BLOCK_V⌉ (the median push's): "
+                       "a solved sub-span pushed into the span's later rows",
+    "solve_span_push_transposed": "B·H·(column blocks before the sub-span in its span)·⌈d_v/BLOCK_V⌉ (the median "
+                                  "push's): a solved sub-span's db pushed into the span's earlier columns",
     "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: "
                          "every column of the span against the later spans",
-    "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per span: one program walks the span's rows from the last (the back "
+    "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
     "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
@@ -75,14 +79,19 @@ GRID_BOUNDS = {
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
-_IN_SPAN = ("a triangular substitution is sequential in its rows: inside a span of {span} rows it is the "
-            "only order-dependent work, {share:.0%} of the solve's products; the rest runs in the span kernels")
+_IN_SPAN = ("a triangular substitution is sequential in its rows: inside a sub-span of {span} rows it is the "
+            "only order-dependent work, {share:.0%} of the solve's products; the rest runs in the span kernels "
+            "and the pushes")
+_PUSH = ("a push reaches the rows (columns) of its span on the far side of its sub-span: from {most} row "
+         "blocks after the first sub-span down to {least} after the last but one; the pushes are {share:.0%} of "
+         "the solve's products, and a longer span would give them more rows but the substitution more too")
 # a kernel whose small grid is right says why (filled in per row by :func:`_why_fewer`)
 _RECURRENCE = ("R_c = a_c R_{{c−1}} + K_cᵀ(X_c − A_c R_{{c−1}}) reads all m rows of R_{{c−1}}, so only its value "
                "columns split across programs, and the chunks go in order; it is {share:.0%} of Cubit-RF's Triton "
                "products (the per-chunk solves are torch's); its blocks are already 16 columns, the narrowest "
                "operand tl.dot takes")
-WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN, "cubit_rf_recurrence": _RECURRENCE,
+WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH,
+             "solve_span_push_transposed": _PUSH, "cubit_rf_recurrence": _RECURRENCE,
              "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
 
@@ -148,10 +157,14 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
     if launch.name.startswith("cubit_rf_"):
         return text.format(share=costs[launch.name] / sum(costs.values()))
-    pair = ("solve_past_span", "solve_forward") if launch.name == "solve_forward" else (
-        "solve_future_span", "solve_transposed")
-    share = costs[launch.name] / sum(costs.get(name, 0.0) for name in pair)
-    return text.format(span=launch.tiles["span_blocks"] * launch.tiles["block_t"], share=share)
+    forward = launch.name in ("solve_forward", "solve_span_push")
+    direction = ("solve_past_span", "solve_forward", "solve_span_push") if forward else (
+        "solve_future_span", "solve_transposed", "solve_span_push_transposed")
+    share = costs[launch.name] / sum(costs.get(name, 0.0) for name in direction)
+    tiles = launch.tiles
+    most = min(tiles["span_blocks"], tiles["blocks"]) - tiles["subspan_blocks"]
+    return text.format(span=tiles["subspan_blocks"] * tiles["block_t"], share=share, most=most,
+                       least=min(most, tiles["subspan_blocks"]))
 
 
 def _load_compiled(path: Path) -> dict[str, dict]:

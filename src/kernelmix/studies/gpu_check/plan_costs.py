@@ -9,13 +9,16 @@ loaded again by another program is counted again, so ``bytes`` is what the kerne
 system, an upper bound on its DRAM traffic (L2 serves some of it).
 
 **The solve** (Cubit, DeltaFormer; ``n`` row blocks of ``C`` rows in spans, ``P`` (row block,
-earlier-span column block) pairs and as many (column block, later-span row block) pairs, ``L`` / ``S``
-tiles on and below / strictly below the diagonal inside the spans, ``L₀ = n(n+1)/2`` in all, ``s``
-value slices of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`), per (batch, head):
+earlier-span column block) pairs and as many (column block, later-span row block) pairs, ``Q`` pairs
+of a row block and an earlier sub-span's column block in the same span, ``L`` / ``S`` tiles on and
+below / strictly below the diagonal inside the sub-spans, ``L₀ = n(n+1)/2`` in all, ``s`` value slices
+of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :func:`push_tiles`), per
+(batch, head):
 
     past / future spans   s · P · 2·C²·(K + V)                 logits and mix of every pair (each
                                                                slice recomputes the logits)
-    forward, transposed   s · (2·c²·K·L + 2·c²·V·S + c²·V·n)   the spans' own tiles, the in-block
+    pushes (both ways)    s · Q · 2·C²·(K + V)                 the same, inside the spans
+    forward, transposed   s · (2·c²·K·L + 2·c²·V·S + c²·V·n)   the sub-spans' own tiles, the in-block
                                                                substitution (in blocks of c rows,
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
@@ -96,6 +99,19 @@ def span_tiles(blocks: int, span_blocks: int) -> dict:
     return dict(past=past, future=future, lower=lower, strict=strict)
 
 
+def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int) -> dict:
+    """The pushes inside the spans: (row block, earlier sub-span's column block) pairs, and the row
+    blocks whose partials the pushes carry on (``reached``, summed over the pushes)."""
+    pairs = reached = 0
+    for first in range(0, blocks, span_blocks):
+        stop = min(first + span_blocks, blocks)
+        for sub_first in range(first, stop, subspan_blocks):
+            sub_stop = min(sub_first + subspan_blocks, stop)
+            pairs += (stop - sub_stop) * (sub_stop - sub_first)
+            reached += stop - sub_stop
+    return dict(pairs=pairs, reached=reached)
+
+
 def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc: bool) -> Cost:
     """The executed cost of one solve kernel, summed over its launches in one call (the module
     docstring's formulas, with the products split between the span kernels and the spans' own)."""
@@ -104,24 +120,31 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
-    several = tiles["spans"] > 1
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
     if name in ("solve_past_span", "solve_future_span"):
         pairs = count["past" if name == "solve_past_span" else "future"]
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
         moved = slices * (pairs * c * ((k + v) * FP32 + (name == "solve_future_span") * row_scalars)
                           + spanned_rows * ((k + v + 2) * FP32 + row_scalars))
+    elif name in ("solve_span_push", "solve_span_push_transposed"):
+        push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"])
+        flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
+        # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
+        # (the running max and sum and the mix; backward: the sums)
+        streamed = (k + v) * FP32 + (name == "solve_span_push_transposed") * row_scalars
+        carried = (k + 2 * v + 4) * FP32 if name == "solve_span_push" else (k + 2 * v) * FP32
+        moved = slices * c * (push["pairs"] * streamed + push["reached"] * carried)
     elif name in ("solve_forward", "solve_transposed"):
-        # the spans' own rows, in substitution blocks of sub_t rows
+        # the sub-spans' own rows, in substitution blocks of sub_t rows
         sub = tiles["sub_t"]
         blocks = n * c // sub
-        inner = span_tiles(blocks, tiles["span_blocks"] * c // sub)
+        inner = span_tiles(blocks, tiles["subspan_blocks"] * c // sub)
         flops = slices * (2 * sub * sub * k * inner["lower"] + 2 * sub * sub * v * inner["strict"]
                           + sub * sub * v * blocks)
         # per earlier tile of the span: its key rows and its solved (or db) rows; per block: x, y, b in,
         # U out, scalars, and the span kernels' partials
         moved = slices * (inner["strict"] * sub * (k + v) * FP32 + blocks * sub * ((2 * k + 2 * v) * FP32 + row_scalars)
-                          + several * spanned_rows * (v + 2) * FP32)
+                          + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2) * FP32)  # partials from outside
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
     elif name == "solve_grad_rows":  # Cubit (no β) reads e from K U = b − γ U: one product with y fewer
@@ -251,4 +274,4 @@ def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost,
 
 
 __all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_cost", "roofline_seconds",
-           "sdpa_cost", "solve_cost", "span_tiles"]
+           "sdpa_cost", "push_tiles", "solve_cost", "span_tiles"]
