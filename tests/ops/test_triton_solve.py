@@ -166,6 +166,8 @@ def test_spans_match_dense_reference(monkeypatch, span, length, chunk_size, stri
         (48, 32, 131, 16, True, True, [0.3, 0.8], [[0, 21, 50]], 1, (8, 12)),  # DeltaFormer, 2 sub-spans of 2/1
         (1024, 16, 77, 16, True, True, [0.5], [[0, 33]], 1, (20, 80)),  # one span of 5 sub-spans, 2 slices
         (64, 32, 100, 32, False, True, [0.2], None, 1, (8, 12)),  # blocks of 32, substitution in 16s
+        # dv = 160: the forward's three slices of 64, the transposed span kernels' two of 128
+        (32, 16, 40, 16, True, True, [0.4], [[0, 17]], 1, (8, 160)),
     ],
 )
 def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chunk_size, strict, with_beta, gamma,

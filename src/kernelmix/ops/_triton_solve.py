@@ -136,6 +136,11 @@ class _Layout:
         # partials (forward) and sums (backward) from outside a sub-span: needed unless one sub-span is all
         self.has_partials = self.blocks > self.subspan_blocks
         self.slices = triton.cdiv(self.dv, self.block_v)
+        # the transposed direction's span kernels (and pushes) take slices of up to 128 value columns: one
+        # slice forms each kernel tile once (ptxas, sm_90, d = 128: 228-247 registers, no spill, where
+        # the forward's online softmax spilled 216 B at 128); its sequential kernel keeps BLOCK_V
+        self.future_block_v = min(128, self.block_dv)
+        self.future_slices = triton.cdiv(self.dv, self.future_block_v)
         # tensor cores for the products across spans and the gradients' products; one span: all fp32
         self.operands = SPAN_OPERANDS if self.spans > 1 else "fp32"
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
@@ -180,15 +185,15 @@ class _Layout:
         first, stop = self.span_blocks_of(span)
         return [(i, min(i + self.subspan_blocks, stop)) for i in range(first, stop, self.subspan_blocks)]
 
-    def span_grid(self, span: int) -> tuple[int, int, int]:
+    def span_grid(self, span: int, transposed: bool = False) -> tuple[int, int, int]:
         """The past / future span kernels: one program per (batch · head, row block of the span, value slice)."""
         first, stop = self.span_blocks_of(span)
-        return self.push_grid(stop - first)
+        return self.push_grid(stop - first, transposed)
 
-    def push_grid(self, blocks: int) -> tuple[int, int, int]:
+    def push_grid(self, blocks: int, transposed: bool = False) -> tuple[int, int, int]:
         """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block,
-        value slice)."""
-        return (self.batch * self.heads, blocks, self.slices)
+        value slice; the transposed direction's slices are wider)."""
+        return (self.batch * self.heads, blocks, self.future_slices if transposed else self.slices)
 
     @property
     def block_grid(self) -> tuple[int, int]:
@@ -264,10 +269,10 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     flags = lay.flags()
 
     def gather(column_first, columns, row_first, row_stop, accumulate):
-        future_span_kernel[lay.push_grid(columns)](
+        future_span_kernel[lay.push_grid(columns, transposed=True)](
             x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
             *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
-            column_first, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v,
+            column_first, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.future_block_v,
             STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands,
             ACCUMULATE=accumulate, num_warps=flags["num_warps"],
         )
@@ -400,31 +405,34 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     several = lay.has_partials
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
-                 operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks)
+                 operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks,
+                 future_block_v=lay.future_block_v)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
     reach = sorted(lay.span_blocks_of(index)[1] - sub_stop for index in range(lay.spans)
                    for _, sub_stop in lay.subspans_of(index)[:-1])
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
-    push_grid = lay.push_grid(reach[len(reach) // 2] if reach else 1)
+    median = reach[len(reach) // 2] if reach else 1
+    push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
     row_gradient = lay.gradient_flags(rows=True) | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
     column_gradient = lay.gradient_flags(rows=False)
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
-    transposed = span | {"HAS_BETA": lay.has_beta}
+    transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
     kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span | {"CONTINUE": False},
                 lay.spans - 1),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
                 subspans),
                ("solve_span_push", past_span_kernel, push_grid, span | {"CONTINUE": True}, len(reach)),
-               ("solve_future_span", future_span_kernel, lay.span_grid(0), transposed | {"ACCUMULATE": False},
+               ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
+                transposed | {"ACCUMULATE": False},
                 lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, subspans),
-               ("solve_span_push_transposed", future_span_kernel, push_grid, transposed | {"ACCUMULATE": True},
-                len(reach)),
+               ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
+                transposed | {"ACCUMULATE": True}, len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, 1),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,

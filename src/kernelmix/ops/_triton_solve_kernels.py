@@ -50,7 +50,7 @@ load their tiles inline rather than through the small helpers.
 
 from __future__ import annotations
 
-from ._triton_products import product
+from ._triton_products import product, product_into
 
 try:
     import triton
@@ -478,12 +478,12 @@ if triton is not None:
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
             if HAS_E:
                 scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
-                weighted += product(kernel * scores, y_tile, OPERANDS)
+                weighted = product_into(kernel * scores, y_tile, weighted, OPERANDS)
             else:
                 products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
                 e_rows += tl.sum(products, 1)
-                weighted += product(products, y_tile, OPERANDS)
-                smoothed += product(kernel, y_tile, OPERANDS)
+                weighted = product_into(products, y_tile, weighted, OPERANDS)
+                smoothed = product_into(kernel, y_tile, smoothed, OPERANDS)
             j0 += STREAM_T
         return e_rows, weighted, smoothed
 

@@ -90,7 +90,11 @@ _RECURRENCE = ("R_c = a_c R_{{c−1}} + K_cᵀ(X_c − A_c R_{{c−1}}) reads al
                "columns split across programs, and the chunks go in order; it is {share:.0%} of Cubit-RF's Triton "
                "products (the per-chunk solves are torch's); its blocks are already 16 columns, the narrowest "
                "operand tl.dot takes")
-WHY_FEWER = {"solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH,
+_ONE_SLICE = ("its programs hold {width} value columns (up to 128, all of a head up to 128), so each kernel tile "
+              "is formed once per {width}; narrower slices would launch more programs that form the same tiles "
+              "again (at d = 128, slices of 64: twice the programs for 1.5× the products and bytes); it is "
+              "{share:.0%} of the transposed solve's products")
+WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH,
              "solve_span_push_transposed": _PUSH, "cubit_rf_recurrence": _RECURRENCE,
              "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
@@ -164,7 +168,7 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     tiles = launch.tiles
     most = min(tiles["span_blocks"], tiles["blocks"]) - tiles["subspan_blocks"]
     return text.format(span=tiles["subspan_blocks"] * tiles["block_t"], share=share, most=most,
-                       least=min(most, tiles["subspan_blocks"]))
+                       least=min(most, tiles["subspan_blocks"]), width=tiles["future_block_v"])
 
 
 def _load_compiled(path: Path) -> dict[str, dict]:

@@ -116,6 +116,8 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     """The executed cost of one solve kernel, summed over its launches in one call (the module
     docstring's formulas, with the products split between the span kernels and the spans' own)."""
     c, k, v, dv, n = tiles["block_t"], tiles["block_k"], tiles["block_v"], tiles["block_dv"], tiles["blocks"]
+    if name in ("solve_future_span", "solve_span_push_transposed"):  # the transposed span kernels' wider slices
+        v = tiles["future_block_v"]
     count = span_tiles(n, tiles["span_blocks"])
     all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
