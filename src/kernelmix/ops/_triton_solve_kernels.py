@@ -8,8 +8,10 @@ documents. The same computation as ``_solve_blocked`` (its docstring derives the
 chunk-parallel forward substitution: the rows are cut into spans of ``SPAN_ROWS`` (this constant
 and the others the launches read live in ``_triton_solve``); per span, one launch mixes every row
 of the span with all earlier spans' solved rows in parallel (``past_span_kernel``: the bulk of the
-products, on tensor cores), then one program per (batch, head, slice of value columns) walks the
-span's row blocks in order (``solve_forward_kernel``).
+products, on tensor cores), then the span's rows are solved a sub-span (``SUBSPAN_ROWS``) at a time:
+one program per (batch, head, slice of value columns) walks the sub-span's row blocks in order
+(``solve_forward_kernel``), then ``past_span_kernel`` again pushes the solved sub-span into the
+online softmax of the span's later rows (carrying on from their stored partials), in parallel.
 
 Forward: for row block I, an online softmax (running max, running sum, flash-attention style) over
 the past column blocks mixes the stored U rows — the earlier spans' in ``past_span_kernel``, which
@@ -25,18 +27,19 @@ Backward, with db = A^{-T} dU and e_i = Σ_j K_ij (db_i·u_j):
     grad b = db,   dγ_h = −Σ_i db_i·u_i,   dβ_i = −e_i,
     dL_ij = −β_i K_ij (db_i·u_j − e_i),   dx_i = scale Σ_j dL_ij y_j,   dy_j = scale Σ_i dL_ij x_i.
 Three stages: the transposed solve (per span from the last, ``future_span_kernel`` sums the later
-spans' A_IJᵀ db_I for every column block of the span in parallel, then ``solve_transposed_kernel``
-walks the span's row blocks from the last, K recomputed from x, y and the saved log-normalisers,
-back substitution in registers);
+spans' A_IJᵀ db_I for every column block of the span in parallel, then per sub-span from the last
+``solve_transposed_kernel`` walks its row blocks from the last and ``future_span_kernel`` adds its
+A_IJᵀ db_I to the sums of the span's earlier columns; K is recomputed from x, y and the saved
+log-normalisers, the back substitution is in registers);
 then, in parallel over row blocks, e and dx (``grad_rows_kernel``; dx_i = −scale β_i (Σ_j K_ij S_ij y_j
 − e_i Σ_j K_ij y_j), S = db uᵀ, in one pass over the columns), and in parallel over column blocks dy
 (``grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
-Softmax, normalisers and systems are fp32, and so are the in-span products (``input_precision=
-"ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans and the gradient
-kernels' products take ``SPAN_OPERANDS`` (TF32 by default; the error measured against float64 is
-at the constant).
+Softmax, normalisers and systems are fp32, and so are the in-sub-span products (``input_precision=
+"ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans, the pushes'
+and the gradient kernels' take ``SPAN_OPERANDS`` (TF32 by default; the error measured against
+float64 is at the constant).
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
