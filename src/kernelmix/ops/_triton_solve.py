@@ -142,7 +142,7 @@ class _Layout:
         # the forward's online softmax spilled 216 B at 128); its sequential kernel keeps BLOCK_V
         self.future_block_v = min(128, self.block_dv)
         self.future_slices = triton.cdiv(self.dv, self.future_block_v)
-        # tensor cores for the products across spans and the gradients' products; one span: all fp32
+        # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
         self.operands = SPAN_OPERANDS if self.spans > 1 else "fp32"
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)

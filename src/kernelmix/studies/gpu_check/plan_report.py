@@ -73,10 +73,12 @@ def plan_markdown(plan: dict) -> str:
            f"TFLOP/s (dense), HBM {t['hbm_bytes_per_s'] / 1e12:.1f} TB/s. FLOPs and bytes are what a launch "
            "executes and asks of memory at its padded tiles (the cost model in "
            "`kernelmix.studies.gpu_check.plan_costs`), summed over a call's launches (*launches*: the span "
-           "kernels run once per span; the random features' chunk states and their scan twice, the backward "
-           "recomputes them); the roofline is max(FLOPs / (peak × busy SMs), bytes / HBM bandwidth), "
-           "a lower bound, at the fp32 peak for *products* `fp32` (CUDA cores) and the TF32 peak for `tf32` "
-           "(tensor cores: the chunk-parallel solve's products across spans and its gradients' products, for "
+           "kernels run once per span, the sequential solves once per sub-span, the pushes after every "
+           "sub-span but a span's last, their grid shown the median push's; the random features' chunk states "
+           "and their scan twice, the backward recomputes them); the roofline is max(FLOPs / (peak × busy "
+           "SMs), bytes / HBM bandwidth), a lower bound, at the fp32 peak for *products* `fp32` (CUDA cores) "
+           "and the TF32 peak for `tf32` (tensor cores: the chunk-parallel solve's products across spans, its "
+           "pushes' and its gradients' products, for "
            "T > 1,024; the random features' products of features, states and values; their feature logits "
            "stay fp32-accurate as three TF32 products, at a third of the TF32 peak).", ""]
     for label, shape in plan["shapes"].items():
