@@ -180,19 +180,24 @@ def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chun
 
 
 def test_wide_heads_take_their_own_gradient_blocks():
-    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): at a 128-wide head the
-    row gradient works on 16-row blocks streaming 16-row tiles, the column gradient on the 64-row
-    blocks streaming 32; at d = 64 both keep 64 rows and stream 32; all at 8 warps."""
-    launches = {x.name: x for x in _triton_solve.solve_launches(1, 16, 8192, 128, 128, chunk_size=64, strict=False,
-                                                                has_beta=False, has_doc=True)}
-    rows, columns = launches["solve_grad_rows"], launches["solve_grad_columns"]
+    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): at a 128-wide head
+    DeltaFormer's row gradient works on 16-row blocks streaming 16-row tiles and its column gradient
+    on 64-row blocks streaming 32; Cubit has no row kernel (its column kernel also gives dx) and
+    streams 16; at d = 64 both keep 64 rows and stream 32; all at 8 warps."""
+    def launches(heads, d, has_beta):
+        return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
+                                                                strict=has_beta, has_beta=has_beta, has_doc=True)}
+    delta, cubit = launches(16, 128, True), launches(16, 128, False)
+    rows, columns = delta["solve_grad_rows"], delta["solve_grad_columns"]
     rows_blocks = (rows.constexprs["BLOCK_T"], rows.constexprs["STREAM_T"], rows.grid, rows.num_warps)
     assert rows_blocks == (16, 16, (16, 512), 8)
     assert (columns.constexprs["BLOCK_T"], columns.constexprs["STREAM_T"], columns.grid) == (64, 32, (16, 128))
-    narrow = {x.name: x for x in _triton_solve.solve_launches(1, 12, 8192, 64, 64, chunk_size=64, strict=True,
-                                                              has_beta=True, has_doc=True)}
+    assert not columns.constexprs["ROW_GRAD"] and cubit["solve_grad_columns"].constexprs["ROW_GRAD"]
+    assert "solve_grad_rows" not in cubit and cubit["solve_grad_columns"].constexprs["STREAM_T"] == 16
+    narrow = launches(12, 64, True)
     assert all((narrow[n].constexprs["BLOCK_T"], narrow[n].constexprs["STREAM_T"], narrow[n].num_warps) == (64, 32, 8)
                for n in ("solve_grad_rows", "solve_grad_columns"))
+    assert launches(12, 64, False)["solve_grad_columns"].constexprs["STREAM_T"] == 32
 
 
 def test_spans_with_cubit_tiny_ridge(monkeypatch):
@@ -291,7 +296,9 @@ AOT_SCRIPT = textwrap.dedent("""
     solve.SPAN_ROWS = 32  # several spans of two sub-spans: every kernel of the chunk-parallel solve is launched
     solve.SUBSPAN_ROWS = 16
     # the launches the op makes (the same blocks, flags and warps; kernelmix gpu-check --plan compiles these)
-    for launch in solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True):
+    launches = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True)
+    cubit = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=False, has_beta=False, has_doc=True)
+    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"]:  # its dx by atomics
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps})
         assert compiled.asm["cubin"], launch.name
@@ -302,7 +309,7 @@ AOT_SCRIPT = textwrap.dedent("""
 
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
-    type that changes in a loop): compile the eight launches (six kernels, two of them also as pushes)
-    for sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a
-    GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=8)
+    type that changes in a loop): compile the nine launches (six kernels, two of them also as pushes,
+    and Cubit's column kernel with its dx by atomics) for sm_90 down to a cubin (Triton ships ptxas),
+    in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=9)

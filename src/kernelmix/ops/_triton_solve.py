@@ -158,7 +158,9 @@ class _Layout:
         wide = max(self.block_k, self.block_dv) >= 128
         self.grad_row_t = min(self.block_t, GRADIENT_WIDE_ROWS) if wide else self.block_t
         self.row_stream_t = min(self.grad_row_t, GRADIENT_STREAM_ROWS)
-        self.column_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
+        # the column kernel that also gives dx (Cubit) streams 16 rows at 128-wide heads (ptxas, sm_90:
+        # 24 B spilled per thread streaming 32, none at 16, 248 registers); d = 64 keeps 32
+        self.column_stream_t = min(self.block_t, 16 if wide and not self.has_beta else GRADIENT_STREAM_ROWS)
         self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
 
     def flags(self) -> dict:
@@ -302,8 +304,9 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
 
 def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve. Without β (Cubit), e_i = db_i·(K U)_i
-    is O(T·d) from the forward's own system, K U = b − γ U, and the row kernel keeps one
-    accumulator; with β (DeltaFormer) dividing by β_i could amplify rounding, so the kernel sums e."""
+    is O(T·d) from the forward's own system, K U = b − γ U, so the column kernel, which needs e, can
+    also give dx (by fp32 atomics, ``ROW_GRAD``): no row kernel, no second pass over the T² pairs;
+    with β (DeltaFormer) dividing by β_i could amplify rounding, so the row kernel sums e (and dx)."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
@@ -316,20 +319,23 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
         e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
-    grad_x = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
+    # the column kernel adds dx into zeros with atomics when it gives dx (Cubit)
+    grad_x = (x.new_zeros if given else x.new_empty)(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
     tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
-    grad_rows_kernel[lay.row_gradient_grid](
-        x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
-        lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, HAS_E=given, **lay.gradient_flags(rows=True),
-    )
+    if not given:
+        grad_rows_kernel[lay.row_gradient_grid](
+            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
+            lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, **lay.gradient_flags(rows=True),
+        )
     grad_y = None
-    if need_y:
+    if need_y or given:
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
         grad_columns_kernel[lay.block_grid](
-            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, ends, *tensors, *_strides4(grad_y),
-            lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2, **lay.gradient_flags(rows=False),
+            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *tensors, *_strides4(grad_y),
+            *_strides4(grad_x), lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
+            ROW_GRAD=given, **lay.gradient_flags(rows=False),
         )
-    return grad_b, (grad_x if need_x else None), grad_y, e
+    return grad_b, (grad_x if need_x else None), (grad_y if need_y else None), e
 
 
 def _launch_device(x: Tensor):
@@ -407,7 +413,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks,
-                 future_block_v=lay.future_block_v)
+                 future_block_v=lay.future_block_v, row_grad=not lay.has_beta)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -416,8 +422,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
     median = reach[len(reach) // 2] if reach else 1
     push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
-    row_gradient = lay.gradient_flags(rows=True) | {"HAS_E": not lay.has_beta}  # Cubit's e from K U = b − γ U
-    column_gradient = lay.gradient_flags(rows=False)
+    row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's (Cubit's dx: the column kernel)
+    column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": not lay.has_beta}
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")
@@ -434,7 +440,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 substitution | {"HAS_FUTURE": several}, subspans),
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
                 transposed | {"ACCUMULATE": True}, len(reach)),
-               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, 1),
+               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, int(lay.has_beta)),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}

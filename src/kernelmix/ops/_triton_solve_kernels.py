@@ -33,7 +33,11 @@ A_IJᵀ db_I to the sums of the span's earlier columns; K is recomputed from x, 
 log-normalisers, the back substitution is in registers);
 then, in parallel over row blocks, e and dx (``grad_rows_kernel``; dx_i = −scale β_i (Σ_j K_ij S_ij y_j
 − e_i Σ_j K_ij y_j), S = db uᵀ, in one pass over the columns), and in parallel over column blocks dy
-(``grad_columns_kernel``, which needs e). dγ is a torch reduction of db ⊙ U.
+(``grad_columns_kernel``, which needs e). Cubit knows e from its forward system (K U = b − γ U), so
+its column kernel also gives dx, each (column block, row tile) pair adding its part with fp32
+atomics, and it launches no row kernel: one pass over the T² pairs instead of two (on a GPU the
+order of those additions, so dx's last bits, may differ from run to run). dγ is a torch reduction
+of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
 Softmax, normalisers and systems are fp32, and so are the in-sub-span products (``input_precision=
@@ -456,19 +460,18 @@ if triton is not None:
 
     @triton.jit
     def _grad_rows_sums(
-        x_tile, db_rows, lse_rows, e_given, starts, y_ptr, u_ptr, rows, first, i0,
+        x_tile, db_rows, lse_rows, starts, y_ptr, u_ptr, rows, first, i0,
         s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
-        OPERANDS: tl.constexpr, HAS_E: tl.constexpr, STREAM_T: tl.constexpr,
+        OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
         """Over the columns rows I see, with S = db uᵀ: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and
-        Σ_j K_ij y_j (one pass; dx follows from the three). With ``HAS_E`` (e given in ``e_given``)
-        one accumulator instead of two, Σ_j K_ij (S_ij − e_i) y_j, and the third stays 0 (the two
-        spilled on sm_90 at 64 rows × d = 128). The columns stream in tiles of ``STREAM_T`` (a divisor
-        of BLOCK_T): the row block's own tiles stay in registers, the streamed ones are smaller."""
+        Σ_j K_ij y_j (one pass; dx follows from the three). The columns stream in tiles of
+        ``STREAM_T`` (a divisor of BLOCK_T): the row block's own tiles stay in registers, the streamed
+        ones are smaller."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
-        e_rows = e_given
+        e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
         weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         j0 = first
@@ -479,14 +482,10 @@ if triton is not None:
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            if HAS_E:
-                scores = product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None]  # S − e
-                weighted = product_into(kernel * scores, y_tile, weighted, OPERANDS)
-            else:
-                products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
-                e_rows += tl.sum(products, 1)
-                weighted = product_into(products, y_tile, weighted, OPERANDS)
-                smoothed = product_into(kernel, y_tile, smoothed, OPERANDS)
+            products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
+            e_rows += tl.sum(products, 1)
+            weighted = product_into(products, y_tile, weighted, OPERANDS)
+            smoothed = product_into(kernel, y_tile, smoothed, OPERANDS)
             j0 += STREAM_T
         return e_rows, weighted, smoothed
 
@@ -499,11 +498,11 @@ if triton is not None:
         heads, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        HAS_E: tl.constexpr, STREAM_T: tl.constexpr,
+        STREAM_T: tl.constexpr,
     ):
         """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
-        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j); with ``HAS_E`` e is given (read
-        from ``e_ptr``) and dx_I = −scale β_I Σ_j K_ij (S_ij − e_I) y_j."""
+        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j) (DeltaFormer; Cubit, whose e is known
+        from its forward system, has its dx from :func:`grad_columns_kernel`)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -518,31 +517,28 @@ if triton is not None:
         db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
         lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        if HAS_E:
-            e_given = tl.load(e_ptr + rows, mask=rows < length, other=0.0)
-        else:
-            e_given = tl.zeros([BLOCK_T], dtype=tl.float32)
         e_rows, weighted, smoothed = _grad_rows_sums(
-            x_tile, db_rows, lse_rows, e_given, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+            x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
             rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
-            OPERANDS, HAS_E, STREAM_T,
+            OPERANDS, STREAM_T,
         )
         factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
-        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)  # (smoothed is 0 with HAS_E)
-        if not HAS_E:
-            tl.store(e_ptr + rows, e_rows, mask=rows < length)
+        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
+        tl.store(e_ptr + rows, e_rows, mask=rows < length)
         _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
 
     @triton.jit
     def _grad_columns_sum(
-        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, cols, j_block, end_block,
-        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
+        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr, cols, j_block, end_block,
+        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        STREAM_T: tl.constexpr,
+        STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
         """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J,
-        their rows streamed in tiles of ``STREAM_T`` (a divisor of BLOCK_T)."""
+        their rows streamed in tiles of ``STREAM_T`` (a divisor of BLOCK_T). With ``ROW_GRAD`` also
+        block J's part of dx_i = −scale Σ_j β_i K_ij (db_i·u_j − e_i) y_j, added to ``gx_ptr`` (fp32,
+        zeroed) with atomics: the row gradient without a pass of its own over the columns."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
@@ -564,22 +560,27 @@ if triton is not None:
             if HAS_BETA:
                 scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            total += product(tl.trans(kernel * scores), x_tile, OPERANDS)
+            scores = kernel * scores
+            total += product(tl.trans(scores), x_tile, OPERANDS)
+            if ROW_GRAD:
+                tl.atomic_add(gx_ptr + rows[:, None].to(tl.int64) * s_gxt + kcols[None, :] * s_gxd,
+                              -scale * product(scores, y_tile, OPERANDS), mask=inside[:, None] & (kcols[None, :] < dk))
             r0 += STREAM_T
         return total
 
     @triton.jit
     def grad_columns_kernel(
-        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gy_ptr, end_ptr,
+        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gy_ptr, gx_ptr, end_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
         s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        s_gyb, s_gyh, s_gyt, s_gyd,
+        s_gyb, s_gyh, s_gyt, s_gyd, s_gxb, s_gxh, s_gxt, s_gxd,
         heads, length, blocks, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        STREAM_T: tl.constexpr,
+        STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
-        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i)."""
+        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i);
+        with ``ROW_GRAD`` (e given) also dx, by atomics (:func:`_grad_columns_sum`)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -592,8 +593,8 @@ if triton is not None:
         total = _grad_columns_sum(
             y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            e_ptr + pid.to(tl.int64) * length, cols, j_block, end_block,
-            s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2,
-            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T,
+            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, j_block, end_block,
+            s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
+            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T, ROW_GRAD,
         )
         _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)

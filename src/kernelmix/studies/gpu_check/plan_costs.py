@@ -23,8 +23,11 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
     grad rows             2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, two products with y
-                                                               (Cubit: one, e from K U = b − γ U)
-    grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x
+                                                               (DeltaFormer only)
+    grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x;
+                                                               Cubit (e from K U = b − γ U) one more,
+                                                               with y, whose C × K part of dx per pair
+                                                               is added by fp32 atomics (4 B each)
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
 ``S`` chunks, head ``D``; a program's ``M`` features and ``V`` value columns: every feature and a block
@@ -156,9 +159,11 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         row_lower = row_blocks * (row_blocks + 1) / 2
         flops = 2 * rows * rows * ((3 if has_beta else 2) * k + dv) * row_lower
         moved = row_lower * rows * (k + dv) * FP32 + row_blocks * rows * ((2 * k + dv) * FP32 + row_scalars + FP32)
-    elif name == "solve_grad_columns":
-        flops = 2 * c * c * (2 * k + dv) * all_lower
-        moved = all_lower * c * ((k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
+    elif name == "solve_grad_columns":  # Cubit's also gives dx: one more product per pair, added by atomics
+        row_grad = bool(tiles.get("row_grad"))
+        flops = 2 * c * c * ((2 + row_grad) * k + dv) * all_lower
+        moved = (all_lower * c * ((k + dv) * FP32 + row_scalars + FP32 + row_grad * k * FP32)
+                 + n * c * (2 * k + dv) * FP32)
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     return Cost(batch_heads * flops, batch_heads * moved)
