@@ -117,9 +117,9 @@ def check_against_reference(length, chunk_size, *, strict, with_beta, gamma, cut
         (37, 16, True, True, [1.0, 0.7], [[0, 5, 21], [0, 16, 30]], 2, (8, 12)),
         # dk = 20 (padded to 32), dv = 80: two value slices of 64 in the sequential kernels
         (37, 16, False, True, [0.5], None, 1, (20, 80)),
-        # dv = 100 (padded to 128, a wide head): blocks of 64 rows, the row gradient in its own blocks
-        # of 16 (GRADIENT_WIDE_ROWS), the column gradient streaming rows in tiles of 32; T = 77 not a
-        # multiple of either, a document boundary mid-block
+        # dv = 100 (padded to 128, a wide head): blocks of 64 rows, the row gradient (e) streaming 32,
+        # the column gradient (dy, dx) streaming rows in tiles of 16; T = 77 not a multiple of
+        # either, a document boundary mid-block
         (77, 64, False, False, [0.1], [[0, 30]], 1, (8, 100)),
         (77, 64, True, True, [0.4], [[0, 45]], 1, (8, 100)),
         # blocks of 64 without documents: the gradient kernels' streamed tiles without doc starts
@@ -179,25 +179,25 @@ def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chun
                             batch=batch, dims=dims)
 
 
-def test_wide_heads_take_their_own_gradient_blocks():
-    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): at a 128-wide head
-    DeltaFormer's row gradient works on 16-row blocks streaming 16-row tiles and its column gradient
-    on 64-row blocks streaming 32; Cubit has no row kernel (its column kernel also gives dx) and
-    streams 16; at d = 64 both keep 64 rows and stream 32; all at 8 warps."""
+def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
+    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): DeltaFormer's row kernel
+    (e alone) takes the solve's 64-row blocks streaming 32; Cubit has no row kernel (its e is from the
+    forward system); the column kernel, which gives dy and dx, streams 16 rows at a 128-wide head and
+    32 at d = 64; all at 8 warps."""
     def launches(heads, d, has_beta):
         return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
                                                                 strict=has_beta, has_beta=has_beta, has_doc=True)}
+
+    def blocks(launch):
+        return launch.constexprs["BLOCK_T"], launch.constexprs["STREAM_T"], launch.grid, launch.num_warps
+
     delta, cubit = launches(16, 128, True), launches(16, 128, False)
-    rows, columns = delta["solve_grad_rows"], delta["solve_grad_columns"]
-    rows_blocks = (rows.constexprs["BLOCK_T"], rows.constexprs["STREAM_T"], rows.grid, rows.num_warps)
-    assert rows_blocks == (16, 16, (16, 512), 8)
-    assert (columns.constexprs["BLOCK_T"], columns.constexprs["STREAM_T"], columns.grid) == (64, 32, (16, 128))
-    assert not columns.constexprs["ROW_GRAD"] and cubit["solve_grad_columns"].constexprs["ROW_GRAD"]
-    assert "solve_grad_rows" not in cubit and cubit["solve_grad_columns"].constexprs["STREAM_T"] == 16
+    assert blocks(delta["solve_grad_rows"]) == (64, 32, (16, 128), 8)
+    assert blocks(delta["solve_grad_columns"]) == blocks(cubit["solve_grad_columns"]) == (64, 16, (16, 128), 8)
+    assert "solve_grad_rows" not in cubit and cubit["solve_grad_columns"].constexprs["ROW_GRAD"]
     narrow = launches(12, 64, True)
-    assert all((narrow[n].constexprs["BLOCK_T"], narrow[n].constexprs["STREAM_T"], narrow[n].num_warps) == (64, 32, 8)
+    assert all(blocks(narrow[n])[:2] + blocks(narrow[n])[3:] == (64, 32, 8)
                for n in ("solve_grad_rows", "solve_grad_columns"))
-    assert launches(12, 64, False)["solve_grad_columns"].constexprs["STREAM_T"] == 32
 
 
 def test_spans_with_cubit_tiny_ridge(monkeypatch):
@@ -298,7 +298,7 @@ AOT_SCRIPT = textwrap.dedent("""
     # the launches the op makes (the same blocks, flags and warps; kernelmix gpu-check --plan compiles these)
     launches = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True)
     cubit = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=False, has_beta=False, has_doc=True)
-    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"]:  # its dx by atomics
+    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"]:  # without β
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps})
         assert compiled.asm["cubin"], launch.name
@@ -310,6 +310,6 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
     type that changes in a loop): compile the nine launches (six kernels, two of them also as pushes,
-    and Cubit's column kernel with its dx by atomics) for sm_90 down to a cubin (Triton ships ptxas),
-    in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    and Cubit's column kernel, without β) for sm_90 down to a cubin (Triton ships ptxas), in a
+    process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
     compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=9)

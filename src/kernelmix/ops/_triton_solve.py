@@ -50,14 +50,15 @@ SUBSPAN_ROWS = 128
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
-# The gradient kernels keep their own block's tiles (rows: x, db and the accumulator; columns: y,
-# u and dy) and stream the other side's in tiles of GRADIENT_STREAM_ROWS rows, at 8 warps. For
-# 128-wide heads the row kernel's own block is GRADIENT_WIDE_ROWS rows. ptxas (sm_90) per thread at
-# d = 128: rows 64/64 spilled 1.6-1.8 KB, 64/32 1.1-1.4 KB, 32/16 0.5-0.6 KB, 16/16 none (210-215
-# registers); columns 64/64 0.3-0.4 KB, 64/32 none. At d = 64 (4 warps) rows spilled 0.2-0.4 KB;
-# 64/32 at 8 warps none. The smaller row block reloads the streamed tiles 4x as often (plan.md).
+# The gradient kernels keep their own block's tiles and stream the other side's in tiles of
+# GRADIENT_STREAM_ROWS rows, at 8 warps. The column kernel (own: y, u and the dy accumulator) gives
+# dy and, with fp32 atomics, dx; it needs e, which Cubit has from its forward system and DeltaFormer
+# from the row kernel (own: x and db; it sums e alone). ptxas (sm_90) per thread at d = 128: the
+# column kernel with dx streaming 32 rows spilled 24 B (Cubit) and 216 B (DeltaFormer), streaming
+# 16 none (248-255 registers); without dx, 64/32 none. The row kernel, e alone, 64/32: 202 registers,
+# none (with dx accumulators it had spilled 0.5-1.8 KB at 32 or 64 rows and had to take 16).
 GRADIENT_STREAM_ROWS = 32
-GRADIENT_WIDE_ROWS = 16
+GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -156,11 +157,9 @@ class _Layout:
         self.num_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 128 else 4
         # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS)
         wide = max(self.block_k, self.block_dv) >= 128
-        self.grad_row_t = min(self.block_t, GRADIENT_WIDE_ROWS) if wide else self.block_t
+        self.grad_row_t = self.block_t
         self.row_stream_t = min(self.grad_row_t, GRADIENT_STREAM_ROWS)
-        # the column kernel that also gives dx (Cubit) streams 16 rows at 128-wide heads (ptxas, sm_90:
-        # 24 B spilled per thread streaming 32, none at 16, 248 registers); d = 64 keeps 32
-        self.column_stream_t = min(self.block_t, 16 if wide and not self.has_beta else GRADIENT_STREAM_ROWS)
+        self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide else GRADIENT_STREAM_ROWS)
         self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
 
     def flags(self) -> dict:
@@ -209,10 +208,13 @@ class _Layout:
         return (self.batch * self.heads, triton.cdiv(self.length, self.grad_row_t))
 
     def gradient_flags(self, rows: bool) -> dict:
-        """The row (``rows``) or column gradient kernel's blocks and warps."""
-        return self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
-                                   BLOCK_T=self.grad_row_t if rows else self.block_t,
-                                   STREAM_T=self.row_stream_t if rows else self.column_stream_t)
+        """The row (``rows``: e alone, no β) or column gradient kernel's blocks and warps."""
+        flags = self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
+                                    BLOCK_T=self.grad_row_t if rows else self.block_t,
+                                    STREAM_T=self.row_stream_t if rows else self.column_stream_t)
+        if rows:
+            flags.pop("HAS_BETA")
+        return flags
 
 
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
@@ -304,36 +306,32 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
 
 def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve. Without β (Cubit), e_i = db_i·(K U)_i
-    is O(T·d) from the forward's own system, K U = b − γ U, so the column kernel, which needs e, can
-    also give dx (by fp32 atomics, ``ROW_GRAD``): no row kernel, no second pass over the T² pairs;
-    with β (DeltaFormer) dividing by β_i could amplify rounding, so the row kernel sums e (and dx)."""
+    is O(T·d) from the forward's own system, K U = b − γ U; with β (DeltaFormer) dividing by β_i
+    could amplify rounding, so the row kernel sums e. Then the column kernel, which needs e, gives dy
+    and dx (by fp32 atomics, ``ROW_GRAD``): one pass over the T² pairs with accumulators."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
     grad_b = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay)
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
-    common = (*lay.beta_strides, *lay.ds_strides)
-    given = b is not None  # (β is None: K U = b − γ U)
-    if given:
+    if b is not None:  # (β is None: K U = b − γ U)
         e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
-    # the column kernel adds dx into zeros with atomics when it gives dx (Cubit)
-    grad_x = (x.new_zeros if given else x.new_empty)(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-    tensors = (*_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b), *common)
-    if not given:
         grad_rows_kernel[lay.row_gradient_grid](
-            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_x, *tensors, *_strides4(grad_x),
-            lay.heads, lay.length, lay.dk, lay.dv, lay.scale, lay.scale2, **lay.gradient_flags(rows=True),
+            x, y, u, grad_b, ds_arg, lse, e, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b),
+            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, **lay.gradient_flags(rows=True),
         )
-    grad_y = None
-    if need_y or given:
+    grad_x = grad_y = None
+    if need_x or need_y:
+        grad_x = x.new_zeros(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)  # added to by atomics
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
         grad_columns_kernel[lay.block_grid](
-            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *tensors, *_strides4(grad_y),
+            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(x), *_strides4(y),
+            *_strides4(u), *_strides4(grad_b), *lay.beta_strides, *lay.ds_strides, *_strides4(grad_y),
             *_strides4(grad_x), lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
-            ROW_GRAD=given, **lay.gradient_flags(rows=False),
+            ROW_GRAD=need_x, **lay.gradient_flags(rows=False),
         )
     return grad_b, (grad_x if need_x else None), (grad_y if need_y else None), e
 
@@ -413,7 +411,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks,
-                 future_block_v=lay.future_block_v, row_grad=not lay.has_beta)
+                 future_block_v=lay.future_block_v)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -422,8 +420,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
     median = reach[len(reach) // 2] if reach else 1
     push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
-    row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's (Cubit's dx: the column kernel)
-    column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": not lay.has_beta}
+    row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's e (Cubit's is from its forward system)
+    column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": True}
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
     sub_warps = substitution.pop("num_warps")

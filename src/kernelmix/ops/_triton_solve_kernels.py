@@ -57,7 +57,7 @@ load their tiles inline rather than through the small helpers.
 
 from __future__ import annotations
 
-from ._triton_products import product, product_into
+from ._triton_products import product
 
 try:
     import triton
@@ -465,15 +465,11 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
         OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
-        """Over the columns rows I see, with S = db uᵀ: e_I = Σ_j K_ij S_ij, Σ_j K_ij S_ij y_j and
-        Σ_j K_ij y_j (one pass; dx follows from the three). The columns stream in tiles of
-        ``STREAM_T`` (a divisor of BLOCK_T): the row block's own tiles stay in registers, the streamed
-        ones are smaller."""
+        """e_I = Σ_j K_ij S_ij over the columns rows I see, S = db uᵀ, the columns streamed in tiles of
+        ``STREAM_T`` (a divisor of BLOCK_T): the row block's own tiles stay in registers."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
-        weighted = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        smoothed = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         j0 = first
         while j0 < i0 + BLOCK_T:  # loads inline: each device call costs the interpreter
             cols = j0 + tl.arange(0, STREAM_T)
@@ -482,50 +478,39 @@ if triton is not None:
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            products = kernel * product(db_rows, tl.trans(u_tile), OPERANDS)  # K ⊙ (db uᵀ)
-            e_rows += tl.sum(products, 1)
-            weighted = product_into(products, y_tile, weighted, OPERANDS)
-            smoothed = product_into(kernel, y_tile, smoothed, OPERANDS)
+            e_rows += tl.sum(kernel * product(db_rows, tl.trans(u_tile), OPERANDS), 1)  # Σ_j K ⊙ (db uᵀ)
             j0 += STREAM_T
-        return e_rows, weighted, smoothed
+        return e_rows
 
     @triton.jit
     def grad_rows_kernel(
-        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr,
+        x_ptr, y_ptr, u_ptr, db_ptr, ds_ptr, lse_ptr, e_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
-        s_gxb, s_gxh, s_gxt, s_gxd,
-        heads, length, dk, dv, scale, scale2,
+        s_dbb, s_dbh, s_dbt, s_dbd, s_dsb, s_dst, heads, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        STREAM_T: tl.constexpr,
+        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
-        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I) and
-        dx_I = −scale β_I (Σ_j K_ij S_ij y_j − e_I Σ_j K_ij y_j) (DeltaFormer; Cubit, whose e is known
-        from its forward system, has its dx from :func:`grad_columns_kernel`)."""
+        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I), DeltaFormer's (Cubit knows e from
+        its forward system). It holds no [rows, d] accumulator (dx comes from
+        :func:`grad_columns_kernel`, which needs e), so its row blocks are the solve's own."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         i0 = tl.program_id(1) * BLOCK_T
         rows = i0 + tl.arange(0, BLOCK_T)
-        kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
-        e_ptr += pid.to(tl.int64) * length
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
+        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, tl.arange(0, BLOCK_K), s_xt, s_xd, length, dk)
         db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
         lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        e_rows, weighted, smoothed = _grad_rows_sums(
+        e_rows = _grad_rows_sums(
             x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
             rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
             OPERANDS, STREAM_T,
         )
-        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
-        grad_x = factor[:, None] * (weighted - e_rows[:, None] * smoothed)
-        tl.store(e_ptr + rows, e_rows, mask=rows < length)
-        _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, grad_x)
+        tl.store(e_ptr + pid.to(tl.int64) * length + rows, e_rows, mask=rows < length)
 
     @triton.jit
     def _grad_columns_sum(
@@ -580,7 +565,7 @@ if triton is not None:
         STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
         """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i);
-        with ``ROW_GRAD`` (e given) also dx, by atomics (:func:`_grad_columns_sum`)."""
+        with ``ROW_GRAD`` also dx, by atomics (:func:`_grad_columns_sum`)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)

@@ -22,12 +22,11 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                substitution (in blocks of c rows,
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
-    grad rows             2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, two products with y
-                                                               (DeltaFormer only)
-    grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, one product with x;
-                                                               Cubit (e from K U = b − γ U) one more,
-                                                               with y, whose C × K part of dx per pair
-                                                               is added by fp32 atomics (4 B each)
+    grad rows             2·C²·(K + D_v)·L₀                    logits, db·uᵀ: e alone (DeltaFormer;
+                                                               Cubit's e is from K U = b − γ U)
+    grad columns          2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, products with x (dy) and
+                                                               y, whose C × K part of dx per pair is
+                                                               added by fp32 atomics (4 B each)
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
 ``S`` chunks, head ``D``; a program's ``M`` features and ``V`` value columns: every feature and a block
@@ -152,18 +151,16 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
                           + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2) * FP32)  # partials from outside
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
-    elif name == "solve_grad_rows":  # Cubit (no β) reads e from K U = b − γ U: one product with y fewer
-        # in its own row blocks (grad_row_t rows): every block streams the columns it sees
+    elif name == "solve_grad_rows":  # DeltaFormer's e alone, in its own row blocks (grad_row_t rows):
+        # every block streams the columns it sees
         rows = tiles.get("grad_row_t", c)
         row_blocks = -(-n * c // rows)
         row_lower = row_blocks * (row_blocks + 1) / 2
-        flops = 2 * rows * rows * ((3 if has_beta else 2) * k + dv) * row_lower
-        moved = row_lower * rows * (k + dv) * FP32 + row_blocks * rows * ((2 * k + dv) * FP32 + row_scalars + FP32)
-    elif name == "solve_grad_columns":  # Cubit's also gives dx: one more product per pair, added by atomics
-        row_grad = bool(tiles.get("row_grad"))
-        flops = 2 * c * c * ((2 + row_grad) * k + dv) * all_lower
-        moved = (all_lower * c * ((k + dv) * FP32 + row_scalars + FP32 + row_grad * k * FP32)
-                 + n * c * (2 * k + dv) * FP32)
+        flops = 2 * rows * rows * (k + dv) * row_lower
+        moved = row_lower * rows * (k + dv) * FP32 + row_blocks * rows * ((k + dv) * FP32 + row_scalars + FP32)
+    elif name == "solve_grad_columns":  # dy, and dx: one more product per pair, added by atomics
+        flops = 2 * c * c * (3 * k + dv) * all_lower
+        moved = all_lower * c * ((2 * k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     return Cost(batch_heads * flops, batch_heads * moved)
