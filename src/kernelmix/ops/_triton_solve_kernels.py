@@ -31,13 +31,12 @@ spans' A_IJᵀ db_I for every column block of the span in parallel, then per sub
 ``solve_transposed_kernel`` walks its row blocks from the last and ``future_span_kernel`` adds its
 A_IJᵀ db_I to the sums of the span's earlier columns; K is recomputed from x, y and the saved
 log-normalisers, the back substitution is in registers);
-then, in parallel over row blocks, e and dx (``grad_rows_kernel``; dx_i = −scale β_i (Σ_j K_ij S_ij y_j
-− e_i Σ_j K_ij y_j), S = db uᵀ, in one pass over the columns), and in parallel over column blocks dy
-(``grad_columns_kernel``, which needs e). Cubit knows e from its forward system (K U = b − γ U), so
-its column kernel also gives dx, each (column block, row tile) pair adding its part with fp32
-atomics, and it launches no row kernel: one pass over the T² pairs instead of two (on a GPU the
-order of those additions, so dx's last bits, may differ from run to run). dγ is a torch reduction
-of db ⊙ U.
+then e: Cubit's from its forward system (K U = b − γ U, O(T·d) in torch), DeltaFormer's in
+parallel over row blocks (``grad_rows_kernel``, e alone); then, in parallel over column blocks,
+dy and dx (``grad_columns_kernel``, which needs e; dx_i = −scale β_i Σ_j K_ij (S_ij − e_i) y_j,
+S = db uᵀ), each (column block, row tile) pair adding its part of dx with fp32 atomics: one pass
+over the T² pairs with accumulators (on a GPU the order of those additions, so dx's last bits, may
+differ from run to run). dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
 Softmax, normalisers and systems are fp32, and so are the in-sub-span products (``input_precision=
