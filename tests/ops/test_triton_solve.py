@@ -226,6 +226,23 @@ def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bo
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
+@pytest.mark.parametrize("with_beta", [False, True])
+def test_gradients_without_dx_match_those_with_it(with_beta):
+    """x needs no gradient: the column kernel adds no dx (``ROW_GRAD`` off) and dy, db, dβ are those
+    of the full backward, bit for bit (the same kernel tiles, the same order)."""
+    t = make_inputs((1, 50, 2, 8, 12), seed=3, with_beta=with_beta, gamma=[0.4, 0.9], cubit_like=False)
+    grad_u = torch.randn(1, 2, 50, 12, generator=torch.Generator().manual_seed(4))
+
+    def grads(x_needs_grad):
+        x = bhtd(t["x"].float()).requires_grad_(x_needs_grad)
+        rest = {n: t[n].float().requires_grad_() for n in ("y", "b", "beta") if t[n] is not None}
+        u = triton_kernel_solve(x, bhtd(rest["y"]), bhtd(rest["b"]), beta=bhtd(rest["beta"]) if with_beta else None,
+                                gamma=t["gamma"].float(), scale=0.35, strict=with_beta, chunk_size=16, doc_start=None)
+        return torch.autograd.grad(u, list(rest.values()), grad_u)
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
+
+
 def test_cubit_tiny_ridge():
     """γ = 1e-6 with the inclusive mask: A ≈ K, whose diagonal K_ii ≥ 1/n_i is the row maximum."""
     check_against_reference(37, 16, strict=False, with_beta=False, gamma=[1e-6, 1e-6], cuts=[[0, 20], [0, 9]],

@@ -157,8 +157,7 @@ class _Layout:
         self.num_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 128 else 4
         # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS)
         wide = max(self.block_k, self.block_dv) >= 128
-        self.grad_row_t = self.block_t
-        self.row_stream_t = min(self.grad_row_t, GRADIENT_STREAM_ROWS)
+        self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
         self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide else GRADIENT_STREAM_ROWS)
         self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
 
@@ -199,18 +198,12 @@ class _Layout:
 
     @property
     def block_grid(self) -> tuple[int, int]:
-        """The column gradient kernel: one program per (batch · head, column block)."""
+        """The row and column gradient kernels: one program per (batch · head, row or column block)."""
         return (self.batch * self.heads, self.blocks)
-
-    @property
-    def row_gradient_grid(self) -> tuple[int, int]:
-        """The row gradient kernel: one program per (batch · head, block of ``grad_row_t`` rows)."""
-        return (self.batch * self.heads, triton.cdiv(self.length, self.grad_row_t))
 
     def gradient_flags(self, rows: bool) -> dict:
         """The row (``rows``: e alone, no β) or column gradient kernel's blocks and warps."""
         flags = self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
-                                    BLOCK_T=self.grad_row_t if rows else self.block_t,
                                     STREAM_T=self.row_stream_t if rows else self.column_stream_t)
         if rows:
             flags.pop("HAS_BETA")
@@ -319,7 +312,7 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
         e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
-        grad_rows_kernel[lay.row_gradient_grid](
+        grad_rows_kernel[lay.block_grid](
             x, y, u, grad_b, ds_arg, lse, e, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b),
             *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, **lay.gradient_flags(rows=True),
         )
@@ -410,7 +403,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     several = lay.has_partials
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
-                 operands=lay.operands, grad_row_t=lay.grad_row_t, subspan_blocks=lay.subspan_blocks,
+                 operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
@@ -438,7 +431,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 substitution | {"HAS_FUTURE": several}, subspans),
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
                 transposed | {"ACCUMULATE": True}, len(reach)),
-               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, int(lay.has_beta)),
+               ("solve_grad_rows", grad_rows_kernel, lay.block_grid, row_gradient, int(lay.has_beta)),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}

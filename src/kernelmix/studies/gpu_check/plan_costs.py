@@ -151,13 +151,9 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
                           + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2) * FP32)  # partials from outside
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
-    elif name == "solve_grad_rows":  # DeltaFormer's e alone, in its own row blocks (grad_row_t rows):
-        # every block streams the columns it sees
-        rows = tiles.get("grad_row_t", c)
-        row_blocks = -(-n * c // rows)
-        row_lower = row_blocks * (row_blocks + 1) / 2
-        flops = 2 * rows * rows * (k + dv) * row_lower
-        moved = row_lower * rows * (k + dv) * FP32 + row_blocks * rows * ((k + dv) * FP32 + row_scalars + FP32)
+    elif name == "solve_grad_rows":  # DeltaFormer's e alone: every row block streams the columns it sees
+        flops = 2 * c * c * (k + dv) * all_lower
+        moved = all_lower * c * (k + dv) * FP32 + n * c * ((k + dv) * FP32 + row_scalars + FP32)
     elif name == "solve_grad_columns":  # dy, and dx: one more product per pair, added by atomics
         flops = 2 * c * c * (3 * k + dv) * all_lower
         moved = all_lower * c * ((2 * k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
