@@ -175,6 +175,30 @@ def test_the_cost_model_grows_with_the_work():
     assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here
 
 
+def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
+    """The ``-bf16`` solves: the same kernels, those that read x, y, U, db reading 2 B an element (every
+    byte moved but the fp32 partials, sums, e, dx and dy), the sequential kernels the same bytes plus
+    the copies they store (2·T·d_v per head); their products on bf16 instructions."""
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    heads, length, dv = shape["heads"], shape["length"], shape["head_dim"]
+    for mixer in ("cubit", "deltaformer"):
+        tf32 = {r["kernel"]: r for r in plan_rows({"a": shape}, (mixer,))}
+        bf16 = {r["kernel"]: r for r in plan_rows({"a": shape}, (mixer + "-bf16",))}
+        assert tf32.keys() == bf16.keys()
+        for name in ("solve_forward", "solve_transposed"):
+            assert bf16[name]["bytes"] == tf32[name]["bytes"] + heads * length * dv * 2
+            assert bf16[name]["precision"] == tf32[name]["precision"] == "fp32"
+        for name in ("solve_future_span", "solve_span_push_transposed", "solve_grad_columns", "solve_grad_rows"):
+            if name in tf32:  # the same tiles: the same FLOPs, fewer bytes
+                assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
+                assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
+        # the forward's span kernels take one slice of 128 value columns (two of 64 with TF32): 2/3 of the logits
+        for name in ("solve_past_span", "solve_span_push"):
+            assert bf16[name]["grid"][2] == 1 and tf32[name]["grid"][2] == 2
+            assert bf16[name]["flops"] == pytest.approx(tf32[name]["flops"] * 2 / 3)
+        assert sum(r["roofline_ms"] for r in bf16.values()) < 0.7 * sum(r["roofline_ms"] for r in tf32.values())
+
+
 def test_the_logit_gradients_are_feature_blocks_with_every_value_column():
     """The two logit-gradient kernels run over blocks of features with every value column (so each
     stores its own columns of dL/dℓ, whole: nothing for torch to add up); the span states over every

@@ -226,6 +226,76 @@ def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bo
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
+class ArgumentRecorder:
+    """Stands in for a @triton.jit kernel: records each launch's tensor arguments and grid, then launches it."""
+
+    def __init__(self, kernel, name: str, seen: list):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((self.name, [a for a in args if isinstance(a, torch.Tensor)], tuple(grid)))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("with_beta", [False, True])
+def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
+    """With bf16 operands the span kernels, the pushes and the gradient kernels read bf16 x, y, U and
+    db (half the bytes), and the copies of U and db the sequential kernels store as they solve are
+    exactly the solved values rounded (to nearest, ties away, as the kernels round operands), every
+    row and value slice of them; the sequential kernels themselves read fp32. dv = 80: the forward's
+    span kernels take one slice of 128 columns, its sequential kernel two of 64, which read the one
+    slice's partials; U within the bf16 bound of the float64 solve."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "bf16")
+    seen: list = []
+    for name in ("past_span_kernel", "future_span_kernel", "grad_rows_kernel", "grad_columns_kernel",
+                 "solve_forward_kernel", "solve_transposed_kernel"):
+        monkeypatch.setattr(_triton_solve, name, ArgumentRecorder(getattr(_triton_solve, name), name, seen))
+    t = make_inputs((1, 70, 2, 8, 80), seed=5, with_beta=with_beta, gamma=[0.4, 0.9], cubit_like=False)
+    leaves = {n: bhtd(t[n].float()).requires_grad_() for n in ("x", "y", "b")}
+    beta = bhtd(t["beta"].float()) if with_beta else None
+    doc = doc_starts(70, [[0, 41]])
+    u = triton_kernel_solve(**leaves, beta=beta, gamma=t["gamma"].float(), scale=0.35, strict=with_beta,
+                            chunk_size=16, doc_start=doc)
+    expected = dense_solve(bhtd(t["x"]), bhtd(t["y"]), bhtd(t["b"]), None if beta is None else bhtd(t["beta"]),
+                           t["gamma"], scale=0.35, strict=with_beta, doc_start=doc)
+    assert 1e-6 < rel_rmse(u, expected) <= 2e-2
+    slices = {name: {grid[-1] for n, _, grid in seen if n == name}
+              for name in ("past_span_kernel", "solve_forward_kernel")}
+    assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {2}}  # value slices: 1 of 128, 2 of 64
+    u.backward(torch.randn(u.shape, generator=torch.Generator().manual_seed(6)))
+    names = {name for name, _, _ in seen}
+    assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel"}
+    assert ("grad_rows_kernel" in names) == with_beta
+    for name, tensors, _ in seen:
+        operands = [a.dtype for a in tensors[:4]]  # x, y and U / db (grad kernels: x, y, U, db)
+        if name.startswith("solve_"):
+            assert operands[:2] == [torch.float32] * 2, name
+        else:
+            assert operands[:3] == [torch.bfloat16] * 3, name
+    _, columns, _ = next(item for item in seen if item[0] == "grad_columns_kernel")
+    assert torch.equal(columns[2], _triton_solve.bf16_copy(u.detach()))  # the forward's copy of U
+    assert torch.equal(columns[3], _triton_solve.bf16_copy(leaves["b"].grad))  # db = dL/db
+    assert columns[3].dtype == torch.bfloat16
+
+
+def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
+    """The copies round as the kernels' ``rounded``: to nearest, a tie away from zero (torch's own cast
+    breaks it to even), in the tensor's own layout."""
+    one_ulp = 2.0 ** -7  # bf16's spacing in [1, 2)
+    values = torch.tensor([1.0 + one_ulp / 2, -(1.0 + one_ulp / 2), 1.0 + 3 * one_ulp / 2, 1.0 + one_ulp / 4,
+                           float("inf"), -0.0])
+    copy = _triton_solve.bf16_copy(values)
+    assert copy.dtype == torch.bfloat16
+    assert copy.float().tolist() == [1.0 + one_ulp, -(1.0 + one_ulp), 1.0 + 2 * one_ulp, 1.0, float("inf"), -0.0]
+    assert values.bfloat16()[0].item() == 1.0  # ties to even: what bf16_copy does not do
+    view = torch.randn(2, 5, 3, 4).transpose(1, 2)
+    assert _triton_solve.bf16_copy(view).stride() == view.stride()
+
+
 @pytest.mark.parametrize("with_beta", [False, True])
 def test_gradients_without_dx_match_those_with_it(with_beta):
     """x needs no gradient: the column kernel adds no dx (``ROW_GRAD`` off) and dy, db, dβ are those
@@ -315,7 +385,11 @@ AOT_SCRIPT = textwrap.dedent("""
     # the launches the op makes (the same blocks, flags and warps; kernelmix gpu-check --plan compiles these)
     launches = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True)
     cubit = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=False, has_beta=False, has_doc=True)
-    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"]:  # without β
+    # and with bf16 operands: the readers of the bf16 copies on bf16 pointers, the sequential kernels storing them
+    bf16 = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True,
+                                operands="bf16")
+    assert all(x.constexprs.get("OPERANDS", "bf16") == "bf16" for x in bf16)
+    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"] + bf16:  # without β
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps})
         assert compiled.asm["cubin"], launch.name
@@ -327,6 +401,7 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
     type that changes in a loop): compile the nine launches (six kernels, two of them also as pushes,
-    and Cubit's column kernel, without β) for sm_90 down to a cubin (Triton ships ptxas), in a
-    process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=9)
+    and Cubit's column kernel, without β), and the eight again with bf16 operands (bf16 tiles into bf16
+    products, the copies stored), for sm_90 down to a cubin (Triton ships ptxas), in a process without
+    TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=17)

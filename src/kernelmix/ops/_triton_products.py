@@ -5,6 +5,11 @@ TF32 or bf16-rounded operands, with the rounding done explicitly so that Triton'
 Used by the solve (``_triton_solve``: the products across spans and the gradients) and the random
 features (``_triton_features``: the products of features, states and values; the feature logits
 themselves stay full fp32). The measured errors of each choice are in docs/gpu.md.
+
+"bf16" products are bf16 tensor-core instructions (the bf16 peak, twice TF32's) on operands that are
+bf16 tiles already (loaded from bf16 copies: half the bytes) or fp32 tiles rounded here. Triton's
+interpreter cannot multiply bf16 tiles (its ``tl.dot`` takes their raw 16-bit patterns for integers),
+so under it the same bf16 values are widened to fp32 first: the same exact products, summed in fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ except ImportError:  # importable without Triton (the ops then say what to insta
 OPERAND_CHOICES = ("fp32", "tf32x3", "tf32", "bf16")
 
 if triton is not None:
+    from ._backend import defined_for_the_interpreter
 
     @triton.jit
     def rounded(x, OPERANDS: tl.constexpr):
@@ -33,11 +39,32 @@ if triton is not None:
         else:
             return x
 
+    # whether these kernels run under Triton's interpreter (fixed when the module is imported, as triton.jit is)
+    INTERPRETED = tl.constexpr(defined_for_the_interpreter(rounded))
+
+    @triton.jit
+    def as_bf16(x):
+        """``x`` as a bf16 tile: itself if it is one (loaded from a bf16 copy), else rounded to nearest
+        (ties away from zero, as :func:`rounded`) and converted, which is then exact."""
+        if x.dtype == tl.bfloat16:
+            return x
+        else:
+            return rounded(x, "bf16").to(tl.bfloat16)
+
+    @triton.jit
+    def bf16_product(a, b, acc):
+        """acc + a @ b from bf16 operands with fp32 accumulation: a bf16 tensor-core instruction, or
+        under the interpreter (whose dot cannot take bf16) the same values widened to fp32."""
+        if INTERPRETED:
+            return tl.dot(as_bf16(a).to(tl.float32), as_bf16(b).to(tl.float32), acc=acc, input_precision="ieee")
+        else:
+            return tl.dot(as_bf16(a), as_bf16(b), acc=acc, out_dtype=tl.float32)
+
     @triton.jit
     def product(a, b, OPERANDS: tl.constexpr):
         """a @ b with fp32 accumulation: full fp32 ("fp32": CUDA cores), on tensor cores at fp32
-        accuracy from three TF32 products ("tf32x3"), or from TF32 operands ("tf32") or bf16-rounded
-        ones ("bf16", exact in TF32, so the same instruction)."""
+        accuracy from three TF32 products ("tf32x3"), from TF32 operands ("tf32") or from bf16 ones
+        ("bf16": :func:`bf16_product`; a bf16 tile is taken as it is)."""
         if OPERANDS == "fp32":
             return tl.dot(a, b, input_precision="ieee")
         elif OPERANDS == "tf32x3":
@@ -48,6 +75,8 @@ if triton is not None:
             small = tl.dot(a_hi, rounded(b - b_hi, "tf32"), input_precision="tf32")
             small = tl.dot(rounded(a - a_hi, "tf32"), b_hi, acc=small, input_precision="tf32")
             return tl.dot(a_hi, b_hi, acc=small, input_precision="tf32")
+        elif OPERANDS == "bf16":
+            return bf16_product(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32))
         else:
             return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), input_precision="tf32")
 
@@ -66,5 +95,7 @@ if triton is not None:
         the product itself: no second tile of acc's size is live (a walk's running state)."""
         if OPERANDS == "fp32":
             return tl.dot(a, b, acc=acc, input_precision="ieee")
+        elif OPERANDS == "bf16":
+            return bf16_product(a, b, acc)
         else:
             return tl.dot(rounded(a, OPERANDS), rounded(b, OPERANDS), acc=acc, input_precision="tf32")

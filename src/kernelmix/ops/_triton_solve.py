@@ -36,8 +36,8 @@ LOG2E = 1.0 / math.log(2.0)
 # tensor cores with SPAN_OPERANDS), then the span's own rows are solved (SUBSPAN_ROWS below).
 # SPAN_OPERANDS: "tf32" (measured against float64 under the interpreter, operands rounded as the GPU
 # does: relative error ≤ 1.3e-4 in U and db, 8.6e-4 in dx, dy, dβ; 1.5e-3 in dγ at Cubit's tiny
-# ridge), "bf16" (≤ 1.1e-3, 7.6e-3; 1.5e-2 in dγ) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is
-# one span: full fp32.
+# ridge), "bf16" (≤ 1.1e-3, 7.6e-3; 1.3e-2 in dγ; read from bf16 copies of x, y, U and db: half the
+# bytes, at the bf16 peak) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
 SPAN_ROWS = 1024
 SPAN_OPERANDS = "tf32"
 # Inside a span, the sequential launch solves SUBSPAN_ROWS rows at a time (whole row blocks); after
@@ -123,7 +123,7 @@ def _row_block_ends(doc_start: Tensor | None, batch: int, length: int, block: in
 class _Layout:
     """Block sizes, strides and flags shared by the launches of one solve."""
 
-    def __init__(self, x, b, beta, doc_start, scale, strict, chunk_size):
+    def __init__(self, x, b, beta, doc_start, scale, strict, chunk_size, operands=None):
         self.batch, self.heads, self.length, self.dk = x.shape
         self.dv = b.shape[-1]
         self.block_t = row_block_size(chunk_size)
@@ -144,7 +144,16 @@ class _Layout:
         self.future_block_v = min(128, self.block_dv)
         self.future_slices = triton.cdiv(self.dv, self.future_block_v)
         # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
-        self.operands = SPAN_OPERANDS if self.spans > 1 else "fp32"
+        self.operands = (SPAN_OPERANDS if operands is None else operands) if self.spans > 1 else "fp32"
+        # bf16 operands are read from bf16 copies of x, y, U and db (half the bytes of fp32 tiles rounded
+        # in registers, the same values): the sequential kernels store U's and db's as they solve them
+        self.shadowed = self.operands == "bf16"
+        # the forward's span kernels and pushes: slices of BLOCK_V columns, or with bf16 operands of up to 128
+        # (one slice forms each kernel tile once; ptxas, sm_90, d = 128: 204-206 registers, no spill, where
+        # fp32 tiles rounded in registers spilled 216 B at 128); the sequential kernel keeps BLOCK_V and
+        # reads the partials of the span slice its columns lie in
+        self.span_block_v = min(128, self.block_dv) if self.shadowed else self.block_v
+        self.span_slices = triton.cdiv(self.dv, self.span_block_v)
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
@@ -194,7 +203,7 @@ class _Layout:
     def push_grid(self, blocks: int, transposed: bool = False) -> tuple[int, int, int]:
         """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block,
         value slice; the transposed direction's slices are wider)."""
-        return (self.batch * self.heads, blocks, self.future_slices if transposed else self.slices)
+        return (self.batch * self.heads, blocks, self.future_slices if transposed else self.span_slices)
 
     @property
     def block_grid(self) -> tuple[int, int]:
@@ -210,16 +219,38 @@ class _Layout:
         return flags
 
 
-def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor]:
-    """U and the row log-normalisers, span by span: the past spans' products in parallel
-    (:func:`past_span_kernel`), then the span's own rows, a sub-span at a time: its substitution
-    (:func:`solve_forward_kernel`), then a push of its solved rows into the span's later rows."""
+def bf16_copy(t: Tensor) -> Tensor:
+    """``t`` (fp32) in bf16, rounded to nearest with ties away from zero, as the kernels round (the
+    ``rounded`` of ``_triton_products``; torch's own cast breaks ties to even), in ``t``'s layout."""
+    bits = (t.view(torch.int32) + 0x8000) & -0x10000
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def _operand_copies(lay: _Layout, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """What the span kernels, pushes and gradient kernels read for x and y: bf16 copies with bf16
+    operands, else the tensors themselves."""
+    return tuple(bf16_copy(t) for t in tensors) if lay.shadowed else tensors
+
+
+def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
+    """A bf16 tensor laid out as ``t`` (a [B, H, T, dv] view of [B, T, H, dv]) for the sequential kernel
+    to store its solved rows in, with bf16 operands; else ``t`` (the kernels then store no copy)."""
+    if not lay.shadowed:
+        return t
+    return t.new_empty(lay.batch, lay.length, lay.heads, t.shape[-1], dtype=torch.bfloat16).transpose(1, 2)
+
+
+def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor, Tensor | None]:
+    """U, the row log-normalisers and U's bf16 copy (bf16 operands; else None), span by span: the
+    past spans' products in parallel (:func:`past_span_kernel`), then the span's own rows, a sub-span
+    at a time: its substitution (:func:`solve_forward_kernel`), then a push of its solved rows into
+    the span's later rows."""
     # U laid out [B, T, H, dv] (the callers' layout), seen as [B, H, T, dv]
     u = b.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     lse = x.new_empty(lay.batch, lay.heads, lay.length)  # base-2 row log-normalisers
-    if lay.has_partials:  # the running max and sum (per value slice) and mix of each row so far
-        row_max = x.new_empty(lay.slices, lay.batch, lay.heads, lay.length)
-        row_sum = x.new_empty(lay.slices, lay.batch, lay.heads, lay.length)
+    if lay.has_partials:  # the running max and sum (per span value slice) and mix of each row so far
+        row_max = x.new_empty(lay.span_slices, lay.batch, lay.heads, lay.length)
+        row_sum = x.new_empty(lay.span_slices, lay.batch, lay.heads, lay.length)
         acc = b.new_empty(lay.batch, lay.heads, lay.length, lay.dv)
     else:
         row_max = row_sum = lse
@@ -227,12 +258,15 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     flags = lay.flags()
+    xs, ys = _operand_copies(lay, x, y)
+    u16 = _shadow_like(u, lay)
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
         past_span_kernel[lay.push_grid(grid_blocks)](
-            x, y, u, ds_arg, row_max, row_sum, acc, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(acc),
+            xs, ys, u16, ds_arg, row_max, row_sum, acc, *_strides4(xs), *_strides4(ys), *_strides4(u16),
+            *_strides4(acc),
             *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start, column_start,
-            column_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
+            column_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
             HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, num_warps=flags["num_warps"],
         )
 
@@ -245,21 +279,26 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
             start, end = sub_first * lay.block_t, min(sub_stop * lay.block_t, lay.length)
             seen = span > 0 or index > 0  # partials stored for these rows
             solve_forward_kernel[lay.sequential_grid](
-                x, y, b, u, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
+                x, y, b, u, u16, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
                 *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
                 *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end,
-                BLOCK_V=lay.block_v, HAS_PAST=seen, **lay.substitution_flags(),
+                BLOCK_V=lay.block_v, PARTIAL_V=lay.span_block_v, HAS_PAST=seen, SHADOW=lay.shadowed,
+                **lay.substitution_flags(),
             )
             if sub_stop < stop:  # push the solved rows into the span's later rows
                 mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
-    return u, lse
+    return u, lse, (u16 if lay.shadowed else None)
 
 
-def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout) -> Tensor:
+def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands):
     """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
     (:func:`future_span_kernel`), then the span's own rows a sub-span at a time from the last: its back
-    substitution (:func:`solve_transposed_kernel`), then a push of its db into the span's earlier columns."""
+    substitution (:func:`solve_transposed_kernel`), then a push of its db into the span's earlier columns.
+    ``operands``: the x and y the span kernels read (:func:`_operand_copies`). Returns db and its bf16
+    copy (bf16 operands; else db again)."""
     grad_b = grad_u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
+    xs, ys = operands
+    db16 = _shadow_like(grad_b, lay)
     future = grad_u.new_empty(lay.batch, lay.heads, lay.length, lay.dv) if lay.has_partials else grad_b
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
@@ -268,7 +307,7 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
 
     def gather(column_first, columns, row_first, row_stop, accumulate):
         future_span_kernel[lay.push_grid(columns, transposed=True)](
-            x, y, grad_b, beta_arg, ds_arg, lse, ends, future, *_strides4(x), *_strides4(y), *_strides4(grad_b),
+            xs, ys, db16, beta_arg, ds_arg, lse, ends, future, *_strides4(xs), *_strides4(ys), *_strides4(db16),
             *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
             column_first, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.future_block_v,
             STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands,
@@ -286,26 +325,30 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
             sub_first, sub_stop = subspans[index]
             seen = later or index < len(subspans) - 1  # sums stored for these columns
             solve_transposed_kernel[lay.sequential_grid](
-                x, y, grad_u, grad_b, beta_arg, gamma, ds_arg, lse, sub_ends, future,
+                x, y, grad_u, grad_b, db16, beta_arg, gamma, ds_arg, lse, sub_ends, future,
                 *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
                 lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, sub_first * ratio,
-                min(sub_stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=seen,
+                min(sub_stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=seen, SHADOW=lay.shadowed,
                 **lay.substitution_flags(),
             )
             if sub_first > first:  # push the solved db into the span's earlier columns
                 gather(first, sub_first - first, sub_first, sub_stop, seen)
-    return grad_b
+    return grad_b, db16
 
 
-def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layout, need_x: bool, need_y: bool):
+def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, lse, lay: _Layout, need_x: bool,
+                    need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve. Without β (Cubit), e_i = db_i·(K U)_i
     is O(T·d) from the forward's own system, K U = b − γ U; with β (DeltaFormer) dividing by β_i
     could amplify rounding, so the row kernel sums e. Then the column kernel, which needs e, gives dy
-    and dx (by fp32 atomics, ``ROW_GRAD``): one pass over the T² pairs with accumulators."""
+    and dx (by fp32 atomics, ``ROW_GRAD``): one pass over the T² pairs with accumulators. With bf16
+    operands the kernels read the bf16 copies of x, y, U (``u16``, the forward's) and db."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
-    grad_b = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay)
+    xs, ys = _operand_copies(lay, x, y)
+    us = u if u16 is None else u16
+    grad_b, db16 = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay, (xs, ys))
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     if b is not None:  # (β is None: K U = b − γ U)
@@ -313,7 +356,7 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
         grad_rows_kernel[lay.block_grid](
-            x, y, u, grad_b, ds_arg, lse, e, *_strides4(x), *_strides4(y), *_strides4(u), *_strides4(grad_b),
+            xs, ys, us, db16, ds_arg, lse, e, *_strides4(xs), *_strides4(ys), *_strides4(us), *_strides4(db16),
             *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, **lay.gradient_flags(rows=True),
         )
     grad_x = grad_y = None
@@ -321,8 +364,8 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, lse, lay: _Layou
         grad_x = x.new_zeros(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)  # added to by atomics
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
         grad_columns_kernel[lay.block_grid](
-            x, y, u, grad_b, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(x), *_strides4(y),
-            *_strides4(u), *_strides4(grad_b), *lay.beta_strides, *lay.ds_strides, *_strides4(grad_y),
+            xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(xs), *_strides4(ys),
+            *_strides4(us), *_strides4(db16), *lay.beta_strides, *lay.ds_strides, *_strides4(grad_y),
             *_strides4(grad_x), lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
             ROW_GRAD=need_x, **lay.gradient_flags(rows=False),
         )
@@ -340,25 +383,25 @@ class _TritonSolve(torch.autograd.Function):
         lay = _Layout(x, b, beta, doc_start, scale, strict, chunk_size)
         gamma = gamma.contiguous()  # the kernels read γ_h at gamma_ptr + h
         if lay.length == 0:  # nothing to solve: no launch
-            u, lse = b.new_empty(b.shape), x.new_empty(x.shape[:3])
+            u, lse, u16 = b.new_empty(b.shape), x.new_empty(x.shape[:3]), None
         else:
             with _launch_device(x):
-                u, lse = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
-        ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, lse)
+                u, lse, u16 = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
+        ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, u16, lse)
         ctx.layout = lay
         return u
 
     @staticmethod
     @once_differentiable  # a gradient of this gradient is not implemented: say so clearly
     def backward(ctx, grad_u):
-        x, y, b, beta, gamma, doc_start, u, lse = ctx.saved_tensors
+        x, y, b, beta, gamma, doc_start, u, u16, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if ctx.layout.length == 0:
             return (torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(u), None if beta is None else
                     torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None)
         with _launch_device(x):
             grad_b, grad_x, grad_y, e = _solve_backward(
-                grad_u.float(), x, y, b, beta, gamma, doc_start, u, lse, ctx.layout, needs[0], needs[1]
+                grad_u.float(), x, y, b, beta, gamma, doc_start, u, u16, lse, ctx.layout, needs[0], needs[1]
             )
         grad_beta = -e if beta is not None and needs[3] else None
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
@@ -380,32 +423,38 @@ def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None,
     return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size))
 
 
-_POINTER_TYPES = {"ds_ptr": "*i64", "end_ptr": "*i32"}
+_POINTER_TYPES = {"ds_ptr": "*i64", "end_ptr": "*i32", "u16_ptr": "*bf16", "db16_ptr": "*bf16"}
 _FLOAT_ARGS = {"scale", "scale2"}
+# the kernels that read the bf16 copies with bf16 operands (the sequential ones read fp32, store the copies)
+_SHADOW_READERS = ("solve_past_span", "solve_span_push", "solve_future_span", "solve_span_push_transposed",
+                   "solve_grad_rows", "solve_grad_columns")
+_SHADOW_POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "u_ptr", "db_ptr")}
 
 
 def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chunk_size: int, strict: bool,
-                   has_beta: bool, has_doc: bool) -> list[KernelLaunch]:
+                   has_beta: bool, has_doc: bool, operands: str | None = None) -> list[KernelLaunch]:
     """The kernels one differentiated solve launches at these sizes — the forward (past spans in
     parallel, then each span's substitution), the backward's transposed solve (later spans, then each
     span's back substitution), row and column gradients — with the grids, blocks and warps the launches
     above use (the same ``_Layout``, built on meta tensors: no memory, no GPU). A span kernel's grid is
-    that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed."""
+    that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed.
+    ``operands``: the span products' (default ``SPAN_OPERANDS``); with "bf16" the kernels that read the
+    bf16 copies take bf16 pointers for them."""
     if triton is None:
         raise KernelmixError("the Triton launch plan needs the triton package: pip install triton")
     x = torch.empty(batch, heads, length, dk, device="meta")
     b = torch.empty(batch, heads, length, dv, device="meta")
     beta = torch.empty(batch, heads, length, device="meta") if has_beta else None
     doc = torch.empty(batch, length, dtype=torch.int64, device="meta") if has_doc else None
-    lay = _Layout(x, b, beta, doc, 1.0, strict, chunk_size)
+    lay = _Layout(x, b, beta, doc, 1.0, strict, chunk_size, operands)
     flags = lay.flags()
     warps = flags.pop("num_warps")
     several = lay.has_partials
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
-                 future_block_v=lay.future_block_v)
-    span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.block_v, STRICT=lay.strict,
+                 future_block_v=lay.future_block_v, span_block_v=lay.span_block_v)
+    span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
     reach = sorted(lay.span_blocks_of(index)[1] - sub_stop for index in range(lay.spans)
@@ -416,12 +465,13 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's e (Cubit's is from its forward system)
     column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": True}
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
-    substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v}
+    substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v, "SHADOW": lay.shadowed}
     sub_warps = substitution.pop("num_warps")
+    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several}
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
     kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span | {"CONTINUE": False},
                 lay.spans - 1),
-               ("solve_forward", solve_forward_kernel, lay.sequential_grid, substitution | {"HAS_PAST": several},
+               ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
                ("solve_span_push", past_span_kernel, push_grid, span | {"CONTINUE": True}, len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
@@ -435,6 +485,9 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
+    def pointers(name: str) -> dict:
+        return _POINTER_TYPES | (_SHADOW_POINTERS if lay.shadowed and name in _SHADOW_READERS else {})
+
     return [KernelLaunch(name, kernel, grid, constexprs, launch_warps.get(name, warps),
-                         aot_signature(kernel, constexprs, _POINTER_TYPES, _FLOAT_ARGS), tiles, calls)
+                         aot_signature(kernel, constexprs, pointers(name), _FLOAT_ARGS), tiles, calls)
             for name, kernel, grid, constexprs, calls in kernels if calls > 0]

@@ -56,7 +56,7 @@ load their tiles inline rather than through the small helpers.
 
 from __future__ import annotations
 
-from ._triton_products import product
+from ._triton_products import product, stored_as
 
 try:
     import triton
@@ -219,10 +219,11 @@ if triton is not None:
 
     @triton.jit
     def _forward_block(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
+        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
         s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length, dk, dv,
         scale2, vcols, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
+        SHADOW: tl.constexpr,
     ):
         """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
         (the pointers are those of this batch element and head): the span's earlier columns on top of
@@ -255,18 +256,24 @@ if triton is not None:
         rhs = rhs - beta_rows[:, None] * ((acc * rescale[:, None]) * inverse[:, None])
         u_block = _triangular_solve(weights * inverse[:, None], beta_rows, gamma, rhs, BLOCK_T, False)
         _store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
+        if SHADOW:  # the bf16 copy (U's strides) that the bf16 span kernels and pushes read
+            _store_rows(u16_ptr, rows, vcols, s_ut, s_ud, length, dv, stored_as(u_block, u16_ptr))
 
     @triton.jit
     def solve_forward_kernel(
-        x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
+        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_bb, s_bh, s_bt, s_bd,
         s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad, s_betab, s_betah, s_betat, s_dsb, s_dst,
         heads, length, dk, dv, scale2, span_start, span_end,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
+        SHADOW: tl.constexpr, PARTIAL_V: tl.constexpr,
     ):
         """Grid (B·H, value slices): one program solves the rows [span_start, span_end) of one slice
-        of one head in order (all T rows when there is one span)."""
+        of one head in order (all T rows when there is one span); with ``SHADOW`` it also stores U in
+        bf16 at ``u16_ptr`` (laid out as U) for the span kernels with bf16 operands. The span kernels'
+        partials are per slice of ``PARTIAL_V`` columns (a multiple of BLOCK_V): it reads those of the
+        slice its columns lie in."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -276,20 +283,21 @@ if triton is not None:
         y_ptr += bi * s_yb + hi * s_yh
         b_ptr += bi * s_bb + hi * s_bh
         u_ptr += bi * s_ub + hi * s_uh
+        u16_ptr += bi * s_ub + hi * s_uh
         acc_ptr += bi * s_ab + hi * s_ah
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
-        # the partials are kept per value slice: a push updates them in place, slice by slice
-        partials = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64) * length
+        # the partials are kept per span value slice: a push updates them in place, slice by slice
+        partials = ((tl.program_id(1) * BLOCK_V) // PARTIAL_V * tl.num_programs(0) + pid).to(tl.int64) * length
         max_ptr += partials
         sum_ptr += partials
         i0 = span_start
         while i0 < span_end:
             _forward_block(
-                x_ptr, y_ptr, b_ptr, u_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
+                x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
                 s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
-                dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST,
+                dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST, SHADOW,
             )
             # later row blocks load this block's U from global memory: make the stores visible
             tl.debug_barrier()
@@ -366,26 +374,28 @@ if triton is not None:
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
             db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
-            if HAS_BETA:
-                db_rows = db_rows * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+            if HAS_BETA:  # β_I on K's rows, not on db: a bf16 copy of db is then rounded once, as stored
+                kernel = kernel * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             total += product(tl.trans(kernel), db_rows, OPERANDS)
             i_block += 1
         return total
 
     @triton.jit
     def solve_transposed_kernel(
-        x_ptr, y_ptr, gu_ptr, db_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
+        x_ptr, y_ptr, gu_ptr, db_ptr, db16_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_gb, s_gh, s_gt, s_gd,
         s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd, s_betab, s_betah, s_betat, s_dsb, s_dst,
         heads, length, blocks, dk, dv, scale2, span_first, span_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_FUTURE: tl.constexpr,
+        SHADOW: tl.constexpr,
     ):
         """Grid (B·H, value slices): db = A^{-T} dU for one slice over the span's row blocks
         [span_first, span_stop), from the last: block J subtracts A_IJᵀ db_I of the span's later blocks
         (and the later spans' sum, :func:`future_span_kernel`) from dU_J, then back-substitutes its
-        diagonal block. ``end_ptr`` [B, blocks]: one past the last row block that sees each column block."""
+        diagonal block. ``end_ptr`` [B, blocks]: one past the last row block that sees each column block.
+        With ``SHADOW`` db is also stored in bf16 at ``db16_ptr`` (laid out as db), for the bf16 span kernels."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -396,6 +406,7 @@ if triton is not None:
         y_ptr += bi * s_yb + hi * s_yh
         gu_ptr += bi * s_gb + hi * s_gh
         db_ptr += bi * s_dbb + hi * s_dbh
+        db16_ptr += bi * s_dbb + hi * s_dbh
         fut_ptr += bi * s_fb + hi * s_fh
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
@@ -419,6 +430,8 @@ if triton is not None:
             beta_rows = _betas(beta_ptr, cols, s_betat, length, HAS_BETA)
             db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
             _store_rows(db_ptr, cols, vcols, s_dbt, s_dbd, length, dv, db_block)
+            if SHADOW:
+                _store_rows(db16_ptr, cols, vcols, s_dbt, s_dbd, length, dv, stored_as(db_block, db16_ptr))
             # earlier row blocks load this block's db from global memory
             tl.debug_barrier()
             j_block -= 1

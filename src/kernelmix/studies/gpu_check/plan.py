@@ -33,7 +33,7 @@ import torch
 
 from ...errors import KernelmixError
 from ..flops import forward_flops
-from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
+from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, SOLVE_VARIANT, mixer_launches
 from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_cost, recurrence_cost, roofline_seconds,
                          sdpa_cost, solve_cost)
 from .plan_glue import feature_glue_ops, glue_seconds
@@ -93,8 +93,8 @@ _RECURRENCE = ("R_c = a_c R_{{c−1}} + K_cᵀ(X_c − A_c R_{{c−1}}) reads al
 _ONE_SLICE = ("its programs hold {width} value columns (up to 128, all of a head up to 128), so each kernel tile "
               "is formed once per {width}; narrower slices would launch more programs that form the same tiles "
               "again (at d = 128, slices of 64: twice the programs for 1.5× the products and bytes); it is "
-              "{share:.0%} of the transposed solve's products")
-WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN,
+              "{share:.0%} of the {direction} solve's products")
+WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ONE_SLICE, "solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN,
              "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH, "cubit_rf_recurrence": _RECURRENCE,
              "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
@@ -147,9 +147,11 @@ def plan_rows(shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None) -> l
 
 
 def launch_seconds(cost: Cost, launch) -> float:
-    """The roofline time of a kernel's launches in one call: fp32 products on CUDA cores, TF32 (and
-    bf16-rounded) operands on tensor cores at the TF32 peak."""
-    peak = H200["fp32_flops"] if launch.constexprs.get("OPERANDS", "fp32") == "fp32" else H200["tf32_flops"]
+    """The roofline time of a kernel's launches in one call: fp32 products on CUDA cores, TF32 operands
+    on tensor cores at the TF32 peak, bf16 operands (bf16 instructions) at the bf16 peak."""
+    operands = launch.constexprs.get("OPERANDS", "fp32")
+    peak = H200["fp32_flops"] if operands == "fp32" else H200["bf16_flops"] if operands == "bf16" else \
+        H200["tf32_flops"]
     return roofline_seconds(cost, launch.programs, peak)
 
 
@@ -161,14 +163,15 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
     if launch.name.startswith("cubit_rf_"):
         return text.format(share=costs[launch.name] / sum(costs.values()))
-    forward = launch.name in ("solve_forward", "solve_span_push")
+    forward = launch.name in ("solve_past_span", "solve_forward", "solve_span_push")
     direction = ("solve_past_span", "solve_forward", "solve_span_push") if forward else (
         "solve_future_span", "solve_transposed", "solve_span_push_transposed")
     share = costs[launch.name] / sum(costs.get(name, 0.0) for name in direction)
     tiles = launch.tiles
     most = min(tiles["span_blocks"], tiles["blocks"]) - tiles["subspan_blocks"]
     return text.format(span=tiles["subspan_blocks"] * tiles["block_t"], share=share, most=most,
-                       least=min(most, tiles["subspan_blocks"]), width=tiles["future_block_v"])
+                       least=min(most, tiles["subspan_blocks"]), direction="forward" if forward else "transposed",
+                       width=tiles["span_block_v" if forward else "future_block_v"])
 
 
 def _load_compiled(path: Path) -> dict[str, dict]:
@@ -259,7 +262,7 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True, dtype=rows))
     public = kernels + public_side
     kernels += torch_side
-    op = "performer" if mixer in FEATURE_MIXERS else mixer
+    op = "performer" if mixer in FEATURE_MIXERS else mixer.removesuffix(SOLVE_VARIANT)
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
     if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above
         useful -= 3 * at["batch"] * at["heads"] * forward_flops("softmax", length, at["head_dim"], 0, at["chunk_size"])

@@ -3,7 +3,7 @@ moves, and a roofline time on an H200 from them.
 
 **What is counted.** The work the kernel *executes*, tile by tile, at its padded block sizes (a
 masked tile costs as much as a full one): the products (``tl.dot``, one multiply-add = 2 FLOPs),
-and the global-memory loads and stores it issues, in bytes (fp32 = 4, int64 document starts = 8).
+and the global-memory loads and stores it issues, in bytes (fp32 = 4, bf16 = 2, int64 document starts = 8).
 Elementwise work (exps, maxima, masks) is left out, as in :mod:`kernelmix.studies.flops`; a tile
 loaded again by another program is counted again, so ``bytes`` is what the kernel asks of the memory
 system, an upper bound on its DRAM traffic (L2 serves some of it).
@@ -27,6 +27,10 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
     grad columns          2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, products with x (dy) and
                                                                y, whose C × K part of dx per pair is
                                                                added by fp32 atomics (4 B each)
+
+With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
+bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
+they solve, 2·D_v B a row more); partials, sums, e, dx and dy stay fp32.
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
 ``S`` chunks, head ``D``; a program's ``M`` features and ``V`` value columns: every feature and a block
@@ -65,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = 4
+BF16 = 2
 INT64 = 8
 
 # H200 SXM peaks (NVIDIA's datasheet, dense): what the roofline divides by
@@ -118,8 +123,14 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     """The executed cost of one solve kernel, summed over its launches in one call (the module
     docstring's formulas, with the products split between the span kernels and the spans' own)."""
     c, k, v, dv, n = tiles["block_t"], tiles["block_k"], tiles["block_v"], tiles["block_dv"], tiles["blocks"]
+    # the operand tiles (x, y, U, db) of the span kernels, pushes and gradients: bf16 copies with bf16
+    # operands, which the sequential kernels store as they solve; everything else (partials, sums, dx, dy) fp32
+    shadowed = tiles["operands"] == "bf16"
+    ob = BF16 if shadowed else FP32
     if name in ("solve_future_span", "solve_span_push_transposed"):  # the transposed span kernels' wider slices
         v = tiles["future_block_v"]
+    elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider with bf16 operands)
+        v = tiles["span_block_v"]
     count = span_tiles(n, tiles["span_blocks"])
     all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
@@ -128,15 +139,15 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     if name in ("solve_past_span", "solve_future_span"):
         pairs = count["past" if name == "solve_past_span" else "future"]
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
-        moved = slices * (pairs * c * ((k + v) * FP32 + (name == "solve_future_span") * row_scalars)
-                          + spanned_rows * ((k + v + 2) * FP32 + row_scalars))
+        moved = slices * (pairs * c * ((k + v) * ob + (name == "solve_future_span") * row_scalars)
+                          + spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
     elif name in ("solve_span_push", "solve_span_push_transposed"):
         push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"])
         flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
         # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
         # (the running max and sum and the mix; backward: the sums)
-        streamed = (k + v) * FP32 + (name == "solve_span_push_transposed") * row_scalars
-        carried = (k + 2 * v + 4) * FP32 if name == "solve_span_push" else (k + 2 * v) * FP32
+        streamed = (k + v) * ob + (name == "solve_span_push_transposed") * row_scalars
+        carried = k * ob + ((2 * v + 4) * FP32 if name == "solve_span_push" else 2 * v * FP32)
         moved = slices * c * (push["pairs"] * streamed + push["reached"] * carried)
     elif name in ("solve_forward", "solve_transposed"):
         # the sub-spans' own rows, in substitution blocks of sub_t rows
@@ -151,12 +162,15 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
                           + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2) * FP32)  # partials from outside
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
+        moved += shadowed * slices * blocks * sub * v * BF16  # the bf16 copy of U (db) stored
     elif name == "solve_grad_rows":  # DeltaFormer's e alone: every row block streams the columns it sees
         flops = 2 * c * c * (k + dv) * all_lower
-        moved = all_lower * c * (k + dv) * FP32 + n * c * ((k + dv) * FP32 + row_scalars + FP32)
+        moved = all_lower * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32)
     elif name == "solve_grad_columns":  # dy, and dx: one more product per pair, added by atomics
         flops = 2 * c * c * (3 * k + dv) * all_lower
-        moved = all_lower * c * ((2 * k + dv) * FP32 + row_scalars + FP32) + n * c * (2 * k + dv) * FP32
+        # per pair the streamed x and db, dx's atomics (fp32) and the row scalars and e; per block y and U
+        # in, dy out
+        moved = all_lower * c * ((k + dv) * ob + k * FP32 + row_scalars + FP32) + n * c * ((k + dv) * ob + k * FP32)
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     return Cost(batch_heads * flops, batch_heads * moved)
