@@ -94,9 +94,9 @@ _ONE_SLICE = ("its programs hold {width} value columns (up to 128, all of a head
               "is formed once per {width}; narrower slices would launch more programs that form the same tiles "
               "again (at d = 128, slices of 64: twice the programs for 1.5× the products and bytes); it is "
               "{share:.0%} of the {direction} solve's products")
-WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ONE_SLICE, "solve_forward": _IN_SPAN, "solve_transposed": _IN_SPAN,
-             "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH, "cubit_rf_recurrence": _RECURRENCE,
-             "cubit_rf_recurrence_backward": _RECURRENCE}
+WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ONE_SLICE, "solve_forward": _IN_SPAN,
+             "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH,
+             "cubit_rf_recurrence": _RECURRENCE, "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
 
 
