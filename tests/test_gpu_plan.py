@@ -24,6 +24,7 @@ from kernelmix.ops._triton_solve import solve_launches, triton_kernel_solve  # n
 from kernelmix.studies.flops import forward_flops  # noqa: E402
 from kernelmix.studies.gpu_check.plan import LIMITS, PLAN_SHAPES, TARGET_SHAPE, plan_rows, run_plan  # noqa: E402
 from kernelmix.studies.gpu_check.plan_compile import parse_ptxas_log  # noqa: E402
+from kernelmix.studies.gpu_check.plan_costs import push_tiles, solve_cost, span_tiles  # noqa: E402
 from kernelmix.studies.gpu_check.plan_report import plan_markdown  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "gpu-plan" / "plan.json"
@@ -197,6 +198,36 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
             assert bf16[name]["grid"][2] == 1 and tf32[name]["grid"][2] == 2
             assert bf16[name]["flops"] == pytest.approx(tf32[name]["flops"] * 2 / 3)
         assert sum(r["roofline_ms"] for r in bf16.values()) < 0.7 * sum(r["roofline_ms"] for r in tf32.values())
+
+
+def test_span_programs_of_two_row_blocks_stream_each_column_tile_once_for_both():
+    """The forward's span kernel holds SPAN_ROW_BLOCKS = 2 row blocks a program: the same FLOPs as one
+    block a program (where the row blocks divide), about half the bytes; a launch's last program
+    reaching past its rows executes (and is costed for) a whole program. Its pushes take one block
+    at 128-column slices (bf16 operands), where merging 128 rows' partials spilled."""
+    assert solve.SPAN_ROW_BLOCKS == 2
+    odd = span_tiles(21, 16, 2)  # a last span of 5 row blocks: 3 programs, 6 blocks executed
+    assert odd["past"] == 16 * 6 and odd["past_streamed"] == 16 * 3 and span_tiles(21, 16, 1)["past"] == 16 * 5
+    pushes = push_tiles(21, 16, 2, 2)
+    assert pushes["streamed"] * 2 == pushes["reached"] * 2 == pushes["pairs"] >= push_tiles(21, 16, 2, 1)["pairs"]
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    for operands, push_rows in (("tf32", 128), ("bf16", 64)):
+        launches = {launch.name: launch for launch in solve_launches(
+            1, shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"], chunk_size=64, strict=False,
+            has_beta=False, has_doc=True, operands=operands)}
+        past, push = launches["solve_past_span"], launches["solve_span_push"]
+        assert past.constexprs["BLOCK_R"] == 128 and push.constexprs["BLOCK_R"] == push_rows
+        # a span of 1,024 rows; the median push reaches 8 row blocks of 64 (a span's sub-spans of 128 reach 14 ... 2)
+        assert past.grid[1] == 1024 // 128 and push.grid[1] == 8 * 64 // push_rows
+        one_block = dict(past.tiles, span_block_r=64, push_block_r=64)
+        for name in ("solve_past_span", "solve_span_push"):
+            grouped = solve_cost(name, past.tiles, shape["heads"], False, True)
+            single = solve_cost(name, one_block, shape["heads"], False, True)
+            assert grouped.flops == single.flops
+            if name == "solve_past_span" or push_rows == 128:
+                assert 0.45 < grouped.bytes / single.bytes < 0.75, (operands, name)
+            else:
+                assert grouped.bytes == single.bytes
 
 
 def test_the_logit_gradients_are_feature_blocks_with_every_value_column():

@@ -58,6 +58,11 @@ SUBSTITUTION_ROWS = 16
 # 16 none (248-255 registers); without dx, 64/32 none. The row kernel, e alone, 64/32: 202 registers,
 # none (with dx accumulators it had spilled 0.5-1.8 KB at 32 or 64 rows and had to take 16).
 GRADIENT_STREAM_ROWS = 32
+# A program of the forward's span kernel (and of its pushes) holds SPAN_ROW_BLOCKS row blocks against
+# each streamed column tile: the products per byte streamed grow with its rows, and these kernels are
+# bound by their bytes. ptxas (sm_90, d = 128, 8 warps) at 128 rows: 242 registers with bf16 operands
+# and one 128-column slice, 223 with TF32 and 64 columns, no spill (64 rows: 202 / 255).
+SPAN_ROW_BLOCKS = 2
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
 
 
@@ -154,6 +159,11 @@ class _Layout:
         # reads the partials of the span slice its columns lie in
         self.span_block_v = min(128, self.block_dv) if self.shadowed else self.block_v
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
+        # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
+        # stored partials (push_block_r): one row block there at 128-column slices, where merging the
+        # partials of 128 rows spilled 228 B per thread (ptxas, sm_90, d = 128, bf16 operands)
+        self.span_block_r = SPAN_ROW_BLOCKS * self.block_t
+        self.push_block_r = self.block_t if self.span_block_v >= 128 else self.span_block_r
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
@@ -200,10 +210,21 @@ class _Layout:
         first, stop = self.span_blocks_of(span)
         return self.push_grid(stop - first, transposed)
 
-    def push_grid(self, blocks: int, transposed: bool = False) -> tuple[int, int, int]:
-        """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block,
-        value slice; the transposed direction's slices are wider)."""
-        return (self.batch * self.heads, blocks, self.future_slices if transposed else self.span_slices)
+    def push_grid(self, blocks: int, transposed: bool = False, carry_on: bool = False) -> tuple[int, int, int]:
+        """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block
+        (forward: :meth:`span_rows` rows), value slice; the transposed direction's slices are wider)."""
+        if transposed:
+            return (self.batch * self.heads, blocks, self.future_slices)
+        return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.span_rows(carry_on)), self.span_slices)
+
+    def span_rows(self, carry_on: bool) -> int:
+        """Rows per program of the forward's span kernel, started afresh or carrying on from stored partials."""
+        return self.push_block_r if carry_on else self.span_block_r
+
+    def span_warps(self, carry_on: bool) -> int:
+        """The forward span kernel's warps: at 4, 128 rows of a 64-wide head spilled 120-600 B per thread
+        (ptxas, sm_90), at 8 none."""
+        return 8 if self.span_rows(carry_on) * max(self.block_k, self.span_block_v) >= 64 * 128 else 4
 
     @property
     def block_grid(self) -> tuple[int, int]:
@@ -257,17 +278,17 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
         acc = u
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
-    flags = lay.flags()
     xs, ys = _operand_copies(lay, x, y)
     u16 = _shadow_like(u, lay)
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
-        past_span_kernel[lay.push_grid(grid_blocks)](
+        """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
+        past_span_kernel[lay.push_grid(grid_blocks, carry_on=carry_on)](
             xs, ys, u16, ds_arg, row_max, row_sum, acc, *_strides4(xs), *_strides4(ys), *_strides4(u16),
-            *_strides4(acc),
-            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start, column_start,
-            column_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
-            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, num_warps=flags["num_warps"],
+            *_strides4(acc), *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start,
+            row_start + grid_blocks * lay.block_t, column_start, column_stop, BLOCK_T=lay.block_t,
+            BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, BLOCK_R=lay.span_rows(carry_on), STRICT=lay.strict,
+            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, num_warps=lay.span_warps(carry_on),
         )
 
     for span in range(lay.spans):
@@ -453,7 +474,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
-                 future_block_v=lay.future_block_v, span_block_v=lay.span_block_v)
+                 future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
+                 push_block_r=lay.push_block_r)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -461,7 +483,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                    for _, sub_stop in lay.subspans_of(index)[:-1])
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
     median = reach[len(reach) // 2] if reach else 1
-    push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
+    push_grid, push_grid_transposed = (lay.push_grid(median, carry_on=True),
+                                          lay.push_grid(median, transposed=True))
     row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's e (Cubit's is from its forward system)
     column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": True}
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
@@ -469,11 +492,12 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     sub_warps = substitution.pop("num_warps")
     forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several}
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
-    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)), span | {"CONTINUE": False},
-                lay.spans - 1),
+    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
+                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False}, lay.spans - 1),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
-               ("solve_span_push", past_span_kernel, push_grid, span | {"CONTINUE": True}, len(reach)),
+               ("solve_span_push", past_span_kernel, push_grid, span | {"BLOCK_R": lay.push_block_r, "CONTINUE": True},
+                len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
                 transposed | {"ACCUMULATE": False},
                 lay.spans - 1),
@@ -483,7 +507,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 transposed | {"ACCUMULATE": True}, len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.block_grid, row_gradient, int(lay.has_beta)),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
-    launch_warps = {"solve_forward": sub_warps, "solve_transposed": sub_warps,
+    launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
+                    "solve_forward": sub_warps, "solve_transposed": sub_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
     def pointers(name: str) -> dict:
         return _POINTER_TYPES | (_SHADOW_POINTERS if lay.shadowed and name in _SHADOW_READERS else {})

@@ -307,12 +307,14 @@ if triton is not None:
     def past_span_kernel(
         x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad,
-        s_dsb, s_dst, heads, length, dk, dv, scale2, row_start, column_start, column_stop,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        s_dsb, s_dst, heads, length, dk, dv, scale2, row_start, row_stop, column_start, column_stop,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
         STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, CONTINUE: tl.constexpr,
     ):
-        """Grid (B·H, row blocks from ``row_start``, value slices), all in parallel: row block I against
-        the solved columns [max(first_I, column_start), column_stop), all before its rows: the online
+        """Grid (B·H, blocks of ``BLOCK_R`` rows from ``row_start``, value slices), all in parallel: rows
+        I against the solved columns [max(first_I, column_start), column_stop), all before its rows, in
+        tiles of BLOCK_T columns that each serve all BLOCK_R rows (BLOCK_R is a multiple of BLOCK_T, so a
+        launch's last program may reach past ``row_stop``: only the rows before it are stored): the online
         softmax's running max, sum and Σ_j exp2(s_ij − max) u_j, started afresh or, with ``CONTINUE``,
         carried on from the partials stored (per value slice, so that no slice reads another's update);
         :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
@@ -322,8 +324,8 @@ if triton is not None:
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        i0 = row_start + tl.program_id(1) * BLOCK_T
-        rows = i0 + tl.arange(0, BLOCK_T)
+        i0 = row_start + tl.program_id(1) * BLOCK_R
+        rows = i0 + tl.arange(0, BLOCK_R)
         vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
@@ -334,22 +336,25 @@ if triton is not None:
         first = tl.maximum(_first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), column_start)
         row_max, row_sum, acc = _forward_past(
             x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, column_stop,
-            s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32),
-            tl.zeros([BLOCK_T], dtype=tl.float32), tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
+            s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_R], MAX_FLOOR, dtype=tl.float32),
+            tl.zeros([BLOCK_R], dtype=tl.float32), tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32),
             BLOCK_T, BLOCK_K, STRICT, OPERANDS,
         )
+        # a program of BLOCK_R rows may reach past the rows launched for (the span's end): those it neither
+        # reads partials for nor stores
+        stop = tl.minimum(row_stop, length)
         if CONTINUE:  # merged with the stored partials after the loop, whose tiles are then dead (ptxas
             # spilled 180 B at d = 128 when they were loaded before it)
             old_max, old_sum, old_acc = _span_partials(max_ptr + partials, sum_ptr + partials, acc_ptr, rows, vcols,
-                                                       s_at, s_ad, length, dv, BLOCK_T, BLOCK_V, True)
+                                                       s_at, s_ad, stop, dv, BLOCK_R, BLOCK_V, True)
             new_max = tl.maximum(old_max, row_max)
             old_scale, scale = tl.exp2(old_max - new_max), tl.exp2(row_max - new_max)
             row_sum = old_sum * old_scale + row_sum * scale
             acc = old_acc * old_scale[:, None] + acc * scale[:, None]
             row_max = new_max
-        _store_rows(acc_ptr, rows, vcols, s_at, s_ad, length, dv, acc)
-        tl.store(max_ptr + partials + rows, row_max, mask=rows < length)
-        tl.store(sum_ptr + partials + rows, row_sum, mask=rows < length)
+        _store_rows(acc_ptr, rows, vcols, s_at, s_ad, stop, dv, acc)
+        tl.store(max_ptr + partials + rows, row_max, mask=rows < stop)
+        tl.store(sum_ptr + partials + rows, row_sum, mask=rows < stop)
 
     @triton.jit
     def _transposed_later(

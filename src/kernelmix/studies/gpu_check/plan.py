@@ -50,11 +50,13 @@ LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=2
               max_compile_s=60.0)
 # what bounds each kernel's grid: the reason its program count is what it is
 GRID_BOUNDS = {
-    "solve_past_span": "B·H·(row blocks of a span)·⌈d_v/BLOCK_V⌉: every row of the span against the earlier spans",
+    "solve_past_span": "B·H·⌈(rows of a span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉: every row of the span against the earlier "
+                       "spans, BLOCK_R rows (SPAN_ROW_BLOCKS row blocks) a program",
     "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
                      "(the forward substitution)",
-    "solve_span_push": "B·H·(row blocks after the sub-span in its span)·⌈d_v/BLOCK_V⌉ (the median push's): "
-                       "a solved sub-span pushed into the span's later rows",
+    "solve_span_push": "B·H·⌈(rows after the sub-span in its span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉ (the median push's): "
+                       "a solved sub-span pushed into the span's later rows, BLOCK_R rows a program (one row block "
+                       "at 128-column slices, else SPAN_ROW_BLOCKS)",
     "solve_span_push_transposed": "B·H·(column blocks before the sub-span in its span)·⌈d_v/BLOCK_V⌉ (the median "
                                   "push's): a solved sub-span's db pushed into the span's earlier columns",
     "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: "
@@ -94,7 +96,12 @@ _ONE_SLICE = ("its programs hold {width} value columns (up to 128, all of a head
               "is formed once per {width}; narrower slices would launch more programs that form the same tiles "
               "again (at d = 128, slices of 64: twice the programs for 1.5× the products and bytes); it is "
               "{share:.0%} of the {direction} solve's products")
-WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ONE_SLICE, "solve_forward": _IN_SPAN,
+_ROW_BLOCKS = ("its programs hold {rows} rows ({group} row blocks) and {width} value columns, and every column tile "
+               "they stream serves all of them: the kernel is bound by its bytes, which fall as a program holds "
+               "more rows (programs of half the rows would stream every tile twice as often); at 8 warps of over 128 "
+               "registers a thread an SM holds one program, so {programs} programs are {waves}; "
+               "it is {share:.0%} of the forward solve's products")
+WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ROW_BLOCKS, "solve_forward": _IN_SPAN,
              "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH,
              "cubit_rf_recurrence": _RECURRENCE, "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
@@ -171,7 +178,19 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     most = min(tiles["span_blocks"], tiles["blocks"]) - tiles["subspan_blocks"]
     return text.format(span=tiles["subspan_blocks"] * tiles["block_t"], share=share, most=most,
                        least=min(most, tiles["subspan_blocks"]), direction="forward" if forward else "transposed",
-                       width=tiles["span_block_v" if forward else "future_block_v"])
+                       width=tiles["span_block_v" if forward else "future_block_v"], rows=tiles["span_block_r"],
+                       group=tiles["span_block_r"] // tiles["block_t"], programs=launch.programs,
+                       waves=_waves(launch.programs))
+
+
+def _waves(programs: int) -> str:
+    """How ``programs`` programs of one per SM fill the H200's SMs, in words."""
+    sms = H200["sms"]
+    full, rest = divmod(programs, sms)
+    if full == 0:
+        return f"one wave on {rest} of the {sms} SMs"
+    waves = "one full wave" if full == 1 else f"{full} full waves"
+    return f"{waves} of the {sms} SMs" + (f" and one on {rest} of them" if rest else "")
 
 
 def _load_compiled(path: Path) -> dict[str, dict]:

@@ -28,6 +28,12 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                y, whose C × K part of dx per pair is
                                                                added by fp32 atomics (4 B each)
 
+The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
+its pushes of ``push_block_r`` rows (one row block at 128-column slices, else as many): P and Q count
+the pairs they execute, a launch's last program reaching past its rows where their blocks do not
+divide; each program streams its column tiles once for all its rows, so their bytes are those of
+P / 2 (Q / 2) tiles at two row blocks a program.
+
 With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
 they solve, 2·D_v B a row more); partials, sums, e, dx and dy stay fp32.
@@ -91,32 +97,39 @@ class Cost:
         return self.flops / self.bytes if self.bytes else float("inf")
 
 
-def span_tiles(blocks: int, span_blocks: int) -> dict:
+def span_tiles(blocks: int, span_blocks: int, row_group: int = 1) -> dict:
     """Tile counts of the chunk-parallel solve's ``blocks`` row blocks in spans of ``span_blocks``:
-    ``past`` (row block, earlier-span column block) pairs, ``future`` (column block, later-span row
-    block) pairs, and the tiles on and below the diagonal inside the spans (``lower``; ``strict``
-    without the diagonal). Document starts would skip some; the count is the dense case."""
-    past = future = lower = strict = 0
+    ``past`` (row block, earlier-span column block) pairs executed, its programs holding ``row_group``
+    row blocks each (a span's last may reach past it), ``past_streamed`` the column tiles those
+    programs stream, ``future`` (column block, later-span row block) pairs, and the tiles on and
+    below the diagonal inside the spans (``lower``; ``strict`` without the diagonal). Document starts
+    would skip some; the count is the dense case."""
+    past = past_streamed = future = lower = strict = 0
     for first in range(0, blocks, span_blocks):
         size = min(span_blocks, blocks - first)
-        past += size * first
+        programs = -(-size // row_group)
+        past += programs * row_group * first
+        past_streamed += programs * first
         future += size * (blocks - first - size)
         lower += size * (size + 1) // 2
         strict += size * (size - 1) // 2
-    return dict(past=past, future=future, lower=lower, strict=strict)
+    return dict(past=past, past_streamed=past_streamed, future=future, lower=lower, strict=strict)
 
 
-def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int) -> dict:
-    """The pushes inside the spans: (row block, earlier sub-span's column block) pairs, and the row
-    blocks whose partials the pushes carry on (``reached``, summed over the pushes)."""
-    pairs = reached = 0
+def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int, row_group: int = 1) -> dict:
+    """The pushes inside the spans: (row block, earlier sub-span's column block) pairs executed, their
+    programs holding ``row_group`` row blocks each, the column tiles those stream (``streamed``), and
+    the row blocks whose partials the pushes carry on (``reached``, summed over the pushes, as executed)."""
+    pairs = streamed = reached = 0
     for first in range(0, blocks, span_blocks):
         stop = min(first + span_blocks, blocks)
         for sub_first in range(first, stop, subspan_blocks):
             sub_stop = min(sub_first + subspan_blocks, stop)
-            pairs += (stop - sub_stop) * (sub_stop - sub_first)
-            reached += stop - sub_stop
-    return dict(pairs=pairs, reached=reached)
+            programs = -(-(stop - sub_stop) // row_group)
+            pairs += programs * row_group * (sub_stop - sub_first)
+            streamed += programs * (sub_stop - sub_first)
+            reached += programs * row_group
+    return dict(pairs=pairs, streamed=streamed, reached=reached)
 
 
 def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc: bool) -> Cost:
@@ -131,24 +144,27 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         v = tiles["future_block_v"]
     elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider with bf16 operands)
         v = tiles["span_block_v"]
-    count = span_tiles(n, tiles["span_blocks"])
+    count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c)  # row blocks per program
     all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
     if name in ("solve_past_span", "solve_future_span"):
-        pairs = count["past" if name == "solve_past_span" else "future"]
+        past = name == "solve_past_span"
+        pairs, streamed = (count["past"], count["past_streamed"]) if past else (count["future"], count["future"])
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
-        moved = slices * (pairs * c * ((k + v) * ob + (name == "solve_future_span") * row_scalars)
+        moved = slices * (streamed * c * ((k + v) * ob + (not past) * row_scalars)
                           + spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
     elif name in ("solve_span_push", "solve_span_push_transposed"):
-        push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"])
+        transposed = name == "solve_span_push_transposed"
+        push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"],
+                          1 if transposed else tiles["push_block_r"] // c)
         flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
         # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
         # (the running max and sum and the mix; backward: the sums)
         streamed = (k + v) * ob + (name == "solve_span_push_transposed") * row_scalars
         carried = k * ob + ((2 * v + 4) * FP32 if name == "solve_span_push" else 2 * v * FP32)
-        moved = slices * c * (push["pairs"] * streamed + push["reached"] * carried)
+        moved = slices * c * (push["streamed"] * streamed + push["reached"] * carried)
     elif name in ("solve_forward", "solve_transposed"):
         # the sub-spans' own rows, in substitution blocks of sub_t rows
         sub = tiles["sub_t"]
