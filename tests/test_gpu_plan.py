@@ -189,10 +189,15 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
         for name in ("solve_forward", "solve_transposed"):
             assert bf16[name]["bytes"] == tf32[name]["bytes"] + heads * length * dv * 2
             assert bf16[name]["precision"] == tf32[name]["precision"] == "fp32"
-        for name in ("solve_future_span", "solve_span_push_transposed", "solve_grad_columns", "solve_grad_rows"):
+        for name in ("solve_span_push_transposed", "solve_grad_columns", "solve_grad_rows"):
             if name in tf32:  # the same tiles: the same FLOPs, fewer bytes
                 assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
                 assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
+        # the transposed span kernel holds two column blocks a program with bf16 operands (one with TF32):
+        # the same FLOPs, each streamed tile read once for both blocks
+        future = "solve_future_span"
+        assert bf16[future]["flops"] == tf32[future]["flops"] and bf16[future]["grid"][1] * 2 == tf32[future]["grid"][1]
+        assert 0.2 * tf32[future]["bytes"] < bf16[future]["bytes"] < 0.4 * tf32[future]["bytes"]
         # the forward's span kernels take one slice of 128 value columns (two of 64 with TF32): 2/3 of the logits
         for name in ("solve_past_span", "solve_span_push"):
             assert bf16[name]["grid"][2] == 1 and tf32[name]["grid"][2] == 2
@@ -200,12 +205,13 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
         assert sum(r["roofline_ms"] for r in bf16.values()) < 0.7 * sum(r["roofline_ms"] for r in tf32.values())
 
 
-def test_span_programs_of_two_row_blocks_stream_each_column_tile_once_for_both():
+def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
     """The forward's span kernel holds SPAN_ROW_BLOCKS = 2 row blocks a program: the same FLOPs as one
     block a program (where the row blocks divide), about half the bytes; a launch's last program
     reaching past its rows executes (and is costed for) a whole program. Its pushes take one block
-    at 128-column slices (bf16 operands), where merging 128 rows' partials spilled."""
-    assert solve.SPAN_ROW_BLOCKS == 2
+    at 128-column slices (bf16 operands), where merging 128 rows' partials spilled. The transposed
+    direction's holds SPAN_COLUMN_BLOCKS = 2 column blocks where that compiles without spills."""
+    assert solve.SPAN_ROW_BLOCKS == solve.SPAN_COLUMN_BLOCKS == 2
     odd = span_tiles(21, 16, 2)  # a last span of 5 row blocks: 3 programs, 6 blocks executed
     assert odd["past"] == 16 * 6 and odd["past_streamed"] == 16 * 3 and span_tiles(21, 16, 1)["past"] == 16 * 5
     pushes = push_tiles(21, 16, 2, 2)
@@ -219,6 +225,11 @@ def test_span_programs_of_two_row_blocks_stream_each_column_tile_once_for_both()
         assert past.constexprs["BLOCK_R"] == 128 and push.constexprs["BLOCK_R"] == push_rows
         # a span of 1,024 rows; the median push reaches 8 row blocks of 64 (a span's sub-spans of 128 reach 14 ... 2)
         assert past.grid[1] == 1024 // 128 and push.grid[1] == 8 * 64 // push_rows
+        # the transposed direction: two column blocks where they compile without spills (bf16, outside pushes)
+        future, future_push = launches["solve_future_span"], launches["solve_span_push_transposed"]
+        assert (future.constexprs["BLOCK_C"], future_push.constexprs["BLOCK_C"]) == \
+            ((64, 64) if operands == "tf32" else (128, 64))
+        assert future.grid[1] * future.constexprs["BLOCK_C"] == 1024
         one_block = dict(past.tiles, span_block_r=64, push_block_r=64)
         for name in ("solve_past_span", "solve_span_push"):
             grouped = solve_cost(name, past.tiles, shape["heads"], False, True)
@@ -228,6 +239,11 @@ def test_span_programs_of_two_row_blocks_stream_each_column_tile_once_for_both()
                 assert 0.45 < grouped.bytes / single.bytes < 0.75, (operands, name)
             else:
                 assert grouped.bytes == single.bytes
+    # a 64-wide head (the 125m preset's): two column blocks in both, with TF32 operands too
+    narrow = {launch.name: launch for launch in solve_launches(1, 12, 8192, 64, 64, chunk_size=64, strict=False,
+                                                               has_beta=False, has_doc=True, operands="tf32")}
+    assert narrow["solve_future_span"].constexprs["BLOCK_C"] == narrow["solve_span_push_transposed"].constexprs[
+        "BLOCK_C"] == 128
 
 
 def test_the_logit_gradients_are_feature_blocks_with_every_value_column():

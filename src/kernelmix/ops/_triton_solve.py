@@ -64,6 +64,15 @@ GRADIENT_STREAM_ROWS = 32
 # and one 128-column slice, 223 with TF32 and 64 columns, no spill (64 rows: 202 / 255).
 SPAN_ROW_BLOCKS = 2
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
+# A program of the transposed direction's span kernel (and of its pushes) holds SPAN_COLUMN_BLOCKS
+# column blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, where that
+# compiles without spills (ptxas, sm_90, 8 warps), streaming the rows in tiles of FUTURE_STREAM_ROWS:
+# at 64-wide heads (217-232 registers; streaming 64 rows, 88-96 B spilled), and at 128-wide ones with
+# bf16 operands outside the pushes (233-244; streaming 32, 28-36 B spilled, 64, 100 B). At 128-wide
+# heads with TF32 operands 128 columns spilled 96-176 B, and the pushes, which add to the stored
+# sums, 144-416 B (also when adding by atomics): those keep one column block.
+SPAN_COLUMN_BLOCKS = 2
+FUTURE_STREAM_ROWS = 16
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -164,6 +173,11 @@ class _Layout:
         # partials of 128 rows spilled 228 B per thread (ptxas, sm_90, d = 128, bf16 operands)
         self.span_block_r = SPAN_ROW_BLOCKS * self.block_t
         self.push_block_r = self.block_t if self.span_block_v >= 128 else self.span_block_r
+        # the transposed direction's span kernel's columns per program, storing (future_block_c) or adding
+        # to the stored sums (future_push_c): see SPAN_COLUMN_BLOCKS
+        self.narrow = max(self.block_k, self.future_block_v) <= 64
+        self.future_block_c = self.block_t * (SPAN_COLUMN_BLOCKS if self.narrow or self.shadowed else 1)
+        self.future_push_c = self.block_t * (SPAN_COLUMN_BLOCKS if self.narrow else 1)
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
@@ -214,12 +228,27 @@ class _Layout:
         """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block
         (forward: :meth:`span_rows` rows), value slice; the transposed direction's slices are wider)."""
         if transposed:
-            return (self.batch * self.heads, blocks, self.future_slices)
+            return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.future_columns(carry_on)),
+                    self.future_slices)
         return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.span_rows(carry_on)), self.span_slices)
 
     def span_rows(self, carry_on: bool) -> int:
         """Rows per program of the forward's span kernel, started afresh or carrying on from stored partials."""
         return self.push_block_r if carry_on else self.span_block_r
+
+    def future_columns(self, accumulate: bool) -> int:
+        """Columns per program of the transposed direction's span kernel, storing or adding to the sums."""
+        return self.future_push_c if accumulate else self.future_block_c
+
+    def future_stream_t(self, accumulate: bool) -> int:
+        """The row tiles it streams: FUTURE_STREAM_ROWS where it holds several column blocks of a 128-wide
+        head, else its row block."""
+        several = self.future_columns(accumulate) > self.block_t
+        return min(self.block_t, FUTURE_STREAM_ROWS) if several else self.block_t
+
+    def future_warps(self, accumulate: bool) -> int:
+        """Its warps: 8 for 64 × 128 tiles and up (as the solve's), else 4."""
+        return 8 if self.future_columns(accumulate) * max(self.block_k, self.future_block_v) >= 64 * 128 else 4
 
     def span_warps(self, carry_on: bool) -> int:
         """The forward span kernel's warps: at 4, 128 rows of a 64-wide head spilled 120-600 B per thread
@@ -324,15 +353,15 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     common = (*lay.beta_strides, *lay.ds_strides)
-    flags = lay.flags()
 
     def gather(column_first, columns, row_first, row_stop, accumulate):
-        future_span_kernel[lay.push_grid(columns, transposed=True)](
+        future_span_kernel[lay.push_grid(columns, transposed=True, carry_on=accumulate)](
             xs, ys, db16, beta_arg, ds_arg, lse, ends, future, *_strides4(xs), *_strides4(ys), *_strides4(db16),
             *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
-            column_first, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.future_block_v,
-            STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc, OPERANDS=lay.operands,
-            ACCUMULATE=accumulate, num_warps=flags["num_warps"],
+            column_first, column_first + columns, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k,
+            BLOCK_V=lay.future_block_v, BLOCK_C=lay.future_columns(accumulate),
+            STREAM_T=lay.future_stream_t(accumulate), STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc,
+            OPERANDS=lay.operands, ACCUMULATE=accumulate, num_warps=lay.future_warps(accumulate),
         )
 
     ratio = lay.block_t // lay.sub_t  # bounds in substitution blocks
@@ -475,7 +504,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
-                 push_block_r=lay.push_block_r)
+                 push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -484,7 +513,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
     median = reach[len(reach) // 2] if reach else 1
     push_grid, push_grid_transposed = (lay.push_grid(median, carry_on=True),
-                                          lay.push_grid(median, transposed=True))
+                                          lay.push_grid(median, transposed=True, carry_on=True))
     row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's e (Cubit's is from its forward system)
     column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": True}
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
@@ -499,15 +528,17 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_span_push", past_span_kernel, push_grid, span | {"BLOCK_R": lay.push_block_r, "CONTINUE": True},
                 len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
-                transposed | {"ACCUMULATE": False},
-                lay.spans - 1),
+                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t(False),
+                              "ACCUMULATE": False}, lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, subspans),
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
-                transposed | {"ACCUMULATE": True}, len(reach)),
+                transposed | {"BLOCK_C": lay.future_push_c, "STREAM_T": lay.future_stream_t(True), "ACCUMULATE": True},
+                len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.block_grid, row_gradient, int(lay.has_beta)),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
+                    "solve_future_span": lay.future_warps(False), "solve_span_push_transposed": lay.future_warps(True),
                     "solve_forward": sub_warps, "solve_transposed": sub_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
     def pointers(name: str) -> dict:

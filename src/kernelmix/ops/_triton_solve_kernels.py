@@ -360,20 +360,22 @@ if triton is not None:
     def _transposed_later(
         y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, i_block, end_block,
         s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        STREAM_T: tl.constexpr, STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        OPERANDS: tl.constexpr,
     ):
-        """Σ_I A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the row blocks [i_block, end_block) that see column
-        block J (their db already stored)."""
+        """Σ_I A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the row blocks [i_block, end_block) that see the
+        ``BLOCK_C`` columns J (their db already stored), in row tiles of ``STREAM_T`` (a divisor of BLOCK_T)."""
         kcols = tl.arange(0, BLOCK_K)
-        total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        while i_block < end_block:  # loads inline: each device call costs the interpreter
-            rows = i_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        total = tl.zeros([BLOCK_C, BLOCK_V], dtype=tl.float32)
+        r0 = i_block * BLOCK_T
+        while r0 < end_block * BLOCK_T:  # loads inline: each device call costs the interpreter
+            rows = r0 + tl.arange(0, STREAM_T)
             inside = rows < length
             if HAS_DOC:
                 starts = tl.load(ds_ptr + rows.to(tl.int64) * s_dst, mask=inside, other=0).to(tl.int32)
             else:
-                starts = tl.zeros([BLOCK_T], dtype=tl.int32)
+                starts = tl.zeros([STREAM_T], dtype=tl.int32)
             x_tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xt + kcols[None, :] * s_xd,
                              mask=inside[:, None] & (kcols[None, :] < dk), other=0.0)
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
@@ -383,7 +385,7 @@ if triton is not None:
             if HAS_BETA:  # β_I on K's rows, not on db: a bf16 copy of db is then rounded once, as stored
                 kernel = kernel * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
             total += product(tl.trans(kernel), db_rows, OPERANDS)
-            i_block += 1
+            r0 += STREAM_T
         return total
 
     @triton.jit
@@ -424,7 +426,7 @@ if triton is not None:
             rhs = _load_rows(gu_ptr, cols, vcols, s_gt, s_gd, length, dv) - _transposed_later(
                 y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, j_block + 1, end_block,
                 s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-                BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, "fp32",
+                BLOCK_T, BLOCK_K, BLOCK_V, BLOCK_T, BLOCK_T, STRICT, HAS_BETA, HAS_DOC, "fp32",
             )
             if HAS_FUTURE:
                 rhs -= _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
@@ -446,34 +448,40 @@ if triton is not None:
         x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd,
         s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, column_first,
-        row_first, row_stop,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STRICT: tl.constexpr,
-        HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, ACCUMULATE: tl.constexpr,
+        column_stop, row_first, row_stop,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        STREAM_T: tl.constexpr, STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
+        OPERANDS: tl.constexpr, ACCUMULATE: tl.constexpr,
     ):
-        """Grid (B·H, column blocks from ``column_first``, value slices), all in parallel: column block J
-        against the row blocks [row_first, row_stop) after it that see it, Σ_I K_IJᵀ (β_I db_I) (their
-        db solved already), stored, or with ``ACCUMULATE`` added to what is stored: the transposed
-        solve's off-diagonal products, for a span's columns against every later span, and inside a
-        span for the columns before a solved sub-span against it (a push); on tensor cores unless
-        ``OPERANDS`` is "fp32"."""
+        """Grid (B·H, blocks of ``BLOCK_C`` columns from column block ``column_first``, value slices), all
+        in parallel: columns J against the row blocks [row_first, row_stop) after them that see them,
+        each streamed row tile serving all BLOCK_C columns, Σ_I K_IJᵀ (β_I db_I) (their db solved
+        already), stored, or with ``ACCUMULATE`` added to what is stored: the transposed solve's
+        off-diagonal products, for a span's columns against every later span, and inside a span for
+        the columns before a solved sub-span against it (a push); on tensor cores unless ``OPERANDS``
+        is "fp32". BLOCK_C is a multiple of BLOCK_T: a launch's last program may reach past column
+        block ``column_stop``, and stores only the columns before it."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        j_block = column_first + tl.program_id(1)
-        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        j_block = column_first + tl.program_id(1) * (BLOCK_C // BLOCK_T)
+        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_C)
         vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, tl.arange(0, BLOCK_K), s_yt, s_yd, length, dk)
-        end_block = tl.minimum(tl.load(end_ptr + bi * blocks + j_block), row_stop)
+        # the rows that see a column are a range that ends later for later columns: the last block's end
+        last_block = tl.minimum(j_block + BLOCK_C // BLOCK_T, column_stop) - 1
+        end_block = tl.minimum(tl.load(end_ptr + bi * blocks + last_block), row_stop)
         total = _transposed_later(
             y_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
             cols, row_first, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-            BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
+            BLOCK_T, BLOCK_K, BLOCK_V, BLOCK_C, STREAM_T, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
         )
         fut_ptr += bi * s_fb + hi * s_fh
+        stop = tl.minimum(column_stop * BLOCK_T, length)
         if ACCUMULATE:
-            total += _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
-        _store_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv, total)
+            total += _load_rows(fut_ptr, cols, vcols, s_ft, s_fd, stop, dv)
+        _store_rows(fut_ptr, cols, vcols, s_ft, s_fd, stop, dv, total)
 
     @triton.jit
     def _grad_rows_sums(

@@ -57,10 +57,13 @@ GRID_BOUNDS = {
     "solve_span_push": "B·H·⌈(rows after the sub-span in its span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉ (the median push's): "
                        "a solved sub-span pushed into the span's later rows, BLOCK_R rows a program (one row block "
                        "at 128-column slices, else SPAN_ROW_BLOCKS)",
-    "solve_span_push_transposed": "B·H·(column blocks before the sub-span in its span)·⌈d_v/BLOCK_V⌉ (the median "
-                                  "push's): a solved sub-span's db pushed into the span's earlier columns",
-    "solve_future_span": "B·H·(column blocks of a span)·⌈d_v/BLOCK_V⌉: "
-                         "every column of the span against the later spans",
+    "solve_span_push_transposed": "B·H·⌈(columns before the sub-span in its span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉ (the "
+                                  "median push's): a solved sub-span's db pushed into the span's earlier columns, "
+                                  "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks at 64-wide heads, "
+                                  "else one)",
+    "solve_future_span": "B·H·⌈(columns of a span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉: every column of the span against the "
+                         "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks at 64-wide heads "
+                         "and with bf16 operands, else one)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
@@ -101,6 +104,11 @@ _ROW_BLOCKS = ("its programs hold {rows} rows ({group} row blocks) and {width} v
                "more rows (programs of half the rows would stream every tile twice as often); at 8 warps of over 128 "
                "registers a thread an SM holds one program, so {programs} programs are {waves}; "
                "it is {share:.0%} of the forward solve's products")
+_COLUMN_BLOCKS = ("its programs hold {columns} columns ({column_group} column blocks) and {width} value columns, "
+                  "and every row tile they stream serves all of them: the kernel is bound by its bytes, which fall "
+                  "as a program holds more columns; at 8 warps of over 128 registers a thread an SM holds one "
+                  "program, so {programs} programs are {waves}; it is {share:.0%} of the transposed solve's "
+                  "products")
 WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ROW_BLOCKS, "solve_forward": _IN_SPAN,
              "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH,
              "cubit_rf_recurrence": _RECURRENCE, "cubit_rf_recurrence_backward": _RECURRENCE}
@@ -167,6 +175,8 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     text = WHY_FEWER.get(launch.name)
     if text is None or launch.programs >= LIMITS["min_programs"]:
         return None
+    if launch.name == "solve_future_span" and launch.constexprs["BLOCK_C"] > launch.tiles["block_t"]:
+        text = _COLUMN_BLOCKS
     costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
     if launch.name.startswith("cubit_rf_"):
         return text.format(share=costs[launch.name] / sum(costs.values()))
@@ -180,6 +190,7 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
                        least=min(most, tiles["subspan_blocks"]), direction="forward" if forward else "transposed",
                        width=tiles["span_block_v" if forward else "future_block_v"], rows=tiles["span_block_r"],
                        group=tiles["span_block_r"] // tiles["block_t"], programs=launch.programs,
+                       columns=tiles["future_block_c"], column_group=tiles["future_block_c"] // tiles["block_t"],
                        waves=_waves(launch.programs))
 
 

@@ -29,10 +29,11 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                added by fp32 atomics (4 B each)
 
 The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
-its pushes of ``push_block_r`` rows (one row block at 128-column slices, else as many): P and Q count
-the pairs they execute, a launch's last program reaching past its rows where their blocks do not
-divide; each program streams its column tiles once for all its rows, so their bytes are those of
-P / 2 (Q / 2) tiles at two row blocks a program.
+its pushes of ``push_block_r`` rows (one row block at 128-column slices, else as many), and the
+transposed direction's span kernel and pushes programs of ``SPAN_COLUMN_BLOCKS`` column blocks
+(``future_block_c`` columns): P and Q count the pairs they execute, a launch's last program reaching
+past its rows (columns) where their blocks do not divide; each program streams its tiles once for
+all its rows (columns), so their bytes are those of P / 2 (Q / 2) tiles at two blocks a program.
 
 With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
@@ -97,23 +98,27 @@ class Cost:
         return self.flops / self.bytes if self.bytes else float("inf")
 
 
-def span_tiles(blocks: int, span_blocks: int, row_group: int = 1) -> dict:
+def span_tiles(blocks: int, span_blocks: int, row_group: int = 1, column_group: int = 1) -> dict:
     """Tile counts of the chunk-parallel solve's ``blocks`` row blocks in spans of ``span_blocks``:
     ``past`` (row block, earlier-span column block) pairs executed, its programs holding ``row_group``
     row blocks each (a span's last may reach past it), ``past_streamed`` the column tiles those
-    programs stream, ``future`` (column block, later-span row block) pairs, and the tiles on and
-    below the diagonal inside the spans (``lower``; ``strict`` without the diagonal). Document starts
-    would skip some; the count is the dense case."""
-    past = past_streamed = future = lower = strict = 0
+    programs stream; ``future`` (column block, later-span row block) pairs executed by programs of
+    ``column_group`` column blocks, ``future_streamed`` the row tiles those stream; and the tiles on
+    and below the diagonal inside the spans (``lower``; ``strict`` without the diagonal). Document
+    starts would skip some; the count is the dense case."""
+    past = past_streamed = future = future_streamed = lower = strict = 0
     for first in range(0, blocks, span_blocks):
         size = min(span_blocks, blocks - first)
         programs = -(-size // row_group)
         past += programs * row_group * first
         past_streamed += programs * first
-        future += size * (blocks - first - size)
+        column_programs = -(-size // column_group)
+        future += column_programs * column_group * (blocks - first - size)
+        future_streamed += column_programs * (blocks - first - size)
         lower += size * (size + 1) // 2
         strict += size * (size - 1) // 2
-    return dict(past=past, past_streamed=past_streamed, future=future, lower=lower, strict=strict)
+    return dict(past=past, past_streamed=past_streamed, future=future, future_streamed=future_streamed,
+                lower=lower, strict=strict)
 
 
 def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int, row_group: int = 1) -> dict:
@@ -144,21 +149,23 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         v = tiles["future_block_v"]
     elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider with bf16 operands)
         v = tiles["span_block_v"]
-    count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c)  # row blocks per program
+    # row (column) blocks per program of the forward's (transposed direction's) span kernels
+    count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c, tiles["future_block_c"] // c)
     all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
     if name in ("solve_past_span", "solve_future_span"):
         past = name == "solve_past_span"
-        pairs, streamed = (count["past"], count["past_streamed"]) if past else (count["future"], count["future"])
+        side = "past" if past else "future"
+        pairs, streamed = count[side], count[side + "_streamed"]
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
         moved = slices * (streamed * c * ((k + v) * ob + (not past) * row_scalars)
                           + spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
     elif name in ("solve_span_push", "solve_span_push_transposed"):
         transposed = name == "solve_span_push_transposed"
         push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"],
-                          1 if transposed else tiles["push_block_r"] // c)
+                          (tiles["future_push_c"] if transposed else tiles["push_block_r"]) // c)
         flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
         # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
         # (the running max and sum and the mix; backward: the sums)
