@@ -47,6 +47,21 @@ SPAN_OPERANDS = "tf32"
 # ms of 21.3 per direction at the target shape with whole spans), for 2·(SPAN_ROWS / SUBSPAN_ROWS − 1)
 # more launches per span. The pushes' products take SPAN_OPERANDS like the span kernels'.
 SUBSPAN_ROWS = 128
+# A program of the forward's span kernel holds SPAN_ROW_BLOCKS row blocks against each streamed column
+# tile: the products per byte streamed grow with its rows, and these kernels are bound by their bytes.
+# ptxas (sm_90, d = 128, 8 warps) at 128 rows: 242 registers with bf16 operands and one 128-column
+# slice, 223 with TF32 and 64 columns, no spill. Its pushes do the same but at 128-column slices,
+# where merging the stored partials of 128 rows spilled 228 B: one row block there.
+SPAN_ROW_BLOCKS = 2
+# A program of the transposed direction's span kernel (and of its pushes) holds SPAN_COLUMN_BLOCKS
+# column blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, where that
+# compiles without spills (ptxas, sm_90, 8 warps), streaming the rows in tiles of FUTURE_STREAM_ROWS:
+# at 64-wide heads (217-232 registers; streaming 64 rows, 88-96 B spilled), and at 128-wide ones with
+# bf16 operands outside the pushes (233-244; streaming 32, 28-36 B spilled, 64, 100 B). At 128-wide
+# heads with TF32 operands 128 columns spilled 96-176 B, and the pushes, which add to the stored
+# sums, 144-416 B (also when adding by atomics): those keep one column block.
+SPAN_COLUMN_BLOCKS = 2
+FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
@@ -58,21 +73,7 @@ SUBSTITUTION_ROWS = 16
 # 16 none (248-255 registers); without dx, 64/32 none. The row kernel, e alone, 64/32: 202 registers,
 # none (with dx accumulators it had spilled 0.5-1.8 KB at 32 or 64 rows and had to take 16).
 GRADIENT_STREAM_ROWS = 32
-# A program of the forward's span kernel (and of its pushes) holds SPAN_ROW_BLOCKS row blocks against
-# each streamed column tile: the products per byte streamed grow with its rows, and these kernels are
-# bound by their bytes. ptxas (sm_90, d = 128, 8 warps) at 128 rows: 242 registers with bf16 operands
-# and one 128-column slice, 223 with TF32 and 64 columns, no spill (64 rows: 202 / 255).
-SPAN_ROW_BLOCKS = 2
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
-# A program of the transposed direction's span kernel (and of its pushes) holds SPAN_COLUMN_BLOCKS
-# column blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, where that
-# compiles without spills (ptxas, sm_90, 8 warps), streaming the rows in tiles of FUTURE_STREAM_ROWS:
-# at 64-wide heads (217-232 registers; streaming 64 rows, 88-96 B spilled), and at 128-wide ones with
-# bf16 operands outside the pushes (233-244; streaming 32, 28-36 B spilled, 64, 100 B). At 128-wide
-# heads with TF32 operands 128 columns spilled 96-176 B, and the pushes, which add to the stored
-# sums, 144-416 B (also when adding by atomics): those keep one column block.
-SPAN_COLUMN_BLOCKS = 2
-FUTURE_STREAM_ROWS = 16
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -220,7 +221,7 @@ class _Layout:
         return [(i, min(i + self.subspan_blocks, stop)) for i in range(first, stop, self.subspan_blocks)]
 
     def span_grid(self, span: int, transposed: bool = False) -> tuple[int, int, int]:
-        """The past / future span kernels: one program per (batch · head, row block of the span, value slice)."""
+        """The past / future span kernels over a whole span: see :meth:`push_grid`."""
         first, stop = self.span_blocks_of(span)
         return self.push_grid(stop - first, transposed)
 
@@ -241,8 +242,8 @@ class _Layout:
         return self.future_push_c if accumulate else self.future_block_c
 
     def future_stream_t(self, accumulate: bool) -> int:
-        """The row tiles it streams: FUTURE_STREAM_ROWS where it holds several column blocks of a 128-wide
-        head, else its row block."""
+        """The row tiles it streams: FUTURE_STREAM_ROWS where it holds several column blocks, else its row
+        block."""
         several = self.future_columns(accumulate) > self.block_t
         return min(self.block_t, FUTURE_STREAM_ROWS) if several else self.block_t
 

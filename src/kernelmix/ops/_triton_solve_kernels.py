@@ -47,7 +47,9 @@ float64 is at the constant).
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
 masks; the value slice of the sequential kernels is ``BLOCK_V = min(64, max(16, next_pow2(dv)))``;
-the row and column gradient kernels hold all of dv (``BLOCK_DV``).
+the row and column gradient kernels hold all of dv (``BLOCK_DV``). A program of the forward's span
+kernel holds ``BLOCK_R`` rows and one of the transposed direction's ``BLOCK_C`` columns (whole row
+blocks: ``SPAN_ROW_BLOCKS``, ``SPAN_COLUMN_BLOCKS``), so that each tile they stream serves them all.
 
 On CPU the kernels run under Triton's interpreter (tests, ``TRITON_INTERPRET=1``), where every
 call of a device function re-patches ``triton.language`` (≈1 ms): the loops with many iterations
