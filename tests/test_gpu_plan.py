@@ -354,6 +354,10 @@ def test_the_committed_plan_holds_every_kernel_at_the_target_shape():
                 "bytes", "why_fewer"} <= set(kernel)
         assert kernel["checks"]["programs"] == (kernel["programs"] >= 264 or kernel["why_fewer"] is not None)
     assert (COMMITTED.parent / "plan.md").read_text() == plan_markdown(plan)
+    # the roofline's launches at the target length are the kernels' launches listed above
+    for row in plan["roofline"]:
+        if row["length"] == PLAN_SHAPES[TARGET_SHAPE]["length"]:
+            assert row["launches"] == sum(k["calls"] for k in target if k["mixer"] == row["mixer"]), row["mixer"]
 
 
 def test_plan_takes_only_out(tmp_path, capsys):

@@ -300,7 +300,10 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     bf16 = useful / H200["bf16_flops"] + readout  # bf16 operands, fp32 accumulation
     extra = dict(torch_ms=1e3 * torch_side, public_ms=1e3 * public,
                  public_ratio=public / sdpa) if mixer in FEATURE_MIXERS else {}
-    return dict(mixer=mixer, length=length, present_ms=1e3 * (kernels + readout), **extra,
+    # the Triton launches of one forward + backward (the read-out's SDPA not counted): their host-side cost
+    # is not in the roofline, and a GPU run should weigh it
+    return dict(mixer=mixer, length=length, launches=sum(x.calls for x in launches),
+                present_ms=1e3 * (kernels + readout), **extra,
                 design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa)

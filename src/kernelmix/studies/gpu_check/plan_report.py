@@ -44,14 +44,19 @@ def _targets(plan: dict) -> list[str]:
 
 def _roofline(plan: dict) -> list[str]:
     lines = ["| mixer | T | SDPA (ms) | present (ms) | of it torch's (ms) | × SDPA | public op (ms) | × SDPA | "
-             "design, TF32 (ms) | × SDPA | design, bf16 (ms) | × SDPA |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "design, TF32 (ms) | × SDPA | design, bf16 (ms) | × SDPA | launches |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in plan["roofline"]:
         torch_ms = f"{r['torch_ms']:.2f}" if "torch_ms" in r else "–"
         public = f"{r['public_ms']:.2f} | {r['public_ratio']:.2f}" if "public_ms" in r else "– | –"
         lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | {torch_ms} | "
                      f"{r['present_ratio']:.2f} | {public} | {r['design_tf32_ms']:.2f} | "
-                     f"{r['design_tf32_ratio']:.2f} | {r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} |")
+                     f"{r['design_tf32_ratio']:.2f} | {r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} | "
+                     f"{r.get('launches', '–')} |")
+    lines += ["", "*Launches*: the Triton kernel launches of one forward + backward (the solve mixers' read-out "
+              "not counted). Their host-side cost (Python and the driver, per launch) is not in the roofline; it "
+              "is not measured here, and for the solve, whose sequential sub-span solves and pushes launch once "
+              "per sub-span, a GPU run should weigh it (CUDA graphs would remove it)."]
     if any(r["mixer"] in ("performer", "darkformer") for r in plan["roofline"]):
         lines += ["", "The random features run on bf16 q, k, v (as gpu-check's bench and a bf16 model). Their "
                   "*present* is the Triton op's kernels plus torch's work around them (*of it torch's*: the "
