@@ -24,7 +24,7 @@ from kernelmix.ops._triton_solve import solve_launches, triton_kernel_solve  # n
 from kernelmix.studies.flops import forward_flops  # noqa: E402
 from kernelmix.studies.gpu_check.plan import LIMITS, PLAN_SHAPES, TARGET_SHAPE, plan_rows, run_plan  # noqa: E402
 from kernelmix.studies.gpu_check.plan_compile import parse_ptxas_log  # noqa: E402
-from kernelmix.studies.gpu_check.plan_costs import push_tiles, solve_cost, span_tiles  # noqa: E402
+from kernelmix.studies.gpu_check.plan_costs import push_tiles, row_group_tiles, solve_cost, span_tiles  # noqa: E402
 from kernelmix.studies.gpu_check.plan_report import plan_markdown  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "gpu-plan" / "plan.json"
@@ -189,7 +189,7 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
         for name in ("solve_forward", "solve_transposed"):
             assert bf16[name]["bytes"] == tf32[name]["bytes"] + heads * length * dv * 2
             assert bf16[name]["precision"] == tf32[name]["precision"] == "fp32"
-        for name in ("solve_span_push_transposed", "solve_grad_columns", "solve_grad_rows"):
+        for name in ("solve_span_push_transposed", "solve_grad_columns"):
             if name in tf32:  # the same tiles: the same FLOPs, fewer bytes
                 assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
                 assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
@@ -198,6 +198,11 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
         future = "solve_future_span"
         assert bf16[future]["flops"] == tf32[future]["flops"] and bf16[future]["grid"][1] * 2 == tf32[future]["grid"][1]
         assert 0.2 * tf32[future]["bytes"] < bf16[future]["bytes"] < 0.4 * tf32[future]["bytes"]
+        if "solve_grad_rows" in tf32:  # DeltaFormer's row kernel: two row blocks a program with bf16 (the
+            # diagonal's pairs a program of two executes: a few more FLOPs)
+            rows16, rows32 = bf16["solve_grad_rows"], tf32["solve_grad_rows"]
+            assert rows32["flops"] < rows16["flops"] < 1.01 * rows32["flops"] and rows16["precision"] == "bf16"
+            assert 0.2 * rows32["bytes"] < rows16["bytes"] < 0.4 * rows32["bytes"]
         # the forward's span kernels take one slice of 128 value columns (two of 64 with TF32): 2/3 of the logits
         for name in ("solve_past_span", "solve_span_push"):
             assert bf16[name]["grid"][2] == 1 and tf32[name]["grid"][2] == 2
@@ -240,10 +245,19 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
             else:
                 assert grouped.bytes == single.bytes
     # a 64-wide head (the 125m preset's): two column blocks in both, with TF32 operands too
-    narrow = {launch.name: launch for launch in solve_launches(1, 12, 8192, 64, 64, chunk_size=64, strict=False,
-                                                               has_beta=False, has_doc=True, operands="tf32")}
+    narrow = {launch.name: launch for launch in solve_launches(1, 12, 8192, 64, 64, chunk_size=64, strict=True,
+                                                               has_beta=True, has_doc=True, operands="tf32")}
     assert narrow["solve_future_span"].constexprs["BLOCK_C"] == narrow["solve_span_push_transposed"].constexprs[
         "BLOCK_C"] == 128
+    # DeltaFormer's row gradient (e alone): two row blocks a program with bf16 operands or at 64-wide heads
+    assert narrow["solve_grad_rows"].constexprs["BLOCK_R"] == 128 and narrow["solve_grad_rows"].grid == (12, 64)
+    for operands, rows in (("tf32", 64), ("bf16", 128)):
+        wide = {launch.name: launch for launch in solve_launches(
+            1, shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"], chunk_size=64, strict=True,
+            has_beta=True, has_doc=True, operands=operands)}
+        assert wide["solve_grad_rows"].constexprs["BLOCK_R"] == rows
+        assert wide["solve_grad_rows"].grid == (shape["heads"], shape["length"] // rows)
+    assert row_group_tiles(5, 2) == (24, 12) and row_group_tiles(5, 1) == (15, 15)  # 1+2+...+5 pairs
 
 
 def test_the_logit_gradients_are_feature_blocks_with_every_value_column():

@@ -74,6 +74,11 @@ SUBSTITUTION_ROWS = 16
 # none (with dx accumulators it had spilled 0.5-1.8 KB at 32 or 64 rows and had to take 16).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
+# A program of the row kernel (e alone: no accumulator but e) holds GRADIENT_ROW_BLOCKS row blocks,
+# each streamed column tile serving them all, where that compiles without spills (ptxas, sm_90): with
+# bf16 operands (128-wide heads: 160 registers; 4 blocks, 254) and at 64-wide heads (TF32: 167). With
+# TF32 at 128-wide heads two blocks spilled 220 B: one block (202 registers).
+GRADIENT_ROW_BLOCKS = 2
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -194,6 +199,8 @@ class _Layout:
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
         self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide else GRADIENT_STREAM_ROWS)
         self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
+        # the row kernel's rows per program (see GRADIENT_ROW_BLOCKS)
+        self.row_gradient_r = self.block_t * (GRADIENT_ROW_BLOCKS if self.shadowed or not wide else 1)
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -258,8 +265,13 @@ class _Layout:
 
     @property
     def block_grid(self) -> tuple[int, int]:
-        """The row and column gradient kernels: one program per (batch · head, row or column block)."""
+        """The column gradient kernel: one program per (batch · head, column block)."""
         return (self.batch * self.heads, self.blocks)
+
+    @property
+    def row_gradient_grid(self) -> tuple[int, int]:
+        """The row gradient kernel: one program per (batch · head, ``row_gradient_r`` rows)."""
+        return (self.batch * self.heads, triton.cdiv(self.blocks * self.block_t, self.row_gradient_r))
 
     def gradient_flags(self, rows: bool) -> dict:
         """The row (``rows``: e alone, no β) or column gradient kernel's blocks and warps."""
@@ -267,6 +279,7 @@ class _Layout:
                                     STREAM_T=self.row_stream_t if rows else self.column_stream_t)
         if rows:
             flags.pop("HAS_BETA")
+            flags["BLOCK_R"] = self.row_gradient_r
         return flags
 
 
@@ -406,7 +419,7 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, lse, lay: _
         e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
     else:
         e = x.new_empty(lay.batch, lay.heads, lay.length)
-        grad_rows_kernel[lay.block_grid](
+        grad_rows_kernel[lay.row_gradient_grid](
             xs, ys, us, db16, ds_arg, lse, e, *_strides4(xs), *_strides4(ys), *_strides4(us), *_strides4(db16),
             *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, **lay.gradient_flags(rows=True),
         )
@@ -505,7 +518,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
-                 push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c)
+                 push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c,
+                 row_gradient_r=lay.row_gradient_r)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -536,7 +550,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
                 transposed | {"BLOCK_C": lay.future_push_c, "STREAM_T": lay.future_stream_t(True), "ACCUMULATE": True},
                 len(reach)),
-               ("solve_grad_rows", grad_rows_kernel, lay.block_grid, row_gradient, int(lay.has_beta)),
+               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, int(lay.has_beta)),
                ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
     launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
                     "solve_future_span": lay.future_warps(False), "solve_span_push_transposed": lay.future_warps(True),

@@ -492,8 +492,8 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
         OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
-        """e_I = Σ_j K_ij S_ij over the columns rows I see, S = db uᵀ, the columns streamed in tiles of
-        ``STREAM_T`` (a divisor of BLOCK_T): the row block's own tiles stay in registers."""
+        """e_I = Σ_j K_ij S_ij over the columns the ``BLOCK_T`` rows I see, S = db uᵀ, the columns streamed
+        in tiles of ``STREAM_T`` (a divisor of BLOCK_T): the rows' own tiles stay in registers."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -514,17 +514,18 @@ if triton is not None:
         x_ptr, y_ptr, u_ptr, db_ptr, ds_ptr, lse_ptr, e_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
         s_dbb, s_dbh, s_dbt, s_dbd, s_dsb, s_dst, heads, length, dk, dv, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
         STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
-        """Grid (B·H, row blocks): e_I = Σ_j K_ij db_i·u_j (= −dβ_I), DeltaFormer's (Cubit knows e from
-        its forward system). It holds no [rows, d] accumulator (dx comes from
-        :func:`grad_columns_kernel`, which needs e), so its row blocks are the solve's own."""
+        """Grid (B·H, blocks of ``BLOCK_R`` rows, a multiple of BLOCK_T): e_I = Σ_j K_ij db_i·u_j (= −dβ_I),
+        DeltaFormer's (Cubit knows e from its forward system). It holds no [rows, d] accumulator (dx
+        comes from :func:`grad_columns_kernel`, which needs e), so its rows are one or more of the
+        solve's row blocks, each streamed column tile serving them all."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        i0 = tl.program_id(1) * BLOCK_T
-        rows = i0 + tl.arange(0, BLOCK_T)
+        i0 = tl.program_id(1) * BLOCK_R
+        rows = i0 + tl.arange(0, BLOCK_R)
         ds_ptr += bi * s_dsb
         lse_ptr += pid.to(tl.int64) * length
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
@@ -534,7 +535,7 @@ if triton is not None:
         first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
         e_rows = _grad_rows_sums(
             x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_T, BLOCK_K, BLOCK_DV, STRICT,
+            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_R, BLOCK_K, BLOCK_DV, STRICT,
             OPERANDS, STREAM_T,
         )
         tl.store(e_ptr + pid.to(tl.int64) * length + rows, e_rows, mask=rows < length)

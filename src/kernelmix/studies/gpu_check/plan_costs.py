@@ -34,6 +34,8 @@ transposed direction's span kernel and pushes programs of ``SPAN_COLUMN_BLOCKS``
 (``future_block_c`` columns): P and Q count the pairs they execute, a launch's last program reaching
 past its rows (columns) where their blocks do not divide; each program streams its tiles once for
 all its rows (columns), so their bytes are those of P / 2 (Q / 2) tiles at two blocks a program.
+The row gradient kernel runs programs of ``row_gradient_r`` rows likewise (L₀ then counts the pairs
+they execute, :func:`row_group_tiles`).
 
 With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
@@ -121,6 +123,14 @@ def span_tiles(blocks: int, span_blocks: int, row_group: int = 1, column_group: 
                 lower=lower, strict=strict)
 
 
+def row_group_tiles(blocks: int, row_group: int) -> tuple[int, int]:
+    """Programs of ``row_group`` row blocks over ``blocks`` row blocks, each streaming the column blocks
+    up to its last row (the causal triangle): the (row block, column block) pairs they execute and the
+    column tiles they stream (a last program reaching past the rows streams as if it did not)."""
+    streamed = sum((program + 1) * row_group for program in range(-(-blocks // row_group)))
+    return streamed * row_group, streamed
+
+
 def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int, row_group: int = 1) -> dict:
     """The pushes inside the spans: (row block, earlier sub-span's column block) pairs executed, their
     programs holding ``row_group`` row blocks each, the column tiles those stream (``streamed``), and
@@ -186,9 +196,10 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
         moved += shadowed * slices * blocks * sub * v * BF16  # the bf16 copy of U (db) stored
-    elif name == "solve_grad_rows":  # DeltaFormer's e alone: every row block streams the columns it sees
-        flops = 2 * c * c * (k + dv) * all_lower
-        moved = all_lower * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32)
+    elif name == "solve_grad_rows":  # DeltaFormer's e alone: every program streams the columns its rows see
+        pairs, streamed = row_group_tiles(n, tiles["row_gradient_r"] // c)
+        flops = 2 * c * c * (k + dv) * pairs
+        moved = streamed * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32)
     elif name == "solve_grad_columns":  # dy, and dx: one more product per pair, added by atomics
         flops = 2 * c * c * (3 * k + dv) * all_lower
         # per pair the streamed x and db, dx's atomics (fp32) and the row scalars and e; per block y and U
