@@ -215,7 +215,9 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
     block a program (where the row blocks divide), about half the bytes; a launch's last program
     reaching past its rows executes (and is costed for) a whole program. Its pushes take one block
     at 128-column slices (bf16 operands), where merging 128 rows' partials spilled. The transposed
-    direction's holds SPAN_COLUMN_BLOCKS = 2 column blocks where that compiles without spills."""
+    direction's holds SPAN_COLUMN_BLOCKS = 2 column blocks where that compiles without spills, and
+    DeltaFormer's row gradient kernel GRADIENT_ROW_BLOCKS = 2 row blocks with bf16 operands or at
+    64-wide heads."""
     assert solve.SPAN_ROW_BLOCKS == solve.SPAN_COLUMN_BLOCKS == 2
     odd = span_tiles(21, 16, 2)  # a last span of 5 row blocks: 3 programs, 6 blocks executed
     assert odd["past"] == 16 * 6 and odd["past_streamed"] == 16 * 3 and span_tiles(21, 16, 1)["past"] == 16 * 5
