@@ -91,6 +91,11 @@ def padded_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _warps(rows: int, width: int) -> int:
+    """Warps of a kernel holding ``rows`` × ``width`` tiles: 8 from 64 × 128 up, else 4."""
+    return 8 if rows * width >= 64 * 128 else 4
+
+
 def interpreter_enabled() -> bool:
     """Whether this module's kernels run under Triton's CPU interpreter (how they were defined)."""
     return triton is not None and defined_for_the_interpreter(solve_forward_kernel)
@@ -193,7 +198,7 @@ class _Layout:
         self.ds_strides = (0, 0) if doc_start is None else tuple(doc_start.stride())
         # 64-row tiles of 128-wide head dims spill heavily at 4 warps (ptxas, sm_90: 25-37 KB stack
         # frames per kernel; 6-15 KB at 8 warps): a first guess, for a GPU run to tune
-        self.num_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 128 else 4
+        self.num_warps = _warps(self.block_t, max(self.block_k, self.block_dv))
         # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS)
         wide = max(self.block_k, self.block_dv) >= 128
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
@@ -256,12 +261,12 @@ class _Layout:
 
     def future_warps(self, accumulate: bool) -> int:
         """Its warps: 8 for 64 × 128 tiles and up (as the solve's), else 4."""
-        return 8 if self.future_columns(accumulate) * max(self.block_k, self.future_block_v) >= 64 * 128 else 4
+        return _warps(self.future_columns(accumulate), max(self.block_k, self.future_block_v))
 
     def span_warps(self, carry_on: bool) -> int:
         """The forward span kernel's warps: at 4, 128 rows of a 64-wide head spilled 120-600 B per thread
         (ptxas, sm_90), at 8 none."""
-        return 8 if self.span_rows(carry_on) * max(self.block_k, self.span_block_v) >= 64 * 128 else 4
+        return _warps(self.span_rows(carry_on), max(self.block_k, self.span_block_v))
 
     @property
     def block_grid(self) -> tuple[int, int]:

@@ -66,7 +66,8 @@ GRID_BOUNDS = {
                          "and with bf16 operands, else one)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
-    "solve_grad_rows": "B·H·⌈T/BLOCK_T⌉: one program per row block",
+    "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (GRADIENT_ROW_BLOCKS row blocks with bf16 "
+                       "operands or at 64-wide heads, else one)",
     "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",

@@ -126,7 +126,7 @@ def span_tiles(blocks: int, span_blocks: int, row_group: int = 1, column_group: 
 def row_group_tiles(blocks: int, row_group: int) -> tuple[int, int]:
     """Programs of ``row_group`` row blocks over ``blocks`` row blocks, each streaming the column blocks
     up to its last row (the causal triangle): the (row block, column block) pairs they execute and the
-    column tiles they stream (a last program reaching past the rows streams as if it did not)."""
+    column tiles they stream (a last program reaching past ``blocks`` streams up to its own last row)."""
     streamed = sum((program + 1) * row_group for program in range(-(-blocks // row_group)))
     return streamed * row_group, streamed
 
@@ -179,7 +179,7 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
         # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
         # (the running max and sum and the mix; backward: the sums)
-        streamed = (k + v) * ob + (name == "solve_span_push_transposed") * row_scalars
+        streamed = (k + v) * ob + transposed * row_scalars
         carried = k * ob + ((2 * v + 4) * FP32 if name == "solve_span_push" else 2 * v * FP32)
         moved = slices * c * (push["streamed"] * streamed + push["reached"] * carried)
     elif name in ("solve_forward", "solve_transposed"):

@@ -52,7 +52,7 @@ def _roofline(plan: dict) -> list[str]:
         lines.append(f"| {r['mixer']} | {r['length']:,} | {r['sdpa_ms']:.2f} | {r['present_ms']:.2f} | {torch_ms} | "
                      f"{r['present_ratio']:.2f} | {public} | {r['design_tf32_ms']:.2f} | "
                      f"{r['design_tf32_ratio']:.2f} | {r['design_bf16_ms']:.2f} | {r['design_bf16_ratio']:.2f} | "
-                     f"{r.get('launches', '–')} |")
+                     f"{r['launches']} |")
     lines += ["", "*Launches*: the Triton kernel launches of one forward + backward (the solve mixers' read-out "
               "not counted). Their host-side cost (Python and the driver, per launch) is not in the roofline; it "
               "is not measured here, and for the solve, whose sequential sub-span solves and pushes launch once "
