@@ -25,7 +25,7 @@ from kernelmix.studies.flops import forward_flops  # noqa: E402
 from kernelmix.studies.gpu_check.plan import LIMITS, PLAN_SHAPES, TARGET_SHAPE, plan_rows, run_plan  # noqa: E402
 from kernelmix.studies.gpu_check.plan_compile import parse_ptxas_log  # noqa: E402
 from kernelmix.studies.gpu_check.plan_costs import push_tiles, row_group_tiles, solve_cost, span_tiles  # noqa: E402
-from kernelmix.studies.gpu_check.plan_report import plan_markdown  # noqa: E402
+from kernelmix.studies.gpu_check.plan_report import plan_markdown, roofline_goals  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "gpu-plan" / "plan.json"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -108,7 +108,8 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
-def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
+@pytest.mark.parametrize("darkformer", [True, False])
+def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkformer):
     grids = record(monkeypatch, features, {"chunk_state_kernel": "features_chunk_states",
                                            "state_scan_kernel": "features_state_scan",
                                            "forward_kernel": "features_forward",
@@ -117,7 +118,9 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
                                            "reverse_scan_kernel": "features_reverse_scan",
                                            "key_grad_kernel": "features_key_grad",
                                            "value_grad_kernel": "features_value_grad",
-                                           "logits_kernel": "features_logits",  # with M for W: the transform
+                                           "logits_kernel": "features_logits",
+                                           "key_norm_kernel": "features_key_norms",
+                                           "chain_kernel": "features_chain",
                                            "chain_rows_kernel": "features_chain_rows",
                                            "chain_weights_kernel": "features_chain_weights"})
     batch, heads, kv_heads, length, d, dv, m, chunk = 1, 4, 2, 29, 8, 24, 16, 8
@@ -125,20 +128,21 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch):
     k = torch.randn(batch, length, kv_heads, d, requires_grad=True)
     v = torch.randn(batch, length, kv_heads, dv, requires_grad=True)
     projection = torch.randn(heads, m, d, requires_grad=True)
-    transform = torch.eye(d).repeat(heads, 1, 1).requires_grad_()
+    transform = torch.eye(d).repeat(heads, 1, 1).requires_grad_() if darkformer else None
     out, _, _ = triton_random_feature_attention(q, k, v, projection, transform, chunk_size=chunk, doc_start=None)
     out.sum().backward()
-    planned = feature_launches(batch, heads, kv_heads, length, d, dv, m, chunk_size=chunk, has_transform=True,
+    planned = feature_launches(batch, heads, kv_heads, length, d, dv, m, chunk_size=chunk, has_transform=darkformer,
                                has_doc=False)
-    # every kernel at its planned grid, as many times as planned (the states and their scan twice:
-    # the forward's, recomputed in the backward)
-    # (the transform is the logits kernel with M for W: its launches are recorded under that kernel's name)
+    # every kernel at its planned grid, as many times as planned (C = Σ s x xᵀ is the weight kernel with
+    # scaled rows: its launch is recorded under that kernel's name)
     expected = Counter()
     for p in planned:
-        expected[("features_logits" if p.name == "features_transform" else p.name, p.grid)] += p.calls
+        expected[("features_chain_weights" if p.name == "features_chain_norm" else p.name, p.grid)] += p.calls
     assert Counter(grids) == expected
-    assert [name for name, _ in grids][:5] == ["features_logits"] * 2 + ["features_chunk_states",
-                                                                     "features_state_scan", "features_forward"]
+    first = ["features_key_norms"] if darkformer else []
+    assert [name for name, _ in grids][:5 + darkformer] == first + ["features_chunk_states", "features_state_scan",
+                                                                     "features_forward", "features_logits",
+                                                                     "features_logits"]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
@@ -374,6 +378,22 @@ def test_the_committed_plan_holds_every_kernel_at_the_target_shape():
     for row in plan["roofline"]:
         if row["length"] == PLAN_SHAPES[TARGET_SHAPE]["length"]:
             assert row["launches"] == sum(k["calls"] for k in target if k["mixer"] == row["mixer"]), row["mixer"]
+
+
+def test_the_roofline_goals_read_each_mixers_present_ratio():
+    """The goals table: met where the present kernels' ratio is at most the goal's (the public op's ratio is
+    shown beside it, not judged); a mixer at another length is not listed."""
+    rows = [dict(mixer="cubit", length=8192, present_ratio=2.6), dict(mixer="cubit-bf16", length=8192,
+                                                                     present_ratio=2.4),
+            dict(mixer="darkformer", length=16384, present_ratio=0.33, public_ratio=0.4),
+            dict(mixer="performer", length=16384, present_ratio=0.34), dict(mixer="performer", length=8192,
+                                                                            present_ratio=0.1)]
+    table = [line for line in roofline_goals(dict(roofline=rows)) if line.startswith("| ≤") or
+             line.startswith("| ≥")]
+    assert [line.split(" | ")[1] for line in table] == ["cubit", "cubit-bf16", "darkformer", "performer"]
+    assert [line.split(" | ")[-1] for line in table] == ["no (needs ≤ 2.5) |", "yes |", "yes |",
+                                                        "no (needs ≤ 0.333) |"]
+    assert "| 0.400 |" in table[2] and "| – |" in table[3]
 
 
 def test_plan_takes_only_out(tmp_path, capsys):

@@ -134,10 +134,22 @@ def test_values_and_gradients_match_the_float64_reference(monkeypatch, case, spa
         assert got.shape == want.shape and rel_rmse(got, want) <= 1e-4, name
 
 
-# The products of features, states and values on tensor cores, and torch's products of the backward's
+@pytest.mark.parametrize("case", ["T37-darkformer-gqa-3docs", "T37-performer-2batch-docs"])
+def test_the_chain_apart_matches_the_float64_reference(monkeypatch, case):
+    """Where a side's fused chain pass does not fit (m · d over FUSED_CHAIN_TILE: here every side), its row
+    and weight kernels run apart, in chain spans of 16 rows that do not divide T = 37."""
+    monkeypatch.setattr(f"{KERNELS}.FUSED_CHAIN_TILE", 0)
+    monkeypatch.setattr(f"{KERNELS}.CHAIN_SPAN_ROWS", 16)
+    batch, length, heads, kv_heads, chunk, darkformer, per_head, starts = CASES[case]
+    inputs = _problem(batch, length, heads, kv_heads, darkformer=darkformer, per_head=per_head)
+    grad_out = torch.randn(batch, length, heads, 8, generator=torch.Generator().manual_seed(5), dtype=F64)
+    _assert_matches_reference(inputs, _documents(length, starts), grad_out, chunk)
+
+
+# The products of features, states and values on tensor cores, and the chain kernels' products of the backward's
 # chain at the same operands. Measured against float64 on the cases above (largest relative error over
-# the output and the five gradients): TF32 3.3e-4 in the output, 1.14e-3 in the gradients; bf16 3.0e-3
-# and 8.5e-3.
+# the output and the five gradients): TF32 3.3e-4 in the output, 1.13e-3 in the gradients; bf16 3.0e-3
+# and 9.2e-3.
 @pytest.mark.parametrize("operands, bound", [("tf32", 2e-3), ("bf16", 2e-2)])
 @pytest.mark.parametrize("case", ["T37-darkformer-gqa-3docs", "T97-darkformer-chunk16-docs-on-edges"])
 def test_tensor_core_products_within_their_measured_error(monkeypatch, operands, bound, case):
@@ -346,8 +358,18 @@ AOT_SCRIPT = textwrap.dedent("""
         source = triton.compiler.ASTSource
     except (ImportError, AttributeError) as error:
         sys.exit(f"SKIP: this Triton has no ahead-of-time compile API ({error})")
-    # the tests' head (d = 6, m = 12: blocks of 16); the launch plan compiles gpu-check's sizes
-    for launch in features.feature_launches(1, 2, 1, 37, 6, 8, 12, chunk_size=16, has_transform=True, has_doc=True):
+    launches = []
+    # the tests' head (d = 6, m = 12: blocks of 16); the launch plan compiles gpu-check's sizes. DARKFormer's
+    # launches, then Performer's that differ (their logits form the keys' norms; their fused chain has the x term)
+    seen = set()
+    for has_transform in (True, False):
+        for launch in features.feature_launches(1, 2, 1, 37, 6, 8, 12, chunk_size=16, has_transform=has_transform,
+                                                has_doc=True):
+            key = (launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())))
+            if key not in seen:
+                seen.add(key)
+                launches.append(launch)
+    for launch in launches:
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=launch.num_warps))
         assert compiled.asm["cubin"], launch.name
@@ -356,10 +378,11 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the twelve launches (the transform,
-    the logits and the chain with them) for sm_90 down to a cubin (Triton ships ptxas) in a process
-    without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=12)
+    """The interpreter accepts code the GPU compiler rejects: compile the eighteen launches (DARKFormer's
+    fourteen: its key norms, the logits, the span kernels and the chain, fused for the queries and apart
+    for the keys, with C = Σ s x xᵀ; Performer's four that differ) for sm_90 down to a cubin (Triton
+    ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=18)
 
 
 @pytest.mark.slow
@@ -369,7 +392,7 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
                                 "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=12, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=18, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
@@ -377,7 +400,7 @@ def test_large_heads_take_smaller_blocks():
     blocks of 64 with the logits formed over the head in steps of 8, the span states' and the value
     gradient's one block of 128, the logit gradients' 64 features with every value column (what ptxas
     compiled without spills with the walks' running states); at d = 64, chunks of 16, one block of
-    everything and steps of 16; below 64, chunks of 64."""
+    everything and steps of 32 (16 spilled with bf16 rows); below 64, chunks of 64 and steps of 16."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
@@ -392,10 +415,10 @@ def test_large_heads_take_smaller_blocks():
     small = torch.zeros(1, 5, 1, 64)
     geometry = getattr(kernels, "_Geometry")(small, small, small, torch.zeros(64, 64), 64, 0, True)
     assert (geometry.block_t, geometry.block_v, geometry.wide_block_v) == (16, 64, 64)
-    assert (geometry.blocks(rows=True)["D_STEP"], geometry.block_f, geometry.feature_blocks) == (16, 64, 1)
+    assert (geometry.blocks(rows=True)["D_STEP"], geometry.block_f, geometry.feature_blocks) == (32, 64, 1)
     narrow = torch.zeros(1, 5, 1, 32)
     geometry = getattr(kernels, "_Geometry")(narrow, narrow, narrow, torch.zeros(32, 32), 64, 0, True)
-    assert (geometry.block_t, geometry.blocks()["num_warps"]) == (64, 4)
+    assert (geometry.block_t, geometry.blocks()["num_warps"], geometry.logit_step) == (64, 4, 16)
 
 
 def test_spans_shrink_until_the_grid_fills_the_machine():
@@ -441,10 +464,12 @@ def _tf32(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
-    """The chain kernels (dx' = dℓ W with the keys' term, the span parts of dW = Σ dℓᵀ x) round their
-    operands to TF32 as the span kernels' products do (their input dℓ already carries that error), so
-    under the interpreter they equal the float64 product of TF32-rounded operands and differ from the
-    exact one; with fp32 operands they are the exact product. Grouped heads read x per kv head."""
+    """The chain kernels (dx = dℓ W with the keys' term, through Σ for DARKFormer; the span parts of dW =
+    Σ dℓᵀ x and of C = Σ s x xᵀ; both halves fused in one pass) round their operands to TF32 as the span
+    kernels' products do (their input dℓ already carries that error), so under the interpreter they equal
+    the float64 product of TF32-rounded operands and differ from the exact one; with fp32 operands they
+    are the exact product.
+    Grouped heads read x per kv head."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
@@ -452,34 +477,69 @@ def test_the_backward_chain_takes_the_kernels_operands(monkeypatch):
     g = torch.randn(1, 45, 4, 40, generator=gen)  # 45 rows: blocks of 32 that do not divide it
     w = torch.randn(4, 40, 24, generator=gen)
     x = torch.randn(1, 45, 2, 24, generator=gen)  # 2 kv heads for 4 query heads
+    sigma = torch.randn(4, 24, 24, generator=gen)
+    sigma = sigma @ sigma.transpose(1, 2)  # symmetric, as MᵀM
     x_q = x.double().repeat_interleave(2, dim=2)
+    chain_rows, chain_weights = getattr(kernels, "_chain_rows"), getattr(kernels, "_chain_weights")
     for operands, round_ in (("tf32", _tf32), ("fp32", torch.Tensor.double)):
         monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", operands)
-        rows = getattr(kernels, "_chain_rows")(g, x, w, torch.float32, 0.5, 0.25)
-        want = 0.5 * torch.einsum("bthm,hmd->bthd", round_(g), round_(w)) - 0.25 * g.double().sum(-1, True) * x_q
-        assert rel_rmse(rows, want) <= 1e-6, operands
-        weights = getattr(kernels, "_chain_weights")(g, x)
+        rows = chain_rows(g, x, w, torch.float32, 0.5, 0.25)
+        mixed = 0.5 * torch.einsum("bthm,hmd->bthd", round_(g), round_(w))
+        assert rel_rmse(rows, mixed - 0.25 * g.double().sum(-1, True) * x_q) <= 1e-6, operands
+        sums = torch.full((1, 45, 4), float("nan"))
+        rows = chain_rows(g, x, w, torch.float32, 0.5, 0.25, sigma=sigma, sums=sums)
+        through = torch.einsum("bthe,hed->bthd", round_(x.repeat_interleave(2, dim=2)), round_(sigma))
+        assert rel_rmse(rows, mixed - 0.25 * g.double().sum(-1, True) * through) <= 1e-6, operands
+        assert rel_rmse(sums, g.double().sum(-1)) <= 1e-7
+        weights = chain_weights(g, x)
         assert rel_rmse(weights, torch.einsum("bthm,bthd->hmd", round_(g), round_(x_q))) <= 1e-6, operands
+        scaled = chain_weights(sums, x, scaled_rows=True)
+        want = torch.einsum("bthe,bthd->hed", round_(sums[..., None] * x.repeat_interleave(2, dim=2)), round_(x_q))
+        assert rel_rmse(scaled, want) <= 1e-6, operands
     exact = torch.einsum("bthm,hmd->bthd", g.double(), w.double())
-    assert rel_rmse(getattr(kernels, "_chain_rows")(g, None, w, torch.float32, 1.0, 0.0), exact) <= 1e-6
+    assert rel_rmse(chain_rows(g, None, w, torch.float32, 1.0, 0.0), exact) <= 1e-6
+    # the fused pass (both halves on one read of the rows), in spans of 16 rows that do not divide 45
+    monkeypatch.setattr(f"{KERNELS}.CHAIN_SPAN_ROWS", 16)
+    monkeypatch.setattr(f"{KERNELS}.MIN_PROGRAMS", 10 ** 6)
+    chain_side = getattr(kernels, "_chain_side")
+    for operands, round_ in (("tf32", _tf32), ("fp32", torch.Tensor.double)):
+        monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", operands)
+        mixed = 0.5 * torch.einsum("bthm,hmd->bthd", round_(g), round_(w))
+        weights = torch.einsum("bthm,bthd->hmd", round_(g), round_(x_q))
+        rows, summed = chain_side(g, x, w, torch.float32, 0.5, 0.25)
+        assert rel_rmse(rows, mixed - 0.25 * g.double().sum(-1, True) * x_q) <= 1e-6, operands
+        assert rel_rmse(summed, weights) <= 1e-6, operands
+        rows, summed = chain_side(g, x, w, torch.bfloat16, 0.5, None)  # no x term; written in bf16
+        assert rows.dtype == torch.bfloat16 and rel_rmse(rows, mixed) <= 4e-3, operands
+        assert rel_rmse(summed, weights) <= 1e-6, operands
+    assert getattr(kernels, "_fuses_chain")(40, 24) and not getattr(kernels, "_fuses_chain")(256, 128)
     monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
-    assert rel_rmse(getattr(kernels, "_chain_rows")(g, None, w, torch.float32, 1.0, 0.0), exact) >= 1e-5
+    assert rel_rmse(chain_rows(g, None, w, torch.float32, 1.0, 0.0), exact) >= 1e-5
 
 
-def test_the_transform_feeding_the_logits_stays_fp32_accurate(monkeypatch):
-    """DARKFormer's x' = M x̃ feeds the feature logits: its kernel (``transform_kernel``, keys read per kv
-    head and written per query head) takes the logits' own product, three TF32 products (a_hi·b_hi +
-    a_hi·b_lo + a_lo·b_hi), not one: against float64 its error is fp32's, where one TF32 product's is a
-    thousand times larger."""
+def test_darkformer_folded_projection_and_key_norms_stay_fp32_accurate(monkeypatch):
+    """DARKFormer's M is folded into the projection (W' = W M, formed in float64 whatever torch's TF32
+    setting), and its keys' ½‖M x̃‖² (``key_norm_kernel``, keys read per kv head, a half norm per query
+    head) takes the logits' own product, three TF32 products (a_hi·b_hi + a_hi·b_lo + a_lo·b_hi), not
+    one: both enter exponentiated logits, and against float64 their error is fp32's, where one TF32
+    product's is a thousand times larger."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
     monkeypatch.setattr(f"{KERNELS}.FEATURE_OPERANDS", "tf32")
     gen = torch.Generator().manual_seed(6)
     x, m = torch.randn(2, 33, 2, 64, generator=gen), torch.randn(4, 64, 64, generator=gen)  # 2 kv heads, 4 heads
+    w = torch.randn(16, 64, generator=gen)  # a shared projection: W' is per head
     q = torch.empty(2, 33, 4, 64)
-    geometry = getattr(kernels, "_Geometry")(q, x, x, torch.empty(4, 16, 64), 16, 0, True)
-    exact = torch.einsum("bthe,hfe->bthf", x.double().repeat_interleave(2, dim=2) * 64 ** -0.25, m.double())
-    split = getattr(kernels, "_transformed")(x, m, geometry)
-    single = torch.einsum("bthe,hfe->bthf", _tf32(x.repeat_interleave(2, dim=2) * 64 ** -0.25), _tf32(m))
-    assert rel_rmse(split, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)
+    geometry = getattr(kernels, "_Geometry")(q, x, x, w, 16, 0, True)
+    assert geometry.w_head_stride == 16 * 64
+    folded = getattr(kernels, "_folded")(w, m)
+    assert folded.shape == (4, 16, 64) and rel_rmse(folded, w.double() @ m.double()) <= 1e-7
+    x_tilde = x.double().repeat_interleave(2, dim=2) * 64 ** -0.25
+    exact = 0.5 * torch.einsum("bthe,hfe->bthf", x_tilde, m.double()).square().sum(-1).transpose(1, 2)
+    norms = getattr(kernels, "_key_norms")(x, m, geometry)
+    assert norms.shape == (2, 4, 33)
+    x_tf32 = _tf32(x.repeat_interleave(2, dim=2) * 64 ** -0.25)
+    single = 0.5 * torch.einsum("bthe,hfe->bthf", x_tf32, _tf32(m)).square().sum(-1).transpose(1, 2)
+    assert rel_rmse(norms, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)
+    assert getattr(kernels, "_key_norms")(x, None, geometry) is None

@@ -1,8 +1,8 @@
 """The Python side of the Triton random-feature attention (Performer, DARKFormer): input checks,
 the launches of the span kernels in ``_triton_features_kernels`` (whose docstring gives the design:
 three forward launches with the feature map fused, the backward's five and a scan on the logits
-formed once) and of the kernels around them in ``_triton_features_chain`` (DARKFormer's transform,
-the logits, the chain through the feature map), the autograd function, and the launch plan that
+formed once) and of the kernels around them in ``_triton_features_chain`` (DARKFormer's keys' half
+norms, the logits, the chain through the feature map), the autograd function, and the launch plan that
 ``kernelmix gpu-check --plan`` compiles.
 """
 
@@ -16,7 +16,13 @@ from torch import Tensor
 
 from ..errors import KernelmixError
 from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
-from ._triton_features_chain import chain_rows_kernel, chain_weights_kernel, logits_kernel
+from ._triton_features_chain import (
+    chain_kernel,
+    chain_rows_kernel,
+    chain_weights_kernel,
+    key_norm_kernel,
+    logits_kernel,
+)
 from ._triton_features_kernels import (
     chunk_state_kernel,
     forward_kernel,
@@ -40,12 +46,13 @@ FEATURE_TILE = 64 * 128
 #: forward (the span states of both directions, the value gradient): at d = m = d_v = 128 one block
 #: compiled without a spill (254–255 registers).
 WIDE_VALUE_BLOCK = 128
-#: From this padded m or d on, chunks are 16 rows, not 64 (8 warps); from LARGE_TILE on, the logits'
-#: step over the head is 8 columns, not 16: with the walks' running states, what ptxas (sm_90)
-#: compiled without a spill at d = m = 64 and 128 (32- and 64-row chunks spilled up to 1.1 KB per
-#: thread; docs/gpu.md).
+#: From this padded m or d on, chunks are 16 rows, not 64 (8 warps), and the logits' step over the head
+#: is 32 columns, not 16; from LARGE_TILE on, 8: with the walks' running states, what ptxas (sm_90)
+#: compiled without a spill at d = m = 64 and 128 with rows of every dtype (32- and 64-row chunks
+#: spilled up to 1.1 KB per thread; at d = 64 with bf16 rows, steps of 16 spilled 64 B; docs/gpu.md).
 WIDE_TILE = 64
 WIDE_TILE_ROWS = 16
+WIDE_TILE_LOGIT_STEP = 32
 LARGE_TILE = 128
 LARGE_TILE_LOGIT_STEP = 8
 #: Largest number of random features, head dim and value dim the kernels hold in one register tile.
@@ -65,16 +72,25 @@ MIN_PROGRAMS = 264
 FEATURE_OPERANDS = "tf32"
 #: Head columns per step of the feature logits' product (a K loop: small tiles, few registers).
 LOGIT_STEP = 16
-#: Rows per program of DARKFormer's transform x' = M x̃ and of the feature logits (their own kernels,
-#: before the span kernels).
+#: Rows per program of DARKFormer's keys' half norms ½‖M x̃‖² and of the feature logits (their own
+#: kernels, before the span kernels).
 LOGIT_ROWS = 32
 #: The backward's chain through the feature map (after the span kernels): rows per program of its row
-#: kernel (dx' = dℓ W, dx̃ = dx' M) and columns per step of its product; rows per program and columns
-#: per block of its weight-gradient kernel (the parts of dW = Σ dℓᵀ x', dM = Σ dx'ᵀ x̃, one per span).
+#: kernel (dx = dℓ W with the keys' norm term) and columns per step of its products; rows per program and
+#: columns per block of its weight-gradient kernel (the parts of dW = Σ dℓᵀ x̃, one per span of rows:
+#: CHAIN_SPAN_ROWS, doubled while the grid keeps MIN_PROGRAMS, so that torch adds fewer parts).
 CHAIN_ROWS = 32
 CHAIN_STEP = 16
 CHAIN_SPAN_ROWS = 256
 CHAIN_COLUMNS = 128
+#: The fused chain kernel (both halves of a side in one pass, ``chain_kernel``) holds dW's span part of
+#: m × d fp32 beside its rows: it runs where that is at most this many numbers (padded) and there is no
+#: product in the keys' term (Performer's), with blocks of FUSED_CHAIN_ROWS rows, out formed FUSED_CHAIN_STEP
+#: columns at a time: at d = m = 128 what ptxas (sm_90) compiled without a spill (223 registers; 32 rows
+#: or DARKFormer's x Σ term beside it spilled 56–148 B per thread).
+FUSED_CHAIN_TILE = 128 * 128
+FUSED_CHAIN_ROWS = 16
+FUSED_CHAIN_STEP = 16
 #: √tiny(float32): a denominator at or below it gives a zero row (as ``safe_ratio``).
 UNDERFLOW_FLOOR = math.sqrt(torch.finfo(torch.float32).tiny)
 
@@ -92,9 +108,9 @@ class _Geometry:
                  has_transform: bool) -> None:
         self.batch, self.length, self.heads, self.head_dim = q.shape
         self.kv_heads, self.value_dim = k.shape[2], v.shape[3]
-        # the kernels read x' = M x̃ per query head with a transform (scale 1), else k per kv head (scale d^{-1/4})
-        self.key_heads = self.heads if has_transform else self.kv_heads
-        self.scale = 1.0 if has_transform else self.head_dim ** -0.25
+        self.scale = self.head_dim ** -0.25  # x̃ = d^{-1/4} x; the kernels read q and k as given
+        # DARKFormer: W' = W M per head, and the keys' half norms ½‖M x̃‖² read, not formed from k
+        self.stored_norm = has_transform
         self.features = projection.shape[-2]
         self.start = start
         self.block_d = max(16, triton.next_power_of_2(self.head_dim))
@@ -102,7 +118,8 @@ class _Geometry:
         wide = max(self.block_m, self.block_d) >= WIDE_TILE
         large = max(self.block_m, self.block_d) >= LARGE_TILE
         self.block_t = min(WIDE_TILE_ROWS if wide else 64, max(16, triton.next_power_of_2(chunk_size)))
-        self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else LOGIT_STEP)
+        self.logit_step = min(self.block_d, LARGE_TILE_LOGIT_STEP if large else
+                              WIDE_TILE_LOGIT_STEP if wide else LOGIT_STEP)
         self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
         self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
         # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
@@ -119,8 +136,8 @@ class _Geometry:
             self.span_blocks //= 2
         self.n_spans = triton.cdiv(self.n_chunks, self.span_blocks)
         self.operands = FEATURE_OPERANDS
-        # a shared projection [m, d] is read by every head: a head stride of 0
-        self.w_head_stride = 0 if projection.dim() == 2 else self.features * self.head_dim
+        # a shared projection [m, d] is read by every head: a head stride of 0 (W' = W M is per head)
+        self.w_head_stride = 0 if projection.dim() == 2 and not has_transform else self.features * self.head_dim
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -139,8 +156,8 @@ class _Geometry:
 
     @property
     def row_grid(self) -> tuple[int, int]:
-        """The row kernels' (the logits, the transform, the chain's rows): every block of LOGIT_ROWS rows
-        of every (batch, head)."""
+        """The row kernels' (the logits, the keys' half norms, the chain's rows): every block of LOGIT_ROWS
+        rows of every (batch, head)."""
         return (triton.cdiv(self.length, LOGIT_ROWS), self.batch * self.heads)
 
     @property
@@ -161,7 +178,7 @@ class _Geometry:
 
     def row_sizes(self) -> tuple:
         """The forward's span kernels' sizes (they form the logits from q, k and W)."""
-        return (self.length, self.heads, self.key_heads, self.kv_heads, self.head_dim, self.value_dim, self.features,
+        return (self.length, self.heads, self.kv_heads, self.head_dim, self.value_dim, self.features,
                 self.start, self.n_chunks, self.w_head_stride, self.scale, self.n_spans)
 
     def scan_sizes(self) -> tuple:
@@ -264,53 +281,53 @@ def _as_tuple(state):
 
 
 
-def _kernel_inputs(q: Tensor, k: Tensor, transform: Tensor | None, geometry: _Geometry) -> tuple[Tensor, Tensor]:
-    """The queries and keys the kernels read: with a transform, x' = M (d^{-1/4} x) per query head
-    (``logits_kernel`` with M for W: one pass over the rows, fp32-accurate as the logits it feeds, the keys read
-    per kv head and written per query head); without, q and k as they are (the kernels scale them).
-    Keeps the [d, d] transform out of the span kernels' registers."""
+def _folded(projection: Tensor, transform: Tensor | None) -> Tensor:
+    """The projection the kernels read: W, or with DARKFormer's transform W'_h = W_h M_h ``[H, m, d]``
+    (ℓ = W (M x̃) = W' x̃: no kernel writes x' = M x̃). Formed in float64 so that it is fp32-accurate
+    whatever torch's TF32 setting: the logits it gives are exponentiated."""
     if transform is None:
-        return q, k
-    return _transformed(q, transform, geometry), _transformed(k, transform, geometry)
+        return projection
+    return torch.matmul(projection.double(), transform.double()).float()
 
 
-def _transformed(x: Tensor, transform: Tensor, geometry: _Geometry) -> Tensor:
-    """x' = M_h (d^{-1/4} x) ``[B, T, H, d]`` of x ``[B, T, H_x, d]`` (H_x = H or the kv heads)."""
+def _key_norms(k: Tensor, transform: Tensor | None, geometry: _Geometry) -> Tensor | None:
+    """DARKFormer's ½‖M_h (d^{-1/4} k)‖² ``[B, H, T]`` fp32 per query head (``key_norm_kernel``: keys read
+    per kv head, M x̃ formed in registers at the logits' accuracy), or None without a transform."""
+    if transform is None:
+        return None
     batch, length, heads, d = geometry.batch, geometry.length, geometry.heads, geometry.head_dim
-    out = x.new_empty(batch, length, heads, d, dtype=torch.float32)  # it feeds the logits: fp32
-    logits_kernel[geometry.row_grid](x, transform, out, length, heads, x.shape[2], d, d, d * d, d ** -0.25,
-                                     IS_KEY=False, **_transform_blocks(geometry))
+    out = k.new_empty(batch, heads, length, dtype=torch.float32)
+    key_norm_kernel[geometry.row_grid](k, transform, out, length, heads, k.shape[2], d, geometry.scale,
+                                       **_key_norm_blocks(geometry))
     return out
 
 
-def _transform_blocks(geometry: _Geometry) -> dict:
-    return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, BLOCK_M=geometry.block_d,
-                D_STEP=min(geometry.block_d, LOGIT_STEP),
-                num_warps=4)
+def _key_norm_blocks(geometry: _Geometry) -> dict:
+    return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP), num_warps=4)
 
 
-def _feature_logits(q_in, k_in, projection, geometry: _Geometry) -> tuple[Tensor, Tensor]:
-    """The queries' and the keys' feature logits ``[B, T, H, m]`` fp32 (keys with −½‖x'‖²), once for all the
-    span kernels of a pass (``logits_kernel``): q per query head, the keys per their own head."""
+def _feature_logits(q, k, weights, norms, geometry: _Geometry) -> tuple[Tensor, Tensor]:
+    """The queries' and the keys' feature logits ``[B, T, H, m]`` fp32 (keys minus their half norms), once for
+    all the span kernels of a pass (``logits_kernel``): q per query head, the keys per their own head."""
     batch, length, heads = geometry.batch, geometry.length, geometry.heads
     logits = []
-    for x, is_key in ((q_in, False), (k_in, True)):
+    for x, is_key in ((q, False), (k, True)):
         out = x.new_empty(batch, length, heads, geometry.features, dtype=torch.float32)
-        logits_kernel[geometry.row_grid](x, projection, out, length, heads, x.shape[2], geometry.head_dim,
-                                         geometry.features, geometry.w_head_stride, geometry.scale, IS_KEY=is_key,
-                                         **geometry.logit_blocks())
+        logits_kernel[geometry.row_grid](x, weights, x if norms is None else norms, out, length, heads, x.shape[2],
+                                         geometry.head_dim, geometry.features, geometry.w_head_stride, geometry.scale,
+                                         IS_KEY=is_key, STORED_NORM=norms is not None, **geometry.logit_blocks())
         logits.append(out)
     return logits[0], logits[1]
 
 
-def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
+def _launch_states(k, v, weights, norms, doc, state, geometry: _Geometry):
     """The states entering every span (the span-state kernel, then the scan over spans):
     (S per span, z per span, the entering scales, the final (S, z, shift))."""
     span_s, span_z, local, carried = geometry.state_buffers(v)
-    doc_arg = k_in if doc is None else doc
+    doc_arg = k if doc is None else doc
     chunk_state_kernel[geometry.wide_grid](
-        k_in, v, projection, doc_arg, span_s, span_z, local, *geometry.row_sizes(), HAS_DOC=doc is not None,
-        **geometry.blocks("wide", rows=True))
+        k, v, weights, k if norms is None else norms, doc_arg, span_s, span_z, local, *geometry.row_sizes(),
+        HAS_DOC=doc is not None, STORED_NORM=norms is not None, **geometry.blocks("wide", rows=True))
     final = (torch.empty_like(state[0]), torch.empty_like(state[1]), torch.empty_like(state[2]))
     state_scan_kernel[geometry.scan_grid](
         span_s, span_z, local, doc_arg, *state, carried, *final, *geometry.scan_sizes(),
@@ -318,12 +335,12 @@ def _launch_states(k_in, v, projection, doc, state, geometry: _Geometry):
     return span_s, span_z, carried, final
 
 
-def _launch_forward(q_in, k_in, v, projection, doc, state, geometry: _Geometry):
+def _launch_forward(q, k, v, weights, norms, doc, state, geometry: _Geometry):
     """The forward: (out in v's dtype, out in fp32 (the same tensor for fp32 rows), denominator, key
     shift, query max, scale entering each chunk, the states entering each span (S, z, scale), the final
     S, z, shift)."""
     batch, length, heads = geometry.batch, geometry.length, geometry.heads
-    span_s, span_z, carried, final = _launch_states(k_in, v, projection, doc, state, geometry)
+    span_s, span_z, carried, final = _launch_states(k, v, weights, norms, doc, state, geometry)
     out = v.new_empty(batch, length, heads, geometry.value_dim)  # in the rows' dtype
     f32 = dict(dtype=torch.float32)
     row_scalars = [v.new_empty(batch, heads, length, **f32) for _ in range(3)]  # denominator, key shift, query max
@@ -331,9 +348,9 @@ def _launch_forward(q_in, k_in, v, projection, doc, state, geometry: _Geometry):
     keep = v.dtype != torch.float32
     kept = out.new_empty(out.shape, **f32) if keep else out
     forward_kernel[geometry.grid](
-        q_in, k_in, v, projection, q_in if doc is None else doc, span_s, span_z, carried, out, kept, *row_scalars,
-        fine, *geometry.row_sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None, KEEP_FP32=keep,
-        **geometry.blocks(rows=True),
+        q, k, v, weights, q if norms is None else norms, q if doc is None else doc, span_s, span_z, carried, out,
+        kept, *row_scalars, fine, *geometry.row_sizes(), UNDERFLOW_FLOOR, HAS_DOC=doc is not None,
+        STORED_NORM=norms is not None, KEEP_FP32=keep, **geometry.blocks(rows=True),
     )
     return (out, kept, *row_scalars, fine, (span_s, span_z, carried), *final)
 
@@ -363,36 +380,40 @@ def triton_random_feature_attention(q, k, v, projection, transform, *, chunk_siz
 
 
 class _RandomFeatureAttention(torch.autograd.Function):
-    """The kernels' forward and backward; saves q, k, v, W, M, O(T) row scalars and the span states,
-    never features."""
+    """The kernels' forward and backward; saves q, k, v, W, M (and W' = W M, the keys' half norms), O(T) row
+    scalars and the span states, never features."""
 
     @staticmethod
     def forward(ctx, q, k, v, projection, transform, doc, state, geometry):
         q, k, v, projection = (x.contiguous() for x in (q, k, v, projection))
         transform = None if transform is None else transform.contiguous()
+        weights, norms = _folded(projection, transform), _key_norms(k, transform, geometry)
         out, kept, denominator, shift_rows, q_max, fine, spans, s, z, shift = _launch_forward(
-            *_kernel_inputs(q, k, transform, geometry), v, projection, doc, state, geometry)
+            q, k, v, weights, norms, doc, state, geometry)
         # the span states are kept (B·H·n_spans·m·d_v numbers: 1/256 of a T × m × d_v at 256-row spans),
         # not recomputed: the backward launches no state kernel in the forward direction; the output at fp32
-        ctx.save_for_backward(q, k, v, projection, transform, doc, kept, denominator, shift_rows, q_max, fine, *spans)
+        ctx.save_for_backward(q, k, v, projection, transform, weights, norms, doc, kept, denominator, shift_rows,
+                              q_max, fine, *spans)
         ctx.geometry = geometry
         ctx.mark_non_differentiable(denominator, s, z, shift)
         return out, denominator, s, z, shift
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        q, k, v, projection, transform, doc, out, denominator, shift_rows, q_max, fine, *spans = ctx.saved_tensors
-        grads = _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator, shift_rows, q_max,
-                          grad_out, ctx.geometry)
+        q, k, v, projection, transform, weights, norms, doc, out, denominator, shift_rows, q_max, fine, *spans = (
+            ctx.saved_tensors)
+        grads = _backward(q, k, v, (projection, transform, weights, norms), doc, spans, fine, out, denominator,
+                          shift_rows, q_max, grad_out, ctx.geometry)
         return (*grads, None, None, None)
 
 
-def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator, shift_rows, q_max, grad_out,
+def _backward(q, k, v, parameters, doc, spans, fine, out, denominator, shift_rows, q_max, grad_out,
               geometry: _Geometry):
-    """dL/d(q, k, v, projection, transform): the backward kernels give dv and the per-row gradients of
-    the feature logits; torch chains those through the feature map (:func:`_chain_feature_map`). torch's
-    work over all rows is kept to what cannot be fused: every op here reads and writes T-long tensors
-    (``kernelmix gpu-check --plan`` counts it from these very ops)."""
+    """dL/d(q, k, v, projection, transform) (``parameters``: W, M, W' = W M and the keys' half norms, the
+    last two as the forward formed them): the backward kernels give dv and the per-row gradients of the
+    feature logits; the chain kernels take those through the feature map (:func:`_chain_feature_map`).
+    torch's work over all rows is kept to what cannot be fused: every op here reads and writes T-long
+    tensors (``kernelmix gpu-check --plan`` counts it from these very ops)."""
     g = grad_out.contiguous()  # in the output's dtype: the kernels read it so
     empty = denominator <= UNDERFLOW_FLOOR  # [B, H, T]: zero rows have zero gradients (as safe_ratio)
     # 1/den (0 on empty rows): the kernels form ĝ = g / den as they load g
@@ -408,8 +429,7 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     groups = heads // geometry.kv_heads
     # dv per query head: in v's dtype when it is dv itself, fp32 when grouped heads add up into it
     dv = v.new_empty(batch, length, heads, geometry.value_dim, **(f32 if groups > 1 else {}))
-    q_in, k_in = _kernel_inputs(q, k, transform, geometry)
-    lq, lk = _feature_logits(q_in, k_in, projection, geometry)
+    lq, lk = _feature_logits(q, k, parameters[2], parameters[3], geometry)
     doc_arg = q if doc is None else doc
     span_s, span_z, carried = spans
     rows = (g, inv, c_row, shift_rows, q_max)
@@ -432,64 +452,111 @@ def _backward(q, k, v, projection, transform, doc, spans, fine, out, denominator
     value_grad_kernel[geometry.wide_grid](
         lq, lk, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
         HAS_DOC=doc is not None, **geometry.blocks("wide"))
-    primes = (None, None) if transform is None else (q_in, k_in)  # x' = M x̃, as the kernels read them
-    d_q, dw_q, dm_q = _chain_feature_map(q, primes[0], d_logits[0], projection, transform, is_key=False,
-                                         out_dtype=q.dtype)
-    d_k, dw_k, dm_k = _chain_feature_map(k, primes[1], d_logits[1], projection, transform, is_key=True,
-                                         out_dtype=k.dtype if groups == 1 else torch.float32)
+    d_q, d_k, d_w, d_m = _chain_feature_map(q, k, d_logits, parameters[:3], groups)
     if groups > 1:  # query head h read kv head h // groups
         d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3).to(k.dtype)
         dv = dv.view(batch, length, geometry.kv_heads, groups, geometry.value_dim).sum(3).to(v.dtype)
-    d_w = dw_q + dw_k  # [H, m, d]
-    d_w = d_w.sum(0) if projection.dim() == 2 else d_w
-    d_m = None if transform is None else dm_q + dm_k
     return d_q, d_k, dv, d_w, d_m
 
 
-def _chain_feature_map(x: Tensor, x_prime: Tensor | None, d_logits: Tensor, projection: Tensor,
-                       transform: Tensor | None, *, is_key: bool, out_dtype: torch.dtype):
-    """From dL/dℓ ``[B, T, H, m]`` of the logits ℓ = W x' (keys: − ½‖x'‖²), x' = M x̃, x̃ = d^{-1/4} x
-    (``x`` ``[B, T, H_x, d]`` as given, ``x_prime`` x' ``[B, T, H, d]`` when there is a transform, W
-    ``[H, m, d]`` or ``[m, d]``, M ``[H, d, d]`` or None) to dL/dx ``[B, T, H, d]`` in ``out_dtype`` and
-    this side's dL/dW and dL/dM: the chain kernels (``chain_rows_kernel``: dx' = dℓ W with the keys'
-    −Σ dℓ · x' term, dx̃ = dx' M, the scales fused; ``chain_weights_kernel``: the span parts of dW and dM),
-    at the kernels' operands (``FEATURE_OPERANDS``: their input dℓ already carries the span kernels'
-    TF32 error). Each T-long tensor is read once per product and written once, in place of per-program
-    [m, d] and [d, d] accumulators in the span kernels (those spilled on sm_90 at m = d = 128)."""
-    scale = x.shape[-1] ** -0.25
-    if transform is None:  # x' = x̃ = scale · x: d/dx = scale · (dℓ W − Σ dℓ · x̃)
-        d_x = _chain_rows(d_logits, x if is_key else None, projection, out_dtype, scale, scale * scale)
-        return d_x, _chain_weights(d_logits, x) * scale, None
-    d_prime = _chain_rows(d_logits, x_prime if is_key else None, projection, torch.float32, 1.0, 1.0)
-    d_w = _chain_weights(d_logits, x_prime)
-    d_m = _chain_weights(d_prime, x) * scale
-    return _chain_rows(d_prime, None, transform, out_dtype, scale, 0.0), d_w, d_m
+def _chain_feature_map(q: Tensor, k: Tensor, d_logits: tuple[Tensor, Tensor], parameters, groups: int):
+    """From dL/dℓ ``[B, T, H, m]`` of both sides' logits ℓ = W' x̃ (keys minus ½‖M x̃‖², ½‖x̃‖² without a
+    transform; x̃ = d^{-1/4} x, W' = W M or W) to dL/dq, dL/dk per query head (the keys' in fp32 when
+    grouped heads add up into them), dL/dW and dL/dM (``parameters``: W ``[H, m, d]`` or ``[m, d]``, M
+    ``[H, d, d]`` or None, W'): the chain kernels (:func:`_chain_side`: dx = d^{-1/4} dℓ W' with the keys'
+    norm term and the scales fused, and the span parts of dW'; ``chain_weights_kernel`` with scaled rows:
+    DARKFormer's C = Σ_i s_i x_i x_iᵀ, s_i = Σ_f dℓ^k_if), at the kernels' operands (``FEATURE_OPERANDS``:
+    their input dℓ already carries the span kernels' TF32 error). Each T-long tensor is read once per pass
+    and written once, in place of per-program [m, d] and [d, d] accumulators in the span kernels (those
+    spilled on sm_90 at m = d = 128). Then, on [H, m, d] and [H, d, d] tensors only: dW = dW' Mᵀ and
+    dM = Wᵀ dW' − d^{-1/2} M C (the norm's gradient ½‖M x̃‖² → M x̃ x̃ᵀ)."""
+    projection, transform, weights = parameters
+    scale = q.shape[-1] ** -0.25
+    d_q, dw_q = _chain_side(d_logits[0], q, weights, q.dtype, scale, None)
+    key_dtype = k.dtype if groups == 1 else torch.float32
+    if transform is None:  # ½‖x̃‖²: d/dx̃ = x̃, so −Σ dℓ · scale² x
+        d_k, dw_k = _chain_side(d_logits[1], k, weights, key_dtype, scale, scale * scale)
+        d_weights = (dw_q + dw_k) * scale  # [H, m, d]
+        return d_q, d_k, d_weights.sum(0) if projection.dim() == 2 else d_weights, None
+    # ½‖M x̃‖²: d/dx̃ = Σ x̃ with Σ = MᵀM; the row kernel keeps s_i = Σ_f dℓ^k_if for C
+    sums = d_logits[1].new_empty(d_logits[1].shape[:3])
+    d_k = _chain_rows(d_logits[1], k, weights, key_dtype, scale, scale * scale,
+                      sigma=torch.matmul(transform.transpose(1, 2), transform).contiguous(), sums=sums)
+    d_weights = (dw_q + _chain_weights(d_logits[1], k)) * scale
+    d_w = torch.matmul(d_weights, transform.transpose(1, 2))
+    d_m = (torch.matmul(projection.transpose(-1, -2), d_weights)
+           - (scale * scale) * torch.matmul(transform, _chain_weights(sums, k, scaled_rows=True)))
+    return d_q, d_k, d_w.sum(0) if projection.dim() == 2 else d_w, d_m
+
+
+def _fuses_chain(features: int, head_dim: int) -> bool:
+    """Whether a side's chain (with no product in its norm term) runs as one ``chain_kernel`` pass."""
+    return max(16, triton.next_power_of_2(features)) * max(16, triton.next_power_of_2(head_dim)) <= FUSED_CHAIN_TILE
+
+
+def _chain_side(g: Tensor, x: Tensor, weights: Tensor, out_dtype: torch.dtype, w_scale: float,
+                x_coef: float | None) -> tuple[Tensor, Tensor]:
+    """One side's dx = w_scale · (G W_h) − x_coef · (Σ_f G_f) x ``[B, T, H, d]`` (no x term for x_coef None)
+    and Σ over rows of G_iᵀ x_i ``[H, m, d]``: one ``chain_kernel`` pass where its block fits
+    (:func:`_fuses_chain`), else the row and weight kernels apart."""
+    batch, length, heads, m_g = g.shape
+    d = x.shape[-1]
+    if not _fuses_chain(m_g, d):
+        return (_chain_rows(g, None if x_coef is None else x, weights, out_dtype, w_scale, x_coef or 0.0),
+                _chain_weights(g, x))
+    spans, span_rows = _chain_spans(length, batch * heads)
+    out = g.new_empty(batch, length, heads, d, dtype=out_dtype)
+    part = g.new_empty(spans, batch * heads, m_g, d)
+    chain_kernel[(spans, batch * heads)](
+        g, x, weights, out, part, length, heads, x.shape[2], m_g, d, span_rows, 0 if weights.dim() == 2 else m_g * d,
+        w_scale, x_coef or 0.0, **_fused_chain_blocks(m_g, d, x_coef is not None))
+    return out, part.view(spans, batch, heads, m_g, d).sum((0, 1))
+
+
+def _fused_chain_blocks(features: int, head_dim: int, has_x_term: bool) -> dict:
+    return dict(HAS_X_TERM=has_x_term, OPERANDS=FEATURE_OPERANDS, BLOCK_T=FUSED_CHAIN_ROWS,
+                BLOCK_F=max(16, triton.next_power_of_2(features)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                D_STEP=FUSED_CHAIN_STEP, num_warps=8)
+
+
+def _chain_spans(length: int, programs_per_span: int) -> tuple[int, int]:
+    """(spans, rows per span) of the chain's weight parts: CHAIN_SPAN_ROWS rows, doubled while the grid
+    keeps MIN_PROGRAMS programs (fewer parts for torch to add), and no longer than the rows."""
+    rows = CHAIN_SPAN_ROWS
+    while rows < length and triton.cdiv(length, 2 * rows) * programs_per_span >= MIN_PROGRAMS:
+        rows *= 2
+    return triton.cdiv(length, rows), rows
 
 
 def _chain_rows(g: Tensor, x: Tensor | None, weights: Tensor, out_dtype: torch.dtype, w_scale: float,
-                x_coef: float) -> Tensor:
-    """w_scale · (G W_h) − x_coef · (Σ_f G_f) x ``[B, T, H, d]`` (no x term for x None)."""
+                x_coef: float, sigma: Tensor | None = None, sums: Tensor | None = None) -> Tensor:
+    """w_scale · (G W_h) − x_coef · (Σ_f G_f) x ``[B, T, H, d]`` (no x term for x None; x Σ_h for x with
+    ``sigma`` ``[H, d, d]``, the row sums Σ_f G_f then written into ``sums`` ``[B, T, H]``)."""
     batch, length, heads, m_g = g.shape
     d = weights.shape[-1]
     out = g.new_empty(batch, length, heads, d, dtype=out_dtype)
     x_arg = g if x is None else x
     chain_rows_kernel[(triton.cdiv(length, CHAIN_ROWS), batch * heads)](
-        g, x_arg, weights, out, length, heads, heads if x is None else x.shape[2], m_g, d,
-        0 if weights.dim() == 2 else m_g * d, w_scale, x_coef, HAS_X_TERM=x is not None, OPERANDS=FEATURE_OPERANDS,
+        g, x_arg, weights, g if sigma is None else sigma, out, g if sums is None else sums, length, heads,
+        heads if x is None else x.shape[2], m_g, d, 0 if weights.dim() == 2 else m_g * d, w_scale, x_coef,
+        HAS_X_TERM=x is not None, X_THROUGH_SIGMA=sigma is not None, OPERANDS=FEATURE_OPERANDS,
         BLOCK_T=CHAIN_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d)), F_STEP=CHAIN_STEP, num_warps=8)
     return out
 
 
-def _chain_weights(g: Tensor, x: Tensor) -> Tensor:
-    """Σ over rows of G_iᵀ x_i per query head ``[H, m_g, d]`` (fp32): the kernel's span parts, added."""
-    batch, length, heads, m_g = g.shape
+def _chain_weights(g: Tensor, x: Tensor, scaled_rows: bool = False) -> Tensor:
+    """Σ over rows of G_iᵀ x_i per query head ``[H, m_g, d]`` (fp32): the kernel's span parts, added. With
+    ``scaled_rows``, ``g`` is s ``[B, T, H]`` and G_i = s_i x_i: Σ_i s_i x_i x_iᵀ ``[H, d, d]``."""
+    batch, length, heads = g.shape[:3]
     d = x.shape[-1]
-    spans = triton.cdiv(length, CHAIN_SPAN_ROWS)
+    m_g = d if scaled_rows else g.shape[3]
     block_f = min(CHAIN_COLUMNS, max(16, triton.next_power_of_2(m_g)))
+    spans, span_rows = _chain_spans(length, batch * heads * triton.cdiv(m_g, block_f))
     part = g.new_empty(spans, batch * heads, m_g, d)
     chain_weights_kernel[(spans, batch * heads, triton.cdiv(m_g, block_f))](
-        g, x, part, length, heads, x.shape[2], m_g, d, CHAIN_SPAN_ROWS, OPERANDS=FEATURE_OPERANDS,
-        BLOCK_T=CHAIN_ROWS, BLOCK_F=block_f, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=8)
+        g, x, part, length, heads, x.shape[2], m_g, d, span_rows, SCALED_ROWS=scaled_rows,
+        OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_F=block_f, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=8)
     return part.view(spans, batch, heads, m_g, d).sum((0, 1))
 
 
@@ -500,26 +567,25 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                      features: int, *, chunk_size: int, has_transform: bool, has_doc: bool,
                      row_dtype: torch.dtype = torch.float32) -> list[KernelLaunch]:
     """The kernels one differentiated call launches at these sizes on q, k, v of ``row_dtype`` (forward:
-    the transform, the span states, the scan over spans, the outputs; backward: the transform again, the
-    query logits' gradients from the saved span states, the reverse span states, their scan, the key
-    logits' and the value gradients), with the grids, blocks and warps of the launches above (the same
-    ``_Geometry``, built on meta tensors: no memory, no GPU)."""
+    DARKFormer's keys' half norms, the span states, the scan over spans, the outputs; backward: the logits,
+    the query logits' gradients from the saved span states, the reverse span states, their scan, the key
+    logits' and the value gradients, the chain through the feature map), with the grids, blocks and warps
+    of the launches above (the same ``_Geometry``, built on meta tensors: no memory, no GPU)."""
     q = torch.empty(batch, length, heads, head_dim, device="meta", dtype=row_dtype)
     k = torch.empty(batch, length, kv_heads, head_dim, device="meta", dtype=row_dtype)
     v = torch.empty(batch, length, kv_heads, value_dim, device="meta", dtype=row_dtype)
     projection = torch.empty(heads, features, head_dim, device="meta")  # per head (a shared one launches the same)
     geometry = _Geometry(q, k, v, projection, chunk_size, 0, has_transform)
     rows = _POINTER_TYPES[row_dtype]
-    # the span kernels read x' = M x̃ (fp32) with a transform, else q and k as given; v, g, the output in the rows'
-    keys = "*fp32" if has_transform else rows
-    pointers = {"doc_ptr": "*i64", "v_ptr": rows, "g_ptr": rows, "out_ptr": rows,
-                "dv_ptr": rows if heads == kv_heads else "*fp32"}  # the stored logits lq, lk: fp32
+    # q, k, v, g, the output in the rows' dtype; the stored logits lq, lk, W, M and the half norms: fp32
+    pointers = {"doc_ptr": "*i64", "q_ptr": rows, "k_ptr": rows, "v_ptr": rows, "g_ptr": rows, "out_ptr": rows,
+                "dv_ptr": rows if heads == kv_heads else "*fp32"}
     width = {"*fp32": 4, "*bf16": 2, "*fp16": 2}
     tiles = dict(block_t=geometry.block_t, block_d=geometry.block_d, block_m=geometry.block_m,
                  block_v=geometry.block_v, block_f=geometry.block_f, block_dv=geometry.block_dv,
                  chunks=geometry.n_chunks, spans=geometry.n_spans,
                  span_blocks=geometry.span_blocks, has_transform=has_transform, features=features,
-                 value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[keys], value_bytes=width[rows],
+                 value_dim=value_dim, scan_tile=SCAN_TILE, key_bytes=width[rows], value_bytes=width[rows],
                  forms_c=geometry.forms_c)
     launches = []
     for name, kernel in (("features_chunk_states", chunk_state_kernel), ("features_state_scan", state_scan_kernel),
@@ -533,7 +599,7 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
         blocks = geometry.scan_blocks() if scan else geometry.blocks(kind, rows=kernel in (chunk_state_kernel,
                                                                                            forward_kernel))
         warps = blocks.pop("num_warps")
-        constexprs = dict(HAS_DOC=has_doc, KEEP_FP32=row_dtype != torch.float32,
+        constexprs = dict(HAS_DOC=has_doc, STORED_NORM=has_transform, KEEP_FP32=row_dtype != torch.float32,
                           FORMS_C=geometry.forms_c) | blocks
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
         # the reverse states read the output kept at fp32 (to form c), the forward writes it in the rows' dtype
@@ -544,35 +610,64 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                                      aot_signature(kernel, constexprs, kernel_pointers, {"scale", "floor"}),
                                      dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v),
                                           block_m=blocks.get("BLOCK_M", geometry.block_m)), 1))
-    # the feature logits of both sides, in the forward and again in the backward; compiled as the keys'
+    # the feature logits of both sides, in the backward; compiled as the keys'
     logit_blocks = geometry.logit_blocks()
     warps = logit_blocks.pop("num_warps")
-    logit_blocks["IS_KEY"] = True
+    logit_blocks.update(IS_KEY=True, STORED_NORM=has_transform)
     launches.insert(0, KernelLaunch(
         "features_logits", logits_kernel, geometry.row_grid, logit_blocks, warps,
-        aot_signature(logits_kernel, logit_blocks, {"x_ptr": keys}, {"scale"}),
-        dict(tiles, block_t=LOGIT_ROWS, chunks=geometry.row_grid[0]), 2))  # both sides, the backward
-    # the chain through the feature map: dx' = dℓ W per side (and dx̃ = dx' M with a transform), the span
-    # parts of dW (and dM); compiled and costed as the keys' (with the −Σ dℓ · x' term, the heavier)
-    chain = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d)
-    row_blocks = dict(chain, HAS_X_TERM=True, F_STEP=CHAIN_STEP)
-    chain_pointers = {"g_ptr": "*fp32", "x_ptr": keys, "w_ptr": "*fp32", "out_ptr": rows, "part_ptr": "*fp32"}
-    launches.append(KernelLaunch(
-        "features_chain_rows", chain_rows_kernel, (triton.cdiv(length, CHAIN_ROWS), batch * heads), row_blocks, 8,
-        aot_signature(chain_rows_kernel, row_blocks, chain_pointers, {"w_scale", "x_coef"}),
-        dict(tiles, length=length, chain_rows=CHAIN_ROWS), 4 if has_transform else 2))
-    weight_blocks = dict(chain, BLOCK_F=min(CHAIN_COLUMNS, geometry.block_m))
-    launches.append(KernelLaunch(
-        "features_chain_weights", chain_weights_kernel,
-        (triton.cdiv(length, CHAIN_SPAN_ROWS), batch * heads, triton.cdiv(features, weight_blocks["BLOCK_F"])),
-        weight_blocks, 8, aot_signature(chain_weights_kernel, weight_blocks, chain_pointers, set()),
-        dict(tiles, length=length, chain_rows=CHAIN_ROWS, chain_spans=triton.cdiv(length, CHAIN_SPAN_ROWS),
-             chain_columns=weight_blocks["BLOCK_F"]), 4 if has_transform else 2))
-    if has_transform:  # queries and keys, in the forward and again in the backward
-        blocks = _transform_blocks(geometry)
+        aot_signature(logits_kernel, logit_blocks, {"x_ptr": rows}, {"scale"}),
+        dict(tiles, block_t=LOGIT_ROWS, chunks=geometry.row_grid[0]), 2))
+    launches += _chain_launches(geometry, rows, has_transform)
+    if has_transform:  # DARKFormer's keys' half norms, once in the forward (the backward reads them)
+        blocks = _key_norm_blocks(geometry)
         warps = blocks.pop("num_warps")
-        blocks["IS_KEY"] = False
-        launches.insert(0, KernelLaunch("features_transform", logits_kernel, geometry.row_grid, blocks, warps,
-                                        aot_signature(logits_kernel, blocks, {"x_ptr": rows}, {"scale"}),
-                                        dict(tiles, block_t=blocks["BLOCK_T"], chunks=geometry.row_grid[0]), 4))
+        launches.insert(0, KernelLaunch("features_key_norms", key_norm_kernel, geometry.row_grid, blocks, warps,
+                                        aot_signature(key_norm_kernel, blocks, {"x_ptr": rows}, {"scale"}),
+                                        dict(tiles, block_t=blocks["BLOCK_T"], chunks=geometry.row_grid[0]), 1))
+    return launches
+
+
+def _chain_launches(geometry: _Geometry, rows: str, has_transform: bool) -> list[KernelLaunch]:
+    """The chain through the feature map, per side: the fused pass (dx = dℓ W' and the span parts of dW';
+    Performer's compiled and costed as the keys', with the norm term) where its block fits, else the row
+    kernel (compiled and costed as the keys', the heavier: DARKFormer's through Σ) and the weight kernel;
+    and DARKFormer's C = Σ s x xᵀ (the weight kernel with scaled rows)."""
+    batch_heads, length, features, d = geometry.batch * geometry.heads, geometry.length, geometry.features, \
+        geometry.head_dim
+    width = 2 if rows != "*fp32" else 4
+    tiles = dict(block_d=geometry.block_d, features=features, has_transform=has_transform, length=length,
+                 key_bytes=width, value_bytes=width)
+    pointers = {"g_ptr": "*fp32", "x_ptr": rows, "out_ptr": rows}
+    fused = _fuses_chain(features, d)
+    launches = []
+    if fused:  # the queries' (DARKFormer's), or both sides' (Performer's)
+        blocks = _fused_chain_blocks(features, d, not has_transform)
+        warps = blocks.pop("num_warps")
+        spans, _ = _chain_spans(length, batch_heads)
+        launches.append(KernelLaunch(
+            "features_chain", chain_kernel, (spans, batch_heads), blocks, warps,
+            aot_signature(chain_kernel, blocks, pointers, {"w_scale", "x_coef"}),
+            dict(tiles, chain_spans=spans, chain_rows=FUSED_CHAIN_ROWS, x_term=not has_transform),
+            1 if has_transform else 2))
+    apart = 1 if fused else 2  # sides whose row and weight halves run apart
+    if has_transform or not fused:
+        row_blocks = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d, HAS_X_TERM=True,
+                          X_THROUGH_SIGMA=has_transform, F_STEP=CHAIN_STEP)
+        launches.append(KernelLaunch(
+            "features_chain_rows", chain_rows_kernel, (triton.cdiv(length, CHAIN_ROWS), batch_heads), row_blocks, 8,
+            aot_signature(chain_rows_kernel, row_blocks, pointers, {"w_scale", "x_coef"}),
+            dict(tiles, chain_rows=CHAIN_ROWS), apart))
+    weight_kernels = [("features_chain_weights", False, features, apart)] if has_transform or not fused else []
+    if has_transform:
+        weight_kernels.append(("features_chain_norm", True, d, 1))
+    for name, scaled, columns, calls in weight_kernels:
+        block_f = min(CHAIN_COLUMNS, max(16, triton.next_power_of_2(columns)))
+        blocks = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d, SCALED_ROWS=scaled,
+                      BLOCK_F=block_f)
+        spans, _ = _chain_spans(length, batch_heads * triton.cdiv(columns, block_f))
+        launches.append(KernelLaunch(
+            name, chain_weights_kernel, (spans, batch_heads, triton.cdiv(columns, block_f)), blocks, 8,
+            aot_signature(chain_weights_kernel, blocks, pointers, set()),
+            dict(tiles, chain_spans=spans, chain_columns=block_f, chain_width=columns), calls))
     return launches

@@ -27,14 +27,16 @@ states reach memory once per span, not once per chunk. The forward is three laun
 The feature map is fused in the forward: a program loads its C × d queries and keys (in their own
 dtype), applies d^{-1/4} and the projection W with ``tl.dot`` at fp32 accuracy (the feature logits
 stay fp32) and forms the features in registers, so the forward keeps no T × m tensor. DARKFormer's
-transform x' = M x̃ is applied before, by ``logits_kernel`` with M for W (``_triton_features_chain``:
-one pass over the rows, the same fp32-accurate product). The products of features, states and
-values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by default; ``_triton_products``), the
-normalisers and states accumulate in fp32. Grouped heads are indexed (query head h reads kv head
-h // (H / H_kv)), never expanded.
+transform M is folded into the projection: ℓ = W (M x̃) = (W M) x̃, so the kernels read q and k as
+they are with W' = W M per head (formed once per call), and its keys' −½‖M x̃‖², whose product is
+per row, is formed once by ``key_norm_kernel`` (``_triton_features_chain``) and read (``STORED_NORM``).
+The products of features, states and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by
+default; ``_triton_products``), the normalisers and states accumulate in fp32. Grouped heads are
+indexed (query head h reads kv head h // (H / H_kv)), never expanded.
 
-The backward saves q, k, v, W, M, per-row scalars (the key shift s_i, the query max and the
-denominator), the output at fp32, the scale entering each chunk and the states entering each span.
+The backward saves q, k, v, W, M, W' and the keys' half norms (DARKFormer), per-row scalars (the key
+shift s_i, the query max and the denominator), the output at fp32, the scale entering each chunk and
+the states entering each span.
 It forms the feature logits of both sides once (``logits_kernel``), which its span kernels read
 (``_stored_logits``). With g = dL/do, ĝ_i = g_i / den_i and c_i = −(g_i · o_i) / den_i (like
 flash-attention's D; 1/den from torch, c from the reverse-state kernel when it holds every value
@@ -55,9 +57,9 @@ The two logit-gradient kernels (queries', keys') run per block of features with 
 a block of dφ needs only its own features and the full score gradient ĝ vᵀ + c, so each program reads
 only its own features' logits and stores its columns of dℓ = φ ⊙ dφ ``[T, m]``, whole. The value
 gradient needs every feature (a score is φq · φk) and runs per block of value columns, as the
-forward. The chain kernels of ``_triton_features_chain`` take dℓ through the feature map (dx', for
-keys with the −½‖x'‖² term, dW = Σ dℓᵀ x', dx̃ = Mᵀ dx', dM = Σ dx' x̃ᵀ): the span kernels keep no
-dW [m, d] or dM [d, d] accumulator (at m = d = 128 those spilled on sm_90 and made ptxas take
+forward. The chain kernels of ``_triton_features_chain`` take dℓ through the feature map (dx̃ = dℓ W'
+with the keys' norm term, dW' = Σ dℓᵀ x̃, and DARKFormer's Σ_i s_i x̃_i x̃_iᵀ for dM): the span kernels
+keep no dW [m, d] or dM [d, d] accumulator (at m = d = 128 those spilled on sm_90 and made ptxas take
 minutes). Memory: the span states, B·H·n_s·m·(d_v + 1) fp32 (kept for the backward), the output at
 fp32 for 16-bit rows, and during the backward as many span states for the reverse direction and the
 two sides' logits and logit gradients (T × m fp32 each); no T × T tensor.
@@ -99,12 +101,15 @@ def _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.cons
 
 
 @triton.jit
-def feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, IS_KEY: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+def feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, norm_ptr,
+                   IS_KEY: tl.constexpr, STORED_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
     """The feature logits of the rows t of x (``x_ptr`` at the head's first element) for the features
-    from ``first_feature``: W (scale·x) ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖²; padding is 0.
-    Over the head in steps of ``D_STEP`` columns (small tiles, few registers), each step's product at fp32
-    accuracy on tensor cores (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
+    from ``first_feature``: W (scale·x) ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖², or with
+    ``STORED_NORM`` minus the half norms at ``norm_ptr + t`` (DARKFormer's ½‖M x̃‖², formed once by
+    ``key_norm_kernel``: W is then the folded W M); padding is 0. Over the head in steps of ``D_STEP``
+    columns (small tiles, few registers), each step's product at fp32 accuracy on tensor cores
+    (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
     offs_m = first_feature + tl.arange(0, BLOCK_M)
     m_ok = offs_m < m_feats
     logits = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
@@ -117,8 +122,11 @@ def feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, fir
         w_t = tl.load(w_ptr + offs_m[None, :] * d + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
         logits += product(x, w_t, "tf32x3")
         if IS_KEY:
-            half_norm += 0.5 * tl.sum(x * x, axis=1)
+            if not STORED_NORM:
+                half_norm += 0.5 * tl.sum(x * x, axis=1)
     if IS_KEY:
+        if STORED_NORM:
+            half_norm = tl.load(norm_ptr + t, mask=row_ok, other=0.0)
         logits -= half_norm[:, None]
     return logits
 
@@ -162,14 +170,15 @@ def _stored_logits(l_ptr, b, h, T, H, m_feats, t, row_ok, first_feature, BLOCK_M
 
 
 @triton.jit
-def _row_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
+def _row_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head, scale, d, m_feats, norm_row,
+                  STORED_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  D_STEP: tl.constexpr):
     """The chunk's query and key feature logits from its rows (keys with −½‖x'‖²) and which are real
     (``valid``): the forward's kernels form them (the backward's read them stored)."""
-    q_logits = feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, False, BLOCK_T,
-                              BLOCK_D, BLOCK_M, D_STEP)
-    k_logits = feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D,
-                               BLOCK_M, D_STEP)
+    q_logits = feature_logits(q_head, q_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, norm_row, False, False,
+                              BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+    k_logits = feature_logits(k_head, k_row_stride, t, row_ok, w_head, scale, d, m_feats, 0, norm_row, True,
+                              STORED_NORM, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
     valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
     return q_logits, k_logits, valid
 
@@ -218,17 +227,16 @@ def _span_chunks(c, n_chunks, SPAN_BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
-                        T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
-                        HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                        D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+def chunk_state_kernel(k_ptr, v_ptr, w_ptr, norm_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
+                       T, H, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans,
+                       HAS_DOC: tl.constexpr, STORED_NORM: tl.constexpr, OPERANDS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                       D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """Span c's own part of the state, all spans in parallel, its chunks walked in order: the keys of
     the span's last document at the span's local scale σ'_c (the max of their logit maxima, grown as the
     walk meets them, the sum rescaled when it grows), ΔS_c = Σ_j exp(ℓ^k_j − σ'_c) v_jᵀ and Δz_c, with
     σ'_c (every factor ≤ 1)."""
     c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
-    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
     span_end = tl.minimum(T, (first + n_sub) * BLOCK_T)
     if HAS_DOC:
@@ -241,8 +249,9 @@ def chunk_state_kernel(k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, dsig_ptr,
     j = 0
     while j < n_sub:  # (a while loop: see the note at the top)
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, first + j, T, start, BLOCK_T, HAS_DOC)
-        k_logits = feature_logits(k_ptr + b * T * H_K * d + kk * d, H_K * d, t, row_ok, w_ptr + h * w_head_stride,
-                                   scale, d, m_feats, 0, True, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+        k_logits = feature_logits(k_ptr + b * T * H_KV * d + kv * d, H_KV * d, t, row_ok, w_ptr + h * w_head_stride,
+                                  scale, d, m_feats, 0, norm_ptr + pid_bh * T, True, STORED_NORM, BLOCK_T, BLOCK_D,
+                                  BLOCK_M, D_STEP)
         valid = row_ok[:, None] & (tl.arange(0, BLOCK_M) < m_feats)[None, :]
         in_last = row_ok & (pos >= doc_last)  # the keys a later span may see
         key_max = tl.max(tl.where(valid, k_logits, float("-inf")), axis=1)
@@ -363,18 +372,17 @@ def _walk_step(state_s, state_z, sigma, key_feat, shift, v, doc_ptr, b, c, t, ro
 
 
 @triton.jit
-def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
-                    out_ptr, kept_ptr, den_ptr, shift_ptr, qmax_ptr, fine_ptr,
-                    T, H, H_K, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans, floor,
-                    HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, KEEP_FP32: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
+def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, norm_ptr, doc_ptr, ds_ptr, dz_ptr, carried_ptr,
+                   out_ptr, kept_ptr, den_ptr, shift_ptr, qmax_ptr, fine_ptr,
+                   T, H, H_KV, d, dv, m_feats, start, n_chunks, w_head_stride, scale, n_spans, floor,
+                   HAS_DOC: tl.constexpr, STORED_NORM: tl.constexpr, OPERANDS: tl.constexpr, KEEP_FP32: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                   D_STEP: tl.constexpr, SPAN_BLOCKS: tl.constexpr):
     """The outputs of one span, all spans in parallel, its chunks walked in order: each chunk's own
     keys (a C × C masked score tile) and the earlier chunks through the state entering it, which the
     walk carries (in registers) from the span's entering state; the scale entering each chunk is
     stored in ``fine`` for the reverse direction."""
     c, pid_bh, pid_v, b, h, kv, cols, cols_ok = _chunk_program(H, H_KV, dv, BLOCK_V)
-    kk = h // (H // H_K)  # the transformed keys are per query head (H_K = H), plain ones per kv head
     state_s, state_z, sigma = _entering_state(ds_ptr, dz_ptr, carried_ptr, pid_bh, c, n_spans, m_feats, dv,
                                               cols, cols_ok, BLOCK_M)
     first, n_sub = _span_chunks(c, n_chunks, SPAN_BLOCKS)
@@ -383,8 +391,9 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, doc_ptr, ds_ptr, dz_ptr, carried_
         chunk = first + j
         t, row_ok, pos, doc = _chunk_rows(doc_ptr, b, chunk, T, start, BLOCK_T, HAS_DOC)
         q_logits, k_logits, valid = _row_features(
-            q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_K * d + kk * d, H * d, H_K * d, t, row_ok,
-            w_ptr + h * w_head_stride, scale, d, m_feats, BLOCK_T, BLOCK_D, BLOCK_M, D_STEP)
+            q_ptr + b * T * H * d + h * d, k_ptr + b * T * H_KV * d + kv * d, H * d, H_KV * d, t, row_ok,
+            w_ptr + h * w_head_stride, scale, d, m_feats, norm_ptr + pid_bh * T, STORED_NORM, BLOCK_T, BLOCK_D,
+            BLOCK_M, D_STEP)
         q_max = tl.where(row_ok, tl.max(tl.where(valid, q_logits, float("-inf")), axis=1), 0.0)
         q_feat = _exp_where(q_logits - q_max[:, None], valid)
         visible = _visible(t, pos, doc, row_ok)

@@ -78,10 +78,15 @@ GRID_BOUNDS = {
     "features_key_grad": "⌈T/(S·C)⌉·B·H·⌈m/BLOCK_M⌉: one program per span and block of features walks its chunks "
                          "back",
     "features_value_grad": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks back",
-    "features_transform": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
+    "features_key_norms": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
     "features_logits": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
+    "features_chain": "⌈T/R⌉·B·H: one program per span of R rows (256, doubled while the grid keeps 264 programs) "
+                      "and head",
     "features_chain_rows": "⌈T/BLOCK_T⌉·B·H: one program per block of rows and head",
-    "features_chain_weights": "⌈T/256⌉·B·H·⌈m/BLOCK_F⌉: one program per span of rows, head and block of columns",
+    "features_chain_weights": "⌈T/R⌉·B·H·⌈m/BLOCK_F⌉: one program per span of R rows (as the fused chain's), head "
+                              "and block of columns",
+    "features_chain_norm": "⌈T/R⌉·B·H·⌈d/BLOCK_F⌉: one program per span of R rows (as the fused chain's), head and "
+                           "block of columns",
     "cubit_rf_recurrence": "B·H·⌈d_v/BLOCK_V⌉: one program carries its value columns of R through the chunks in order",
     "cubit_rf_recurrence_backward": "B·H·⌈d_v/BLOCK_V⌉: one program carries its columns of dR from the last chunk",
 }
@@ -149,7 +154,7 @@ def plan_rows(shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None) -> l
                     continue
                 cost = launch_cost(mixer, launch, shape)
                 precision = launch.constexprs.get("OPERANDS", "fp32")
-                if cost.flops and cost.split_flops == cost.flops:  # all of it fp32-accurate (the logits, x')
+                if cost.flops and cost.split_flops == cost.flops:  # all of it fp32-accurate (the logits, the key norms)
                     precision = "tf32x3"
                 rows.append(dict(
                     name=f"{mixer}/{launch.name}", mixer=mixer, kernel=launch.name, shape=dict(label=label, **shape),

@@ -65,12 +65,14 @@ default). The two scans have no products: per (batch, head) and span they read a
 m × d_v state once (``2·M·D_v`` floats). Every value block recomputes its chunk's features (the
 logits' work grows with the blocks); blocks of features form only their own. W is read by every
 program of a head but counted once per head: the chunks of a head share it through L2 (1 MB for
-all heads at the target). DARKFormer's transform x' = M x̃ is its own kernel
-(``features_transform``, per block of ``C`` rows: ``2·C·D²`` fp32-accurate FLOPs, x read and x'
-written), four launches a call (queries and keys, in the forward and again in the backward). The
-logit gradients' feature blocks store disjoint columns of one T × m tensor per side: nothing is
-added up after them. torch's work around the kernels (the backward's chain through the feature map,
-the per-row 1/den and c) is counted from its aten ops (:mod:`.plan_glue`).
+all heads at the target). DARKFormer's transform is folded into the projection (W' = W M per head,
+formed by torch once per call): its kernels read q and k as Performer's do, and its keys' half norms
+½‖M x̃‖² are their own kernel (``features_key_norms``, per block of ``C`` rows: ``2·C·D²``
+fp32-accurate FLOPs, k read, one fp32 a row written), once in the forward; the kernels that form or
+read key logits read them (one fp32 a row). The logit gradients' feature blocks store disjoint
+columns of one T × m tensor per side: nothing is added up after them. torch's work around the kernels
+(the per-row 1/den and c, adding the chain's span parts, DARKFormer's W' = W M and its [H, m, d]
+and [H, d, d] gradients) is counted from its aten ops (:mod:`.plan_glue`).
 """
 
 from __future__ import annotations
@@ -212,12 +214,13 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
 
 def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
     """The executed cost of one launch of a random-feature kernel (the module docstring's formulas)."""
-    c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
-    if name in ("features_chain_rows", "features_chain_weights"):
+    if name in ("features_chain", "features_chain_rows", "features_chain_weights", "features_chain_norm"):
         return chain_cost(name, tiles, batch_heads)
-    if name == "features_transform":  # x' = M x̃ over a block of rows, fp32-accurate; M counted once per head
-        rows = c * d  # read in the rows' dtype, x' written in fp32
-        moved = n * rows * (tiles.get("value_bytes", FP32) + FP32) + d * d * FP32
+    c, d, m, v, n = tiles["block_t"], tiles["block_d"], tiles["block_m"], tiles["block_v"], tiles["chunks"]
+    norms = c * FP32 if tiles.get("has_transform") else 0  # DARKFormer's keys' half norms, read per chunk
+    if name == "features_key_norms":  # ½‖M x̃‖² over a block of rows, fp32-accurate; M counted once per head
+        rows = c * d  # read in the rows' dtype, one fp32 a row written
+        moved = n * (rows * tiles.get("key_bytes", FP32) + c * FP32) + d * d * FP32
         return Cost(batch_heads * n * 2 * rows * d, batch_heads * moved, split_flops=batch_heads * n * 2 * rows * d)
     if name in ("features_state_scan", "features_reverse_scan"):
         steps = tiles["spans"]
@@ -226,13 +229,13 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
         normaliser = -(-tiles["features"] // scan_m) * scan_m
         per_step = 2 * (state + normaliser) * FP32 + 3 * FP32 + INT64  # the slot read, then overwritten
         return Cost(0.0, batch_heads * (steps * per_step + 2 * (state + normaliser) * FP32))
-    if name == "features_logits":  # ℓ = W x' of a block of rows, fp32-accurate; W counted once per head
-        moved = n * c * (d * tiles.get("key_bytes", FP32) + m * FP32) + m * d * FP32
+    if name == "features_logits":  # ℓ = W x̃ of a block of rows, fp32-accurate; W counted once per head
+        moved = n * (c * (d * tiles.get("key_bytes", FP32) + m * FP32) + norms) + m * d * FP32
         return Cost(batch_heads * n * 2 * c * d * m, batch_heads * moved, split_flops=batch_heads * n * 2 * c * d * m)
     if name in ("features_chunk_states", "features_forward"):  # the forward's kernels form the logits from rows
-        side = 2 * c * d * m  # one side's feature logits (a transform is applied by its own kernel before)
+        side = 2 * c * d * m  # one side's feature logits (DARKFormer's with W' = W M and the stored half norms)
         parameters = m * d * FP32  # W: the head's programs share it through L2, counted once per head below
-        rows = c * d * tiles.get("key_bytes", FP32)  # one side's rows (x' in fp32 with a transform)
+        rows = c * d * tiles.get("key_bytes", FP32)  # one side's rows
     else:  # the backward's read the stored logits (``features_logits``): they form none
         side, parameters = 0, 0
         rows = c * m * FP32  # one side's logits, this program's block of features
@@ -243,13 +246,14 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
                                      "features_value_grad") else 0
     if name == "features_chunk_states":
         logits, products = side, 2 * c * m * v
-        per_chunk = rows + values + scalars
+        per_chunk = rows + values + scalars + norms
     elif name in ("features_forward", "features_query_grad"):
         logits, products = 2 * side, 2 * c * c * (m + v) + 2 * c * m * v + walk
         # the forward stores the output, and at fp32 too when the rows are narrower (the backward's c)
         kept = c * v * FP32 if tiles.get("value_bytes", FP32) < FP32 else 0
         stored = values + kept if name == "features_forward" else c * m * FP32
         per_chunk = 2 * rows + (2 if name == "features_query_grad" else 1) * values + scalars + stored
+        per_chunk += norms if name == "features_forward" else 0
     elif name == "features_reverse_states":  # with forms_c it also reads the fp32 output and stores c
         logits, products = side, 2 * c * m * v
         per_chunk = rows + values + scalars + tiles.get("forms_c", False) * (c * v * FP32 + c * FP32)
@@ -273,17 +277,31 @@ def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) ->
 def chain_cost(name: str, tiles: dict, batch_heads: int) -> Cost:
     """One launch of the backward's chain through the feature map, per (batch, head) over all T rows: the
     row kernel's G W (2·T·m·d, G read in fp32, x read for the keys' term, out written; W once per head,
-    shared through L2), the weight kernel's span parts of Gᵀ x (2·T·m·d; each block of G's columns reads
-    x again; the parts written, one m × d per span)."""
+    shared through L2; DARKFormer's keys' term x Σ, 2·T·d² more, Σ once per head and the row sums
+    written), the weight kernel's span parts of Gᵀ x (2·T·m·d; each block of G's columns reads x again;
+    the parts written, one m × d per span), and DARKFormer's C = Σ s x xᵀ (the same kernel with
+    G = s x: 2·T·d², s and x read, x again per block of its columns). The fused pass does the row and
+    weight kernels' products on one read of G and x (with the x term, x's columns again as out's
+    columns are formed), out and the parts written."""
     length, m, d = tiles["length"], tiles["features"], tiles["block_d"]
-    flops = 2 * length * m * d
+    key_bytes = tiles.get("key_bytes", FP32)
+    if name == "features_chain":
+        moved = length * (m * FP32 + d * key_bytes * (1 + tiles.get("x_term", False))
+                          + d * tiles.get("value_bytes", FP32)) + m * d * FP32 + tiles["chain_spans"] * m * d * FP32
+        return Cost(batch_heads * 4 * length * m * d, batch_heads * moved)
     if name == "features_chain_rows":
-        moved = length * (m * FP32 + d * tiles.get("key_bytes", FP32) + d * tiles.get("value_bytes", FP32)) \
-            + m * d * FP32
-    else:
-        blocks = -(-m // tiles["chain_columns"])
-        moved = length * (m * FP32 + blocks * d * tiles.get("key_bytes", FP32)) + tiles["chain_spans"] * m * d * FP32
-    return Cost(batch_heads * flops, batch_heads * moved)
+        flops = 2 * length * m * d
+        moved = length * (m * FP32 + d * key_bytes + d * tiles.get("value_bytes", FP32)) + m * d * FP32
+        if tiles.get("has_transform"):
+            flops += 2 * length * d * d
+            moved += length * FP32 + d * d * FP32
+        return Cost(batch_heads * flops, batch_heads * moved)
+    width = tiles.get("chain_width", m)  # G's columns: m, or d for C
+    blocks = -(-width // tiles["chain_columns"])
+    # G: dℓ in fp32, or for C each column block's s and its columns of x
+    read = blocks * (FP32 + tiles["chain_columns"] * key_bytes) if name == "features_chain_norm" else width * FP32
+    moved = length * (read + blocks * d * key_bytes) + tiles["chain_spans"] * width * d * FP32
+    return Cost(batch_heads * 2 * length * width * d, batch_heads * moved)
 
 
 def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:

@@ -3,6 +3,10 @@ the README of its results directory, from the plan's JSON alone."""
 
 from __future__ import annotations
 
+#: The issue's roofline goals, forward + backward of the present kernels against SDPA: (mixers, T, the
+#: most × SDPA, the goal in words)
+ROOFLINE_GOALS = ((("cubit", "deltaformer", "cubit-bf16", "deltaformer-bf16"), 8192, 2.5, "≤ 2.5× SDPA at 8,192"),
+                  (("performer", "darkformer"), 16384, 1 / 3, "≥ 3× faster than SDPA at 16,384"))
 CHECK_NAMES = {"programs": "≥ {min_programs} programs (2 per SM) or a reason",
                "registers": "≤ {max_registers} registers",
                "spills": "{max_spilled_bytes} spilled bytes", "compile_s": "compile ≤ {max_compile_s:.0f} s"}
@@ -60,11 +64,26 @@ def _roofline(plan: dict) -> list[str]:
     if any(r["mixer"] in ("performer", "darkformer") for r in plan["roofline"]):
         lines += ["", "The random features run on bf16 q, k, v (as gpu-check's bench and a bf16 model). Their "
                   "*present* is the Triton op's kernels plus torch's work around them (*of it torch's*: the "
-                  "per-row 1/den and c = −g·o/den, and adding the span parts of dW, dM), counted from the aten ops "
+                  "per-row 1/den and c = −g·o/den, adding the chain's span parts, and DARKFormer's W' = W M and "
+                  "its gradients dW = dW' Mᵀ, dM = Wᵀ dW' − d^(−1/2) M C on [H, m, d] and [H, d, d] tensors), "
+                  "counted from the aten ops "
                   "one forward + backward runs (`kernelmix.studies.gpu_check.plan_glue`: on meta tensors, every op "
                   "reading its inputs and writing its outputs once). *Public op*: what a model calls, "
                   "`random_feature_attention`, with its guard against non-finite inputs (masks built on every "
                   "call on a GPU) on top. The solve mixers' torch work around their kernels is not counted."]
+    return lines + [""] + roofline_goals(plan)
+
+
+def roofline_goals(plan: dict) -> list[str]:
+    """The roofline goals as a table: each mixer's present × SDPA against its goal."""
+    lines = ["The issue's goals for the present kernels (the public op's ratio beside it, not the goal's):", "",
+             "| goal | mixer | present × SDPA | public op × SDPA | met |", "|---|---|---:|---:|---|"]
+    for mixers, length, most, words in ROOFLINE_GOALS:
+        for r in plan["roofline"]:
+            if r["mixer"] in mixers and r["length"] == length:
+                public = f"{r['public_ratio']:.3f}" if "public_ratio" in r else "–"
+                met = "yes" if r["present_ratio"] <= most else f"no (needs ≤ {most:.3g})"
+                lines.append(f"| {words} | {r['mixer']} | {r['present_ratio']:.3f} | {public} | {met} |")
     return lines
 
 
@@ -129,4 +148,4 @@ def plan_readme(plan: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["plan_markdown", "plan_readme"]
+__all__ = ["plan_markdown", "plan_readme", "roofline_goals"]
