@@ -109,8 +109,6 @@ class _Geometry:
         self.batch, self.length, self.heads, self.head_dim = q.shape
         self.kv_heads, self.value_dim = k.shape[2], v.shape[3]
         self.scale = self.head_dim ** -0.25  # x̃ = d^{-1/4} x; the kernels read q and k as given
-        # DARKFormer: W' = W M per head, and the keys' half norms ½‖M x̃‖² read, not formed from k
-        self.stored_norm = has_transform
         self.features = projection.shape[-2]
         self.start = start
         self.block_d = max(16, triton.next_power_of_2(self.head_dim))

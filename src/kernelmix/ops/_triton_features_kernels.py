@@ -26,10 +26,9 @@ states reach memory once per span, not once per chunk. The forward is three laun
 
 The feature map is fused in the forward: a program loads its C × d queries and keys (in their own
 dtype), applies d^{-1/4} and the projection W with ``tl.dot`` at fp32 accuracy (the feature logits
-stay fp32) and forms the features in registers, so the forward keeps no T × m tensor. DARKFormer's
-transform M is folded into the projection: ℓ = W (M x̃) = (W M) x̃, so the kernels read q and k as
-they are with W' = W M per head (formed once per call), and its keys' −½‖M x̃‖², whose product is
-per row, is formed once by ``key_norm_kernel`` (``_triton_features_chain``) and read (``STORED_NORM``).
+stay fp32) and forms the features in registers, so the forward keeps no T × m tensor. DARKFormer's M
+is folded into the projection (ℓ = W M x̃: the kernels read q and k with W' = W M per head), and its
+keys' −½‖M x̃‖² is read (``STORED_NORM``), formed once by ``key_norm_kernel`` (``_triton_features_chain``).
 The products of features, states and values take ``FEATURE_OPERANDS`` (TF32 on tensor cores by
 default; ``_triton_products``), the normalisers and states accumulate in fp32. Grouped heads are
 indexed (query head h reads kv head h // (H / H_kv)), never expanded.
