@@ -109,7 +109,10 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 @pytest.mark.parametrize("darkformer", [True, False])
-def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkformer):
+@pytest.mark.parametrize("fused", [True, False])
+def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkformer, fused):
+    if not fused:  # every side's chain rows and weights apart (m · d over FUSED_CHAIN_TILE)
+        monkeypatch.setattr(features, "FUSED_CHAIN_TILE", 0)
     grids = record(monkeypatch, features, {"chunk_state_kernel": "features_chunk_states",
                                            "state_scan_kernel": "features_state_scan",
                                            "forward_kernel": "features_forward",

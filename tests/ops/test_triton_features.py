@@ -369,6 +369,11 @@ AOT_SCRIPT = textwrap.dedent("""
             if key not in seen:
                 seen.add(key)
                 launches.append(launch)
+    # and Performer's keys' chain rows apart (where its fused pass does not fit: m · d over 128 × 128)
+    features.FUSED_CHAIN_TILE = 0
+    launches += [launch for launch in features.feature_launches(1, 2, 1, 37, 6, 8, 12, chunk_size=16,
+                                                                has_transform=False, has_doc=True)
+                 if launch.name == "features_chain_rows"]
     for launch in launches:
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=launch.num_warps))
@@ -378,11 +383,12 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter accepts code the GPU compiler rejects: compile the eighteen launches (DARKFormer's
+    """The interpreter accepts code the GPU compiler rejects: compile the nineteen launches (DARKFormer's
     fourteen: its key norms, the logits, the span kernels and the chain, fused for the queries and apart
-    for the keys, with C = Σ s x xᵀ; Performer's four that differ) for sm_90 down to a cubin (Triton
-    ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=18)
+    for the keys, with C = Σ s x xᵀ; Performer's four that differ, and its keys' chain rows apart) for
+    sm_90 down to a cubin (Triton ships ptxas) in a process without TRITON_INTERPRET, so that a GPU's
+    first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=19)
 
 
 @pytest.mark.slow
@@ -392,7 +398,7 @@ def test_kernels_compile_for_a_gpu_at_gpu_check_sizes(tmp_path):
     script = AOT_SCRIPT.replace("feature_launches(1, 2, 1, 37, 6, 8, 12,",
                                 "feature_launches(1, 2, 1, 8192, 128, 128, 128,")
     assert script != AOT_SCRIPT
-    compile_ahead_of_time(script, tmp_path, kernels=18, timeout=1200)
+    compile_ahead_of_time(script, tmp_path, kernels=19, timeout=1200)
 
 
 def test_large_heads_take_smaller_blocks():
@@ -522,7 +528,7 @@ def test_darkformer_folded_projection_and_key_norms_stay_fp32_accurate(monkeypat
     setting), and its keys' ½‖M x̃‖² (``key_norm_kernel``, keys read per kv head, a half norm per query
     head) takes the logits' own product, three TF32 products (a_hi·b_hi + a_hi·b_lo + a_lo·b_hi), not
     one: both enter exponentiated logits, and against float64 their error is fp32's, where one TF32
-    product's is a thousand times larger."""
+    product's is about a hundred times larger."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
@@ -541,5 +547,5 @@ def test_darkformer_folded_projection_and_key_norms_stay_fp32_accurate(monkeypat
     assert norms.shape == (2, 4, 33)
     x_tf32 = _tf32(x.repeat_interleave(2, dim=2) * 64 ** -0.25)
     single = 0.5 * torch.einsum("bthe,hfe->bthf", x_tf32, _tf32(m)).square().sum(-1).transpose(1, 2)
-    assert rel_rmse(norms, exact) <= 2e-6 < 1e-4 <= rel_rmse(single, exact)
+    assert rel_rmse(norms, exact) <= 2e-6 < 2e-5 <= rel_rmse(single, exact)  # (one TF32 product: 1.2e-4 here)
     assert getattr(kernels, "_key_norms")(x, None, geometry) is None

@@ -86,8 +86,8 @@ CHAIN_COLUMNS = 128
 #: The fused chain kernel (both halves of a side in one pass, ``chain_kernel``) holds dW's span part of
 #: m × d fp32 beside its rows: it runs where that is at most this many numbers (padded) and there is no
 #: product in the keys' term (Performer's), with blocks of FUSED_CHAIN_ROWS rows, out formed FUSED_CHAIN_STEP
-#: columns at a time: at d = m = 128 what ptxas (sm_90) compiled without a spill (223 registers; 32 rows
-#: or DARKFormer's x Σ term beside it spilled 56–148 B per thread).
+#: columns at a time: at d = m = 128 what ptxas (sm_90) compiled without a spill (223 registers; 174–181
+#: at d = 256, m ≤ 64; 32 rows spilled 56 B per thread, DARKFormer's x Σ term beside it 128–344 B).
 FUSED_CHAIN_TILE = 128 * 128
 FUSED_CHAIN_ROWS = 16
 FUSED_CHAIN_STEP = 16
