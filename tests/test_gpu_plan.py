@@ -383,6 +383,16 @@ def test_the_committed_plan_holds_every_kernel_at_the_target_shape():
             assert row["launches"] == sum(k["calls"] for k in target if k["mixer"] == row["mixer"]), row["mixer"]
 
 
+def test_a_compile_key_follows_every_module_its_kernel_reaches():
+    """The plan's cache key covers the device functions a kernel calls from other modules (the row reads
+    and the products), so that changing one of them recompiles the kernels that use it."""
+    from kernelmix.ops._triton_features_kernels import forward_kernel
+    from kernelmix.studies.gpu_check.plan import kernel_sources
+
+    assert [path.name for path in kernel_sources(forward_kernel)] == [
+        "_triton_features_kernels.py", "_triton_features_rows.py", "_triton_products.py"]
+
+
 def test_the_roofline_goals_read_each_mixers_present_ratio():
     """The goals table: met where the present kernels' ratio is at most the goal's (the public op's ratio is
     shown beside it, not judged); a mixer at another length is not listed."""

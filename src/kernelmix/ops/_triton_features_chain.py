@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_features_kernels import feature_logits
+from ._triton_features_rows import feature_logits
 from ._triton_products import product, product_into, stored_as
 
 __all__ = ["chain_kernel", "chain_rows_kernel", "chain_weights_kernel", "key_norm_kernel", "logits_kernel"]

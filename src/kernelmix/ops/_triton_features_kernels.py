@@ -75,10 +75,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_features_rows import feature_logits, row_base
 from ._triton_products import product, product_into, stored_as
 
 __all__ = ["chunk_state_kernel", "state_scan_kernel", "forward_kernel", "query_grad_kernel", "reverse_state_kernel",
-           "reverse_scan_kernel", "key_grad_kernel", "value_grad_kernel", "feature_logits"]
+           "reverse_scan_kernel", "key_grad_kernel", "value_grad_kernel"]
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces of the kernels
@@ -97,37 +98,6 @@ def _chunk_rows(doc_ptr, b, c, T, start, BLOCK_T: tl.constexpr, HAS_DOC: tl.cons
     else:
         doc = tl.zeros([BLOCK_T], dtype=tl.int64)
     return t, row_ok, pos, doc
-
-
-@triton.jit
-def feature_logits(x_ptr, x_row_stride, t, row_ok, w_ptr, scale, d, m_feats, first_feature, norm_ptr,
-                   IS_KEY: tl.constexpr, STORED_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, D_STEP: tl.constexpr):
-    """The feature logits of the rows t of x (``x_ptr`` at the head's first element) for the features
-    from ``first_feature``: W (scale·x) ``[BLOCK_T, BLOCK_M]``, for keys minus ½‖scale·x‖², or with
-    ``STORED_NORM`` minus the half norms at ``norm_ptr + t`` (DARKFormer's ½‖M x̃‖², formed once by
-    ``key_norm_kernel``: W is then the folded W M); padding is 0. Over the head in steps of ``D_STEP``
-    columns (small tiles, few registers), each step's product at fp32 accuracy on tensor cores
-    (``"tf32x3"``: the logits are exponentiated, so they stay fp32)."""
-    offs_m = first_feature + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_feats
-    logits = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-    half_norm = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for first in range(0, BLOCK_D, D_STEP):
-        offs_d = first + tl.arange(0, D_STEP)
-        d_ok = offs_d < d
-        x = tl.load(x_ptr + t[:, None] * x_row_stride + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32) * scale  # (rows in any float dtype: bf16 rows are read as bf16)
-        w_t = tl.load(w_ptr + offs_m[None, :] * d + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-        logits += product(x, w_t, "tf32x3")
-        if IS_KEY:
-            if not STORED_NORM:
-                half_norm += 0.5 * tl.sum(x * x, axis=1)
-    if IS_KEY:
-        if STORED_NORM:
-            half_norm = tl.load(norm_ptr + t, mask=row_ok, other=0.0)
-        logits -= half_norm[:, None]
-    return logits
 
 
 @triton.jit
@@ -184,8 +154,9 @@ def _row_features(q_head, k_head, q_row_stride, k_row_stride, t, row_ok, w_head,
 
 @triton.jit
 def _load_value_block(ptr, t, row_ok, row_stride, cols, cols_ok):
-    """A [rows, value columns] tile in fp32, from any float dtype."""
-    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :],
+    """A [rows, value columns] tile of the consecutive rows t in fp32, from any float dtype."""
+    rows, local = row_base(ptr, t, row_stride)
+    return tl.load(rows + local[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :],
                    other=0.0).to(tl.float32)
 
 

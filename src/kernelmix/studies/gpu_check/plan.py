@@ -134,11 +134,25 @@ def launch_cost(mixer: str, launch, shape: dict) -> Cost:
                       has_doc=bool(launch.constexprs["HAS_DOC"]))
 
 
+def kernel_sources(kernel) -> list[Path]:
+    """The source files of a Triton kernel and of every device function it reaches (its module's, and the
+    modules they come from, such as ``_triton_products``): what its binary depends on."""
+    files, seen, pending = set(), set(), [kernel]
+    while pending:
+        fn = getattr(pending.pop(), "fn", None)  # a JITFunction's Python function
+        if fn is None or id(fn) in seen or not getattr(fn, "__module__", "").startswith("kernelmix."):
+            continue
+        seen.add(id(fn))
+        files.add(Path(inspect.getsourcefile(fn)))
+        pending += [value for value in fn.__globals__.values() if hasattr(value, "fn")]
+    return sorted(files)
+
+
 def compile_key(mixer: str, label: str, launch) -> str:
-    """What a compile's result depends on: the source of the kernel's module (the kernel and the
-    device functions it calls; the same under Triton's interpreter, which the tests run with), its
+    """What a compile's result depends on: the sources of the kernel and of the device functions it
+    calls (:func:`kernel_sources`; the same under Triton's interpreter, which the tests run with), its
     constexprs and warps (the grid does not enter the binary)."""
-    source = Path(inspect.getsourcefile(launch.kernel.fn)).read_bytes()
+    source = b"".join(path.read_bytes() for path in kernel_sources(launch.kernel))
     flags = ",".join(f"{k}={v}" for k, v in sorted(launch.constexprs.items()))
     digest = hashlib.sha256(source).hexdigest()[:16]
     return f"{label}/{mixer}/{launch.name}/{digest}/{flags}/warps={launch.num_warps}"
