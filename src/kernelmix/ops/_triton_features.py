@@ -616,7 +616,7 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
         "features_logits", logits_kernel, geometry.row_grid, logit_blocks, warps,
         aot_signature(logits_kernel, logit_blocks, {"x_ptr": rows}, {"scale"}),
         dict(tiles, block_t=LOGIT_ROWS, chunks=geometry.row_grid[0]), 2))
-    launches += _chain_launches(geometry, rows, has_transform)
+    launches += _chain_launches(geometry, rows, width[rows], has_transform)
     if has_transform:  # DARKFormer's keys' half norms, once in the forward (the backward reads them)
         blocks = _key_norm_blocks(geometry)
         warps = blocks.pop("num_warps")
@@ -626,16 +626,15 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
     return launches
 
 
-def _chain_launches(geometry: _Geometry, rows: str, has_transform: bool) -> list[KernelLaunch]:
+def _chain_launches(geometry: _Geometry, rows: str, row_bytes: int, has_transform: bool) -> list[KernelLaunch]:
     """The chain through the feature map, per side: the fused pass (dx = dℓ W' and the span parts of dW';
     Performer's compiled and costed as the keys', with the norm term) where its block fits, else the row
     kernel (compiled and costed as the keys', the heavier: DARKFormer's through Σ) and the weight kernel;
     and DARKFormer's C = Σ s x xᵀ (the weight kernel with scaled rows)."""
     batch_heads, length, features, d = geometry.batch * geometry.heads, geometry.length, geometry.features, \
         geometry.head_dim
-    width = 2 if rows != "*fp32" else 4
     tiles = dict(block_d=geometry.block_d, features=features, has_transform=has_transform, length=length,
-                 key_bytes=width, value_bytes=width)
+                 key_bytes=row_bytes, value_bytes=row_bytes)
     pointers = {"g_ptr": "*fp32", "x_ptr": rows, "out_ptr": rows}
     fused = _fuses_chain(features, d)
     launches = []

@@ -41,6 +41,16 @@ def _row_block(T, H, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _span_block(T, H, span_rows):
+    """A span kernel's program, from the grid (spans, B·H, ...): (batch, query head, its span's first row and
+    end, its part's index in ``[spans, B·H]``)."""
+    pid_bh = tl.program_id(1)
+    first = tl.program_id(0) * span_rows
+    part = (tl.program_id(0) * tl.num_programs(1) + pid_bh).to(tl.int64)
+    return (pid_bh // H).to(tl.int64), pid_bh % H, first, tl.minimum(T, first + span_rows), part
+
+
+@triton.jit
 def chain_kernel(g_ptr, x_ptr, w_ptr, out_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, w_head_stride, w_scale,
                  x_coef, HAS_X_TERM: tl.constexpr, OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, D_STEP: tl.constexpr):
@@ -51,17 +61,11 @@ def chain_kernel(g_ptr, x_ptr, w_ptr, out_ptr, part_ptr, T, H, H_X, m_g, d, span
     Each block of rows' G and x are read once for both products: the weights' accumulates, then out is
     formed and stored D_STEP columns at a time (W's columns, and x's for the term, from L2) so that no
     second [m, d] tile is live beside the accumulator."""
-    span = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    b, h, row, stop, part = _span_block(T, H, span_rows)
     offs_f = tl.arange(0, BLOCK_F)
     f_ok = offs_f < m_g
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
-    first = span * span_rows
-    stop = tl.minimum(T, first + span_rows)
-    row = first
     while row < stop:  # (a while loop: see the note at the top)
         t = row + tl.arange(0, BLOCK_T)
         row_ok = t < stop
@@ -85,7 +89,7 @@ def chain_kernel(g_ptr, x_ptr, w_ptr, out_ptr, part_ptr, T, H, H_X, m_g, d, span
             tl.store(out_rows[:, None] + offs_c[None, :], stored_as(out, out_ptr), mask=c_ok)
             column += D_STEP
         row += BLOCK_T
-    rows = (span * tl.num_programs(1) + pid_bh).to(tl.int64) * m_g + offs_f
+    rows = part * m_g + offs_f
     tl.store(part_ptr + rows[:, None] * d + offs_d[None, :], acc, mask=f_ok[:, None] & (offs_d < d)[None, :])
 
 
@@ -150,19 +154,12 @@ def chain_weights_kernel(g_ptr, x_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, S
     own head), the part into ``[spans, B·H, m_g, d]`` (torch adds the spans: a few MB, where an [m, d]
     accumulator over all rows in one program would leave the machine idle). dW = Σ dℓᵀ x̃. With
     ``SCALED_ROWS``, G_i = s_i x_i (``g_ptr`` holds s ``[B, T, H]``, m_g = d): DARKFormer's Σ_i s_i x_i x_iᵀ."""
-    span = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_f = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    b, h, row, stop, part = _span_block(T, H, span_rows)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
     f_ok = offs_f < m_g
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < d
     acc = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
-    first = span * span_rows
-    stop = tl.minimum(T, first + span_rows)
-    row = first
     while row < stop:  # (a while loop: see the note at the top)
         t = row + tl.arange(0, BLOCK_T)
         row_ok = t < stop
@@ -178,7 +175,7 @@ def chain_weights_kernel(g_ptr, x_ptr, part_ptr, T, H, H_X, m_g, d, span_rows, S
                     other=0.0).to(tl.float32)
         acc = product_into(tl.trans(g), x, acc, OPERANDS)
         row += BLOCK_T
-    rows = (span * tl.num_programs(1) + pid_bh).to(tl.int64) * m_g + offs_f
+    rows = part * m_g + offs_f
     tl.store(part_ptr + rows[:, None] * d + offs_d[None, :], acc, mask=f_ok[:, None] & d_ok[None, :])
 
 
