@@ -24,7 +24,9 @@ from kernelmix.ops._triton_solve import solve_launches, triton_kernel_solve  # n
 from kernelmix.studies.flops import forward_flops  # noqa: E402
 from kernelmix.studies.gpu_check.plan import LIMITS, PLAN_SHAPES, TARGET_SHAPE, plan_rows, run_plan  # noqa: E402
 from kernelmix.studies.gpu_check.plan_compile import parse_ptxas_log  # noqa: E402
-from kernelmix.studies.gpu_check.plan_costs import push_tiles, row_group_tiles, solve_cost, span_tiles  # noqa: E402
+from kernelmix.studies.gpu_check.plan_costs import (  # noqa: E402
+    column_group_tiles, push_tiles, row_group_tiles, solve_cost, span_tiles,
+)
 from kernelmix.studies.gpu_check.plan_report import plan_markdown, roofline_goals  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "gpu-plan" / "plan.json"
@@ -93,11 +95,12 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
                             doc_start=None)
     u.sum().backward()
     planned = solve_launches(batch, heads, length, d, d, chunk_size=chunk, strict=False, has_beta=False, has_doc=False)
-    # (Cubit, no β: no row kernel, the column kernel also gives dx)
+    # (TF32 operands across spans at a narrow head: the row kernel gives dx, the column kernel dy)
     assert [p.name for p in planned] == ["solve_past_span", "solve_forward", "solve_span_push", "solve_future_span",
-                                         "solve_transposed", "solve_span_push_transposed", "solve_grad_columns"]
-    assert [p.calls for p in planned] == [3, 7, 3, 3, 7, 3, 1]
-    assert not any(name == "solve_grad_rows" for name, _ in grids)
+                                         "solve_transposed", "solve_span_push_transposed", "solve_grad_rows",
+                                         "solve_grad_columns"]
+    assert [p.calls for p in planned] == [3, 7, 3, 3, 7, 3, 1, 1]
+    assert sum(name == "solve_grad_rows" for name, _ in grids) == 1
     by_name = {p.name: p for p in planned}
     for name in {name for name, _ in grids}:
         launches = [by_name[part] for part in name.split("+")]
@@ -192,24 +195,24 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
     for mixer in ("cubit", "deltaformer"):
         tf32 = {r["kernel"]: r for r in plan_rows({"a": shape}, (mixer,))}
         bf16 = {r["kernel"]: r for r in plan_rows({"a": shape}, (mixer + "-bf16",))}
-        assert tf32.keys() == bf16.keys()
+        assert bf16.keys() == tf32.keys() | {"solve_grad_rows"}
         for name in ("solve_forward", "solve_transposed"):
             assert bf16[name]["bytes"] == tf32[name]["bytes"] + heads * length * dv * 2
             assert bf16[name]["precision"] == tf32[name]["precision"] == "fp32"
-        for name in ("solve_span_push_transposed", "solve_grad_columns"):
-            if name in tf32:  # the same tiles: the same FLOPs, fewer bytes
-                assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
-                assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
+        name = "solve_span_push_transposed"  # the same tiles: the same FLOPs, fewer bytes
+        assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
+        assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
+        # the gradients: with TF32 at this 128-wide head the column kernel alone (dx by atomics), with bf16
+        # the row kernel's dx and the column kernel's dy, the same pairs each: a product per pair more in all,
+        # fewer bytes (no atomics, 2 B operands)
+        rows, columns = bf16.pop("solve_grad_rows"), bf16["solve_grad_columns"]
+        assert rows["flops"] == columns["flops"] == tf32["solve_grad_columns"]["flops"] * 3 / 4
+        assert rows["bytes"] + columns["bytes"] < 0.75 * tf32["solve_grad_columns"]["bytes"]
         # the transposed span kernel holds two column blocks a program with bf16 operands (one with TF32):
         # the same FLOPs, each streamed tile read once for both blocks
         future = "solve_future_span"
         assert bf16[future]["flops"] == tf32[future]["flops"] and bf16[future]["grid"][1] * 2 == tf32[future]["grid"][1]
         assert 0.2 * tf32[future]["bytes"] < bf16[future]["bytes"] < 0.4 * tf32[future]["bytes"]
-        if "solve_grad_rows" in tf32:  # DeltaFormer's row kernel: two row blocks a program with bf16 (the
-            # diagonal's pairs a program of two executes: a few more FLOPs)
-            rows16, rows32 = bf16["solve_grad_rows"], tf32["solve_grad_rows"]
-            assert rows32["flops"] < rows16["flops"] < 1.01 * rows32["flops"] and rows16["precision"] == "bf16"
-            assert 0.2 * rows32["bytes"] < rows16["bytes"] < 0.4 * rows32["bytes"]
         # the forward's span kernels take one slice of 128 value columns (two of 64 with TF32): 2/3 of the logits
         for name in ("solve_past_span", "solve_span_push"):
             assert bf16[name]["grid"][2] == 1 and tf32[name]["grid"][2] == 2
@@ -223,8 +226,7 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
     reaching past its rows executes (and is costed for) a whole program. Its pushes take one block
     at 128-column slices (bf16 operands), where merging 128 rows' partials spilled. The transposed
     direction's holds SPAN_COLUMN_BLOCKS = 2 column blocks where that compiles without spills, and
-    DeltaFormer's row gradient kernel GRADIENT_ROW_BLOCKS = 2 row blocks with bf16 operands or at
-    64-wide heads."""
+    the gradient kernels GRADIENT_GROUP_BLOCKS = 2 row (column) blocks at 64-wide heads."""
     assert solve.SPAN_ROW_BLOCKS == solve.SPAN_COLUMN_BLOCKS == 2
     odd = span_tiles(21, 16, 2)  # a last span of 5 row blocks: 3 programs, 6 blocks executed
     assert odd["past"] == 16 * 6 and odd["past_streamed"] == 16 * 3 and span_tiles(21, 16, 1)["past"] == 16 * 5
@@ -258,15 +260,20 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
                                                                has_beta=True, has_doc=True, operands="tf32")}
     assert narrow["solve_future_span"].constexprs["BLOCK_C"] == narrow["solve_span_push_transposed"].constexprs[
         "BLOCK_C"] == 128
-    # DeltaFormer's row gradient (e alone): two row blocks a program with bf16 operands or at 64-wide heads
-    assert narrow["solve_grad_rows"].constexprs["BLOCK_R"] == 128 and narrow["solve_grad_rows"].grid == (12, 64)
-    for operands, rows in (("tf32", 64), ("bf16", 128)):
-        wide = {launch.name: launch for launch in solve_launches(
-            1, shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"], chunk_size=64, strict=True,
-            has_beta=True, has_doc=True, operands=operands)}
-        assert wide["solve_grad_rows"].constexprs["BLOCK_R"] == rows
-        assert wide["solve_grad_rows"].grid == (shape["heads"], shape["length"] // rows)
+    # the gradients: two row blocks (dx) and two column blocks (dy) a program at 64-wide heads, one at 128
+    assert narrow["solve_grad_rows"].constexprs["BLOCK_R"] == narrow["solve_grad_columns"].constexprs["BLOCK_C"] == 128
+    assert narrow["solve_grad_rows"].grid == narrow["solve_grad_columns"].grid == (12, 64)
+    wide = {launch.name: launch for launch in solve_launches(
+        1, shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"], chunk_size=64, strict=True,
+        has_beta=True, has_doc=True, operands="bf16")}
+    assert wide["solve_grad_rows"].constexprs["BLOCK_R"] == wide["solve_grad_columns"].constexprs["BLOCK_C"] == 64
     assert row_group_tiles(5, 2) == (24, 12) and row_group_tiles(5, 1) == (15, 15)  # 1+2+...+5 pairs
+    # programs of columns 0-1, 2-3, 4 stream the row blocks from their first column: 5 + 3 + 1
+    assert column_group_tiles(5, 2) == (18, 9) and column_group_tiles(5, 1) == (15, 15)
+    one = dict(narrow["solve_grad_columns"].tiles, gradient_group=64)
+    grouped = {name: solve_cost(name, narrow[name].tiles, 12, True, True) for name in ("solve_grad_rows",
+                                                                                       "solve_grad_columns")}
+    assert all(0.45 < grouped[name].bytes / solve_cost(name, one, 12, True, True).bytes < 0.75 for name in grouped)
 
 
 def test_the_logit_gradients_are_feature_blocks_with_every_value_column():

@@ -180,24 +180,28 @@ def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chun
 
 
 def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
-    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan): DeltaFormer's row kernel
-    (e alone) takes the solve's 64-row blocks streaming 32; Cubit has no row kernel (its e is from the
-    forward system); the column kernel, which gives dy and dx, streams 16 rows at a 128-wide head and
-    32 at d = 64; all at 8 warps."""
-    def launches(heads, d, has_beta):
+    """The blocks ptxas compiled without spills (sm_90, results/gpu-plan), the same for Cubit and
+    DeltaFormer (both take e from their forward): with TF32 operands at a 128-wide head the column kernel
+    alone gives dy and dx (by atomics), streaming 16 rows; with bf16 operands there the row kernel gives
+    dx in 64-row programs and the column kernel dy in 64-column ones, both streaming 32; at d = 64 they
+    hold 128 rows and 128 columns; all at 8 warps."""
+    def launches(heads, d, has_beta, operands=None):
         return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
-                                                                strict=has_beta, has_beta=has_beta, has_doc=True)}
+                                                                strict=has_beta, has_beta=has_beta, has_doc=True,
+                                                                operands=operands)}
 
-    def blocks(launch):
-        return launch.constexprs["BLOCK_T"], launch.constexprs["STREAM_T"], launch.grid, launch.num_warps
+    def blocks(launch, group="BLOCK_C"):
+        return (launch.constexprs[group], launch.constexprs["STREAM_T"], launch.grid, launch.num_warps,
+                launch.constexprs.get("ROW_GRAD"))
 
-    delta, cubit = launches(16, 128, True), launches(16, 128, False)
-    assert blocks(delta["solve_grad_rows"]) == (64, 32, (16, 128), 8)
-    assert blocks(delta["solve_grad_columns"]) == blocks(cubit["solve_grad_columns"]) == (64, 16, (16, 128), 8)
-    assert "solve_grad_rows" not in cubit and cubit["solve_grad_columns"].constexprs["ROW_GRAD"]
-    narrow = launches(12, 64, True)
-    assert all(blocks(narrow[n])[:2] + blocks(narrow[n])[3:] == (64, 32, 8)
-               for n in ("solve_grad_rows", "solve_grad_columns"))
+    for has_beta in (False, True):
+        tf32, bf16, narrow = launches(16, 128, has_beta), launches(16, 128, has_beta, "bf16"), launches(12, 64, has_beta)
+        assert "solve_grad_rows" not in tf32
+        assert blocks(tf32["solve_grad_columns"]) == (64, 16, (16, 128), 8, True)
+        assert blocks(bf16["solve_grad_rows"], "BLOCK_R") == (64, 32, (16, 128), 8, None)
+        assert blocks(bf16["solve_grad_columns"]) == (64, 32, (16, 128), 8, False)
+        assert blocks(narrow["solve_grad_rows"], "BLOCK_R") == (128, 32, (12, 64), 8, None)
+        assert blocks(narrow["solve_grad_columns"]) == (128, 32, (12, 64), 8, False)
 
 
 def test_spans_with_cubit_tiny_ridge(monkeypatch):
@@ -269,8 +273,7 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {2}}  # value slices: 1 of 128, 2 of 64
     u.backward(torch.randn(u.shape, generator=torch.Generator().manual_seed(6)))
     names = {name for name, _, _ in seen}
-    assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel"}
-    assert ("grad_rows_kernel" in names) == with_beta
+    assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel", "grad_rows_kernel"}
     for name, tensors, _ in seen:
         operands = [a.dtype for a in tensors[:4]]  # x, y and U / db (grad kernels: x, y, U, db)
         if name.startswith("solve_"):
@@ -297,10 +300,14 @@ def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
     assert _triton_solve.bf16_copy(view).stride() == view.stride()
 
 
+@pytest.mark.parametrize("operands", ["fp32", "tf32"])
 @pytest.mark.parametrize("with_beta", [False, True])
-def test_gradients_without_dx_match_those_with_it(with_beta):
-    """x needs no gradient: the column kernel adds no dx (``ROW_GRAD`` off) and dy, db, dβ are those
-    of the full backward, bit for bit (the same kernel tiles, the same order)."""
+def test_gradients_without_dx_match_those_with_it(monkeypatch, with_beta, operands):
+    """x needs no gradient: no kernel forms dx (the column kernel adds none by atomics, ``ROW_GRAD`` off,
+    with fp32 operands in one span; the row kernel is not launched with TF32 operands across spans) and
+    dy, db, dβ are those of the full backward, bit for bit (the same kernel tiles, the same order)."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 1024 if operands == "fp32" else 32)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", operands)
     t = make_inputs((1, 50, 2, 8, 12), seed=3, with_beta=with_beta, gamma=[0.4, 0.9], cubit_like=False)
     grad_u = torch.randn(1, 2, 50, 12, generator=torch.Generator().manual_seed(4))
 
@@ -318,6 +325,28 @@ def test_cubit_tiny_ridge():
     """γ = 1e-6 with the inclusive mask: A ≈ K, whose diagonal K_ii ≥ 1/n_i is the row maximum."""
     check_against_reference(37, 16, strict=False, with_beta=False, gamma=[1e-6, 1e-6], cuts=[[0, 20], [0, 9]],
                             cubit_like=True)
+
+
+def test_deltaformer_small_beta_keeps_its_precision():
+    """β ~ 1e-3: dβ = −e, e_i = db_i·(K U)_i with K U as the forward formed it. The quotient
+    (b − γU)/β, the form Cubit's e takes (β = 1), loses it: A ≈ γ I there, so b − γU is β K U, a small
+    difference of large numbers (from the same fp32 U and db, its dβ is 5e-4 off float64; ours 1e-7)."""
+    t = make_inputs((1, 45, 2, 8, 12), seed=7, with_beta=True, gamma=[1.0, 0.5], cubit_like=False)
+    t["beta"] = t["beta"] * 1e-3
+    names = ("x", "y", "b", "beta")
+    ours = {n: t[n].float().requires_grad_() for n in names}
+    ref = {n: t[n].clone().requires_grad_() for n in names}
+    args = dict(scale=8 ** -0.5, strict=True, doc_start=None)
+    u = triton_kernel_solve(*(bhtd(ours[n]) for n in ("x", "y", "b")), beta=bhtd(ours["beta"]),
+                            gamma=t["gamma"].float(), chunk_size=16, **args)
+    expected = dense_solve(*(bhtd(ref[n]) for n in ("x", "y", "b")), bhtd(ref["beta"]), t["gamma"], **args)
+    grad_u = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grad_b, grad_beta = torch.autograd.grad(u, [ours["b"], ours["beta"]], grad_u.float())
+    want = torch.autograd.grad(expected, [ref["beta"]], grad_u)[0]
+    assert rel_rmse(grad_beta, want) <= 1e-5
+    quotient = (bhtd(ours["b"].detach()) - t["gamma"].float()[None, :, None, None] * u.detach())
+    quotient = quotient / bhtd(ours["beta"].detach())[..., None]
+    assert rel_rmse(-(bhtd(grad_b) * quotient).sum(-1).transpose(1, 2), want) > 1e-4  # the control
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -65,20 +65,22 @@ FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
-# The gradient kernels keep their own block's tiles and stream the other side's in tiles of
-# GRADIENT_STREAM_ROWS rows, at 8 warps. The column kernel (own: y, u and the dy accumulator) gives
-# dy and, with fp32 atomics, dx; it needs e, which Cubit has from its forward system and DeltaFormer
-# from the row kernel (own: x and db; it sums e alone). ptxas (sm_90) per thread at d = 128: the
-# column kernel with dx streaming 32 rows spilled 24 B (Cubit) and 216 B (DeltaFormer), streaming
-# 16 none (248-255 registers); without dx, 64/32 none. The row kernel, e alone, 64/32: 202 registers,
-# none (with dx accumulators it had spilled 0.5-1.8 KB at 32 or 64 rows and had to take 16).
+# The gradients, given e (Cubit: e_i = db_i·(b − γU)_i; DeltaFormer: db_i·(K U)_i, K U stored by its
+# forward), are two passes over the pairs where both compile without spills (ptxas, sm_90, 8 warps):
+# the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
+# (own: y, U and the dy accumulator; streams x, db), each writing its rows once: no atomics, the same
+# bits on every run. That is with tensor-core operands at heads up to 64 wide (128 rows or columns a
+# program: 220-252 registers) and with bf16 ones at 128 (64 rows: 244-248; 64 columns: 188; at 128
+# rows 500 B spilled, at 128 columns 176 B, also at 16 warps: 96-244 B). Elsewhere (TF32 at 128-wide
+# heads: the row kernel spilled 0.9-1.1 KB at 64 rows; fp32 operands, one span: 3.4 KB at 64-wide
+# heads) the column kernel also forms dx, adding each (column block, row tile) pair's part by fp32
+# atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads (248-255 registers; 32 spilled
+# 24-216 B).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
-# A program of the row kernel (e alone: no accumulator but e) holds GRADIENT_ROW_BLOCKS row blocks,
-# each streamed column tile serving them all, where that compiles without spills (ptxas, sm_90): with
-# bf16 operands (128-wide heads: 160 registers; 4 blocks, 254) and at 64-wide heads (TF32: 167). With
-# TF32 at 128-wide heads two blocks spilled 220 B: one block (202 registers).
-GRADIENT_ROW_BLOCKS = 2
+# Row (column) blocks a program of the row (column) gradient kernel holds where the two passes run, at
+# heads up to 64 wide; one at 128-wide heads.
+GRADIENT_GROUP_BLOCKS = 2
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -199,13 +201,15 @@ class _Layout:
         # 64-row tiles of 128-wide head dims spill heavily at 4 warps (ptxas, sm_90: 25-37 KB stack
         # frames per kernel; 6-15 KB at 8 warps): a first guess, for a GPU run to tune
         self.num_warps = _warps(self.block_t, max(self.block_k, self.block_dv))
-        # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS)
+        # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS): dx by the row kernel, or by the column
+        # kernel's atomics
         wide = max(self.block_k, self.block_dv) >= 128
+        self.dx_rows = self.operands != "fp32" and (self.shadowed or not wide)
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
-        self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide else GRADIENT_STREAM_ROWS)
+        self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide and not self.dx_rows
+                                   else GRADIENT_STREAM_ROWS)
         self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
-        # the row kernel's rows per program (see GRADIENT_ROW_BLOCKS)
-        self.row_gradient_r = self.block_t * (GRADIENT_ROW_BLOCKS if self.shadowed or not wide else 1)
+        self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows and not wide else 1)
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -269,23 +273,19 @@ class _Layout:
         return _warps(self.span_rows(carry_on), max(self.block_k, self.span_block_v))
 
     @property
-    def block_grid(self) -> tuple[int, int]:
-        """The column gradient kernel: one program per (batch · head, column block)."""
-        return (self.batch * self.heads, self.blocks)
-
-    @property
-    def row_gradient_grid(self) -> tuple[int, int]:
-        """The row gradient kernel: one program per (batch · head, ``row_gradient_r`` rows)."""
-        return (self.batch * self.heads, triton.cdiv(self.blocks * self.block_t, self.row_gradient_r))
+    def gradient_grid(self) -> tuple[int, int]:
+        """The row and column gradient kernels: one program per (batch · head, ``gradient_group`` rows or
+        columns)."""
+        return (self.batch * self.heads, triton.cdiv(self.blocks * self.block_t, self.gradient_group))
 
     def gradient_flags(self, rows: bool) -> dict:
-        """The row (``rows``: e alone, no β) or column gradient kernel's blocks and warps."""
+        """The row (``rows``: dx) or column gradient kernel's blocks and warps; the column kernel adds dx
+        by atomics (``ROW_GRAD``) unless the row kernel forms it."""
         flags = self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
                                     STREAM_T=self.row_stream_t if rows else self.column_stream_t)
         if rows:
-            flags.pop("HAS_BETA")
-            flags["BLOCK_R"] = self.row_gradient_r
-        return flags
+            return flags | dict(BLOCK_R=self.gradient_group)
+        return flags | dict(BLOCK_C=self.gradient_group, ROW_GRAD=not self.dx_rows)
 
 
 def bf16_copy(t: Tensor) -> Tensor:
@@ -309,8 +309,9 @@ def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
     return t.new_empty(lay.batch, lay.length, lay.heads, t.shape[-1], dtype=torch.bfloat16).transpose(1, 2)
 
 
-def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tensor, Tensor, Tensor | None]:
-    """U, the row log-normalisers and U's bf16 copy (bf16 operands; else None), span by span: the
+def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout):
+    """U, the row log-normalisers, U's bf16 copy (bf16 operands; else None) and, with β, K U (for the
+    backward's e; else None), span by span: the
     past spans' products in parallel (:func:`past_span_kernel`), then the span's own rows, a sub-span
     at a time: its substitution (:func:`solve_forward_kernel`), then a push of its solved rows into
     the span's later rows."""
@@ -328,6 +329,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
     ds_arg = x if doc_start is None else doc_start
     xs, ys = _operand_copies(lay, x, y)
     u16 = _shadow_like(u, lay)
+    ku = u if beta is None else torch.empty_like(u)  # laid out as U (the kernel reads U's strides for it)
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
         """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
@@ -348,7 +350,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
             start, end = sub_first * lay.block_t, min(sub_stop * lay.block_t, lay.length)
             seen = span > 0 or index > 0  # partials stored for these rows
             solve_forward_kernel[lay.sequential_grid](
-                x, y, b, u, u16, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
+                x, y, b, u, u16, ku, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
                 *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
                 *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end,
                 BLOCK_V=lay.block_v, PARTIAL_V=lay.span_block_v, HAS_PAST=seen, SHADOW=lay.shadowed,
@@ -356,7 +358,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout) -> tuple[Tenso
             )
             if sub_stop < stop:  # push the solved rows into the span's later rows
                 mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
-    return u, lse, (u16 if lay.shadowed else None)
+    return u, lse, (u16 if lay.shadowed else None), (None if beta is None else ku)
 
 
 def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands):
@@ -405,13 +407,14 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     return grad_b, db16
 
 
-def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, lse, lay: _Layout, need_x: bool,
+def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, lay: _Layout, need_x: bool,
                     need_y: bool):
-    """db (the gradient of b), dx, dy and e (−dβ) of one solve. Without β (Cubit), e_i = db_i·(K U)_i
-    is O(T·d) from the forward's own system, K U = b − γ U; with β (DeltaFormer) dividing by β_i
-    could amplify rounding, so the row kernel sums e. Then the column kernel, which needs e, gives dy
-    and dx (by fp32 atomics, ``ROW_GRAD``): one pass over the T² pairs with accumulators. With bf16
-    operands the kernels read the bf16 copies of x, y, U (``u16``, the forward's) and db."""
+    """db (the gradient of b), dx, dy and e (−dβ) of one solve. e_i = db_i·(K U)_i is O(T·d): Cubit's
+    K U = b − γ U (β = 1), DeltaFormer's as its forward stored it (``ku``; (b − γU)/β would amplify
+    rounding where β is small). Then dx and dy, two passes over the T² pairs: the row kernel's dx and the
+    column kernel's dy, or where the row kernel does not compile without spills (``_Layout.dx_rows``)
+    the column kernel alone, adding dx by fp32 atomics (``ROW_GRAD``). With bf16 operands the kernels
+    read the bf16 copies of x, y, U (``u16``, the forward's) and db."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
@@ -420,24 +423,28 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, lse, lay: _
     grad_b, db16 = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay, (xs, ys))
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
-    if b is not None:  # (β is None: K U = b − γ U)
-        e = (grad_b * (b - gamma[None, :, None, None] * u)).sum(-1).contiguous()
-    else:
-        e = x.new_empty(lay.batch, lay.heads, lay.length)
-        grad_rows_kernel[lay.row_gradient_grid](
-            xs, ys, us, db16, ds_arg, lse, e, *_strides4(xs), *_strides4(ys), *_strides4(us), *_strides4(db16),
-            *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, **lay.gradient_flags(rows=True),
-        )
+    mixed = b - gamma[None, :, None, None] * u if beta is None else ku
+    e = (grad_b * mixed).sum(-1).contiguous()
     grad_x = grad_y = None
     if need_x or need_y:
-        grad_x = x.new_zeros(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)  # added to by atomics
+        atomics = need_x and not lay.dx_rows
+        # laid out [B, T, H, dk] as the callers' tensors; zeroed where atomics add to it
+        grad_x = (x.new_zeros if atomics else x.new_empty)(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
         grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-        grad_columns_kernel[lay.block_grid](
-            xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(xs), *_strides4(ys),
-            *_strides4(us), *_strides4(db16), *lay.beta_strides, *lay.ds_strides, *_strides4(grad_y),
-            *_strides4(grad_x), lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
-            ROW_GRAD=need_x, **lay.gradient_flags(rows=False),
-        )
+        common = (*lay.beta_strides, *lay.ds_strides)
+        if need_x and lay.dx_rows:
+            grad_rows_kernel[lay.gradient_grid](
+                xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_x, *_strides4(xs), *_strides4(ys), *_strides4(us),
+                *_strides4(db16), *common, *_strides4(grad_x), lay.heads, lay.length, lay.dk, lay.dv, lay.scale,
+                lay.scale2, **lay.gradient_flags(rows=True),
+            )
+        if need_y or atomics:
+            grad_columns_kernel[lay.gradient_grid](
+                xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(xs), *_strides4(ys),
+                *_strides4(us), *_strides4(db16), *common, *_strides4(grad_y), *_strides4(grad_x), lay.heads,
+                lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
+                **(lay.gradient_flags(rows=False) | dict(ROW_GRAD=atomics)),
+            )
     return grad_b, (grad_x if need_x else None), (grad_y if need_y else None), e
 
 
@@ -452,25 +459,25 @@ class _TritonSolve(torch.autograd.Function):
         lay = _Layout(x, b, beta, doc_start, scale, strict, chunk_size)
         gamma = gamma.contiguous()  # the kernels read γ_h at gamma_ptr + h
         if lay.length == 0:  # nothing to solve: no launch
-            u, lse, u16 = b.new_empty(b.shape), x.new_empty(x.shape[:3]), None
+            u, lse, u16, ku = b.new_empty(b.shape), x.new_empty(x.shape[:3]), None, None
         else:
             with _launch_device(x):
-                u, lse, u16 = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
-        ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, u16, lse)
+                u, lse, u16, ku = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
+        ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, u16, ku, lse)
         ctx.layout = lay
         return u
 
     @staticmethod
     @once_differentiable  # a gradient of this gradient is not implemented: say so clearly
     def backward(ctx, grad_u):
-        x, y, b, beta, gamma, doc_start, u, u16, lse = ctx.saved_tensors
+        x, y, b, beta, gamma, doc_start, u, u16, ku, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if ctx.layout.length == 0:
             return (torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(u), None if beta is None else
                     torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None)
         with _launch_device(x):
             grad_b, grad_x, grad_y, e = _solve_backward(
-                grad_u.float(), x, y, b, beta, gamma, doc_start, u, u16, lse, ctx.layout, needs[0], needs[1]
+                grad_u.float(), x, y, b, beta, gamma, doc_start, u, u16, ku, lse, ctx.layout, needs[0], needs[1]
             )
         grad_beta = -e if beta is not None and needs[3] else None
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
@@ -524,7 +531,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
                  push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c,
-                 row_gradient_r=lay.row_gradient_r)
+                 gradient_group=lay.gradient_group, dx_rows=lay.dx_rows)
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -534,8 +541,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     median = reach[len(reach) // 2] if reach else 1
     push_grid, push_grid_transposed = (lay.push_grid(median, carry_on=True),
                                           lay.push_grid(median, transposed=True, carry_on=True))
-    row_gradient = lay.gradient_flags(rows=True)  # DeltaFormer's e (Cubit's is from its forward system)
-    column_gradient = lay.gradient_flags(rows=False) | {"ROW_GRAD": True}
+    row_gradient = lay.gradient_flags(rows=True)  # dx, where it compiles without spills (else atomics)
+    column_gradient = lay.gradient_flags(rows=False)
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v, "SHADOW": lay.shadowed}
     sub_warps = substitution.pop("num_warps")
@@ -555,8 +562,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
                 transposed | {"BLOCK_C": lay.future_push_c, "STREAM_T": lay.future_stream_t(True), "ACCUMULATE": True},
                 len(reach)),
-               ("solve_grad_rows", grad_rows_kernel, lay.row_gradient_grid, row_gradient, int(lay.has_beta)),
-               ("solve_grad_columns", grad_columns_kernel, lay.block_grid, column_gradient, 1)]
+               ("solve_grad_rows", grad_rows_kernel, lay.gradient_grid, row_gradient, int(lay.dx_rows)),
+               ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
     launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
                     "solve_future_span": lay.future_warps(False), "solve_span_push_transposed": lay.future_warps(True),
                     "solve_forward": sub_warps, "solve_transposed": sub_warps,

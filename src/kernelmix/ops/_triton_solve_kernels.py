@@ -221,7 +221,7 @@ if triton is not None:
 
     @triton.jit
     def _forward_block(
-        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
+        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, ku_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
         s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length, dk, dv,
         scale2, vcols, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
@@ -229,7 +229,9 @@ if triton is not None:
     ):
         """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
         (the pointers are those of this batch element and head): the span's earlier columns on top of
-        the past spans' partials, then the diagonal tile and the C×C solve."""
+        the past spans' partials, then the diagonal tile and the C×C solve. With β (DeltaFormer) it
+        also stores Y_I = (K U)_I at ``ku_ptr`` (U's strides), which the backward's e_i = db_i·Y_i needs:
+        formed here, not as (b − γU)/β, whose division by a small β_i would amplify rounding."""
         rows = i0 + tl.arange(0, BLOCK_T)
         kcols = tl.arange(0, BLOCK_K)
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
@@ -255,15 +257,20 @@ if triton is not None:
         tl.store(lse_ptr + rows, lse, mask=rows < length)
         beta_rows = _betas(beta_ptr, rows, s_betat, length, HAS_BETA)
         rhs = _load_rows(b_ptr, rows, vcols, s_bt, s_bd, length, dv)
-        rhs = rhs - beta_rows[:, None] * ((acc * rescale[:, None]) * inverse[:, None])
-        u_block = _triangular_solve(weights * inverse[:, None], beta_rows, gamma, rhs, BLOCK_T, False)
+        past_mix = (acc * rescale[:, None]) * inverse[:, None]
+        rhs = rhs - beta_rows[:, None] * past_mix
+        kernel = weights * inverse[:, None]
+        u_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, False)
         _store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
+        if HAS_BETA:
+            mix = past_mix + tl.dot(kernel, u_block, input_precision="ieee")
+            _store_rows(ku_ptr, rows, vcols, s_ut, s_ud, length, dv, mix)
         if SHADOW:  # the bf16 copy (U's strides) that the bf16 span kernels and pushes read
             _store_rows(u16_ptr, rows, vcols, s_ut, s_ud, length, dv, stored_as(u_block, u16_ptr))
 
     @triton.jit
     def solve_forward_kernel(
-        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
+        x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, ku_ptr, beta_ptr, gamma_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_bb, s_bh, s_bt, s_bd,
         s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad, s_betab, s_betah, s_betat, s_dsb, s_dst,
         heads, length, dk, dv, scale2, span_start, span_end,
@@ -273,7 +280,8 @@ if triton is not None:
     ):
         """Grid (B·H, value slices): one program solves the rows [span_start, span_end) of one slice
         of one head in order (all T rows when there is one span); with ``SHADOW`` it also stores U in
-        bf16 at ``u16_ptr`` (laid out as U) for the span kernels with bf16 operands. The span kernels'
+        bf16 at ``u16_ptr`` (laid out as U) for the span kernels with bf16 operands, and with β K U at
+        ``ku_ptr`` (laid out as U). The span kernels'
         partials are per slice of ``PARTIAL_V`` columns (a multiple of BLOCK_V): it reads those of the
         slice its columns lie in."""
         pid = tl.program_id(0)
@@ -286,6 +294,7 @@ if triton is not None:
         b_ptr += bi * s_bb + hi * s_bh
         u_ptr += bi * s_ub + hi * s_uh
         u16_ptr += bi * s_ub + hi * s_uh
+        ku_ptr += bi * s_ub + hi * s_uh
         acc_ptr += bi * s_ab + hi * s_ah
         beta_ptr += bi * s_betab + hi * s_betah
         ds_ptr += bi * s_dsb
@@ -297,8 +306,8 @@ if triton is not None:
         i0 = span_start
         while i0 < span_end:
             _forward_block(
-                x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr, gamma,
-                s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
+                x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, ku_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
+                gamma, s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
                 dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST, SHADOW,
             )
             # later row blocks load this block's U from global memory: make the stores visible
@@ -486,17 +495,18 @@ if triton is not None:
         _store_rows(fut_ptr, cols, vcols, s_ft, s_fd, stop, dv, total)
 
     @triton.jit
-    def _grad_rows_sums(
-        x_tile, db_rows, lse_rows, starts, y_ptr, u_ptr, rows, first, i0,
+    def _grad_rows_dx(
+        x_tile, db_rows, lse_rows, e_rows, starts, y_ptr, u_ptr, rows, first, i0,
         s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, STRICT: tl.constexpr,
         OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
     ):
-        """e_I = Σ_j K_ij S_ij over the columns the ``BLOCK_T`` rows I see, S = db uᵀ, the columns streamed
-        in tiles of ``STREAM_T`` (a divisor of BLOCK_T): the rows' own tiles stay in registers."""
+        """Σ_j K_ij (S_ij − e_i) y_j (= −dx_i / (scale β_i)) over the columns the ``BLOCK_T`` rows I see,
+        S = db uᵀ, the columns streamed in tiles of ``STREAM_T``: e is known, so the difference is formed
+        before the product (summing K S y and K y apart and subtracting e times the second would cancel)."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
-        e_rows = tl.zeros([BLOCK_T], dtype=tl.float32)
+        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         j0 = first
         while j0 < i0 + BLOCK_T:  # loads inline: each device call costs the interpreter
             cols = j0 + tl.arange(0, STREAM_T)
@@ -505,58 +515,62 @@ if triton is not None:
             u_tile = tl.load(u_ptr + cols[:, None].to(tl.int64) * s_ut + vcols[None, :] * s_ud,
                              mask=(cols[:, None] < length) & (vcols[None, :] < dv), other=0.0)
             kernel = _kernel_tile_from(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            e_rows += tl.sum(kernel * product(db_rows, tl.trans(u_tile), OPERANDS), 1)  # Σ_j K ⊙ (db uᵀ)
+            scores = kernel * (product(db_rows, tl.trans(u_tile), OPERANDS) - e_rows[:, None])
+            total += product(scores, y_tile, OPERANDS)
             j0 += STREAM_T
-        return e_rows
+        return total
 
     @triton.jit
     def grad_rows_kernel(
-        x_ptr, y_ptr, u_ptr, db_ptr, ds_ptr, lse_ptr, e_ptr,
+        x_ptr, y_ptr, u_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
-        s_dbb, s_dbh, s_dbt, s_dbd, s_dsb, s_dst, heads, length, dk, dv, scale2,
+        s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst, s_gxb, s_gxh, s_gxt, s_gxd,
+        heads, length, dk, dv, scale, scale2,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-        STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, STREAM_T: tl.constexpr,
+        STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
+        STREAM_T: tl.constexpr,
     ):
-        """Grid (B·H, blocks of ``BLOCK_R`` rows, a multiple of BLOCK_T): e_I = Σ_j K_ij db_i·u_j (= −dβ_I),
-        DeltaFormer's (Cubit knows e from its forward system). It holds no [rows, d] accumulator (dx
-        comes from :func:`grad_columns_kernel`, which needs e), so its rows are one or more of the
-        solve's row blocks, each streamed column tile serving them all."""
+        """Grid (B·H, blocks of ``BLOCK_R`` rows, a multiple of BLOCK_T): dx_I = −scale β_I Σ_j K_Ij
+        (db_I·u_j − e_I) y_j, given e, written once per row: no atomics, so the same bits on every run
+        (:func:`grad_columns_kernel` then forms dy alone). Its rows are one or more of the solve's row
+        blocks, each streamed column tile serving them all."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         i0 = tl.program_id(1) * BLOCK_R
         rows = i0 + tl.arange(0, BLOCK_R)
+        kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
-        lse_ptr += pid.to(tl.int64) * length
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, tl.arange(0, BLOCK_K), s_xt, s_xd, length, dk)
+        x_tile = _load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
         db_rows = _load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
-        lse_rows = _row_vector(lse_ptr, rows, 1, length, 0.0)
-        first = _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC)
-        e_rows = _grad_rows_sums(
-            x_tile, db_rows, lse_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
-            rows, first, i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, BLOCK_R, BLOCK_K, BLOCK_DV, STRICT,
-            OPERANDS, STREAM_T,
+        lse_rows = _row_vector(lse_ptr + pid.to(tl.int64) * length, rows, 1, length, 0.0)
+        e_rows = _row_vector(e_ptr + pid.to(tl.int64) * length, rows, 1, length, 0.0)
+        total = _grad_rows_dx(
+            x_tile, db_rows, lse_rows, e_rows, starts, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh,
+            rows, _first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), i0, s_yt, s_yd, s_ut, s_ud, length, dk, dv,
+            scale2, BLOCK_R, BLOCK_K, BLOCK_DV, STRICT, OPERANDS, STREAM_T,
         )
-        tl.store(e_ptr + pid.to(tl.int64) * length + rows, e_rows, mask=rows < length)
+        factor = -scale * _betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
+        _store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, factor[:, None] * total)
 
     @triton.jit
     def _grad_columns_sum(
-        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr, cols, j_block, end_block,
+        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr, cols, c0, row_stop,
         s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
         STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
-        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) over the row blocks that see block J,
-        their rows streamed in tiles of ``STREAM_T`` (a divisor of BLOCK_T). With ``ROW_GRAD`` also
-        block J's part of dx_i = −scale Σ_j β_i K_ij (db_i·u_j − e_i) y_j, added to ``gx_ptr`` (fp32,
+        """Σ_i β_i K_ij (db_i·u_j − e_i) x_i (= −dy_j / scale) for the ``BLOCK_C`` columns J from ``c0`` over
+        the rows [c0, ``row_stop``) (those that can see J), streamed in tiles of ``STREAM_T``. With
+        ``ROW_GRAD`` also J's part of dx_i = −scale Σ_j β_i K_ij (db_i·u_j − e_i) y_j, added to ``gx_ptr`` (fp32,
         zeroed) with atomics: the row gradient without a pass of its own over the columns."""
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
-        total = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        r0 = j_block * BLOCK_T
-        while r0 < end_block * BLOCK_T:  # loads inline: each device call costs the interpreter
+        total = tl.zeros([BLOCK_C, BLOCK_K], dtype=tl.float32)
+        r0 = c0
+        while r0 < row_stop:  # loads inline: each device call costs the interpreter
             rows = r0 + tl.arange(0, STREAM_T)
             inside = rows < length
             if HAS_DOC:
@@ -590,26 +604,28 @@ if triton is not None:
         s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
         s_gyb, s_gyh, s_gyt, s_gyd, s_gxb, s_gxh, s_gxt, s_gxd,
         heads, length, blocks, dk, dv, scale, scale2,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
         STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
-        """Grid (B·H, column blocks): dy_J = scale Σ_i dL_iJ x_i, dL_ij = −β_i K_ij (db_i·u_j − e_i);
-        with ``ROW_GRAD`` also dx, by atomics (:func:`_grad_columns_sum`)."""
+        """Grid (B·H, groups of ``BLOCK_C`` columns, whole column blocks): dy_J = scale Σ_i dL_iJ x_i,
+        dL_ij = −β_i K_ij (db_i·u_j − e_i); with ``ROW_GRAD`` also dx, by atomics (:func:`_grad_columns_sum`;
+        else :func:`grad_rows_kernel` forms it)."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
-        j_block = tl.program_id(1)
-        cols = j_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        c0 = tl.program_id(1) * BLOCK_C
+        cols = c0 + tl.arange(0, BLOCK_C)
         kcols = tl.arange(0, BLOCK_K)
         y_tile = _load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
         u_tile = _load_rows(u_ptr + bi * s_ub + hi * s_uh, cols, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv)
-        end_block = tl.load(end_ptr + bi * blocks + j_block)
+        # the rows that see a column are a range that ends later for later columns: the last block's end
+        end_block = tl.load(end_ptr + bi * blocks + tl.minimum((c0 + BLOCK_C) // BLOCK_T, blocks) - 1)
         total = _grad_columns_sum(
             y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, j_block, end_block,
+            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, c0, end_block * BLOCK_T,
             s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
-            BLOCK_T, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T, ROW_GRAD,
+            BLOCK_C, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T, ROW_GRAD,
         )
         _store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)

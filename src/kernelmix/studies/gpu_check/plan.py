@@ -66,9 +66,11 @@ GRID_BOUNDS = {
                          "and with bf16 operands, else one)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
-    "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (GRADIENT_ROW_BLOCKS row blocks with bf16 "
-                       "operands or at 64-wide heads, else one)",
-    "solve_grad_columns": "B·H·⌈T/BLOCK_T⌉: one program per column block",
+    "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks at "
+                       "64-wide heads, else one)",
+    "solve_grad_columns": "B·H·⌈T/BLOCK_C⌉: one program per BLOCK_C columns (dy, and dx by atomics where the row "
+                          "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks at 64-wide heads beside the row "
+                          "kernel, else one)",
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
     "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",

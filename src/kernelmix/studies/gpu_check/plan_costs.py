@@ -22,11 +22,12 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                substitution (in blocks of c rows,
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
-    grad rows             2·C²·(K + D_v)·L₀                    logits, db·uᵀ: e alone (DeltaFormer;
-                                                               Cubit's e is from K U = b − γ U)
-    grad columns          2·C²·(3·K + D_v)·L₀                  logits, db·uᵀ, products with x (dy) and
-                                                               y, whose C × K part of dx per pair is
-                                                               added by fp32 atomics (4 B each)
+    grad rows             2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with y: dx
+                                                               (where it compiles without spills)
+    grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with x: dy;
+                          + 2·C²·K·L₀ with dx                  where the row kernel does not run, the
+                                                               product with y too, whose C × K part of
+                                                               dx per pair is added by fp32 atomics
 
 The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
 its pushes of ``push_block_r`` rows (one row block at 128-column slices, else as many), and the
@@ -34,8 +35,10 @@ transposed direction's span kernel and pushes programs of ``SPAN_COLUMN_BLOCKS``
 (``future_block_c`` columns): P and Q count the pairs they execute, a launch's last program reaching
 past its rows (columns) where their blocks do not divide; each program streams its tiles once for
 all its rows (columns), so their bytes are those of P / 2 (Q / 2) tiles at two blocks a program.
-The row gradient kernel runs programs of ``row_gradient_r`` rows likewise (L₀ then counts the pairs
-they execute, :func:`row_group_tiles`).
+The gradient kernels run programs of ``gradient_group`` rows (columns) likewise (L₀ then counts the
+pairs they execute, :func:`row_group_tiles`, :func:`column_group_tiles`). e is O(T·d) in torch for
+both mixers (DeltaFormer's forward stores K U for it: a [T, D_v] fp32 store more in its sequential
+kernel, and a C × C × V product per block).
 
 With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
@@ -133,6 +136,14 @@ def row_group_tiles(blocks: int, row_group: int) -> tuple[int, int]:
     return streamed * row_group, streamed
 
 
+def column_group_tiles(blocks: int, column_group: int) -> tuple[int, int]:
+    """Programs of ``column_group`` column blocks over ``blocks`` column blocks, each streaming the row
+    blocks from its first column on (the rows that can see it): the pairs they execute and the row tiles
+    they stream."""
+    streamed = sum(blocks - first for first in range(0, blocks, column_group))
+    return streamed * column_group, streamed
+
+
 def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int, row_group: int = 1) -> dict:
     """The pushes inside the spans: (row block, earlier sub-span's column block) pairs executed, their
     programs holding ``row_group`` row blocks each, the column tiles those stream (``streamed``), and
@@ -163,7 +174,6 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         v = tiles["span_block_v"]
     # row (column) blocks per program of the forward's (transposed direction's) span kernels
     count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c, tiles["future_block_c"] // c)
-    all_lower = n * (n + 1) / 2
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
@@ -198,15 +208,22 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         if name == "solve_transposed":  # the later tiles load their row scalars too
             moved += slices * inner["strict"] * sub * row_scalars
         moved += shadowed * slices * blocks * sub * v * BF16  # the bf16 copy of U (db) stored
-    elif name == "solve_grad_rows":  # DeltaFormer's e alone: every program streams the columns its rows see
-        pairs, streamed = row_group_tiles(n, tiles["row_gradient_r"] // c)
-        flops = 2 * c * c * (k + dv) * pairs
-        moved = streamed * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32)
-    elif name == "solve_grad_columns":  # dy, and dx: one more product per pair, added by atomics
-        flops = 2 * c * c * (3 * k + dv) * all_lower
-        # per pair the streamed x and db, dx's atomics (fp32) and the row scalars and e; per block y and U
-        # in, dy out
-        moved = all_lower * c * ((k + dv) * ob + k * FP32 + row_scalars + FP32) + n * c * ((k + dv) * ob + k * FP32)
+        if name == "solve_forward" and has_beta:  # DeltaFormer's K U (for e): K_II U_I and its store
+            flops += slices * 2 * sub * sub * v * blocks
+            moved += slices * blocks * sub * v * FP32
+    elif name == "solve_grad_rows":  # dx: every program streams the columns its rows see (y and U)
+        pairs, streamed = row_group_tiles(n, tiles["gradient_group"] // c)
+        flops = 2 * c * c * (2 * k + dv) * pairs
+        # per streamed tile y and U; per row x, db, the row scalars and e in, dx out
+        moved = streamed * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32 + k * FP32)
+    elif name == "solve_grad_columns":  # dy; without the row kernel also dx, added by atomics
+        atomics = not tiles["dx_rows"]
+        pairs, streamed = column_group_tiles(n, tiles["gradient_group"] // c)
+        flops = 2 * c * c * (2 * k + dv + atomics * k) * pairs
+        # per streamed tile x and db, the row scalars and e (and dx's atomics, fp32); per column y and U in,
+        # dy out
+        moved = (streamed * c * ((k + dv) * ob + row_scalars + FP32 + atomics * k * FP32)
+                 + n * c * ((k + dv) * ob + k * FP32))
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     return Cost(batch_heads * flops, batch_heads * moved)
@@ -340,4 +357,4 @@ def sdpa_cost(batch: int, heads: int, length: int, head_dim: int) -> tuple[Cost,
 
 
 __all__ = ["Cost", "FP32", "H200", "PROGRAMS_PER_SM_TARGET", "feature_cost", "roofline_seconds",
-           "sdpa_cost", "push_tiles", "solve_cost", "span_tiles"]
+           "sdpa_cost", "push_tiles", "solve_cost", "span_tiles", "row_group_tiles", "column_group_tiles"]
