@@ -195,7 +195,8 @@ def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
                 launch.constexprs.get("ROW_GRAD"))
 
     for has_beta in (False, True):
-        tf32, bf16, narrow = launches(16, 128, has_beta), launches(16, 128, has_beta, "bf16"), launches(12, 64, has_beta)
+        tf32, bf16 = launches(16, 128, has_beta), launches(16, 128, has_beta, "bf16")
+        narrow = launches(12, 64, has_beta)
         assert "solve_grad_rows" not in tf32
         assert blocks(tf32["solve_grad_columns"]) == (64, 16, (16, 128), 8, True)
         assert blocks(bf16["solve_grad_rows"], "BLOCK_R") == (64, 32, (16, 128), 8, None)
@@ -419,7 +420,12 @@ AOT_SCRIPT = textwrap.dedent("""
     bf16 = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True,
                                 operands="bf16")
     assert all(x.constexprs.get("OPERANDS", "bf16") == "bf16" for x in bf16)
-    for launch in launches + [x for x in cubit if x.name == "solve_grad_columns"] + bf16:  # without β
+    # the column kernel adding dx by atomics: TF32 operands at a 128-wide head, where the row kernel spilled
+    wide = [x for x in solve.solve_launches(1, 2, 100, 128, 128, chunk_size=16, strict=False, has_beta=False,
+                                            has_doc=True) if x.name == "solve_grad_columns"]
+    assert [x.constexprs["ROW_GRAD"] for x in wide] == [True] and "solve_grad_rows" in {x.name for x in launches}
+    gradients = [x for x in cubit if x.name in ("solve_grad_rows", "solve_grad_columns")]  # without β
+    for launch in launches + gradients + wide + bf16:
         compiled = triton.compile(source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps})
         assert compiled.asm["cubin"], launch.name
@@ -430,8 +436,9 @@ AOT_SCRIPT = textwrap.dedent("""
 
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
-    type that changes in a loop): compile the nine launches (six kernels, two of them also as pushes,
-    and Cubit's column kernel, without β), and the eight again with bf16 operands (bf16 tiles into bf16
-    products, the copies stored), for sm_90 down to a cubin (Triton ships ptxas), in a process without
-    TRITON_INTERPRET, so that a GPU's first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=17)
+    type that changes in a loop): compile the eight launches (six kernels, two of them also as pushes),
+    Cubit's gradient kernels (without β), the column kernel adding dx by atomics (TF32 at a 128-wide
+    head) and the eight again with bf16 operands (bf16 tiles into bf16 products, the copies stored), for
+    sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a GPU's
+    first run does not fail on it."""
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=19)

@@ -31,14 +31,17 @@ spans' A_IJᵀ db_I for every column block of the span in parallel, then per sub
 ``solve_transposed_kernel`` walks its row blocks from the last and ``future_span_kernel`` adds its
 A_IJᵀ db_I to the sums of the span's earlier columns; K is recomputed from x, y and the saved
 log-normalisers, the back substitution is in registers);
-then e: Cubit's from its forward system (K U = b − γ U, O(T·d) in torch), DeltaFormer's in
-parallel over row blocks (``grad_rows_kernel``, e alone); then, in parallel over column blocks,
-dy and dx (``grad_columns_kernel``, which needs e; dx_i = −scale β_i Σ_j K_ij (S_ij − e_i) y_j,
-S = db uᵀ), each (column block, row tile) pair adding its part of dx with fp32 atomics: one pass
-over the T² pairs with accumulators (on a GPU the order of those additions, so dx's last bits, may
-differ from run to run). dγ is a torch reduction of db ⊙ U.
+then e = db ⊙ (K U) summed over the value columns, O(T·d) in torch: Cubit's K U = b − γ U, and
+DeltaFormer's as its forward stored it (formed there, as (b − γU)/β would amplify rounding where β
+is small); then dx and dy (S = db uᵀ, dx_i = −scale β_i Σ_j K_ij (S_ij − e_i) y_j), in parallel: the
+row kernel (``grad_rows_kernel``) gives dx over the columns its rows see and the column kernel
+(``grad_columns_kernel``) dy over the rows that see its columns, each writing its own rows once
+(the same bits on every run); where the row kernel spills (``_triton_solve``, GRADIENT_STREAM_ROWS),
+the column kernel also gives dx, each (column block, row tile) pair adding its part with fp32
+atomics (on a GPU the order of those additions, so dx's last bits, may then differ from run to run).
+dγ is a torch reduction of db ⊙ U.
 
-Memory O(T·d): no T×T matrix; the forward saves its inputs, U and the log-normalisers only.
+Memory O(T·d): no T×T matrix; the forward saves its inputs, U, the log-normalisers and (DeltaFormer) K U.
 Softmax, normalisers and systems are fp32, and so are the in-sub-span products (``input_precision=
 "ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans, the pushes'
 and the gradient kernels' take ``SPAN_OPERANDS`` (TF32 by default; the error measured against
@@ -307,8 +310,8 @@ if triton is not None:
         while i0 < span_end:
             _forward_block(
                 x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, ku_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
-                gamma, s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length,
-                dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST, SHADOW,
+                gamma, s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start,
+                length, dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST, SHADOW,
             )
             # later row blocks load this block's U from global memory: make the stores visible
             tl.debug_barrier()
