@@ -70,12 +70,12 @@ SUBSTITUTION_ROWS = 16
 # the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
 # (own: y, U and the dy accumulator; streams x, db), each writing its rows once: no atomics, the same
 # bits on every run. That is with tensor-core operands at heads up to 64 wide (128 rows or columns a
-# program: 220-252 registers) and with bf16 ones at 128 (64 rows: 244-248; 64 columns: 188; at 128
+# program: 179-252 registers) and with bf16 ones at 128 (64 rows: 216-248; 64 columns: 182-188; at 128
 # rows 500 B spilled, at 128 columns 176 B, also at 16 warps: 96-244 B). Elsewhere (TF32 at 128-wide
 # heads: the row kernel spilled 0.9-1.1 KB at 64 rows; fp32 operands, one span: 3.4 KB at 64-wide
-# heads) the column kernel also forms dx, adding each (column block, row tile) pair's part by fp32
-# atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads (248-255 registers; 32 spilled
-# 24-216 B).
+# heads; wider heads: not measured) the column kernel also forms dx, adding each (column block, row
+# tile) pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads
+# (248-255 registers; 32 spilled 24-216 B).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
 # Row (column) blocks a program of the row (column) gradient kernel holds where the two passes run, at
@@ -203,13 +203,14 @@ class _Layout:
         self.num_warps = _warps(self.block_t, max(self.block_k, self.block_dv))
         # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS): dx by the row kernel, or by the column
         # kernel's atomics
-        wide = max(self.block_k, self.block_dv) >= 128
-        self.dx_rows = self.operands != "fp32" and (self.shadowed or not wide)
+        width = max(self.block_k, self.block_dv)
+        wide = width >= 128
+        self.dx_rows = self.operands != "fp32" and width <= 128 and (self.shadowed or not wide)
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
         self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide and not self.dx_rows
                                    else GRADIENT_STREAM_ROWS)
-        self.gradient_warps = 8 if self.block_t * max(self.block_k, self.block_dv) >= 64 * 64 else 4
         self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows and not wide else 1)
+        self.gradient_warps = 8 if self.gradient_group * width >= 64 * 64 else 4
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -309,9 +310,9 @@ def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
     return t.new_empty(lay.batch, lay.length, lay.heads, t.shape[-1], dtype=torch.bfloat16).transpose(1, 2)
 
 
-def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout):
-    """U, the row log-normalisers, U's bf16 copy (bf16 operands; else None) and, with β, K U (for the
-    backward's e; else None), span by span: the
+def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool = False):
+    """U, the row log-normalisers, U's bf16 copy (bf16 operands; else None) and, with β and
+    ``keep_mix`` (a backward will need e), K U (else None), span by span: the
     past spans' products in parallel (:func:`past_span_kernel`), then the span's own rows, a sub-span
     at a time: its substitution (:func:`solve_forward_kernel`), then a push of its solved rows into
     the span's later rows."""
@@ -329,7 +330,8 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout):
     ds_arg = x if doc_start is None else doc_start
     xs, ys = _operand_copies(lay, x, y)
     u16 = _shadow_like(u, lay)
-    ku = u if beta is None else torch.empty_like(u)  # laid out as U (the kernel reads U's strides for it)
+    keep_mix = keep_mix and beta is not None
+    ku = torch.empty_like(u) if keep_mix else u  # laid out as U (the kernel reads U's strides for it)
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
         """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
@@ -354,11 +356,11 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout):
                 *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
                 *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end,
                 BLOCK_V=lay.block_v, PARTIAL_V=lay.span_block_v, HAS_PAST=seen, SHADOW=lay.shadowed,
-                **lay.substitution_flags(),
+                STORE_MIX=keep_mix, **lay.substitution_flags(),
             )
             if sub_stop < stop:  # push the solved rows into the span's later rows
                 mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
-    return u, lse, (u16 if lay.shadowed else None), (None if beta is None else ku)
+    return u, lse, (u16 if lay.shadowed else None), (ku if keep_mix else None)
 
 
 def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands):
@@ -423,8 +425,8 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
     grad_b, db16 = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay, (xs, ys))
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
-    mixed = b - gamma[None, :, None, None] * u if beta is None else ku
-    e = (grad_b * mixed).sum(-1).contiguous()
+    mixed = b - gamma[None, :, None, None] * u if beta is None else ku  # (ku None: no gradient needs e)
+    e = None if mixed is None else (grad_b * mixed).sum(-1).contiguous()
     grad_x = grad_y = None
     if need_x or need_y:
         atomics = need_x and not lay.dx_rows
@@ -455,14 +457,17 @@ def _launch_device(x: Tensor):
 
 class _TritonSolve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size):
+    def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size, grad_enabled):
         lay = _Layout(x, b, beta, doc_start, scale, strict, chunk_size)
         gamma = gamma.contiguous()  # the kernels read γ_h at gamma_ptr + h
         if lay.length == 0:  # nothing to solve: no launch
             u, lse, u16, ku = b.new_empty(b.shape), x.new_empty(x.shape[:3]), None, None
         else:
+            # DeltaFormer's e needs K U where a gradient of x, y or β will be asked for (needs_input_grad
+            # says what requires a gradient, also under no_grad: hence grad mode, from outside forward)
+            keep_mix = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 1, 3))
             with _launch_device(x):
-                u, lse, u16, ku = _solve_forward(x, y, b, beta, gamma, doc_start, lay)
+                u, lse, u16, ku = _solve_forward(x, y, b, beta, gamma, doc_start, lay, keep_mix)
         ctx.save_for_backward(x, y, b if beta is None else None, beta, gamma, doc_start, u, u16, ku, lse)
         ctx.layout = lay
         return u
@@ -474,14 +479,14 @@ class _TritonSolve(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if ctx.layout.length == 0:
             return (torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(u), None if beta is None else
-                    torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None)
+                    torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None, None)
         with _launch_device(x):
             grad_b, grad_x, grad_y, e = _solve_backward(
                 grad_u.float(), x, y, b, beta, gamma, doc_start, u, u16, ku, lse, ctx.layout, needs[0], needs[1]
             )
-        grad_beta = -e if beta is not None and needs[3] else None
+        grad_beta = -e if beta is not None and needs[3] else None  # (e is there: the forward kept K U)
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
-        return grad_x, grad_y, grad_b if needs[2] else None, grad_beta, grad_gamma, None, None, None, None
+        return grad_x, grad_y, grad_b if needs[2] else None, grad_beta, grad_gamma, None, None, None, None, None
 
 
 def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None, gamma: Tensor, scale: float,
@@ -496,7 +501,8 @@ def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None,
     tensor), differentiable w.r.t. x, y, b, beta and gamma (once: no double backward). CPU tensors
     need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)."""
     _check_inputs(x, y, b, beta, gamma, doc_start)
-    return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size))
+    return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size),
+                              torch.is_grad_enabled())
 
 
 _POINTER_TYPES = {"ds_ptr": "*i64", "end_ptr": "*i32", "u16_ptr": "*bf16", "db16_ptr": "*bf16"}
@@ -546,7 +552,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
     substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v, "SHADOW": lay.shadowed}
     sub_warps = substitution.pop("num_warps")
-    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several}
+    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta}
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
     kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
                 span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False}, lay.spans - 1),

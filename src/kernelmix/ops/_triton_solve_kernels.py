@@ -228,13 +228,14 @@ if triton is not None:
         s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start, length, dk, dv,
         scale2, vcols, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
-        SHADOW: tl.constexpr,
+        SHADOW: tl.constexpr, STORE_MIX: tl.constexpr,
     ):
         """Row block [i0, i0 + BLOCK_T) of the forward substitution, for one slice of value columns
         (the pointers are those of this batch element and head): the span's earlier columns on top of
-        the past spans' partials, then the diagonal tile and the C×C solve. With β (DeltaFormer) it
-        also stores Y_I = (K U)_I at ``ku_ptr`` (U's strides), which the backward's e_i = db_i·Y_i needs:
-        formed here, not as (b − γU)/β, whose division by a small β_i would amplify rounding."""
+        the past spans' partials, then the diagonal tile and the C×C solve. With ``STORE_MIX`` (DeltaFormer,
+        when a backward will need it) it also stores Y_I = (K U)_I at ``ku_ptr`` (U's strides), for the
+        backward's e_i = db_i·Y_i: formed here, not as (b − γU)/β, whose division by a small β_i would
+        amplify rounding."""
         rows = i0 + tl.arange(0, BLOCK_T)
         kcols = tl.arange(0, BLOCK_K)
         starts = _doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
@@ -265,7 +266,7 @@ if triton is not None:
         kernel = weights * inverse[:, None]
         u_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, False)
         _store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
-        if HAS_BETA:
+        if STORE_MIX:
             mix = past_mix + tl.dot(kernel, u_block, input_precision="ieee")
             _store_rows(ku_ptr, rows, vcols, s_ut, s_ud, length, dv, mix)
         if SHADOW:  # the bf16 copy (U's strides) that the bf16 span kernels and pushes read
@@ -279,12 +280,12 @@ if triton is not None:
         heads, length, dk, dv, scale2, span_start, span_end,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PAST: tl.constexpr,
-        SHADOW: tl.constexpr, PARTIAL_V: tl.constexpr,
+        SHADOW: tl.constexpr, PARTIAL_V: tl.constexpr, STORE_MIX: tl.constexpr,
     ):
         """Grid (B·H, value slices): one program solves the rows [span_start, span_end) of one slice
         of one head in order (all T rows when there is one span); with ``SHADOW`` it also stores U in
-        bf16 at ``u16_ptr`` (laid out as U) for the span kernels with bf16 operands, and with β K U at
-        ``ku_ptr`` (laid out as U). The span kernels'
+        bf16 at ``u16_ptr`` (laid out as U) for the span kernels with bf16 operands, and with
+        ``STORE_MIX`` K U at ``ku_ptr`` (laid out as U). The span kernels'
         partials are per slice of ``PARTIAL_V`` columns (a multiple of BLOCK_V): it reads those of the
         slice its columns lie in."""
         pid = tl.program_id(0)
@@ -312,6 +313,7 @@ if triton is not None:
                 x_ptr, y_ptr, b_ptr, u_ptr, u16_ptr, ku_ptr, beta_ptr, ds_ptr, lse_ptr, max_ptr, sum_ptr, acc_ptr,
                 gamma, s_xt, s_xd, s_yt, s_yd, s_bt, s_bd, s_ut, s_ud, s_at, s_ad, s_betat, s_dst, i0, span_start,
                 length, dk, dv, scale2, vcols, BLOCK_T, BLOCK_K, BLOCK_V, STRICT, HAS_BETA, HAS_DOC, HAS_PAST, SHADOW,
+                STORE_MIX,
             )
             # later row blocks load this block's U from global memory: make the stores visible
             tl.debug_barrier()

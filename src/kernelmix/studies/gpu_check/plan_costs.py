@@ -22,6 +22,7 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                substitution (in blocks of c rows,
                                                                ``SUBSTITUTION_ROWS``; L, S, n counted
                                                                in those blocks)
+                          + s · 2·c²·V·n (DeltaFormer's)       the forward's K U (for e), stored
     grad rows             2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with y: dx
                                                                (where it compiles without spills)
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with x: dy;
