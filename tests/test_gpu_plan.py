@@ -57,11 +57,12 @@ def record(monkeypatch, module, names: dict) -> list:
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 @pytest.mark.parametrize("strict", [False, True])
 def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
-    grids = record(monkeypatch, solve, {"solve_forward_kernel": "solve_forward",
+    grids = record(monkeypatch, solve, {"subspan_logits_kernel": "solve_subspan_logits",
+                                        "solve_forward_kernel": "solve_forward",
                                         "solve_transposed_kernel": "solve_transposed",
                                         "grad_rows_kernel": "solve_grad_rows",
                                         "grad_columns_kernel": "solve_grad_columns"})
-    batch, heads, length, dk, dv, chunk = 2, 3, 37, 8, 80, 16  # dv > 64: two value slices
+    batch, heads, length, dk, dv, chunk = 2, 3, 37, 8, 80, 16  # dv = 80: three value slices of 32
     x, y = (torch.randn(batch, heads, length, dk, requires_grad=True) for _ in range(2))
     b = torch.randn(batch, heads, length, dv, requires_grad=True)
     beta = torch.rand(batch, heads, length) if strict else None
@@ -71,8 +72,13 @@ def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
     u.sum().backward()
     planned = solve_launches(batch, heads, length, dk, dv, chunk_size=chunk, strict=strict, has_beta=strict,
                              has_doc=True)
-    assert grids == [(p.name, p.grid) for p in planned]
-    assert planned[0].grid == (batch * heads, 2)
+    # in the order launched: the forward's logits, its substitution, the backward's logits, ...
+    assert grids == [(p.name, p.grid) for p in [planned[0], planned[1], planned[0], *planned[2:]]]
+    # one span: fp32 products, the column kernel gives dx too (no row kernel)
+    assert [p.name for p in planned] == ["solve_subspan_logits", "solve_forward", "solve_transposed",
+                                         "solve_grad_columns"]
+    assert [p.calls for p in planned] == [2, 1, 1, 1]
+    assert planned[1].grid == (batch * heads, 3) and planned[0].grid == (batch * heads, 3)  # 3 row blocks
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
@@ -86,6 +92,7 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
     # all but name: the rows after its sub-span against everything before them): recorded as the pair
     grids = record(monkeypatch, solve,
                    {"past_span_kernel": "solve_past_span+solve_span_push", "solve_forward_kernel": "solve_forward",
+                    "subspan_logits_kernel": "solve_subspan_logits",
                     "future_span_kernel": "solve_future_span+solve_span_push_transposed",
                     "solve_transposed_kernel": "solve_transposed",
                     "grad_rows_kernel": "solve_grad_rows", "grad_columns_kernel": "solve_grad_columns"})
@@ -96,10 +103,10 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
     u.sum().backward()
     planned = solve_launches(batch, heads, length, d, d, chunk_size=chunk, strict=False, has_beta=False, has_doc=False)
     # (TF32 operands across spans at a narrow head: the row kernel gives dx, the column kernel dy)
-    assert [p.name for p in planned] == ["solve_past_span", "solve_forward", "solve_span_push", "solve_future_span",
-                                         "solve_transposed", "solve_span_push_transposed", "solve_grad_rows",
-                                         "solve_grad_columns"]
-    assert [p.calls for p in planned] == [3, 7, 3, 3, 7, 3, 1, 1]
+    assert [p.name for p in planned] == ["solve_subspan_logits", "solve_past_span", "solve_forward", "solve_span_push",
+                                         "solve_future_span", "solve_transposed", "solve_span_push_transposed",
+                                         "solve_grad_rows", "solve_grad_columns"]
+    assert [p.calls for p in planned] == [2, 3, 7, 3, 3, 7, 3, 1, 1]
     assert sum(name == "solve_grad_rows" for name, _ in grids) == 1
     by_name = {p.name: p for p in planned}
     for name in {name for name, _ in grids}:
@@ -184,6 +191,30 @@ def test_the_cost_model_grows_with_the_work():
     heads, length, d = shape["heads"], shape["length"], shape["head_dim"]
     useful = heads * (forward_flops("cubit", length, d, 0, 64) - forward_flops("softmax", length, d, 0, 64))
     assert useful <= forward <= 4 * useful  # the value slices recompute the logits: 2 here
+
+
+def test_the_sequential_kernels_read_logits_formed_in_parallel():
+    """The in-sub-span logits are formed by one launch per direction over every row block (≥ 2 programs
+    per SM), 2·C²·K per (row block, column block) pair on and below the diagonal inside the sub-spans:
+    at T = 8,192 in sub-spans of two 64-row blocks, 3 pairs each. The sequential kernels then execute no
+    logit products (their FLOPs do not depend on the key width) and split the value columns in slices of
+    SUBSTITUTION_VALUES = 32: 4 programs per head at d = 128."""
+    shape = PLAN_SHAPES[TARGET_SHAPE]
+    heads, length, d = shape["heads"], shape["length"], shape["head_dim"]
+    launches = {launch.name: launch for launch in solve_launches(
+        1, heads, length, d, d, chunk_size=64, strict=False, has_beta=False, has_doc=True)}
+    logits = launches["solve_subspan_logits"]
+    assert logits.grid == (heads, length // 64) and logits.calls == 2
+    assert logits.programs >= LIMITS["min_programs"]
+    pairs = (length // 128) * 3
+    cost = solve_cost("solve_subspan_logits", logits.tiles, heads, False, True)
+    assert cost.flops == 2 * heads * pairs * 2 * 64 * 64 * d
+    for name in ("solve_forward", "solve_transposed"):
+        launch = launches[name]
+        assert launch.grid == (heads, d // 32) and launch.constexprs["BLOCK_V"] == 32
+        narrow_keys = dict(launch.tiles, block_k=16)
+        assert solve_cost(name, launch.tiles, heads, False, True).flops == solve_cost(
+            name, narrow_keys, heads, False, True).flops
 
 
 def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():

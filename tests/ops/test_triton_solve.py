@@ -181,6 +181,37 @@ def test_subspans_match_dense_reference(monkeypatch, span, subspan, length, chun
                             batch=batch, dims=dims)
 
 
+@pytest.mark.parametrize("strict, chunk_size", [(False, 16), (True, 32)])
+def test_subspan_logits_match_float64(monkeypatch, strict, chunk_size):
+    """The logits the sequential kernels read, formed beforehand for every sub-span in one launch: each
+    row against its sub-span's columns up to its own row block, scale·log2(e)·x_i·y_j in fp32 within
+    float64's, −inf exactly where the column is hidden (the future, the diagonal when strict, another
+    document, past the end). Spans of 96 rows in sub-spans of 64 (a span's second sub-span is 32 rows,
+    so sub-spans do not start at multiples of their width), T = 131, documents mid-block."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 96)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 64)
+    generator = torch.Generator().manual_seed(11)
+    batch, heads, length, width, scale = 2, 3, 131, 24, 0.3
+    x, y = (torch.randn(batch, heads, length, width, generator=generator) for _ in range(2))
+    doc = doc_starts(length, [[0, 40, 101], [0]])
+    lay = _triton_solve._Layout(x, x, None, doc, scale, strict, chunk_size)
+    logits = _triton_solve._subspan_logits(x, y, doc, lay)
+    assert logits.shape == (batch, heads, length, 64) and lay.subspan_rows == 64
+    exact = (x.double() @ y.double().transpose(-1, -2)) * scale / torch.log(torch.tensor(2.0, dtype=F64))
+    block = lay.block_t
+    for i in range(length):
+        span_start = i // 96 * 96
+        sub_start = span_start + (i - span_start) // 64 * 64
+        stop = (i // block + 1) * block  # the row's block's end: the columns written
+        for n in range(batch):
+            written = logits[n, :, i, : stop - sub_start]
+            cols = torch.arange(sub_start, stop)
+            visible = (cols >= doc[n, i]) & ((cols < i) if strict else (cols <= i)) & (cols < length)
+            assert torch.all(written[:, ~visible] == float("-inf")), (i, n)
+            expected = exact[n, :, i, cols[visible]]
+            assert torch.allclose(written[:, visible].double(), expected, rtol=1e-5, atol=1e-5), (i, n)
+
+
 def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
     """The blocks ptxas compiled without spills (sm_90, results/gpu-plan), the same for Cubit and
     DeltaFormer (both take e from their forward): with TF32 operands at a 128-wide head the column kernel
@@ -270,9 +301,10 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     """With bf16 operands the span kernels, the pushes and the gradient kernels read bf16 x, y, U and
     db (half the bytes), and the copies of U and db the sequential kernels store as they solve are
     exactly the solved values rounded (to nearest, ties away, as the kernels round operands), every
-    row and value slice of them; the sequential kernels themselves read fp32. dv = 80: the forward's
-    span kernels take one slice of 128 columns, its sequential kernel two of 64, which read the one
-    slice's partials; U within the bf16 bound of the float64 solve."""
+    row and value slice of them; the sequential kernels themselves read fp32 (their logits and
+    right-hand sides). dv = 80: the forward's span kernels take one slice of 128 columns, its
+    sequential kernel three of 32, which read the one slice's partials; U within the bf16 bound of
+    the float64 solve."""
     monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
     monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
     monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "bf16")
@@ -291,7 +323,7 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     assert 1e-6 < rel_rmse(u, expected) <= 2e-2
     slices = {name: {grid[-1] for n, _, grid in seen if n == name}
               for name in ("past_span_kernel", "solve_forward_kernel")}
-    assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {2}}  # value slices: 1 of 128, 2 of 64
+    assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {3}}  # value slices: 1 of 128, 3 of 32
     u.backward(torch.randn(u.shape, generator=torch.Generator().manual_seed(6)))
     names = {name for name, _, _ in seen}
     assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel", "grad_rows_kernel"}
@@ -504,9 +536,9 @@ AOT_SCRIPT = textwrap.dedent("""
 
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
-    type that changes in a loop): compile the eight launches (six kernels, two of them also as pushes),
+    type that changes in a loop): compile the nine launches (seven kernels, two of them also as pushes),
     Cubit's gradient kernels (without β), the column kernel adding dx by atomics (TF32 at a 128-wide
-    head) and the eight again with bf16 operands (bf16 tiles into bf16 products, the copies stored), for
+    head) and the nine again with bf16 operands (bf16 tiles into bf16 products, the copies stored), for
     sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=19)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=21)

@@ -19,14 +19,8 @@ from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
 
 try:
     import triton
-    from ._triton_solve_kernels import (
-        future_span_kernel,
-        grad_columns_kernel,
-        grad_rows_kernel,
-        past_span_kernel,
-        solve_forward_kernel,
-        solve_transposed_kernel,
-    )
+    from ._triton_solve_kernels import future_span_kernel, grad_columns_kernel, grad_rows_kernel, past_span_kernel
+    from ._triton_solve_sequential import solve_forward_kernel, solve_transposed_kernel, subspan_logits_kernel
 except ImportError:  # the module imports without Triton; triton_kernel_solve then says what to install
     triton = None
 
@@ -65,6 +59,16 @@ FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
 # ptxas (sm_90) spilled 15-22 KB per thread; at 16, 0-1.5 KB.
 SUBSTITUTION_ROWS = 16
+# The sequential kernels read their rows' logits against the sub-span (one parallel launch forms them
+# all first) and split the value columns into slices of SUBSTITUTION_VALUES: each slice repeats only
+# the softmax and the substitution, not the logits, so narrow slices give the sequential launches more
+# programs for little more work (the plan's cost model, T = 8,192: 32 the fastest of 16, 32 and 64 at
+# d = 128, within 1% of 16 at d = 64). The logits launch: a program per row block, column tiles of
+# SUBSTITUTION_LOGIT_COLUMNS, fp32 products over SUBSTITUTION_LOGIT_CHUNK of the head at a time (ptxas,
+# sm_90, d = 128, 64 rows, 8 warps: 184 registers, no spill; the whole head at once spilled 3.4 KB).
+SUBSTITUTION_VALUES = 32
+SUBSTITUTION_LOGIT_COLUMNS = 32
+SUBSTITUTION_LOGIT_CHUNK = 16
 # The gradients, given e (Cubit: e_i = db_i·(b − γU)_i; DeltaFormer: db_i·(K U)_i, K U stored by its
 # forward), are two passes over the pairs where both compile without spills (ptxas, sm_90, 8 warps):
 # the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
@@ -164,7 +168,10 @@ class _Layout:
         self.subspan_blocks = max(1, min(self.span_blocks, SUBSPAN_ROWS // self.block_t))
         # partials (forward) and sums (backward) from outside a sub-span: needed unless one sub-span is all
         self.has_partials = self.blocks > self.subspan_blocks
-        self.slices = triton.cdiv(self.dv, self.block_v)
+        # the sequential kernels' sub-span logits ([B, H, T, subspan_rows], fp32) and value slices
+        self.subspan_rows = self.subspan_blocks * self.block_t
+        self.sequential_v = min(SUBSTITUTION_VALUES, padded_dim(self.dv))
+        self.slices = triton.cdiv(self.dv, self.sequential_v)
         # the transposed direction's span kernels (and pushes) take slices of up to 128 value columns: one
         # slice forms each kernel tile once (ptxas, sm_90, d = 128: 228-247 registers, no spill, where
         # the forward's online softmax spilled 216 B at 128); its sequential kernel keeps BLOCK_V
@@ -217,10 +224,22 @@ class _Layout:
                     HAS_DOC=self.has_doc, num_warps=self.num_warps)
 
     def substitution_flags(self) -> dict:
-        """The in-span kernels' flags: rows in blocks of ``sub_t``; 8 warps for 128-wide heads (ptxas,
-        sm_90, d = 128: 1.5 KB spilled per thread at 4 warps, none at 8), else 4."""
-        wide = max(self.block_k, self.block_dv) >= 128
-        return self.flags() | dict(BLOCK_T=self.sub_t, num_warps=8 if wide or self.sub_t >= 64 else 4)
+        """The sequential kernels' flags: rows in blocks of ``sub_t``, value slices of ``sequential_v``; 4
+        warps (their tiles are at most 16 × 32)."""
+        return dict(BLOCK_T=self.sub_t, BLOCK_V=self.sequential_v, WIDTH=self.subspan_rows, HAS_BETA=self.has_beta,
+                    SHADOW=self.shadowed, num_warps=4)
+
+    def logits_flags(self) -> dict:
+        """:func:`subspan_logits_kernel`'s: a program per row block, column tiles of up to
+        SUBSTITUTION_LOGIT_COLUMNS, the head in parts of SUBSTITUTION_LOGIT_CHUNK; 8 warps at 64 rows."""
+        return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, CHUNK_K=min(self.block_k, SUBSTITUTION_LOGIT_CHUNK),
+                    WIDTH=self.subspan_rows, SPAN=self.span_blocks * self.block_t,
+                    STREAM_T=min(self.block_t, SUBSTITUTION_LOGIT_COLUMNS), STRICT=self.strict, HAS_DOC=self.has_doc,
+                    num_warps=8 if self.block_t >= 64 else 4)
+
+    @property
+    def logits_grid(self) -> tuple[int, int]:
+        return (self.batch * self.heads, self.blocks)
 
     @property
     def sequential_grid(self) -> tuple[int, int]:
@@ -310,6 +329,18 @@ def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
     return t.new_empty(lay.batch, lay.length, lay.heads, t.shape[-1], dtype=torch.bfloat16).transpose(1, 2)
 
 
+def _subspan_logits(x, y, doc_start, lay: _Layout) -> Tensor:
+    """Every row's base-2 logits against its sub-span's columns ([B, H, T, subspan_rows] fp32, −inf
+    where hidden; the columns after a row's block unwritten), for the sequential kernels: one launch,
+    parallel over all rows."""
+    logits = x.new_empty(lay.batch, lay.heads, lay.length, lay.subspan_rows)
+    subspan_logits_kernel[lay.logits_grid](
+        x, y, x if doc_start is None else doc_start, logits, *_strides4(x), *_strides4(y), *lay.ds_strides,
+        lay.heads, lay.length, lay.dk, lay.scale2, **lay.logits_flags(),
+    )
+    return logits
+
+
 def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool = False):
     """U, the row log-normalisers, U's bf16 copy (bf16 operands; else None) and, with β and
     ``keep_mix`` (a backward will need e), K U (else None), span by span: the
@@ -332,6 +363,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
     u16 = _shadow_like(u, lay)
     keep_mix = keep_mix and beta is not None
     ku = torch.empty_like(u) if keep_mix else u  # laid out as U (the kernel reads U's strides for it)
+    logits = _subspan_logits(x, y, doc_start, lay)
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
         """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
@@ -352,11 +384,10 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
             start, end = sub_first * lay.block_t, min(sub_stop * lay.block_t, lay.length)
             seen = span > 0 or index > 0  # partials stored for these rows
             solve_forward_kernel[lay.sequential_grid](
-                x, y, b, u, u16, ku, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
-                *_strides4(x), *_strides4(y), *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides,
-                *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, start, end,
-                BLOCK_V=lay.block_v, PARTIAL_V=lay.span_block_v, HAS_PAST=seen, SHADOW=lay.shadowed,
-                STORE_MIX=keep_mix, **lay.substitution_flags(),
+                logits, b, u, u16, ku, beta_arg, gamma, ds_arg, lse, row_max, row_sum, acc,
+                *_strides4(b), *_strides4(u), *_strides4(acc), *lay.beta_strides, *lay.ds_strides, lay.heads,
+                lay.length, lay.dv, start, end, PARTIAL_V=lay.span_block_v, HAS_PAST=seen, STORE_MIX=keep_mix,
+                HAS_DOC=lay.has_doc, **lay.substitution_flags(),
             )
             if sub_stop < stop:  # push the solved rows into the span's later rows
                 mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
@@ -376,6 +407,7 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     common = (*lay.beta_strides, *lay.ds_strides)
+    logits = _subspan_logits(x, y, doc_start, lay)
 
     def gather(column_first, columns, row_first, row_stop, accumulate):
         future_span_kernel[lay.push_grid(columns, transposed=True, carry_on=accumulate)](
@@ -398,10 +430,9 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
             sub_first, sub_stop = subspans[index]
             seen = later or index < len(subspans) - 1  # sums stored for these columns
             solve_transposed_kernel[lay.sequential_grid](
-                x, y, grad_u, grad_b, db16, beta_arg, gamma, ds_arg, lse, sub_ends, future,
-                *_strides4(x), *_strides4(y), *_strides4(grad_u), *_strides4(grad_b), *_strides4(future), *common,
-                lay.heads, lay.length, lay.sub_blocks, lay.dk, lay.dv, lay.scale2, sub_first * ratio,
-                min(sub_stop * ratio, lay.sub_blocks), BLOCK_V=lay.block_v, HAS_FUTURE=seen, SHADOW=lay.shadowed,
+                logits, grad_u, grad_b, db16, beta_arg, gamma, lse, sub_ends, future, *_strides4(grad_u),
+                *_strides4(grad_b), *_strides4(future), *lay.beta_strides, lay.heads, lay.length, lay.sub_blocks,
+                lay.dv, sub_first * ratio, min(sub_stop * ratio, lay.sub_blocks), HAS_FUTURE=seen,
                 **lay.substitution_flags(),
             )
             if sub_first > first:  # push the solved db into the span's earlier columns
@@ -515,9 +546,9 @@ _SHADOW_POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "u_ptr", "db_pt
 
 def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chunk_size: int, strict: bool,
                    has_beta: bool, has_doc: bool, operands: str | None = None) -> list[KernelLaunch]:
-    """The kernels one differentiated solve launches at these sizes — the forward (past spans in
-    parallel, then each span's substitution), the backward's transposed solve (later spans, then each
-    span's back substitution), row and column gradients — with the grids, blocks and warps the launches
+    """The kernels one differentiated solve launches at these sizes — the sub-spans' logits (once per
+    direction), the forward (past spans in parallel, then each span's substitution), the backward's
+    transposed solve (later spans, then each span's back substitution), row and column gradients — with the grids, blocks and warps the launches
     above use (the same ``_Layout``, built on meta tensors: no memory, no GPU). A span kernel's grid is
     that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed.
     ``operands``: the span products' (default ``SPAN_OPERANDS``); with "bf16" the kernels that read the
@@ -537,7 +568,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
                  push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c,
-                 gradient_group=lay.gradient_group, dx_rows=lay.dx_rows)
+                 gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
+                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=lay.logits_flags()["STREAM_T"])
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -550,11 +582,15 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     row_gradient = lay.gradient_flags(rows=True)  # dx, where it compiles without spills (else atomics)
     column_gradient = lay.gradient_flags(rows=False)
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
-    substitution = lay.substitution_flags() | {"BLOCK_V": lay.block_v, "SHADOW": lay.shadowed}
+    substitution = lay.substitution_flags()
     sub_warps = substitution.pop("num_warps")
-    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta}
+    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta,
+                                           "HAS_DOC": lay.has_doc}
+    logits = lay.logits_flags()
+    logits_warps = logits.pop("num_warps")
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
-    kernels = [("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
+    kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
+               ("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
                 span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False}, lay.spans - 1),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
@@ -572,7 +608,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
     launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
                     "solve_future_span": lay.future_warps(False), "solve_span_push_transposed": lay.future_warps(True),
-                    "solve_forward": sub_warps, "solve_transposed": sub_warps,
+                    "solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_subspan_logits": logits_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
     def pointers(name: str) -> dict:
         return _POINTER_TYPES | (_SHADOW_POINTERS if lay.shadowed and name in _SHADOW_READERS else {})

@@ -52,6 +52,8 @@ LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=2
 GRID_BOUNDS = {
     "solve_past_span": "B·H·⌈(rows of a span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉: every row of the span against the earlier "
                        "spans, BLOCK_R rows (SPAN_ROW_BLOCKS row blocks) a program",
+    "solve_subspan_logits": "B·H·⌈T/BLOCK_T⌉: one program per row block forms its rows' logits against their "
+                            "sub-span (once per direction)",
     "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
                      "(the forward substitution)",
     "solve_span_push": "B·H·⌈(rows after the sub-span in its span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉ (the median push's): "
@@ -133,7 +135,7 @@ def launch_cost(mixer: str, launch, shape: dict) -> Cost:
         once = feature_cost(launch.name, launch.tiles, batch_heads, launch.grid[2] if len(launch.grid) > 2 else 1)
         return Cost(launch.calls * once.flops, launch.calls * once.bytes, launch.calls * once.split_flops)
     return solve_cost(launch.name, launch.tiles, batch_heads, has_beta=bool(launch.constexprs.get("HAS_BETA", False)),
-                      has_doc=bool(launch.constexprs["HAS_DOC"]))
+                      has_doc=launch.tiles["has_doc"])
 
 
 def kernel_sources(kernel) -> list[Path]:

@@ -18,10 +18,15 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
     past / future spans   s · P · 2·C²·(K + V)                 logits and mix of every pair (each
                                                                slice recomputes the logits)
     pushes (both ways)    s · Q · 2·C²·(K + V)                 the same, inside the spans
-    forward, transposed   s · (2·c²·K·L + 2·c²·V·S + c²·V·n)   the sub-spans' own tiles, the in-block
-                                                               substitution (in blocks of c rows,
-                                                               ``SUBSTITUTION_ROWS``; L, S, n counted
-                                                               in those blocks)
+    sub-span logits       2·C²·K·L_C (twice: forward, backward)  every row's logits against its
+                                                               sub-span's columns up to its block (L_C:
+                                                               the pairs of row blocks on and below the
+                                                               diagonal inside the sub-spans), stored
+    forward, transposed   s · (2·c²·V·S + c²·V·n)              the sub-spans' own tiles, their logits
+                                                               read, and the in-block substitution (in
+                                                               blocks of c rows, ``SUBSTITUTION_ROWS``;
+                                                               L, S, n counted in those blocks; s slices
+                                                               of V = ``SUBSTITUTION_VALUES`` columns)
                           + s · 2·c²·V·n (DeltaFormer's)       the forward's K U (for e), stored
     grad rows             2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with y: dx
                                                                (where it compiles without spills)
@@ -195,19 +200,29 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         streamed = (k + v) * ob + transposed * row_scalars
         carried = k * ob + ((2 * v + 4) * FP32 if name == "solve_span_push" else 2 * v * FP32)
         moved = slices * c * (push["streamed"] * streamed + push["reached"] * carried)
+    elif name == "solve_subspan_logits":  # every row against its sub-span's columns up to its block
+        within = span_tiles(n, tiles["subspan_blocks"])["lower"]  # (row block, column block) pairs in sub-spans
+        flops = 2 * c * c * k * within
+        # per row its document start; per pair the column block's y in, the C × C logits out, and the row
+        # block's x again for each of its column tiles (the product runs over parts of the head, reloaded)
+        moved = n * c * has_doc * INT64 + within * c * (k + k * c // tiles["logit_stream"] + c) * FP32
+        flops, moved = 2 * flops, 2 * moved  # launched twice: the forward's, the backward's (not kept between)
     elif name in ("solve_forward", "solve_transposed"):
-        # the sub-spans' own rows, in substitution blocks of sub_t rows
-        sub = tiles["sub_t"]
+        # the sub-spans' own rows, in substitution blocks of sub_t rows, value slices of sequential_v; the
+        # logits read (solve_subspan_logits formed them)
+        sub, v = tiles["sub_t"], tiles["sequential_v"]
+        slices = -(-tiles["dv"] // v)
         blocks = n * c // sub
         inner = span_tiles(blocks, tiles["subspan_blocks"] * c // sub)
-        flops = slices * (2 * sub * sub * k * inner["lower"] + 2 * sub * sub * v * inner["strict"]
-                          + sub * sub * v * blocks)
-        # per earlier tile of the span: its key rows and its solved (or db) rows; per block: x, y, b in,
-        # U out, scalars, and the span kernels' partials
-        moved = slices * (inner["strict"] * sub * (k + v) * FP32 + blocks * sub * ((2 * k + 2 * v) * FP32 + row_scalars)
-                          + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2) * FP32)  # partials from outside
+        flops = slices * (2 * sub * sub * v * inner["strict"] + sub * sub * v * blocks)
+        scalars = (1 + has_beta) * FP32  # per row: the log-normaliser (stored, or read back), β
+        # per tile on and below the diagonal its logits; per earlier tile its solved (or db) rows; per block:
+        # b (dU) in, U (db) out, the row scalars, and the partials (sums) from outside the sub-span
+        moved = slices * (inner["lower"] * sub * sub * FP32 + inner["strict"] * sub * v * FP32
+                          + blocks * sub * (2 * v * FP32 + scalars)
+                          + (n - min(n, tiles["subspan_blocks"])) * c * (v + 2 * (name == "solve_forward")) * FP32)
         if name == "solve_transposed":  # the later tiles load their row scalars too
-            moved += slices * inner["strict"] * sub * row_scalars
+            moved += slices * inner["strict"] * sub * scalars
         moved += shadowed * slices * blocks * sub * v * BF16  # the bf16 copy of U (db) stored
         if name == "solve_forward" and has_beta:  # DeltaFormer's K U (for e): K_II U_I and its store
             flops += slices * 2 * sub * sub * v * blocks
