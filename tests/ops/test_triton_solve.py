@@ -215,9 +215,9 @@ def test_subspan_logits_match_float64(monkeypatch, strict, chunk_size):
 def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
     """The blocks ptxas compiled without spills (sm_90, results/gpu-plan), the same for Cubit and
     DeltaFormer (both take e from their forward): with TF32 operands at a 128-wide head the column kernel
-    alone gives dy and dx (by atomics), streaming 16 rows; with bf16 operands there the row kernel gives
-    dx in 64-row programs and the column kernel dy in 64-column ones, both streaming 32; at d = 64 they
-    hold 128 rows and 128 columns; all at 8 warps."""
+    alone gives dy and dx (by atomics), streaming 16 rows, a column block a program; with bf16 operands
+    there the row kernel gives dx in 128-row programs and the column kernel dy in 128-column ones, both
+    streaming 32, as at d = 64 with either operands; all at 8 warps."""
     def launches(heads, d, has_beta, operands=None):
         return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
                                                                 strict=has_beta, has_beta=has_beta, has_doc=True,
@@ -232,8 +232,8 @@ def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
         narrow = launches(12, 64, has_beta)
         assert "solve_grad_rows" not in tf32
         assert blocks(tf32["solve_grad_columns"]) == (64, 16, (16, 128), 8, True)
-        assert blocks(bf16["solve_grad_rows"], "BLOCK_R") == (64, 32, (16, 128), 8, None)
-        assert blocks(bf16["solve_grad_columns"]) == (64, 32, (16, 128), 8, False)
+        assert blocks(bf16["solve_grad_rows"], "BLOCK_R") == (128, 32, (16, 64), 8, None)
+        assert blocks(bf16["solve_grad_columns"]) == (128, 32, (16, 64), 8, False)
         assert blocks(narrow["solve_grad_rows"], "BLOCK_R") == (128, 32, (12, 64), 8, None)
         assert blocks(narrow["solve_grad_columns"]) == (128, 32, (12, 64), 8, False)
 
@@ -462,6 +462,20 @@ def test_empty_sequence():
 
 def test_row_block_sizes():
     assert [row_block_size(c) for c in (1, 16, 17, 24, 64, 100, 512)] == [16, 16, 32, 32, 64, 64, 64]
+
+
+def test_strides_too_large_for_in_block_offsets_are_copied_first(monkeypatch):
+    """The kernels offset a tile's rows and columns inside a block in 32 bits: a tensor whose row or
+    column stride times the largest block (MAX_BLOCK) reaches 2³¹ is made contiguous before the launch,
+    with the same result. (MAX_BLOCK is raised here, so that small tensors reach the limit.)"""
+    generator = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(1, 2, 20, 8, generator=generator) for _ in range(2))
+    b = torch.randn(1, 2, 8, 20, generator=generator).transpose(2, 3)  # [B, H, T, dv], stride 20 between values
+    kw = dict(beta=None, gamma=torch.tensor([0.5, 0.7]), scale=0.3, strict=False, chunk_size=16, doc_start=None)
+    expected = triton_kernel_solve(x, y, b, **kw)
+    monkeypatch.setattr(_triton_solve, "MAX_BLOCK", 2**31 // 20 + 1)  # 20 · MAX_BLOCK ≥ 2³¹ > 8 · MAX_BLOCK
+    assert _triton_solve._small_strides(x) is x and _triton_solve._small_strides(b).is_contiguous()
+    assert torch.equal(triton_kernel_solve(x, y, b, **kw), expected)
 
 
 def test_rejects_bad_inputs_and_cpu_without_interpreter(monkeypatch):

@@ -45,15 +45,15 @@ SUBSPAN_ROWS = 128
 # tile: the products per byte streamed grow with its rows, and these kernels are bound by their bytes.
 # ptxas (sm_90, d = 128, 8 warps) at 128 rows: 242 registers with bf16 operands and one 128-column
 # slice, 223 with TF32 and 64 columns, no spill. Its pushes do the same but at 128-column slices,
-# where merging the stored partials of 128 rows spilled 228 B: one row block there.
+# where merging the stored partials of 128 rows spilled (228 B; 128 B with 32-bit in-block offsets,
+# ``load_block``): one row block there.
 SPAN_ROW_BLOCKS = 2
-# A program of the transposed direction's span kernel (and of its pushes) holds SPAN_COLUMN_BLOCKS
-# column blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, where that
-# compiles without spills (ptxas, sm_90, 8 warps), streaming the rows in tiles of FUTURE_STREAM_ROWS:
-# at 64-wide heads (217-232 registers; streaming 64 rows, 88-96 B spilled), and at 128-wide ones with
-# bf16 operands outside the pushes (233-244; streaming 32, 28-36 B spilled, 64, 100 B). At 128-wide
-# heads with TF32 operands 128 columns spilled 96-176 B, and the pushes, which add to the stored
-# sums, 144-416 B (also when adding by atomics): those keep one column block.
+# A program of the transposed direction's span kernel (and, at 64-wide heads, of its pushes) holds
+# SPAN_COLUMN_BLOCKS column blocks against each streamed row tile, for the same reason as
+# SPAN_ROW_BLOCKS, streaming the rows in tiles of FUTURE_STREAM_ROWS (ptxas, sm_90, 8 warps: 208-244
+# registers, no spill; at 128-wide heads with TF32 operands 220 since its tiles' offsets inside a block
+# are 32-bit, where 64-bit ones spilled 96-176 B). The pushes at 128-wide heads, which add to the
+# stored sums, keep one column block (84-96 B spilled with two; 144-416 B before, also with atomics).
 SPAN_COLUMN_BLOCKS = 2
 FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
@@ -73,18 +73,20 @@ SUBSTITUTION_LOGIT_CHUNK = 16
 # forward), are two passes over the pairs where both compile without spills (ptxas, sm_90, 8 warps):
 # the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
 # (own: y, U and the dy accumulator; streams x, db), each writing its rows once: no atomics, the same
-# bits on every run. That is with tensor-core operands at heads up to 64 wide (128 rows or columns a
-# program: 179-252 registers) and with bf16 ones at 128 (64 rows: 216-248; 64 columns: 182-188; at 128
-# rows 500 B spilled, at 128 columns 176 B, also at 16 warps: 96-244 B). Elsewhere (TF32 at 128-wide
-# heads: the row kernel spilled 0.9-1.1 KB at 64 rows; fp32 operands, one span: 3.4 KB at 64-wide
-# heads; wider heads: not measured) the column kernel also forms dx, adding each (column block, row
+# bits on every run. That is with tensor-core operands at heads up to 64 wide and with bf16 ones at
+# 128, GRADIENT_GROUP_BLOCKS row (column) blocks a program: 128 rows or columns (179-252 registers at
+# 64-wide heads; at 128, 181 for the rows and 246 for the columns since the tiles' in-block offsets are
+# 32-bit, where 64-bit ones spilled 500 and 176 B). Elsewhere (TF32 at 128-wide heads: the row kernel
+# spilled 1.0-1.6 KB at 64 rows; fp32 operands, one span: 3.4 KB at 64-wide heads; wider heads: not
+# measured) the column kernel also forms dx, a column block a program, adding each (column block, row
 # tile) pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads
-# (248-255 registers; 32 spilled 24-216 B).
+# (202-255 registers; 32 spilled 24-216 B).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
-# Row (column) blocks a program of the row (column) gradient kernel holds where the two passes run, at
-# heads up to 64 wide; one at 128-wide heads.
 GRADIENT_GROUP_BLOCKS = 2
+# The kernels offset a tile's rows and columns inside its block in 32 bits (``load_block``): a tensor
+# whose strides could overflow that (a block of up to MAX_BLOCK rows or columns) is made contiguous first.
+MAX_BLOCK = 256
 
 
 def row_block_size(chunk_size: int) -> int:
@@ -196,7 +198,7 @@ class _Layout:
         # the transposed direction's span kernel's columns per program, storing (future_block_c) or adding
         # to the stored sums (future_push_c): see SPAN_COLUMN_BLOCKS
         self.narrow = max(self.block_k, self.future_block_v) <= 64
-        self.future_block_c = self.block_t * (SPAN_COLUMN_BLOCKS if self.narrow or self.shadowed else 1)
+        self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
         self.future_push_c = self.block_t * (SPAN_COLUMN_BLOCKS if self.narrow else 1)
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
@@ -216,7 +218,7 @@ class _Layout:
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
         self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide and not self.dx_rows
                                    else GRADIENT_STREAM_ROWS)
-        self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows and not wide else 1)
+        self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows else 1)
         self.gradient_warps = 8 if self.gradient_group * width >= 64 * 64 else 4
 
     def flags(self) -> dict:
@@ -481,6 +483,12 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
     return grad_b, (grad_x if need_x else None), (grad_y if need_y else None), e
 
 
+def _small_strides(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy where its row and column strides could overflow the kernels' 32-bit
+    offsets inside a block of MAX_BLOCK rows or columns (never with the callers' usual layouts)."""
+    return t if max(t.stride()[-2:]) * MAX_BLOCK < 2**31 else t.contiguous()
+
+
 def _launch_device(x: Tensor):
     """Triton launches on the current CUDA device: make it the tensors' one."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -513,7 +521,8 @@ class _TritonSolve(torch.autograd.Function):
                     torch.zeros_like(beta), torch.zeros_like(gamma), None, None, None, None, None)
         with _launch_device(x):
             grad_b, grad_x, grad_y, e = _solve_backward(
-                grad_u.float(), x, y, b, beta, gamma, doc_start, u, u16, ku, lse, ctx.layout, needs[0], needs[1]
+                _small_strides(grad_u.float()), x, y, b, beta, gamma, doc_start, u, u16, ku, lse, ctx.layout, needs[0],
+                needs[1],
             )
         grad_beta = -e if beta is not None and needs[3] else None  # (e is there: the forward kept K U)
         grad_gamma = -(grad_b * u).sum(dim=(0, 2, 3)) if needs[4] else None
@@ -532,6 +541,7 @@ def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None,
     tensor), differentiable w.r.t. x, y, b, beta and gamma (once: no double backward). CPU tensors
     need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)."""
     _check_inputs(x, y, b, beta, gamma, doc_start)
+    x, y, b = (_small_strides(t) for t in (x, y, b))
     return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size),
                               torch.is_grad_enabled())
 
@@ -548,8 +558,9 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                    has_beta: bool, has_doc: bool, operands: str | None = None) -> list[KernelLaunch]:
     """The kernels one differentiated solve launches at these sizes — the sub-spans' logits (once per
     direction), the forward (past spans in parallel, then each span's substitution), the backward's
-    transposed solve (later spans, then each span's back substitution), row and column gradients — with the grids, blocks and warps the launches
-    above use (the same ``_Layout``, built on meta tensors: no memory, no GPU). A span kernel's grid is
+    transposed solve (later spans, then each span's back substitution), row and column gradients —
+    with the grids, blocks and warps the launches above use (the same ``_Layout``, built on meta
+    tensors: no memory, no GPU). A span kernel's grid is
     that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed.
     ``operands``: the span products' (default ``SPAN_OPERANDS``); with "bf16" the kernels that read the
     bf16 copies take bf16 pointers for them."""

@@ -75,11 +75,11 @@ from ._triton_solve_tiles import (
     doc_starts,
     first_column,
     kernel_tile,
-    load_rows,
+    load_block,
     masked_logits,
     row_vector,
     span_partials,
-    store_rows,
+    store_block,
 )
 
 try:
@@ -154,7 +154,7 @@ if triton is not None:
         partials = (tl.program_id(2) * tl.num_programs(0) + pid).to(tl.int64) * length
         acc_ptr += bi * s_ab + hi * s_ah
         starts = doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
+        x_tile = load_block(x_ptr + bi * s_xb + hi * s_xh, i0, kcols, s_xt, s_xd, length, dk, BLOCK_R)
         first = tl.maximum(first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), column_start)
         row_max, row_sum, acc = _forward_past(
             x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, column_stop,
@@ -167,14 +167,14 @@ if triton is not None:
         stop = tl.minimum(row_stop, length)
         if CONTINUE:  # merged with the stored partials after the loop, whose tiles are then dead (ptxas
             # spilled 180 B at d = 128 when they were loaded before it)
-            old_max, old_sum, old_acc = span_partials(max_ptr + partials, sum_ptr + partials, acc_ptr, rows, vcols,
+            old_max, old_sum, old_acc = span_partials(max_ptr + partials, sum_ptr + partials, acc_ptr, i0, vcols,
                                                        s_at, s_ad, stop, dv, BLOCK_R, BLOCK_V, True)
             new_max = tl.maximum(old_max, row_max)
             old_scale, scale = tl.exp2(old_max - new_max), tl.exp2(row_max - new_max)
             row_sum = old_sum * old_scale + row_sum * scale
             acc = old_acc * old_scale[:, None] + acc * scale[:, None]
             row_max = new_max
-        store_rows(acc_ptr, rows, vcols, s_at, s_ad, stop, dv, acc)
+        store_block(acc_ptr, i0, vcols, s_at, s_ad, stop, dv, acc, BLOCK_R)
         tl.store(max_ptr + partials + rows, row_max, mask=rows < stop)
         tl.store(sum_ptr + partials + rows, row_sum, mask=rows < stop)
 
@@ -234,7 +234,8 @@ if triton is not None:
         j_block = column_first + tl.program_id(1) * (BLOCK_C // BLOCK_T)
         cols = j_block * BLOCK_T + tl.arange(0, BLOCK_C)
         vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        y_tile = load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, tl.arange(0, BLOCK_K), s_yt, s_yd, length, dk)
+        y_tile = load_block(y_ptr + bi * s_yb + hi * s_yh, j_block * BLOCK_T, tl.arange(0, BLOCK_K), s_yt, s_yd,
+                            length, dk, BLOCK_C)
         # the rows that see a column are a range that ends later for later columns: the last block's end
         last_block = tl.minimum(j_block + BLOCK_C // BLOCK_T, column_stop) - 1
         end_block = tl.minimum(tl.load(end_ptr + bi * blocks + last_block), row_stop)
@@ -247,8 +248,8 @@ if triton is not None:
         fut_ptr += bi * s_fb + hi * s_fh
         stop = tl.minimum(column_stop * BLOCK_T, length)
         if ACCUMULATE:
-            total += load_rows(fut_ptr, cols, vcols, s_ft, s_fd, stop, dv)
-        store_rows(fut_ptr, cols, vcols, s_ft, s_fd, stop, dv, total)
+            total += load_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, stop, dv, BLOCK_C)
+        store_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, stop, dv, total, BLOCK_C)
 
     @triton.jit
     def _grad_rows_dx(
@@ -298,8 +299,9 @@ if triton is not None:
         kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
         starts = doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
-        x_tile = load_rows(x_ptr + bi * s_xb + hi * s_xh, rows, kcols, s_xt, s_xd, length, dk)
-        db_rows = load_rows(db_ptr + bi * s_dbb + hi * s_dbh, rows, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv)
+        x_tile = load_block(x_ptr + bi * s_xb + hi * s_xh, i0, kcols, s_xt, s_xd, length, dk, BLOCK_R)
+        db_rows = load_block(db_ptr + bi * s_dbb + hi * s_dbh, i0, tl.arange(0, BLOCK_DV), s_dbt, s_dbd, length, dv,
+                             BLOCK_R)
         lse_rows = row_vector(lse_ptr + pid.to(tl.int64) * length, rows, 1, length, 0.0)
         e_rows = row_vector(e_ptr + pid.to(tl.int64) * length, rows, 1, length, 0.0)
         total = _grad_rows_dx(
@@ -308,7 +310,8 @@ if triton is not None:
             scale2, BLOCK_R, BLOCK_K, BLOCK_DV, STRICT, OPERANDS, STREAM_T,
         )
         factor = -scale * betas(beta_ptr + bi * s_betab + hi * s_betah, rows, s_betat, length, HAS_BETA)
-        store_rows(gx_ptr + bi * s_gxb + hi * s_gxh, rows, kcols, s_gxt, s_gxd, length, dk, factor[:, None] * total)
+        store_block(gx_ptr + bi * s_gxb + hi * s_gxh, i0, kcols, s_gxt, s_gxd, length, dk, factor[:, None] * total,
+                    BLOCK_R)
 
     @triton.jit
     def _grad_columns_sum(
@@ -373,8 +376,8 @@ if triton is not None:
         c0 = tl.program_id(1) * BLOCK_C
         cols = c0 + tl.arange(0, BLOCK_C)
         kcols = tl.arange(0, BLOCK_K)
-        y_tile = load_rows(y_ptr + bi * s_yb + hi * s_yh, cols, kcols, s_yt, s_yd, length, dk)
-        u_tile = load_rows(u_ptr + bi * s_ub + hi * s_uh, cols, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv)
+        y_tile = load_block(y_ptr + bi * s_yb + hi * s_yh, c0, kcols, s_yt, s_yd, length, dk, BLOCK_C)
+        u_tile = load_block(u_ptr + bi * s_ub + hi * s_uh, c0, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv, BLOCK_C)
         # the rows that see a column are a range that ends later for later columns: the last block's end
         end_block = tl.load(end_ptr + bi * blocks + tl.minimum((c0 + BLOCK_C) // BLOCK_T, blocks) - 1)
         total = _grad_columns_sum(
@@ -384,4 +387,4 @@ if triton is not None:
             s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
             BLOCK_C, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T, ROW_GRAD,
         )
-        store_rows(gy_ptr + bi * s_gyb + hi * s_gyh, cols, kcols, s_gyt, s_gyd, length, dk, -scale * total)
+        store_block(gy_ptr + bi * s_gyb + hi * s_gyh, c0, kcols, s_gyt, s_gyd, length, dk, -scale * total, BLOCK_C)

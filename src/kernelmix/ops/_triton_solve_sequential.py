@@ -26,10 +26,10 @@ from ._triton_solve_tiles import (
     betas,
     doc_starts,
     first_column,
-    load_rows,
+    load_block,
     row_vector,
     span_partials,
-    store_rows,
+    store_block,
 )
 
 try:
@@ -140,7 +140,7 @@ if triton is not None:
         inside = rows < length
         # row i's logit against column j of the sequence: tiles[i, j − j0] + j0 (j0 a column block's first)
         tiles = lg_ptr + rows[:, None].to(tl.int64) * WIDTH + (tl.arange(0, BLOCK_T) - sub_start)[None, :]
-        row_max, row_sum, acc = span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
+        row_max, row_sum, acc = span_partials(max_ptr, sum_ptr, acc_ptr, i0, vcols, s_at, s_ad, length, dv,
                                               BLOCK_T, BLOCK_V, HAS_PAST)
         j0 = tl.maximum(first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), sub_start)
         while j0 < i0:  # the online softmax over the sub-span's solved rows (loads inline)
@@ -167,17 +167,17 @@ if triton is not None:
         lse = tl.where(nonempty, new_max + tl.log2(tl.where(nonempty, row_sum, 1.0)), 0.0)
         tl.store(lse_ptr + rows, lse, mask=inside)
         beta_rows = betas(beta_ptr, rows, s_betat, length, HAS_BETA)
-        rhs = load_rows(b_ptr, rows, vcols, s_bt, s_bd, length, dv)
+        rhs = load_block(b_ptr, i0, vcols, s_bt, s_bd, length, dv, BLOCK_T)
         past_mix = (acc * rescale[:, None]) * inverse[:, None]
         rhs = rhs - beta_rows[:, None] * past_mix
         kernel = weights * inverse[:, None]
         u_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, False)
-        store_rows(u_ptr, rows, vcols, s_ut, s_ud, length, dv, u_block)
+        store_block(u_ptr, i0, vcols, s_ut, s_ud, length, dv, u_block, BLOCK_T)
         if STORE_MIX:
             mix = past_mix + tl.dot(kernel, u_block, input_precision="ieee")
-            store_rows(ku_ptr, rows, vcols, s_ut, s_ud, length, dv, mix)
+            store_block(ku_ptr, i0, vcols, s_ut, s_ud, length, dv, mix, BLOCK_T)
         if SHADOW:  # the bf16 copy (U's strides) that the bf16 span kernels and pushes read
-            store_rows(u16_ptr, rows, vcols, s_ut, s_ud, length, dv, stored_as(u_block, u16_ptr))
+            store_block(u16_ptr, i0, vcols, s_ut, s_ud, length, dv, stored_as(u_block, u16_ptr), BLOCK_T)
 
     @triton.jit
     def solve_forward_kernel(
@@ -270,17 +270,18 @@ if triton is not None:
                                   mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
                 later += product(tl.trans(kernel), db_rows, "fp32")
                 r0 += BLOCK_T
-            rhs = load_rows(gu_ptr, cols, vcols, s_gt, s_gd, length, dv) - later
+            rhs = load_block(gu_ptr, j_block * BLOCK_T, vcols, s_gt, s_gd, length, dv, BLOCK_T) - later
             if HAS_FUTURE:
-                rhs -= load_rows(fut_ptr, cols, vcols, s_ft, s_fd, length, dv)
+                rhs -= load_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, length, dv, BLOCK_T)
             logits = tl.load(lg_ptr + cols[:, None].to(tl.int64) * WIDTH + columns, mask=(cols < length)[:, None],
                              other=float("-inf"))
             kernel = tl.exp2(logits - row_vector(lse_ptr, cols, 1, length, 0.0)[:, None])
             beta_rows = betas(beta_ptr, cols, s_betat, length, HAS_BETA)
             db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
-            store_rows(db_ptr, cols, vcols, s_dbt, s_dbd, length, dv, db_block)
+            store_block(db_ptr, j_block * BLOCK_T, vcols, s_dbt, s_dbd, length, dv, db_block, BLOCK_T)
             if SHADOW:
-                store_rows(db16_ptr, cols, vcols, s_dbt, s_dbd, length, dv, stored_as(db_block, db16_ptr))
+                store_block(db16_ptr, j_block * BLOCK_T, vcols, s_dbt, s_dbd, length, dv,
+                            stored_as(db_block, db16_ptr), BLOCK_T)
             # earlier row blocks load this block's db from global memory
             tl.debug_barrier()
             j_block -= 1

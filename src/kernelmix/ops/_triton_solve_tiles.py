@@ -18,22 +18,31 @@ except ImportError:  # the module imports without Triton (it then defines no dev
 # later blocks then keeps exp2(s − m) = 0 and a rescale factor of 1, with no inf − inf = NaN.
 MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
 
-__all__ = ["MAX_FLOOR", "load_rows", "store_rows", "row_vector", "doc_starts", "betas", "first_column",
+__all__ = ["MAX_FLOOR", "load_block", "store_block", "row_vector", "doc_starts", "betas", "first_column",
            "masked_logits", "kernel_tile", "span_partials"]
 
 
 if triton is not None:
 
     @triton.jit
-    def load_rows(ptr, rows, cols, stride_t, stride_d, length, width):
-        """A [rows, cols] tile of a [T, width] matrix at ``ptr`` (zeros outside)."""
-        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        return tl.load(ptr + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
+    def load_block(ptr, row0, cols, stride_t, stride_d, length, width, ROWS: tl.constexpr):
+        """The [ROWS, cols] tile at rows [row0, row0 + ROWS) of a [T, width] matrix at ``ptr`` (zeros
+        outside). The block's first row is offset in 64 bits, the rows and columns inside it in 32
+        (``_triton_solve`` makes every tensor's strides fit): 64-bit offsets for every element of a
+        128 × 128 tile take 128 registers a thread, and storing the gradient kernels' 128 rows that way
+        spilled 536 B (ptxas, sm_90, d = 128; with these offsets, 128 registers and no spill)."""
+        index = tl.arange(0, ROWS)
+        offsets = index[:, None] * stride_t + cols[None, :] * stride_d
+        return tl.load(ptr + row0.to(tl.int64) * stride_t + offsets,
+                       mask=((row0 + index)[:, None] < length) & (cols[None, :] < width), other=0.0)
 
     @triton.jit
-    def store_rows(ptr, rows, cols, stride_t, stride_d, length, width, value):
-        offsets = rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_d
-        tl.store(ptr + offsets, value, mask=(rows[:, None] < length) & (cols[None, :] < width))
+    def store_block(ptr, row0, cols, stride_t, stride_d, length, width, value, ROWS: tl.constexpr):
+        """Store ``value`` as :func:`load_block` reads a tile (the rows from ``length`` on left alone)."""
+        index = tl.arange(0, ROWS)
+        offsets = index[:, None] * stride_t + cols[None, :] * stride_d
+        tl.store(ptr + row0.to(tl.int64) * stride_t + offsets, value,
+                 mask=((row0 + index)[:, None] < length) & (cols[None, :] < width))
 
     @triton.jit
     def row_vector(ptr, rows, stride_t, length, other):
@@ -83,14 +92,15 @@ if triton is not None:
         return tl.exp2(logits - lse_rows[:, None])
 
     @triton.jit
-    def span_partials(max_ptr, sum_ptr, acc_ptr, rows, vcols, s_at, s_ad, length, dv,
-                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAST: tl.constexpr):
-        """Where rows I's online softmax starts: the past spans' partials (running max, sum and
-        mix, :func:`past_span_kernel`), or nothing seen yet."""
+    def span_partials(max_ptr, sum_ptr, acc_ptr, row0, vcols, s_at, s_ad, length, dv,
+                      BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAST: tl.constexpr):
+        """Where the online softmax of rows [row0, row0 + BLOCK_T) starts: the past spans' partials
+        (running max, sum and mix, :func:`past_span_kernel`), or nothing seen yet."""
         if HAS_PAST:
+            rows = row0 + tl.arange(0, BLOCK_T)
             row_max = tl.load(max_ptr + rows, mask=rows < length, other=MAX_FLOOR)
             row_sum = tl.load(sum_ptr + rows, mask=rows < length, other=0.0)
-            acc = load_rows(acc_ptr, rows, vcols, s_at, s_ad, length, dv)
+            acc = load_block(acc_ptr, row0, vcols, s_at, s_ad, length, dv, BLOCK_T)
         else:
             row_max = tl.full([BLOCK_T], MAX_FLOOR, dtype=tl.float32)
             row_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
