@@ -486,7 +486,8 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
 def _small_strides(t: Tensor) -> Tensor:
     """``t``, or a contiguous copy where its row and column strides could overflow the kernels' 32-bit
     offsets inside a block of MAX_BLOCK rows or columns (never with the callers' usual layouts)."""
-    return t if max(t.stride()[-2:]) * MAX_BLOCK < 2**31 else t.contiguous()
+    largest = max(MAX_BLOCK, padded_dim(t.shape[-1]))  # rows of a block, or the columns of a head
+    return t if max(t.stride()[-2:]) * largest < 2**31 else t.contiguous()
 
 
 def _launch_device(x: Tensor):
