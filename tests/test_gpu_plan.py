@@ -454,14 +454,15 @@ def test_the_roofline_goals_read_each_mixers_present_ratio():
 
 def test_sdpa_by_our_byte_rule_counts_every_streamed_tile():
     """SDPA with its bytes counted as our kernels' are: at T = 256 in programs of 128 rows the forward
-    streams 1 + 2 K and V tiles of 128 rows, and reads q, k, v, writes o and the log-normaliser once; the
+    streams 1 + 2 K and V tiles of 128 rows, and reads q, writes o and the log-normaliser once; the
     backward streams q, dO and two fp32 row scalars, then K and V, over the same 3 tile pairs, and reads
-    and writes its 8 tensors and 2 scalars once; FLOPs as at peak. At the target it is bound by its bytes,
+    and writes 9 rows and 3 scalars per token once (its dO·O pass, dK and dV's own, dQ's own); FLOPs as
+    at peak. At the target it is bound by its bytes,
     slower than SDPA at peak, so that the solve mixers' ratio against it is the smaller."""
     d, row = 64, 64 * 2
     forward, backward = sdpa_streamed_cost(1, 1, 256, d)
-    assert forward.bytes == 3 * 128 * 2 * row + 256 * (4 * row + 4)
-    assert backward.bytes == 3 * 128 * (2 * row + 8) + 3 * 128 * 2 * row + 256 * (8 * row + 8)
+    assert forward.bytes == 3 * 128 * 2 * row + 256 * (2 * row + 4)
+    assert backward.bytes == 3 * 128 * (2 * row + 8) + 3 * 128 * 2 * row + 256 * (9 * row + 12)
     assert (forward.flops, backward.flops) == (4 * 256 * 256 * d / 2, 2.5 * 4 * 256 * 256 * d / 2)
     roofline = mixer_roofline("cubit-bf16", 8192, PLAN_SHAPES[TARGET_SHAPE])
     assert roofline["sdpa_streamed_ms"] > roofline["sdpa_ms"]

@@ -465,15 +465,16 @@ def test_row_block_sizes():
 
 
 def test_strides_too_large_for_in_block_offsets_are_copied_first(monkeypatch):
-    """The kernels offset a tile's rows and columns inside a block in 32 bits: a tensor whose row or
-    column stride times the largest block (MAX_BLOCK) reaches 2³¹ is made contiguous before the launch,
-    with the same result. (MAX_BLOCK is raised here, so that small tensors reach the limit.)"""
+    """The kernels offset a tile's rows and columns inside a block in 32 bits: a tensor whose largest
+    offset inside a block (its last row of MAX_BLOCK, the head's last column) reaches 2³¹ is made
+    contiguous before the launch, with the same result. (MAX_BLOCK is raised here, so that small tensors
+    reach the limit: b's rows are 160 apart, x's 8.)"""
     generator = torch.Generator().manual_seed(3)
     x, y = (torch.randn(1, 2, 20, 8, generator=generator) for _ in range(2))
-    b = torch.randn(1, 2, 8, 20, generator=generator).transpose(2, 3)  # [B, H, T, dv], stride 20 between values
+    b = torch.randn(1, 2, 20, 160, generator=generator)[..., ::20]  # [B, H, T, dv], strides 160 and 20
     kw = dict(beta=None, gamma=torch.tensor([0.5, 0.7]), scale=0.3, strict=False, chunk_size=16, doc_start=None)
     expected = triton_kernel_solve(x, y, b, **kw)
-    monkeypatch.setattr(_triton_solve, "MAX_BLOCK", 2**31 // 20 + 1)  # 20 · MAX_BLOCK ≥ 2³¹ > 8 · MAX_BLOCK
+    monkeypatch.setattr(_triton_solve, "MAX_BLOCK", 2**31 // 160 + 1)  # 160 (MAX_BLOCK − 1) ≥ 2³¹ > 8 MAX_BLOCK
     assert _triton_solve._small_strides(x) is x and _triton_solve._small_strides(b).is_contiguous()
     assert torch.equal(triton_kernel_solve(x, y, b, **kw), expected)
 

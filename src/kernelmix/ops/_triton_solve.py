@@ -176,7 +176,7 @@ class _Layout:
         self.slices = triton.cdiv(self.dv, self.sequential_v)
         # the transposed direction's span kernels (and pushes) take slices of up to 128 value columns: one
         # slice forms each kernel tile once (ptxas, sm_90, d = 128: 228-247 registers, no spill, where
-        # the forward's online softmax spilled 216 B at 128); its sequential kernel keeps BLOCK_V
+        # the forward's online softmax spilled 216 B at 128); its sequential kernel takes sequential_v
         self.future_block_v = min(128, self.block_dv)
         self.future_slices = triton.cdiv(self.dv, self.future_block_v)
         # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
@@ -186,8 +186,8 @@ class _Layout:
         self.shadowed = self.operands == "bf16"
         # the forward's span kernels and pushes: slices of BLOCK_V columns, or with bf16 operands of up to 128
         # (one slice forms each kernel tile once; ptxas, sm_90, d = 128: 204-206 registers, no spill, where
-        # fp32 tiles rounded in registers spilled 216 B at 128); the sequential kernel keeps BLOCK_V and
-        # reads the partials of the span slice its columns lie in
+        # fp32 tiles rounded in registers spilled 216 B at 128); the sequential kernel takes sequential_v
+        # and reads the partials of the span slice its columns lie in
         self.span_block_v = min(128, self.block_dv) if self.shadowed else self.block_v
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
         # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
@@ -486,8 +486,9 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
 def _small_strides(t: Tensor) -> Tensor:
     """``t``, or a contiguous copy where its row and column strides could overflow the kernels' 32-bit
     offsets inside a block of MAX_BLOCK rows or columns (never with the callers' usual layouts)."""
-    largest = max(MAX_BLOCK, padded_dim(t.shape[-1]))  # rows of a block, or the columns of a head
-    return t if max(t.stride()[-2:]) * largest < 2**31 else t.contiguous()
+    # the largest offset inside a block: its last row (of at most MAX_BLOCK) and the head's last column
+    largest = (MAX_BLOCK - 1) * abs(t.stride(-2)) + (padded_dim(t.shape[-1]) - 1) * abs(t.stride(-1))
+    return t if largest < 2**31 else t.contiguous()
 
 
 def _launch_device(x: Tensor):

@@ -2,8 +2,8 @@
 sequential in the rows. The system and its backward are derived in ``_triton_solve_kernels``, which
 also holds the parallel span kernels; the launches are in ``_triton_solve``.
 
-Inside a span the rows are solved a sub-span at a time (``SUBSPAN_ROWS`` rows, from a multiple of
-that width W): one program per (batch, head, slice of value columns) walks the sub-span's blocks of
+Inside a span the rows are solved a sub-span at a time (``SUBSPAN_ROWS`` rows W, from the span's
+first row in steps of W): one program per (batch, head, slice of value columns) walks the sub-span's blocks of
 ``SUBSTITUTION_ROWS`` rows in order, the forward from the first, the transposed solve from the last.
 
 The logits of a row against its sub-span's columns do not depend on the solution, so one launch forms

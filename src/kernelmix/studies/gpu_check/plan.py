@@ -64,15 +64,13 @@ GRID_BOUNDS = {
                                   "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks at 64-wide heads, "
                                   "else one)",
     "solve_future_span": "B·H·⌈(columns of a span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉: every column of the span against the "
-                         "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks at 64-wide heads "
-                         "and with bf16 operands, else one)",
+                         "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
-    "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks at "
-                       "64-wide heads, else one)",
+    "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks)",
     "solve_grad_columns": "B·H·⌈T/BLOCK_C⌉: one program per BLOCK_C columns (dy, and dx by atomics where the row "
-                          "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks at 64-wide heads beside the row "
-                          "kernel, else one)",
+                          "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks beside the row kernel, else "
+                          "one)",
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
     "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
@@ -105,10 +103,6 @@ _RECURRENCE = ("R_c = a_c R_{{c−1}} + K_cᵀ(X_c − A_c R_{{c−1}}) reads al
                "columns split across programs, and the chunks go in order; it is {share:.0%} of Cubit-RF's Triton "
                "products (the per-chunk solves are torch's); its blocks are already 16 columns, the narrowest "
                "operand tl.dot takes")
-_ONE_SLICE = ("its programs hold {width} value columns (up to 128, all of a head up to 128), so each kernel tile "
-              "is formed once per {width}; narrower slices would launch more programs that form the same tiles "
-              "again (at d = 128, slices of 64: twice the programs for 1.5× the products and bytes); it is "
-              "{share:.0%} of the {direction} solve's products")
 _ROW_BLOCKS = ("its programs hold {rows} rows ({group} row blocks) and {width} value columns, and every column tile "
                "they stream serves all of them: the kernel is bound by its bytes, which fall as a program holds "
                "more rows (programs of half the rows would stream every tile twice as often); at 8 warps of over 128 "
@@ -119,7 +113,7 @@ _COLUMN_BLOCKS = ("its programs hold {columns} columns ({column_group} column bl
                   "as a program holds more columns; at 8 warps of over 128 registers a thread an SM holds one "
                   "program, so {programs} programs are {waves}; it is {share:.0%} of the transposed solve's "
                   "products")
-WHY_FEWER = {"solve_future_span": _ONE_SLICE, "solve_past_span": _ROW_BLOCKS, "solve_forward": _IN_SPAN,
+WHY_FEWER = {"solve_future_span": _COLUMN_BLOCKS, "solve_past_span": _ROW_BLOCKS, "solve_forward": _IN_SPAN,
              "solve_transposed": _IN_SPAN, "solve_span_push": _PUSH, "solve_span_push_transposed": _PUSH,
              "cubit_rf_recurrence": _RECURRENCE, "cubit_rf_recurrence_backward": _RECURRENCE}
 ROOFLINE_LENGTHS = (8192, 16384)
@@ -199,8 +193,6 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
     text = WHY_FEWER.get(launch.name)
     if text is None or launch.programs >= LIMITS["min_programs"]:
         return None
-    if launch.name == "solve_future_span" and launch.constexprs["BLOCK_C"] > launch.tiles["block_t"]:
-        text = _COLUMN_BLOCKS
     costs = {x.name: launch_cost(mixer, x, shape).flops for x in mixer_launches(mixer, shape)}
     if launch.name.startswith("cubit_rf_"):
         return text.format(share=costs[launch.name] / sum(costs.values()))

@@ -376,16 +376,18 @@ def sdpa_streamed_cost(batch: int, heads: int, length: int, head_dim: int, block
     """:func:`sdpa_cost` with its bytes counted by this model's rule for our kernels: every tile a
     program streams asked of memory again. Flash attention's forward in programs of ``block`` query
     rows, each streaming the K and V tiles of the columns it sees; its backward as two kernels (as
-    FlashAttention-2's): programs of ``block`` columns streaming the q, dO rows (bf16) and their
-    log-normaliser and dO·O (fp32) of the rows that see them (dK, dV), and programs of ``block`` rows
-    streaming K and V again (dQ); each also reads its own tiles and writes its outputs once."""
+    FlashAttention-2's, after its pass forming dO·O per row): programs of ``block`` columns streaming
+    the q, dO rows (bf16) and their log-normaliser and dO·O (fp32) of the rows that see them (dK, dV),
+    and programs of ``block`` rows streaming K and V again (dQ); each also reads its own tiles and
+    writes its outputs once."""
     forward, _ = sdpa_cost(batch, heads, length, head_dim)
     blocks = -(-length // block)
     tiles = blocks * (blocks + 1) // 2  # (row block, column block) pairs on and below the diagonal
     row = head_dim * BF16  # one row of q, k, v, o or a gradient, in bf16
-    own = length * (4 * row + FP32)  # q, k, v in, o out, the log-normaliser
+    own = length * (2 * row + FP32)  # q in, o and the log-normaliser out (k and v: the streamed tiles)
     moved = tiles * block * 2 * row + own
-    backward_own = length * (8 * row + 2 * FP32)  # q, k, v, o, dO in, dq, dk, dv out, the two row scalars
+    # o and dO in, dO·O out (its pass); k, v in, dk, dv out (dK, dV); q, dO, the two row scalars in, dq out (dQ)
+    backward_own = length * (2 * row + FP32) + length * 4 * row + length * (3 * row + 2 * FP32)
     backward_moved = tiles * block * (2 * row + 2 * FP32) + tiles * block * 2 * row + backward_own
     bh = batch * heads
     return Cost(forward.flops, bh * moved), Cost(2.5 * forward.flops, bh * backward_moved)
