@@ -249,10 +249,20 @@ def test_spans_with_cubit_tiny_ridge(monkeypatch):
 # as the GPU does; the bounds are the errors measured here (docs/gpu.md), worst over values and
 # gradients at T = 193 in spans of 32, and in spans of 64 with sub-spans of 16, whose pushes take the
 # same operands (dγ at Cubit's tiny ridge is the largest: 1.5e-3 / 1.5e-2; dx 8.6e-4 / 7.6e-3). Spans of
-# 64 in sub-spans of 16 run every kernel the spans of 32 run (and the pushes): those are slow (-m slow).
-@pytest.mark.parametrize("operands, bound", [("tf32", 2e-3), ("bf16", 2e-2)])
-@pytest.mark.parametrize("case", ["cubit", "deltaformer"])
-@pytest.mark.parametrize("span, subspan", [pytest.param(32, 128, marks=pytest.mark.slow), (64, 16)])
+# 64 in sub-spans of 16 run every kernel the spans of 32 run (and the pushes). By default one case runs:
+# Cubit at its tiny ridge with bf16 operands in spans of 64 (the largest errors); the others are slow
+# (-m slow). Both mixers and both operands also run by default at the plan's blocks (pushes included):
+# test_gradient_kernels_at_the_plans_blocks.
+def _tensor_core_cases():
+    for span, subspan in ((32, 128), (64, 16)):
+        for case in ("cubit", "deltaformer"):
+            for operands, bound in (("tf32", 2e-3), ("bf16", 2e-2)):
+                default = (span, subspan, case, operands) == (64, 16, "cubit", "bf16")
+                yield pytest.param(operands, bound, case, span, subspan, marks=() if default else pytest.mark.slow,
+                                   id=f"{span}-{subspan}-{case}-{operands}")
+
+
+@pytest.mark.parametrize("operands, bound, case, span, subspan", list(_tensor_core_cases()))
 def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bound, case, span, subspan):
     monkeypatch.setattr(_triton_solve, "SPAN_ROWS", span)
     monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", subspan)
