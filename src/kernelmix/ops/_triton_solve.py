@@ -197,9 +197,9 @@ class _Layout:
         self.push_block_r = self.block_t if self.span_block_v >= 128 else self.span_block_r
         # the transposed direction's span kernel's columns per program, storing (future_block_c) or adding
         # to the stored sums (future_push_c): see SPAN_COLUMN_BLOCKS
-        self.narrow = max(self.block_k, self.future_block_v) <= 64
+        narrow = max(self.block_k, self.future_block_v) <= 64
         self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
-        self.future_push_c = self.block_t * (SPAN_COLUMN_BLOCKS if self.narrow else 1)
+        self.future_push_c = self.block_t * (SPAN_COLUMN_BLOCKS if narrow else 1)
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
@@ -576,13 +576,15 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     flags = lay.flags()
     warps = flags.pop("num_warps")
     several = lay.has_partials
+    logits = lay.logits_flags()
+    logits_warps = logits.pop("num_warps")
     tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
                  push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c,
                  gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
-                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=lay.logits_flags()["STREAM_T"])
+                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"])
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
@@ -599,8 +601,6 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     sub_warps = substitution.pop("num_warps")
     forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta,
                                            "HAS_DOC": lay.has_doc}
-    logits = lay.logits_flags()
-    logits_warps = logits.pop("num_warps")
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
     kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
                ("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
