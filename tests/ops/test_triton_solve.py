@@ -215,9 +215,10 @@ def test_subspan_logits_match_float64(monkeypatch, strict, chunk_size):
 def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
     """The blocks ptxas compiled without spills (sm_90, results/gpu-plan), the same for Cubit and
     DeltaFormer (both take e from their forward): with TF32 operands at a 128-wide head the column kernel
-    alone gives dy and dx (by atomics), streaming 16 rows, a column block a program; with bf16 operands
-    there the row kernel gives dx in 128-row programs and the column kernel dy in 128-column ones, both
-    streaming 32, as at d = 64 with either operands; all at 8 warps."""
+    alone gives dy and dx (by atomics), streaming 16 rows, a column block a program; at d = 64 the row
+    kernel gives dx in 128-row programs and the column kernel dy in 128-column ones, both streaming 32;
+    with bf16 operands, at either head, the column kernel alone, 128 columns a program, its tiles
+    transposed, streaming 16; all at 8 warps."""
     def launches(heads, d, has_beta, operands=None):
         return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
                                                                 strict=has_beta, has_beta=has_beta, has_doc=True,
@@ -225,17 +226,17 @@ def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
 
     def blocks(launch, group="BLOCK_C"):
         return (launch.constexprs[group], launch.constexprs["STREAM_T"], launch.grid, launch.num_warps,
-                launch.constexprs.get("ROW_GRAD"))
+                launch.constexprs.get("ROW_GRAD"), launch.constexprs.get("COLUMN_MAJOR"))
 
     for has_beta in (False, True):
         tf32, bf16 = launches(16, 128, has_beta), launches(16, 128, has_beta, "bf16")
-        narrow = launches(12, 64, has_beta)
-        assert "solve_grad_rows" not in tf32
-        assert blocks(tf32["solve_grad_columns"]) == (64, 16, (16, 128), 8, True)
-        assert blocks(bf16["solve_grad_rows"], "BLOCK_R") == (128, 32, (16, 64), 8, None)
-        assert blocks(bf16["solve_grad_columns"]) == (128, 32, (16, 64), 8, False)
-        assert blocks(narrow["solve_grad_rows"], "BLOCK_R") == (128, 32, (12, 64), 8, None)
-        assert blocks(narrow["solve_grad_columns"]) == (128, 32, (12, 64), 8, False)
+        narrow, narrow_bf16 = launches(12, 64, has_beta), launches(12, 64, has_beta, "bf16")
+        assert "solve_grad_rows" not in tf32 and "solve_grad_rows" not in bf16 and "solve_grad_rows" not in narrow_bf16
+        assert blocks(tf32["solve_grad_columns"]) == (64, 16, (16, 128), 8, True, False)
+        assert blocks(bf16["solve_grad_columns"]) == (128, 16, (16, 64), 8, True, True)
+        assert blocks(narrow_bf16["solve_grad_columns"]) == (128, 16, (12, 64), 8, True, True)
+        assert blocks(narrow["solve_grad_rows"], "BLOCK_R") == (128, 32, (12, 64), 8, None, None)
+        assert blocks(narrow["solve_grad_columns"]) == (128, 32, (12, 64), 8, False, False)
 
 
 def test_spans_with_cubit_tiny_ridge(monkeypatch):
@@ -275,10 +276,12 @@ def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bo
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
-# The gradient kernels at the plan's blocks: 64-row blocks, columns streamed 32 at a time, two row
-# (column) blocks a program at a narrow head (d = 8: dx from 128-row programs, dy from 128-column
-# ones), one at a wide head with bf16 operands (dv = 100, padded to 128); spans of 128 in sub-spans of
-# 64 so that T = 300 has three spans and pushes; document boundaries mid-block and mid-group.
+# The gradient kernels at the plan's blocks: 64-row blocks, two row (column) blocks a program; with
+# TF32 operands at a narrow head (d = 8: dx from 128-row programs, dy from 128-column ones, columns
+# streamed 32 at a time), with bf16 operands at a wide one (dv = 100, padded to 128: the column kernel
+# alone, 128 columns a program, its tiles transposed, rows streamed 16 at a time, dx by atomics); spans
+# of 128 in sub-spans of 64 so that T = 300 has three spans and pushes; document boundaries mid-block
+# and mid-group.
 @pytest.mark.parametrize("operands, dims", [("tf32", (8, 12)), ("bf16", (8, 100))])
 @pytest.mark.parametrize("case", ["cubit", "deltaformer"])
 def test_gradient_kernels_at_the_plans_blocks(monkeypatch, operands, dims, case):
@@ -336,7 +339,9 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {3}}  # value slices: 1 of 128, 3 of 32
     u.backward(torch.randn(u.shape, generator=torch.Generator().manual_seed(6)))
     names = {name for name, _, _ in seen}
-    assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel", "grad_rows_kernel"}
+    # one gradient pass: the column kernel adds dx by atomics, no row kernel
+    assert names >= {"past_span_kernel", "future_span_kernel", "grad_columns_kernel"}
+    assert "grad_rows_kernel" not in names
     for name, tensors, _ in seen:
         operands = [a.dtype for a in tensors[:4]]  # x, y and U / db (grad kernels: x, y, U, db)
         if name.startswith("solve_"):
@@ -563,7 +568,8 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
     type that changes in a loop): compile the nine launches (seven kernels, two of them also as pushes),
     Cubit's gradient kernels (without β), the column kernel adding dx by atomics (TF32 at a 128-wide
-    head) and the nine again with bf16 operands (bf16 tiles into bf16 products, the copies stored), for
+    head) and the nine again with bf16 operands but the row kernel (bf16 tiles into bf16 products, the
+    copies stored, the column kernel's transposed tiles adding dx by atomics), for
     sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=21)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=20)

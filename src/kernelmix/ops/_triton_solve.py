@@ -70,17 +70,19 @@ SUBSTITUTION_VALUES = 32
 SUBSTITUTION_LOGIT_COLUMNS = 32
 SUBSTITUTION_LOGIT_CHUNK = 16
 # The gradients, given e (Cubit: e_i = db_i·(b − γU)_i; DeltaFormer: db_i·(K U)_i, K U stored by its
-# forward), are two passes over the pairs where both compile without spills (ptxas, sm_90, 8 warps):
+# forward). With TF32 operands at heads up to 64 wide they are two passes over the pairs (ptxas, sm_90,
+# 8 warps, GRADIENT_GROUP_BLOCKS row (column) blocks a program: 128 rows or columns, 179-252 registers):
 # the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
 # (own: y, U and the dy accumulator; streams x, db), each writing its rows once: no atomics, the same
-# bits on every run. That is with tensor-core operands at heads up to 64 wide and with bf16 ones at
-# 128, GRADIENT_GROUP_BLOCKS row (column) blocks a program: 128 rows or columns (179-252 registers at
-# 64-wide heads; at 128, 181 for the rows and 246 for the columns since the tiles' in-block offsets are
-# 32-bit, where 64-bit ones spilled 500 and 176 B). Elsewhere (TF32 at 128-wide heads: the row kernel
-# spilled 1.0-1.6 KB at 64 rows; fp32 operands, one span: 3.4 KB at 64-wide heads; wider heads: not
-# measured) the column kernel also forms dx, a column block a program, adding each (column block, row
-# tile) pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads
-# (202-255 registers; 32 spilled 24-216 B).
+# bits on every run. Elsewhere the column kernel also forms dx, adding each (column group, row tile)
+# pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads:
+# - bf16 operands: 128 columns a program, its tiles transposed (``COLUMN_MAJOR``: 246 registers at
+#   d = 128, no spill). One pass forms each pair's logits and db·uᵀ once where two passes form them
+#   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target, and
+#   2.39× SDPA for the solve's products alone, against 2.69×).
+# - TF32 operands at 128-wide heads (the row kernel spilled 1.0-1.6 KB at 64 rows): a column block a
+#   program (202-255 registers; streaming 32 rows spilled 24-216 B; transposed tiles 1.1-1.6 KB);
+# - fp32 operands (one span; the row kernel spilled 3.4 KB at 64-wide heads).
 GRADIENT_STREAM_ROWS = 32
 GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
 GRADIENT_GROUP_BLOCKS = 2
@@ -214,11 +216,13 @@ class _Layout:
         # kernel's atomics
         width = max(self.block_k, self.block_dv)
         wide = width >= 128
-        self.dx_rows = self.operands != "fp32" and width <= 128 and (self.shadowed or not wide)
+        self.dx_rows = self.operands == "tf32" and not wide
+        # bf16 operands: one pass, dx by atomics, the column kernel's tiles transposed (GRADIENT_STREAM_ROWS)
+        self.column_major = self.shadowed and width <= 128
         self.row_stream_t = min(self.block_t, GRADIENT_STREAM_ROWS)
-        self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if wide and not self.dx_rows
-                                   else GRADIENT_STREAM_ROWS)
-        self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows else 1)
+        self.column_stream_t = min(self.block_t, GRADIENT_WIDE_STREAM_ROWS if (wide or self.column_major)
+                                   and not self.dx_rows else GRADIENT_STREAM_ROWS)
+        self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows or self.column_major else 1)
         self.gradient_warps = 8 if self.gradient_group * width >= 64 * 64 else 4
 
     def flags(self) -> dict:
@@ -307,7 +311,7 @@ class _Layout:
                                     STREAM_T=self.row_stream_t if rows else self.column_stream_t)
         if rows:
             return flags | dict(BLOCK_R=self.gradient_group)
-        return flags | dict(BLOCK_C=self.gradient_group, ROW_GRAD=not self.dx_rows)
+        return flags | dict(BLOCK_C=self.gradient_group, ROW_GRAD=not self.dx_rows, COLUMN_MAJOR=self.column_major)
 
 
 def bf16_copy(t: Tensor) -> Tensor:

@@ -69,8 +69,8 @@ GRID_BOUNDS = {
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks)",
     "solve_grad_columns": "B·H·⌈T/BLOCK_C⌉: one program per BLOCK_C columns (dy, and dx by atomics where the row "
-                          "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks beside the row kernel, else "
-                          "one)",
+                          "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks beside the row kernel and "
+                          "with bf16 operands, else one)",
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
     "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",
@@ -173,7 +173,7 @@ def plan_rows(shapes: dict | None = None, mixers=PLAN_MIXERS, kernels=None) -> l
                     grid=list(launch.grid), programs=launch.programs, calls=launch.calls, num_warps=launch.num_warps,
                     blocks={k: v for k, v in launch.constexprs.items() if k.startswith("BLOCK")}, precision=precision,
                     flops=cost.flops, bytes=cost.bytes, intensity=cost.intensity,
-                    roofline_ms=1e3 * launch_seconds(cost, launch),
+                    roofline_ms=1e3 * launch_seconds(cost, launch), products_ms=1e3 * products_seconds(cost, launch),
                     grid_bound=GRID_BOUNDS[launch.name], why_fewer=_why_fewer(mixer, launch, shape),
                     key=compile_key(mixer, label, launch)))
     return rows
@@ -186,6 +186,12 @@ def launch_seconds(cost: Cost, launch) -> float:
     peak = H200["fp32_flops"] if operands == "fp32" else H200["bf16_flops"] if operands == "bf16" else \
         H200["tf32_flops"]
     return roofline_seconds(cost, launch.programs, peak)
+
+
+def products_seconds(cost: Cost, launch) -> float:
+    """:func:`launch_seconds` with every byte free: the launch's products alone at its peak, over the SMs
+    its grid occupies. What no work on its bytes (more rows a program, L2) takes it under."""
+    return launch_seconds(Cost(cost.flops, 0.0, cost.split_flops), launch)
 
 
 def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
@@ -291,12 +297,14 @@ def _checks(row: dict, report: dict, spilled: int) -> dict:
 
 def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     """Forward + backward roofline milliseconds of ``mixer``'s op at ``length`` (the shape's head):
-    the present kernels (fp32 products on CUDA cores, their grids), and the design the issue asks for
-    (the useful products on tensor cores, TF32 or bf16 operands, over a full machine), each against
-    SDPA in bf16."""
+    the present kernels (at their grids, products and bytes), their products alone (every byte free),
+    and the design the issue asks for (the useful products on tensor cores, TF32 or bf16 operands, over
+    a full machine), each against SDPA in bf16."""
     at = dict(shape, length=length)
     launches = mixer_launches(mixer, at)
-    kernels = sum(launch_seconds(launch_cost(mixer, x, at), x) for x in launches)
+    costs = [(x, launch_cost(mixer, x, at)) for x in launches]
+    kernels = sum(launch_seconds(cost, x) for x, cost in costs)
+    products = sum(products_seconds(cost, x) for x, cost in costs)  # every byte free
     sdpa = sum(roofline_seconds(c, 10 ** 9, H200["bf16_flops"]) for c in sdpa_cost(at["batch"], at["heads"], length,
                                                                                    at["head_dim"]))
     readout = 0.0 if mixer in FEATURE_MIXERS else sdpa  # Cubit and DeltaFormer read U out by softmax attention
@@ -311,6 +319,7 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
         public_side = glue_seconds(feature_glue_ops(at, has_transform=has_transform, public=True, dtype=rows))
     public = kernels + public_side
     kernels += torch_side
+    products += torch_side + readout
     op = "performer" if mixer in FEATURE_MIXERS else mixer.removesuffix(SOLVE_VARIANT)
     useful = 3 * at["batch"] * at["heads"] * forward_flops(op, length, at["head_dim"], at["features"], at["chunk_size"])
     if mixer not in FEATURE_MIXERS:  # the read-out's share is SDPA's, counted above
@@ -322,7 +331,8 @@ def mixer_roofline(mixer: str, length: int, shape: dict) -> dict:
     # the Triton launches of one forward + backward (the read-out's SDPA not counted): their host-side cost
     # is not in the roofline, and a GPU run should weigh it
     return dict(mixer=mixer, length=length, launches=sum(x.calls for x in launches),
-                present_ms=1e3 * (kernels + readout), **extra,
+                present_ms=1e3 * (kernels + readout), **extra, products_ms=1e3 * products,
+                products_ratio=products / sdpa,
                 design_tf32_ms=1e3 * tf32,
                 design_bf16_ms=1e3 * bf16, sdpa_ms=1e3 * sdpa, present_ratio=(kernels + readout) / sdpa,
                 design_tf32_ratio=tf32 / sdpa, design_bf16_ratio=bf16 / sdpa, sdpa_streamed_ms=1e3 * streamed,
@@ -353,4 +363,4 @@ def run_plan(out: str | Path, *, shapes: dict | None = None, mixers=PLAN_MIXERS,
 
 
 __all__ = ["LIMITS", "PLAN_FORMAT", "PLAN_SHAPES", "TARGET_SHAPE", "compile_rows", "launch_cost", "mixer_roofline",
-           "plan_rows", "run_plan"]
+           "plan_rows", "products_seconds", "run_plan"]
