@@ -43,17 +43,18 @@ SPAN_OPERANDS = "tf32"
 SUBSPAN_ROWS = 128
 # A program of the forward's span kernel holds SPAN_ROW_BLOCKS row blocks against each streamed column
 # tile: the products per byte streamed grow with its rows, and these kernels are bound by their bytes.
-# ptxas (sm_90, d = 128, 8 warps) at 128 rows: 242 registers with bf16 operands and one 128-column
-# slice, 223 with TF32 and 64 columns, no spill. Its pushes do the same but at 128-column slices,
-# where merging the stored partials of 128 rows spilled (228 B; 128 B with 32-bit in-block offsets,
-# ``load_block``): one row block there.
+# ptxas (sm_90, d = 128, 8 warps) at 128 rows: 202 registers with bf16 operands and one 128-column
+# slice, 235 with TF32 and 64 columns, no spill. Its pushes do the same, merging their rows with the
+# stored partials a quarter of the value columns at a time (``quarters`` in ``_triton_solve_tiles``:
+# 208-229 registers; merged whole, 128 rows of a 128-column slice spilled 72-128 B, so they kept one
+# row block until then).
 SPAN_ROW_BLOCKS = 2
-# A program of the transposed direction's span kernel (and, at 64-wide heads, of its pushes) holds
-# SPAN_COLUMN_BLOCKS column blocks against each streamed row tile, for the same reason as
-# SPAN_ROW_BLOCKS, streaming the rows in tiles of FUTURE_STREAM_ROWS (ptxas, sm_90, 8 warps: 208-244
-# registers, no spill; at 128-wide heads with TF32 operands 220 since its tiles' offsets inside a block
-# are 32-bit, where 64-bit ones spilled 96-176 B). The pushes at 128-wide heads, which add to the
-# stored sums, keep one column block (84-96 B spilled with two; 144-416 B before, also with atomics).
+# A program of the transposed direction's span kernel and of its pushes holds SPAN_COLUMN_BLOCKS column
+# blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, streaming the rows in
+# tiles of FUTURE_STREAM_ROWS (ptxas, sm_90, 8 warps: 202-238 registers, no spill; at 128-wide heads
+# with TF32 operands 210 since its tiles' offsets inside a block are 32-bit, where 64-bit ones spilled
+# 96-176 B). The pushes add to the stored sums a quarter of the value columns at a time (at 128-wide
+# heads, adding the whole tile spilled 84-104 B with two column blocks, so they kept one until then).
 SPAN_COLUMN_BLOCKS = 2
 FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
@@ -193,15 +194,13 @@ class _Layout:
         self.span_block_v = min(128, self.block_dv) if self.shadowed else self.block_v
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
         # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
-        # stored partials (push_block_r): one row block there at 128-column slices, where merging the
-        # partials of 128 rows spilled 228 B per thread (ptxas, sm_90, d = 128, bf16 operands)
+        # stored partials (push_block_r, the same: see SPAN_ROW_BLOCKS)
         self.span_block_r = SPAN_ROW_BLOCKS * self.block_t
-        self.push_block_r = self.block_t if self.span_block_v >= 128 else self.span_block_r
+        self.push_block_r = self.span_block_r
         # the transposed direction's span kernel's columns per program, storing (future_block_c) or adding
         # to the stored sums (future_push_c): see SPAN_COLUMN_BLOCKS
-        narrow = max(self.block_k, self.future_block_v) <= 64
         self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
-        self.future_push_c = self.block_t * (SPAN_COLUMN_BLOCKS if narrow else 1)
+        self.future_push_c = self.future_block_c
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)

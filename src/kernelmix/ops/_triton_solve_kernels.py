@@ -71,14 +71,15 @@ from __future__ import annotations
 from ._triton_products import product
 from ._triton_solve_tiles import (
     MAX_FLOOR,
+    add_to_stored,
     betas,
     doc_starts,
     first_column,
     kernel_tile,
     load_block,
     masked_logits,
+    quarters,
     row_vector,
-    span_partials,
     store_block,
 )
 
@@ -166,15 +167,23 @@ if triton is not None:
         # reads partials for nor stores
         stop = tl.minimum(row_stop, length)
         if CONTINUE:  # merged with the stored partials after the loop, whose tiles are then dead (ptxas
-            # spilled 180 B at d = 128 when they were loaded before it)
-            old_max, old_sum, old_acc = span_partials(max_ptr + partials, sum_ptr + partials, acc_ptr, i0, vcols,
-                                                       s_at, s_ad, stop, dv, BLOCK_R, BLOCK_V, True)
+            # spilled 180 B at d = 128 when they were loaded before it), a quarter of the value columns at a
+            # time (see QUARTERS)
+            old_max = tl.load(max_ptr + partials + rows, mask=rows < stop, other=MAX_FLOOR)
+            old_sum = tl.load(sum_ptr + partials + rows, mask=rows < stop, other=0.0)
             new_max = tl.maximum(old_max, row_max)
             old_scale, scale = tl.exp2(old_max - new_max), tl.exp2(row_max - new_max)
             row_sum = old_sum * old_scale + row_sum * scale
-            acc = old_acc * old_scale[:, None] + acc * scale[:, None]
             row_max = new_max
-        store_block(acc_ptr, i0, vcols, s_at, s_ad, stop, dv, acc, BLOCK_R)
+            q0, q1, q2, q3 = quarters(acc, BLOCK_R, BLOCK_V)
+            q_cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V // 4)
+            add_to_stored(acc_ptr, i0, q_cols, s_at, s_ad, stop, dv, q0, scale, old_scale, BLOCK_R)
+            add_to_stored(acc_ptr, i0, q_cols + BLOCK_V // 4, s_at, s_ad, stop, dv, q1, scale, old_scale, BLOCK_R)
+            add_to_stored(acc_ptr, i0, q_cols + BLOCK_V // 2, s_at, s_ad, stop, dv, q2, scale, old_scale, BLOCK_R)
+            add_to_stored(acc_ptr, i0, q_cols + 3 * BLOCK_V // 4, s_at, s_ad, stop, dv, q3, scale, old_scale,
+                          BLOCK_R)
+        else:
+            store_block(acc_ptr, i0, vcols, s_at, s_ad, stop, dv, acc, BLOCK_R)
         tl.store(max_ptr + partials + rows, row_max, mask=rows < stop)
         tl.store(sum_ptr + partials + rows, row_sum, mask=rows < stop)
 
@@ -247,9 +256,17 @@ if triton is not None:
         )
         fut_ptr += bi * s_fb + hi * s_fh
         stop = tl.minimum(column_stop * BLOCK_T, length)
-        if ACCUMULATE:
-            total += load_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, stop, dv, BLOCK_C)
-        store_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, stop, dv, total, BLOCK_C)
+        if ACCUMULATE:  # added to the stored sums a quarter of the value columns at a time (see QUARTERS)
+            q0, q1, q2, q3 = quarters(total, BLOCK_C, BLOCK_V)
+            q_cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V // 4)
+            one = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+            j0 = j_block * BLOCK_T
+            add_to_stored(fut_ptr, j0, q_cols, s_ft, s_fd, stop, dv, q0, one, one, BLOCK_C)
+            add_to_stored(fut_ptr, j0, q_cols + BLOCK_V // 4, s_ft, s_fd, stop, dv, q1, one, one, BLOCK_C)
+            add_to_stored(fut_ptr, j0, q_cols + BLOCK_V // 2, s_ft, s_fd, stop, dv, q2, one, one, BLOCK_C)
+            add_to_stored(fut_ptr, j0, q_cols + 3 * BLOCK_V // 4, s_ft, s_fd, stop, dv, q3, one, one, BLOCK_C)
+        else:
+            store_block(fut_ptr, j_block * BLOCK_T, vcols, s_ft, s_fd, stop, dv, total, BLOCK_C)
 
     @triton.jit
     def _grad_rows_dx(

@@ -18,8 +18,8 @@ except ImportError:  # the module imports without Triton (it then defines no dev
 # later blocks then keeps exp2(s − m) = 0 and a rescale factor of 1, with no inf − inf = NaN.
 MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
 
-__all__ = ["MAX_FLOOR", "load_block", "store_block", "row_vector", "doc_starts", "betas", "first_column",
-           "masked_logits", "kernel_tile", "span_partials"]
+__all__ = ["MAX_FLOOR", "load_block", "store_block", "quarters", "add_to_stored", "row_vector", "doc_starts", "betas",
+           "first_column", "masked_logits", "kernel_tile", "span_partials"]
 
 
 if triton is not None:
@@ -43,6 +43,27 @@ if triton is not None:
         offsets = index[:, None] * stride_t + cols[None, :] * stride_d
         tl.store(ptr + row0.to(tl.int64) * stride_t + offsets, value,
                  mask=((row0 + index)[:, None] < length) & (cols[None, :] < width))
+
+    @triton.jit
+    def quarters(tile, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        """The four quarters of a [ROWS, COLUMNS] tile's columns, left to right (COLUMNS a multiple of 4).
+        QUARTERS: a span kernel that adds its tile to a stored one (the pushes) does it a quarter at a
+        time (:func:`add_to_stored`), so that it holds a quarter of the stored tile at once, not all of
+        it: 128 rows or columns of a 128-wide head, merged whole, spilled 72-128 B (ptxas, sm_90), by
+        quarters nothing."""
+        left, right = tl.split(tl.permute(tl.reshape(tile, [ROWS, 2, COLUMNS // 2]), [0, 2, 1]))
+        first, second = tl.split(tl.permute(tl.reshape(left, [ROWS, 2, COLUMNS // 4]), [0, 2, 1]))
+        third, fourth = tl.split(tl.permute(tl.reshape(right, [ROWS, 2, COLUMNS // 4]), [0, 2, 1]))
+        return first, second, third, fourth
+
+    @triton.jit
+    def add_to_stored(ptr, row0, cols, stride_t, stride_d, length, width, part, part_scale, stored_scale,
+                      ROWS: tl.constexpr):
+        """Replace the stored tile at rows [row0, row0 + ROWS) and ``cols`` by stored_scale · it +
+        part_scale · ``part`` (the scales per row)."""
+        stored = load_block(ptr, row0, cols, stride_t, stride_d, length, width, ROWS)
+        store_block(ptr, row0, cols, stride_t, stride_d, length, width,
+                    stored * stored_scale[:, None] + part * part_scale[:, None], ROWS)
 
     @triton.jit
     def row_vector(ptr, rows, stride_t, length, other):

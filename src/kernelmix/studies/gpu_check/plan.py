@@ -57,12 +57,11 @@ GRID_BOUNDS = {
     "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
                      "(the forward substitution)",
     "solve_span_push": "B·H·⌈(rows after the sub-span in its span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉ (the median push's): "
-                       "a solved sub-span pushed into the span's later rows, BLOCK_R rows a program (one row block "
-                       "at 128-column slices, else SPAN_ROW_BLOCKS)",
+                       "a solved sub-span pushed into the span's later rows, BLOCK_R rows a program "
+                       "(SPAN_ROW_BLOCKS row blocks)",
     "solve_span_push_transposed": "B·H·⌈(columns before the sub-span in its span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉ (the "
                                   "median push's): a solved sub-span's db pushed into the span's earlier columns, "
-                                  "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks at 64-wide heads, "
-                                  "else one)",
+                                  "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks)",
     "solve_future_span": "B·H·⌈(columns of a span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉: every column of the span against the "
                          "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
