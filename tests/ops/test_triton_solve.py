@@ -368,12 +368,13 @@ def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
     assert _triton_solve.bf16_copy(view).stride() == view.stride()
 
 
-@pytest.mark.parametrize("operands", ["fp32", "tf32"])
+@pytest.mark.parametrize("operands", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("with_beta", [False, True])
 def test_gradients_without_dx_match_those_with_it(monkeypatch, with_beta, operands):
     """x needs no gradient: no kernel forms dx (the column kernel adds none by atomics, ``ROW_GRAD`` off,
-    with fp32 operands in one span; the row kernel is not launched with TF32 operands across spans) and
-    dy, db, dβ are those of the full backward, bit for bit (the same kernel tiles, the same order)."""
+    with fp32 operands in one span and with bf16 operands, its tiles transposed, across spans; the row
+    kernel is not launched with TF32 operands across spans) and dy, db, dβ are those of the full
+    backward, bit for bit (the same kernel tiles, the same order)."""
     monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 1024 if operands == "fp32" else 32)
     monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", operands)
     seen: list = []

@@ -80,7 +80,7 @@ SUBSTITUTION_LOGIT_CHUNK = 16
 # - bf16 operands: 128 columns a program, its tiles transposed (``COLUMN_MAJOR``: 246 registers at
 #   d = 128, no spill). One pass forms each pair's logits and db·uᵀ once where two passes form them
 #   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target, and
-#   2.39× SDPA for the solve's products alone, against 2.69×).
+#   2.40× SDPA for the solve's products alone, against 2.69×).
 # - TF32 operands at 128-wide heads (the row kernel spilled 1.0-1.6 KB at 64 rows): a column block a
 #   program (202-255 registers; streaming 32 rows spilled 24-216 B; transposed tiles 1.1-1.6 KB);
 # - fp32 operands (one span; the row kernel spilled 3.4 KB at 64-wide heads).
