@@ -296,6 +296,26 @@ def test_gradient_kernels_at_the_plans_blocks(monkeypatch, operands, dims, case)
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
+@pytest.mark.parametrize("operands", ["tf32", "bf16"])
+def test_forward_span_slices_of_128_value_columns(monkeypatch, operands):
+    """On tensor cores the forward's span kernels and pushes hold up to 128 value columns a program: at
+    dv = 160 two slices (the second of 32 columns), which the sequential kernels' five slices of 32 read
+    the partials of (the fifth from the second), streaming the columns 16 at a time (blocks of 16);
+    within the operands' measured error of the float64 solve, documents crossing spans and sub-spans."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", operands)
+    seen: list = []
+    for name in ("past_span_kernel", "solve_forward_kernel"):
+        monkeypatch.setattr(_triton_solve, name, ArgumentRecorder(getattr(_triton_solve, name), name, seen))
+    errors = check_against_reference(70, 16, strict=True, with_beta=True, gamma=[0.6], cuts=[[0, 29]], batch=1,
+                                     dims=(8, 160), tolerance=TENSOR_CORE_BOUNDS[operands])
+    assert max(errors.values()) > 1e-6  # the operands' rounding is there
+    slices = {name: {grid[-1] for n, _, grid in seen if n == name} for name in ("past_span_kernel",
+                                                                                  "solve_forward_kernel")}
+    assert slices == {"past_span_kernel": {2}, "solve_forward_kernel": {5}}
+
+
 class ArgumentRecorder:
     """Stands in for a @triton.jit kernel: records each launch's tensor arguments and grid, then launches it."""
 

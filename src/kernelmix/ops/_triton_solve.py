@@ -43,12 +43,17 @@ SPAN_OPERANDS = "tf32"
 SUBSPAN_ROWS = 128
 # A program of the forward's span kernel holds SPAN_ROW_BLOCKS row blocks against each streamed column
 # tile: the products per byte streamed grow with its rows, and these kernels are bound by their bytes.
-# ptxas (sm_90, d = 128, 8 warps) at 128 rows: 202 registers with bf16 operands and one 128-column
-# slice, 235 with TF32 and 64 columns, no spill. Its pushes do the same, merging their rows with the
+# ptxas (sm_90, d = 128, 8 warps) at 128 rows and one 128-column slice: 214 registers with either
+# operands, no spill. Its pushes do the same, merging their rows with the
 # stored partials a quarter of the value columns at a time (``quarters`` in ``_triton_solve_tiles``:
 # 208-229 registers; merged whole, 128 rows of a 128-column slice spilled 72-128 B, so they kept one
 # row block until then).
 SPAN_ROW_BLOCKS = 2
+# The forward's span kernel and pushes stream the columns SPAN_STREAM_COLUMNS at a time and hold up to 128
+# value columns with either tensor-core operands: with TF32 ones, 64-column tiles spilled 68 B at 128
+# value columns (216 B with 64-bit in-block offsets), so they took two slices of 64, each forming the
+# logits again; 32-column tiles: 214-218 registers, no spill (ptxas, sm_90, d = 128).
+SPAN_STREAM_COLUMNS = 32
 # A program of the transposed direction's span kernel and of its pushes holds SPAN_COLUMN_BLOCKS column
 # blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, streaming the rows in
 # tiles of FUTURE_STREAM_ROWS (ptxas, sm_90, 8 warps: 202-238 registers, no spill; at 128-wide heads
@@ -187,11 +192,12 @@ class _Layout:
         # bf16 operands are read from bf16 copies of x, y, U and db (half the bytes of fp32 tiles rounded
         # in registers, the same values): the sequential kernels store U's and db's as they solve them
         self.shadowed = self.operands == "bf16"
-        # the forward's span kernels and pushes: slices of BLOCK_V columns, or with bf16 operands of up to 128
-        # (one slice forms each kernel tile once; ptxas, sm_90, d = 128: 204-206 registers, no spill, where
-        # fp32 tiles rounded in registers spilled 216 B at 128); the sequential kernel takes sequential_v
-        # and reads the partials of the span slice its columns lie in
-        self.span_block_v = min(128, self.block_dv) if self.shadowed else self.block_v
+        # the forward's span kernels and pushes: slices of up to 128 value columns on tensor cores (one slice
+        # forms each kernel tile once), streaming the columns SPAN_STREAM_COLUMNS at a time; BLOCK_V with fp32
+        # operands (one span); the sequential kernel takes sequential_v and reads the partials of the span
+        # slice its columns lie in
+        self.span_block_v = min(128, self.block_dv) if self.operands != "fp32" else self.block_v
+        self.span_stream_t = min(self.block_t, SPAN_STREAM_COLUMNS)
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
         # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
         # stored partials (push_block_r, the same: see SPAN_ROW_BLOCKS)
@@ -377,7 +383,8 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
             *_strides4(acc), *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start,
             row_start + grid_blocks * lay.block_t, column_start, column_stop, BLOCK_T=lay.block_t,
             BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, BLOCK_R=lay.span_rows(carry_on), STRICT=lay.strict,
-            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, num_warps=lay.span_warps(carry_on),
+            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, STREAM_T=lay.span_stream_t,
+            num_warps=lay.span_warps(carry_on),
         )
 
     for span in range(lay.spans):
@@ -607,11 +614,11 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
     kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
                ("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
-                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False}, lay.spans - 1),
+                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False, "STREAM_T": lay.span_stream_t}, lay.spans - 1),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
-               ("solve_span_push", past_span_kernel, push_grid, span | {"BLOCK_R": lay.push_block_r, "CONTINUE": True},
-                len(reach)),
+               ("solve_span_push", past_span_kernel, push_grid,
+                span | {"BLOCK_R": lay.push_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t}, len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
                 transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t(False),
                               "ACCUMULATE": False}, lay.spans - 1),

@@ -55,8 +55,8 @@ float64 is at the constant).
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
-masks; the value slice of the span kernels is ``BLOCK_V = min(64, max(16, next_pow2(dv)))`` (up to
-128 with bf16 operands and in the transposed direction), the sequential kernels' SUBSTITUTION_VALUES;
+masks; the value slice of the span kernels is up to 128 columns on tensor cores (``BLOCK_V =
+min(64, max(16, next_pow2(dv)))`` with fp32 operands), the sequential kernels' SUBSTITUTION_VALUES;
 the row and column gradient kernels hold all of dv (``BLOCK_DV``). A program of the forward's span
 kernel holds ``BLOCK_R`` rows and one of the transposed direction's ``BLOCK_C`` columns (whole row
 blocks: ``SPAN_ROW_BLOCKS``, ``SPAN_COLUMN_BLOCKS``), so that each tile they stream serves them all.
@@ -133,11 +133,13 @@ if triton is not None:
         s_dsb, s_dst, heads, length, dk, dv, scale2, row_start, row_stop, column_start, column_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
         STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, CONTINUE: tl.constexpr,
+        STREAM_T: tl.constexpr,
     ):
         """Grid (B·H, blocks of ``BLOCK_R`` rows from ``row_start``, value slices), all in parallel: rows
         I against the solved columns [max(first_I, column_start), column_stop), all before its rows, in
-        tiles of BLOCK_T columns that each serve all BLOCK_R rows (BLOCK_R is a multiple of BLOCK_T, so a
-        launch's last program may reach past ``row_stop``: only the rows before it are stored): the online
+        tiles of STREAM_T columns (a divisor of BLOCK_T) that each serve all BLOCK_R rows (BLOCK_R is a
+        multiple of BLOCK_T, so a launch's last program may reach past ``row_stop``: only the rows before it
+        are stored): the online
         softmax's running max, sum and Σ_j exp2(s_ij − max) u_j, started afresh or, with ``CONTINUE``,
         carried on from the partials stored (per value slice, so that no slice reads another's update);
         :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
@@ -161,7 +163,7 @@ if triton is not None:
             x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, column_stop,
             s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_R], MAX_FLOOR, dtype=tl.float32),
             tl.zeros([BLOCK_R], dtype=tl.float32), tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32),
-            BLOCK_T, BLOCK_K, STRICT, OPERANDS,
+            STREAM_T, BLOCK_K, STRICT, OPERANDS,
         )
         # a program of BLOCK_R rows may reach past the rows launched for (the span's end): those it neither
         # reads partials for nor stores
