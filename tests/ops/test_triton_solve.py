@@ -282,8 +282,11 @@ def test_tensor_core_spans_within_their_measured_error(monkeypatch, operands, bo
 # alone, 128 columns a program, its tiles transposed, rows streamed 16 at a time, dx by atomics); spans
 # of 128 in sub-spans of 64 so that T = 300 has three spans and pushes; document boundaries mid-block
 # and mid-group.
-@pytest.mark.parametrize("operands, dims", [("tf32", (8, 12)), ("bf16", (8, 100))])
-@pytest.mark.parametrize("case", ["cubit", "deltaformer"])
+# Cubit with bf16 operands at these blocks runs with -m slow (12 s here; Cubit's bf16 one-pass gradients
+# run by default in test_tensor_core_spans_within_their_measured_error, DeltaFormer's here).
+@pytest.mark.parametrize("operands, dims, case", [
+    ("tf32", (8, 12), "cubit"), ("tf32", (8, 12), "deltaformer"), ("bf16", (8, 100), "deltaformer"),
+    pytest.param("bf16", (8, 100), "cubit", marks=pytest.mark.slow)])
 def test_gradient_kernels_at_the_plans_blocks(monkeypatch, operands, dims, case):
     monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 128)
     monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 64)
@@ -296,7 +299,9 @@ def test_gradient_kernels_at_the_plans_blocks(monkeypatch, operands, dims, case)
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
-@pytest.mark.parametrize("operands", ["tf32", "bf16"])
+# bf16's slices of 128 are also read by test_bf16_operands_are_read_from_bf16_copies (one slice): its
+# two-slice case runs with -m slow
+@pytest.mark.parametrize("operands", ["tf32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_forward_span_slices_of_128_value_columns(monkeypatch, operands):
     """On tensor cores the forward's span kernels and pushes hold up to 128 value columns a program: at
     dv = 160 two slices (the second of 32 columns), which the sequential kernels' five slices of 32 read
@@ -527,6 +532,10 @@ def test_rejects_bad_inputs_and_cpu_without_interpreter(monkeypatch):
         triton_kernel_solve(x, x, b.to("meta"), **common)
     with pytest.raises(KernelmixError, match="integer"):
         triton_kernel_solve(x, x, b, **(common | {"doc_start": torch.zeros(1, 4)}))
+    with monkeypatch.context() as patch:  # operands the kernels were not measured with: named, with the choices
+        patch.setattr(_triton_solve, "SPAN_OPERANDS", "tf32x3")
+        with pytest.raises(KernelmixError, match="'tf32x3'.*tf32, bf16, fp32.*SPAN_OPERANDS"):
+            triton_kernel_solve(x, x, b, **common)
     monkeypatch.setattr(_triton_solve, "interpreter_enabled", lambda: False)
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
         triton_kernel_solve(x, x, b, **common)
@@ -553,7 +562,24 @@ def test_on_cuda(monkeypatch, strict, with_beta, gamma, cuts, cubit_like, operan
                             cubit_like=cubit_like, device="cuda", tolerance=TENSOR_CORE_BOUNDS[operands])
 
 
+def test_forward_span_kernels_take_the_blocks_that_compile_without_spills():
+    """The forward's span kernel and pushes (ptxas, sm_90, 8 warps, no spill): 128 value columns streamed
+    32 columns at a time with either tensor-core operands at keys up to 128 wide, and with bf16 ones at
+    256; with TF32 ones at 256, 64 value columns streamed 16 at a time; fp32 operands (one span), 64."""
+    def blocks(d, operands, length=8192):
+        launches = {x.name: x for x in _triton_solve.solve_launches(1, 8, length, d, d, chunk_size=64, strict=False,
+                                                                    has_beta=False, has_doc=True, operands=operands)}
+        name = "solve_past_span" if "solve_past_span" in launches else "solve_span_push"
+        return launches[name].constexprs["BLOCK_V"], launches[name].constexprs["STREAM_T"]
+
+    assert blocks(128, "tf32") == blocks(128, "bf16") == blocks(256, "bf16") == (128, 32)
+    assert blocks(64, "tf32") == (64, 32)
+    assert blocks(256, "tf32") == (64, 16)
+    assert blocks(128, "tf32", length=1000) == (64, 32)  # one span: fp32 operands, its pushes only
+
+
 AOT_SCRIPT = textwrap.dedent("""
+    import dataclasses
     import sys
     import triton
     from kernelmix.ops import _triton_solve as solve
@@ -571,6 +597,10 @@ AOT_SCRIPT = textwrap.dedent("""
     bf16 = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True,
                                 operands="bf16")
     assert all(x.constexprs.get("OPERANDS", "bf16") == "bf16" for x in bf16)
+    # and its column kernel without dx (x needs no gradient): the transposed tiles without the atomics
+    column = next(x for x in bf16 if x.name == "solve_grad_columns")
+    assert column.constexprs["COLUMN_MAJOR"] and column.constexprs["ROW_GRAD"]
+    bf16.append(dataclasses.replace(column, constexprs=dict(column.constexprs, ROW_GRAD=False)))
     # the column kernel adding dx by atomics: TF32 operands at a 128-wide head, where the row kernel spilled
     wide = [x for x in solve.solve_launches(1, 2, 100, 128, 128, chunk_size=16, strict=False, has_beta=False,
                                             has_doc=True) if x.name == "solve_grad_columns"]
@@ -590,7 +620,7 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     type that changes in a loop): compile the nine launches (seven kernels, two of them also as pushes),
     Cubit's gradient kernels (without β), the column kernel adding dx by atomics (TF32 at a 128-wide
     head) and the nine again with bf16 operands but the row kernel (bf16 tiles into bf16 products, the
-    copies stored, the column kernel's transposed tiles adding dx by atomics), for
+    copies stored, the column kernel's transposed tiles adding dx by atomics, and without dx), for
     sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=20)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=21)

@@ -34,6 +34,7 @@ LOG2E = 1.0 / math.log(2.0)
 # bytes, at the bf16 peak) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
 SPAN_ROWS = 1024
 SPAN_OPERANDS = "tf32"
+SPAN_OPERAND_CHOICES = ("tf32", "bf16", "fp32")
 # Inside a span, the sequential launch solves SUBSPAN_ROWS rows at a time (whole row blocks); after
 # each sub-span, one parallel launch pushes its solved rows into the online softmax of the span's
 # later rows (forward; backward: into the sums of the span's earlier columns). The sequential work,
@@ -46,13 +47,15 @@ SUBSPAN_ROWS = 128
 # ptxas (sm_90, d = 128, 8 warps) at 128 rows and one 128-column slice: 214 registers with either
 # operands, no spill. Its pushes do the same, merging their rows with the
 # stored partials a quarter of the value columns at a time (``quarters`` in ``_triton_solve_tiles``:
-# 208-229 registers; merged whole, 128 rows of a 128-column slice spilled 72-128 B, so they kept one
+# 109-218 registers; merged whole, 128 rows of a 128-column slice spilled 72-128 B, so they kept one
 # row block until then).
 SPAN_ROW_BLOCKS = 2
 # The forward's span kernel and pushes stream the columns SPAN_STREAM_COLUMNS at a time and hold up to 128
 # value columns with either tensor-core operands: with TF32 ones, 64-column tiles spilled 68 B at 128
 # value columns (216 B with 64-bit in-block offsets), so they took two slices of 64, each forming the
-# logits again; 32-column tiles: 214-218 registers, no spill (ptxas, sm_90, d = 128).
+# logits again; 32-column tiles: 214-218 registers, no spill (ptxas, sm_90, d = 128). With TF32 operands
+# and 256-wide keys (outside the plan's shapes) 128 value columns spilled 76-348 B however streamed, and
+# 64 in tiles of 32 or 64 spilled 28-300 B: there 64 value columns streamed 16 at a time (230-236, none).
 SPAN_STREAM_COLUMNS = 32
 # A program of the transposed direction's span kernel and of its pushes holds SPAN_COLUMN_BLOCKS column
 # blocks against each streamed row tile, for the same reason as SPAN_ROW_BLOCKS, streaming the rows in
@@ -81,16 +84,17 @@ SUBSTITUTION_LOGIT_CHUNK = 16
 # the row kernel forms dx (own: x, db and the dx accumulator; streams y, U) and the column kernel dy
 # (own: y, U and the dy accumulator; streams x, db), each writing its rows once: no atomics, the same
 # bits on every run. Elsewhere the column kernel also forms dx, adding each (column group, row tile)
-# pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows at 128-wide heads:
+# pair's part by fp32 atomics, streaming GRADIENT_WIDE_STREAM_ROWS rows (at 128-wide heads, and with bf16
+# operands at any):
 # - bf16 operands: 128 columns a program, its tiles transposed (``COLUMN_MAJOR``: 246 registers at
 #   d = 128, no spill). One pass forms each pair's logits and db·uᵀ once where two passes form them
-#   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target, and
-#   2.40× SDPA for the solve's products alone, against 2.69×).
+#   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target; the
+#   solve's products alone, 2.69× SDPA with two passes, fell to 2.40×).
 # - TF32 operands at 128-wide heads (the row kernel spilled 1.0-1.6 KB at 64 rows): a column block a
 #   program (202-255 registers; streaming 32 rows spilled 24-216 B; transposed tiles 1.1-1.6 KB);
 # - fp32 operands (one span; the row kernel spilled 3.4 KB at 64-wide heads).
 GRADIENT_STREAM_ROWS = 32
-GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx at 128-wide heads
+GRADIENT_WIDE_STREAM_ROWS = 16  # the column kernel with dx: at 128-wide heads, and with bf16 operands
 GRADIENT_GROUP_BLOCKS = 2
 # The kernels offset a tile's rows and columns inside its block in 32 bits (``load_block``): a tensor
 # whose strides could overflow that (a block of up to MAX_BLOCK rows or columns) is made contiguous first.
@@ -183,12 +187,16 @@ class _Layout:
         self.sequential_v = min(SUBSTITUTION_VALUES, padded_dim(self.dv))
         self.slices = triton.cdiv(self.dv, self.sequential_v)
         # the transposed direction's span kernels (and pushes) take slices of up to 128 value columns: one
-        # slice forms each kernel tile once (ptxas, sm_90, d = 128: 228-247 registers, no spill, where
-        # the forward's online softmax spilled 216 B at 128); its sequential kernel takes sequential_v
+        # slice forms each kernel tile once (ptxas, sm_90, d = 128: 203-238 registers, no spill); its
+        # sequential kernel takes sequential_v
         self.future_block_v = min(128, self.block_dv)
         self.future_slices = triton.cdiv(self.dv, self.future_block_v)
         # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
-        self.operands = (SPAN_OPERANDS if operands is None else operands) if self.spans > 1 else "fp32"
+        chosen = SPAN_OPERANDS if operands is None else operands
+        if chosen not in SPAN_OPERAND_CHOICES:
+            raise KernelmixError(f"the solve's span operands are {chosen!r}: choose one of "
+                                 f"{', '.join(SPAN_OPERAND_CHOICES)} (SPAN_OPERANDS in kernelmix.ops._triton_solve)")
+        self.operands = chosen if self.spans > 1 else "fp32"
         # bf16 operands are read from bf16 copies of x, y, U and db (half the bytes of fp32 tiles rounded
         # in registers, the same values): the sequential kernels store U's and db's as they solve them
         self.shadowed = self.operands == "bf16"
@@ -196,8 +204,11 @@ class _Layout:
         # forms each kernel tile once), streaming the columns SPAN_STREAM_COLUMNS at a time; BLOCK_V with fp32
         # operands (one span); the sequential kernel takes sequential_v and reads the partials of the span
         # slice its columns lie in
-        self.span_block_v = min(128, self.block_dv) if self.operands != "fp32" else self.block_v
-        self.span_stream_t = min(self.block_t, SPAN_STREAM_COLUMNS)
+        # (TF32 with keys wider than 128: 64 value columns streamed 16 at a time, see SPAN_STREAM_COLUMNS)
+        narrow_slices = self.operands == "fp32" or (self.operands == "tf32" and self.block_k > 128)
+        self.span_block_v = self.block_v if narrow_slices else min(128, self.block_dv)
+        self.span_stream_t = min(self.block_t, 16 if self.operands == "tf32" and self.block_k > 128
+                                 else SPAN_STREAM_COLUMNS)
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
         # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
         # stored partials (push_block_r, the same: see SPAN_ROW_BLOCKS)
@@ -456,10 +467,12 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
                     need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve. e_i = db_i·(K U)_i is O(T·d): Cubit's
     K U = b − γ U (β = 1), DeltaFormer's as its forward stored it (``ku``; (b − γU)/β would amplify
-    rounding where β is small). Then dx and dy, two passes over the T² pairs: the row kernel's dx and the
-    column kernel's dy, or where the row kernel does not compile without spills (``_Layout.dx_rows``)
-    the column kernel alone, adding dx by fp32 atomics (``ROW_GRAD``). With bf16 operands the kernels
-    read the bf16 copies of x, y, U (``u16``, the forward's) and db."""
+    rounding where β is small). Then dx and dy: two passes over the T² pairs, the row kernel's dx and the
+    column kernel's dy, where ``_Layout.dx_rows`` (TF32 operands at heads up to 64 wide); elsewhere the
+    column kernel alone, adding dx by fp32 atomics (``ROW_GRAD``): with bf16 operands in one pass by
+    choice (each pair's logits formed once), with TF32 at wider heads and fp32 ones because the row
+    kernel spills there. With bf16 operands the kernels read the bf16 copies of x, y, U (``u16``, the
+    forward's) and db."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)

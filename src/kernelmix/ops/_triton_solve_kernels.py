@@ -41,9 +41,11 @@ DeltaFormer's as its forward stored it (formed there, as (b − γU)/β would am
 is small); then dx and dy (S = db uᵀ, dx_i = −scale β_i Σ_j K_ij (S_ij − e_i) y_j), in parallel: the
 row kernel (``grad_rows_kernel``) gives dx over the columns its rows see and the column kernel
 (``grad_columns_kernel``) dy over the rows that see its columns, each writing its own rows once
-(the same bits on every run); where the row kernel spills (``_triton_solve``, GRADIENT_STREAM_ROWS),
-the column kernel also gives dx, each (column block, row tile) pair adding its part with fp32
-atomics (on a GPU the order of those additions, so dx's last bits, may then differ from run to run).
+(the same bits on every run); with bf16 operands (one pass: each pair's logits formed once, the
+column kernel's tiles transposed, ``COLUMN_MAJOR``) and where the row kernel spills (``_triton_solve``,
+GRADIENT_STREAM_ROWS), the column kernel also gives dx, each (column group, row tile) pair adding its
+part with fp32 atomics (on a GPU the order of those additions, so dx's last bits, may then differ from
+run to run).
 dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U, the log-normalisers and (DeltaFormer)

@@ -69,7 +69,7 @@ GRID_BOUNDS = {
     "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks)",
     "solve_grad_columns": "B·H·⌈T/BLOCK_C⌉: one program per BLOCK_C columns (dy, and dx by atomics where the row "
                           "kernel does not run; GRADIENT_GROUP_BLOCKS column blocks beside the row kernel and "
-                          "with bf16 operands, else one)",
+                          "with bf16 operands at heads up to 128 wide, else one)",
     "features_chunk_states": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span of S chunks and value block",
     "features_state_scan": "B·H·⌈m/16⌉·⌈d_v/16⌉: one program per 16 × 16 tile of the state walks the spans in order",
     "features_forward": "⌈T/(S·C)⌉·B·H·⌈d_v/BLOCK_V⌉: one program per span and value block walks its chunks",

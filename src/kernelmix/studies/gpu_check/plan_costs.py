@@ -177,7 +177,7 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     ob = BF16 if shadowed else FP32
     if name in ("solve_future_span", "solve_span_push_transposed"):  # the transposed span kernels' wider slices
         v = tiles["future_block_v"]
-    elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider with bf16 operands)
+    elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider on tensor cores)
         v = tiles["span_block_v"]
     # row (column) blocks per program of the forward's (transposed direction's) span kernels
     count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c, tiles["future_block_c"] // c)
