@@ -45,10 +45,9 @@ SUBSPAN_ROWS = 128
 # A program of the forward's span kernel holds SPAN_ROW_BLOCKS row blocks against each streamed column
 # tile: the products per byte streamed grow with its rows, and these kernels are bound by their bytes.
 # ptxas (sm_90, d = 128, 8 warps) at 128 rows and one 128-column slice: 214 registers with either
-# operands, no spill. Its pushes do the same, merging their rows with the
-# stored partials a quarter of the value columns at a time (``quarters`` in ``_triton_solve_tiles``:
-# 109-218 registers; merged whole, 128 rows of a 128-column slice spilled 72-128 B, so they kept one
-# row block until then).
+# operands, no spill. Its pushes do the same, merging their rows with the stored partials a quarter of
+# the value columns at a time (``quarters`` in ``_triton_solve_tiles``: 109-218 registers; merged whole,
+# 128 rows of a 128-column slice spilled 72-128 B, so they kept one row block until then).
 SPAN_ROW_BLOCKS = 2
 # The forward's span kernel and pushes stream the columns SPAN_STREAM_COLUMNS at a time and hold up to 128
 # value columns with either tensor-core operands: with TF32 ones, 64-column tiles spilled 68 B at 128

@@ -78,6 +78,7 @@ from ._triton_solve_tiles import (
     doc_starts,
     first_column,
     kernel_tile,
+    kernel_tile_transposed,
     load_block,
     masked_logits,
     quarters,
@@ -141,10 +142,9 @@ if triton is not None:
         I against the solved columns [max(first_I, column_start), column_stop), all before its rows, in
         tiles of STREAM_T columns (a divisor of BLOCK_T) that each serve all BLOCK_R rows (BLOCK_R is a
         multiple of BLOCK_T, so a launch's last program may reach past ``row_stop``: only the rows before it
-        are stored): the online
-        softmax's running max, sum and Σ_j exp2(s_ij − max) u_j, started afresh or, with ``CONTINUE``,
-        carried on from the partials stored (per value slice, so that no slice reads another's update);
-        :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
+        are stored): the online softmax's running max, sum and Σ_j exp2(s_ij − max) u_j, started afresh or,
+        with ``CONTINUE``, carried on from the partials stored (per value slice, so that no slice reads
+        another's update); :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
         earlier span, and, inside a span, for the rows after a solved sub-span against it (a push).
         Its products are the off-diagonal ones, the bulk of the solve: on tensor cores unless
         ``OPERANDS`` is "fp32"."""
@@ -372,13 +372,8 @@ if triton is not None:
                 scores = product(u_tile, tl.trans(db_rows), OPERANDS) - e_rows[None, :]
                 if HAS_BETA:
                     scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[None, :]
-                logits = product(y_tile, tl.trans(x_tile), OPERANDS) * scale2
-                visible = (cols[:, None] >= starts[None, :]) & (rows[None, :] < length) & (cols[:, None] < length)
-                if STRICT:
-                    visible = visible & (cols[:, None] < rows[None, :])
-                else:
-                    visible = visible & (cols[:, None] <= rows[None, :])
-                scores = tl.exp2(tl.where(visible, logits, float("-inf")) - lse_rows[None, :]) * scores
+                scores = kernel_tile_transposed(y_tile, x_tile, lse_rows, rows, cols, starts, length, scale2, STRICT,
+                                                OPERANDS) * scores
                 total += product(scores, x_tile, OPERANDS)
                 if ROW_GRAD:  # relaxed: the sums need no order among themselves, only the launch's end
                     tl.atomic_add(gx_ptr + rows[None, :].to(tl.int64) * s_gxt + kcols[:, None] * s_gxd,

@@ -19,7 +19,7 @@ except ImportError:  # the module imports without Triton (it then defines no dev
 MAX_FLOOR = -1.0e30 if tl is None else tl.constexpr(-1.0e30)
 
 __all__ = ["MAX_FLOOR", "load_block", "store_block", "quarters", "add_to_stored", "row_vector", "doc_starts", "betas",
-           "first_column", "masked_logits", "kernel_tile", "span_partials"]
+           "first_column", "masked_logits", "kernel_tile", "kernel_tile_transposed", "span_partials"]
 
 
 if triton is not None:
@@ -111,6 +111,19 @@ if triton is not None:
         entries are −inf, and exp2(−inf − lse) = 0: lse is finite, 0 for an empty row)."""
         logits = masked_logits(x_tile, y_tile, rows, cols, starts, length, scale2, STRICT, OPERANDS)
         return tl.exp2(logits - lse_rows[:, None])
+
+    @triton.jit
+    def kernel_tile_transposed(y_tile, x_tile, lse_rows, rows, cols, starts, length, scale2, STRICT: tl.constexpr,
+                               OPERANDS: tl.constexpr):
+        """:func:`kernel_tile` transposed, K_IJᵀ (columns × rows), formed as y·xᵀ: the same products,
+        masks and log-normalisers, for a kernel whose products take its columns as their rows."""
+        logits = product(y_tile, tl.trans(x_tile), OPERANDS) * scale2
+        visible = (cols[:, None] >= starts[None, :]) & (rows[None, :] < length) & (cols[:, None] < length)
+        if STRICT:
+            visible = visible & (cols[:, None] < rows[None, :])
+        else:
+            visible = visible & (cols[:, None] <= rows[None, :])
+        return tl.exp2(tl.where(visible, logits, float("-inf")) - lse_rows[None, :])
 
     @triton.jit
     def span_partials(max_ptr, sum_ptr, acc_ptr, row0, vcols, s_at, s_ad, length, dv,
