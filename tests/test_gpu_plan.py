@@ -286,7 +286,7 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
         future, future_push = launches["solve_future_span"], launches["solve_span_push_transposed"]
         assert (future.constexprs["BLOCK_C"], future_push.constexprs["BLOCK_C"]) == (128, 128)
         assert future.grid[1] * future.constexprs["BLOCK_C"] == 1024 and future_push.grid[1] == 8 * 64 // 128
-        one_block = dict(past.tiles, span_block_r=64, push_block_r=64)
+        one_block = dict(past.tiles, span_block_r=64)
         for name in ("solve_past_span", "solve_span_push"):
             grouped = solve_cost(name, past.tiles, shape["heads"], False, True)
             single = solve_cost(name, one_block, shape["heads"], False, True)
@@ -294,7 +294,7 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
             # each streamed tile once for two blocks; a push's partials (fp32, in and out) are not shared, and
             # with bf16 operands they are most of its bytes
             assert 0.45 < grouped.bytes / single.bytes < (0.75 if name == "solve_past_span" else 0.8), (operands, name)
-        one_column_block = dict(future.tiles, future_push_c=64)
+        one_column_block = dict(future.tiles, future_block_c=64)
         grouped = solve_cost("solve_span_push_transposed", future.tiles, shape["heads"], False, True)
         single = solve_cost("solve_span_push_transposed", one_column_block, shape["heads"], False, True)
         assert grouped.flops == single.flops and 0.45 < grouped.bytes / single.bytes < 0.8, operands

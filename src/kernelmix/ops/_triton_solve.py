@@ -204,19 +204,20 @@ class _Layout:
         # operands (one span); the sequential kernel takes sequential_v and reads the partials of the span
         # slice its columns lie in
         # (TF32 with keys wider than 128: 64 value columns streamed 16 at a time, see SPAN_STREAM_COLUMNS)
-        narrow_slices = self.operands == "fp32" or (self.operands == "tf32" and self.block_k > 128)
-        self.span_block_v = self.block_v if narrow_slices else min(128, self.block_dv)
-        self.span_stream_t = min(self.block_t, 16 if self.operands == "tf32" and self.block_k > 128
-                                 else SPAN_STREAM_COLUMNS)
+        tf32_wide_keys = self.operands == "tf32" and self.block_k > 128
+        self.span_block_v = self.block_v if self.operands == "fp32" or tf32_wide_keys else min(128, self.block_dv)
+        self.span_stream_t = min(self.block_t, 16 if tf32_wide_keys else SPAN_STREAM_COLUMNS)
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
-        # the forward span kernel's rows per program, started afresh (span_block_r) or carrying on from
-        # stored partials (push_block_r, the same: see SPAN_ROW_BLOCKS)
+        # rows per program of the forward's span kernel and its pushes (see SPAN_ROW_BLOCKS), at 8 warps from
+        # 64 × 128 tiles up (at 4, 128 rows of a 64-wide head spilled 120-600 B per thread; ptxas, sm_90)
         self.span_block_r = SPAN_ROW_BLOCKS * self.block_t
-        self.push_block_r = self.span_block_r
-        # the transposed direction's span kernel's columns per program, storing (future_block_c) or adding
-        # to the stored sums (future_push_c): see SPAN_COLUMN_BLOCKS
+        self.span_warps = _warps(self.span_block_r, max(self.block_k, self.span_block_v))
+        # columns per program of the transposed direction's span kernel and its pushes (see SPAN_COLUMN_BLOCKS),
+        # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks, else its row block
         self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
-        self.future_push_c = self.future_block_c
+        self.future_stream_t = min(self.block_t, FUTURE_STREAM_ROWS) if self.future_block_c > self.block_t \
+            else self.block_t
+        self.future_warps = _warps(self.future_block_c, max(self.block_k, self.future_block_v))
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
@@ -282,36 +283,14 @@ class _Layout:
         first, stop = self.span_blocks_of(span)
         return self.push_grid(stop - first, transposed)
 
-    def push_grid(self, blocks: int, transposed: bool = False, carry_on: bool = False) -> tuple[int, int, int]:
+    def push_grid(self, blocks: int, transposed: bool = False) -> tuple[int, int, int]:
         """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block
-        (forward: :meth:`span_rows` rows), value slice; the transposed direction's slices are wider)."""
+        (forward: ``span_block_r`` rows; transposed: ``future_block_c`` columns), value slice; the
+        transposed direction's slices are wider)."""
         if transposed:
-            return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.future_columns(carry_on)),
+            return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.future_block_c),
                     self.future_slices)
-        return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.span_rows(carry_on)), self.span_slices)
-
-    def span_rows(self, carry_on: bool) -> int:
-        """Rows per program of the forward's span kernel, started afresh or carrying on from stored partials."""
-        return self.push_block_r if carry_on else self.span_block_r
-
-    def future_columns(self, accumulate: bool) -> int:
-        """Columns per program of the transposed direction's span kernel, storing or adding to the sums."""
-        return self.future_push_c if accumulate else self.future_block_c
-
-    def future_stream_t(self, accumulate: bool) -> int:
-        """The row tiles it streams: FUTURE_STREAM_ROWS where it holds several column blocks, else its row
-        block."""
-        several = self.future_columns(accumulate) > self.block_t
-        return min(self.block_t, FUTURE_STREAM_ROWS) if several else self.block_t
-
-    def future_warps(self, accumulate: bool) -> int:
-        """Its warps: 8 for 64 × 128 tiles and up (as the solve's), else 4."""
-        return _warps(self.future_columns(accumulate), max(self.block_k, self.future_block_v))
-
-    def span_warps(self, carry_on: bool) -> int:
-        """The forward span kernel's warps: at 4, 128 rows of a 64-wide head spilled 120-600 B per thread
-        (ptxas, sm_90), at 8 none."""
-        return _warps(self.span_rows(carry_on), max(self.block_k, self.span_block_v))
+        return (self.batch * self.heads, triton.cdiv(blocks * self.block_t, self.span_block_r), self.span_slices)
 
     @property
     def gradient_grid(self) -> tuple[int, int]:
@@ -388,13 +367,13 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
 
     def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
         """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
-        past_span_kernel[lay.push_grid(grid_blocks, carry_on=carry_on)](
+        past_span_kernel[lay.push_grid(grid_blocks)](
             xs, ys, u16, ds_arg, row_max, row_sum, acc, *_strides4(xs), *_strides4(ys), *_strides4(u16),
             *_strides4(acc), *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start,
             row_start + grid_blocks * lay.block_t, column_start, column_stop, BLOCK_T=lay.block_t,
-            BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, BLOCK_R=lay.span_rows(carry_on), STRICT=lay.strict,
+            BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, BLOCK_R=lay.span_block_r, STRICT=lay.strict,
             HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, STREAM_T=lay.span_stream_t,
-            num_warps=lay.span_warps(carry_on),
+            num_warps=lay.span_warps,
         )
 
     for span in range(lay.spans):
@@ -432,13 +411,13 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     logits = _subspan_logits(x, y, doc_start, lay)
 
     def gather(column_first, columns, row_first, row_stop, accumulate):
-        future_span_kernel[lay.push_grid(columns, transposed=True, carry_on=accumulate)](
+        future_span_kernel[lay.push_grid(columns, transposed=True)](
             xs, ys, db16, beta_arg, ds_arg, lse, ends, future, *_strides4(xs), *_strides4(ys), *_strides4(db16),
             *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
             column_first, column_first + columns, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k,
-            BLOCK_V=lay.future_block_v, BLOCK_C=lay.future_columns(accumulate),
-            STREAM_T=lay.future_stream_t(accumulate), STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc,
-            OPERANDS=lay.operands, ACCUMULATE=accumulate, num_warps=lay.future_warps(accumulate),
+            BLOCK_V=lay.future_block_v, BLOCK_C=lay.future_block_c,
+            STREAM_T=lay.future_stream_t, STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc,
+            OPERANDS=lay.operands, ACCUMULATE=accumulate, num_warps=lay.future_warps,
         )
 
     ratio = lay.block_t // lay.sub_t  # bounds in substitution blocks
@@ -604,7 +583,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
-                 push_block_r=lay.push_block_r, future_block_c=lay.future_block_c, future_push_c=lay.future_push_c,
+                 future_block_c=lay.future_block_c,
                  gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
                  sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"])
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
@@ -614,8 +593,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                    for _, sub_stop in lay.subspans_of(index)[:-1])
     subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
     median = reach[len(reach) // 2] if reach else 1
-    push_grid, push_grid_transposed = (lay.push_grid(median, carry_on=True),
-                                          lay.push_grid(median, transposed=True, carry_on=True))
+    push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
     row_gradient = lay.gradient_flags(rows=True)  # dx, where it compiles without spills (else atomics)
     column_gradient = lay.gradient_flags(rows=False)
     row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
@@ -630,19 +608,19 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
                ("solve_span_push", past_span_kernel, push_grid,
-                span | {"BLOCK_R": lay.push_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t}, len(reach)),
+                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t}, len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
-                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t(False),
+                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t,
                               "ACCUMULATE": False}, lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, subspans),
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
-                transposed | {"BLOCK_C": lay.future_push_c, "STREAM_T": lay.future_stream_t(True), "ACCUMULATE": True},
+                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t, "ACCUMULATE": True},
                 len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.gradient_grid, row_gradient, int(lay.dx_rows)),
                ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
-    launch_warps = {"solve_past_span": lay.span_warps(False), "solve_span_push": lay.span_warps(True),
-                    "solve_future_span": lay.future_warps(False), "solve_span_push_transposed": lay.future_warps(True),
+    launch_warps = {"solve_past_span": lay.span_warps, "solve_span_push": lay.span_warps,
+                    "solve_future_span": lay.future_warps, "solve_span_push_transposed": lay.future_warps,
                     "solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_subspan_logits": logits_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
     def pointers(name: str) -> dict:

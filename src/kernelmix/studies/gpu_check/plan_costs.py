@@ -36,12 +36,12 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                dx per pair is added by fp32 atomics
 
 The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
-its pushes of ``push_block_r`` rows (as many), and the transposed direction's span kernel and
-pushes programs of ``SPAN_COLUMN_BLOCKS`` column blocks (``future_block_c``, ``future_push_c``
-columns; a push merges its tile with the stored one a quarter at a time, the same bytes): P and Q
-count the pairs they execute, a launch's last program reaching past its rows (columns) where their
-blocks do not divide; each program streams its tiles once for all its rows (columns), so their
-bytes are those of P / 2 (Q / 2) tiles at two blocks a program.
+its pushes as many, and the transposed direction's span kernel and pushes programs of
+``SPAN_COLUMN_BLOCKS`` column blocks (``future_block_c`` columns; a push merges its tile with the
+stored one a quarter at a time, the same bytes): P and Q count the pairs they execute, a launch's
+last program reaching past its rows (columns) where their blocks do not divide; each program
+streams its tiles once for all its rows (columns), so their bytes are those of P / 2 (Q / 2) tiles
+at two blocks a program.
 The gradient kernels run programs of ``gradient_group`` rows (columns) likewise (L₀ then counts the
 pairs they execute, :func:`row_group_tiles`, :func:`column_group_tiles`). e is O(T·d) in torch for
 both mixers (DeltaFormer's forward stores K U for it: a [T, D_v] fp32 store more in its sequential
@@ -194,7 +194,7 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     elif name in ("solve_span_push", "solve_span_push_transposed"):
         transposed = name == "solve_span_push_transposed"
         push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"],
-                          (tiles["future_push_c"] if transposed else tiles["push_block_r"]) // c)
+                          (tiles["future_block_c"] if transposed else tiles["span_block_r"]) // c)
         flops = slices * push["pairs"] * (2 * c * c * k + 2 * c * c * v)
         # per pair the streamed tile; per reached block its own tile (x or y) and the partials in and out
         # (the running max and sum and the mix; backward: the sums)
