@@ -239,21 +239,28 @@ def test_bf16_operands_halve_the_operand_bytes_and_take_the_bf16_peak():
         name = "solve_span_push_transposed"  # the same tiles: the same FLOPs, fewer bytes
         assert bf16[name]["flops"] == tf32[name]["flops"] and bf16[name]["precision"] == "bf16"
         assert 0.5 * tf32[name]["bytes"] < bf16[name]["bytes"] < 0.8 * tf32[name]["bytes"], name
-        # the gradients: the column kernel alone with either operands at this 128-wide head (dx by atomics), a
-        # column block a program with TF32, two with bf16: the same products per pair (a program's first block
-        # against its second's diagonal tile: 1% more pairs), about a third of the bytes (each streamed row
-        # tile serving 128 columns, its atomics too, operands at 2 B)
+        # the gradients, fused with bf16 operands: the transposed span kernel (two column blocks a program, as
+        # with TF32, the same grid) also forms its pairs' gradients on its kernel tiles: per pair db·uᵀ and
+        # the products with x (dy) and y (dx) on top of its logits and Kᵀ db, 2·C²·(3K + 2V) FLOPs where it
+        # formed 2·C²·(K + V): 2.5 times at K = V; its bytes grow by e and dx's atomics per streamed row
+        future = "solve_future_span"
+        assert bf16[future]["grid"] == tf32[future]["grid"]
+        assert bf16[future]["flops"] == 2.5 * tf32[future]["flops"]
+        assert 0.7 * tf32[future]["bytes"] < bf16[future]["bytes"] < 1.2 * tf32[future]["bytes"]
+        # ... and the column kernel then streams its span's own rows only: per span of 16 blocks, programs of
+        # two column blocks stream 16 + 14 + ... + 2 = 72 row tiles, 144 pairs (the 136 of the triangle and
+        # a program's first block against its second's diagonal tile), against 8,256 pairs over all rows
         columns = bf16["solve_grad_columns"]
         blocks = length // 64
-        grouped, single = column_group_tiles(blocks, 2)[0], column_group_tiles(blocks, 1)[0]  # 8,320 and 8,256
-        assert grouped == 8320 and single == 8256
-        assert columns["flops"] == tf32["solve_grad_columns"]["flops"] * grouped / single
-        assert 0.25 * tf32["solve_grad_columns"]["bytes"] < columns["bytes"] < 0.4 * tf32["solve_grad_columns"]["bytes"]
-        # the transposed span kernel holds two column blocks a program with either operands: the same FLOPs
-        # and programs, about half the bytes with 2 B operands
-        future = "solve_future_span"
-        assert bf16[future]["flops"] == tf32[future]["flops"] and bf16[future]["grid"] == tf32[future]["grid"]
-        assert 0.4 * tf32[future]["bytes"] < bf16[future]["bytes"] < 0.6 * tf32[future]["bytes"]
+        within, single = column_group_tiles(blocks, 2, 16)[0], column_group_tiles(blocks, 1)[0]
+        assert within == 8 * 144 and single == 8256
+        assert columns["flops"] == tf32["solve_grad_columns"]["flops"] * within / single
+        assert columns["bytes"] < 0.1 * tf32["solve_grad_columns"]["bytes"]
+        # fused, the pairs across spans form their logits once in the backward, not twice: fewer products
+        # in all (the gradients' 8·d a pair and the transposed solve's 4·d become 10·d across spans)
+        fused = bf16[future]["flops"] + columns["flops"]
+        apart = tf32[future]["flops"] + tf32["solve_grad_columns"]["flops"]
+        assert 0.8 * apart < fused < 0.9 * apart
         # the forward's span kernels take one slice of 128 value columns with either operands: the same FLOPs
         for name in ("solve_past_span", "solve_span_push"):
             assert bf16[name]["grid"][2] == tf32[name]["grid"][2] == 1

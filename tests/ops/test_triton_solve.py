@@ -337,8 +337,8 @@ class ArgumentRecorder:
 @pytest.mark.parametrize("with_beta", [False, True])
 def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     """With bf16 operands the span kernels, the pushes and the gradient kernels read bf16 x, y, U and
-    db (half the bytes), and the copies of U and db the sequential kernels store as they solve are
-    exactly the solved values rounded (to nearest, ties away, as the kernels round operands), every
+    db (half the bytes; db's copy is β ⊙ db), and the copies of U and db the sequential kernels store as
+    they solve are exactly the solved values rounded (to nearest, ties away, as the kernels round operands), every
     row and value slice of them; the sequential kernels themselves read fp32 (their logits and
     right-hand sides). dv = 80: the forward's span kernels take one slice of 128 columns, its
     sequential kernel three of 32, which read the one slice's partials; U within the bf16 bound of
@@ -375,7 +375,9 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
             assert operands[:3] == [torch.bfloat16] * 3, name
     _, columns, _ = next(item for item in seen if item[0] == "grad_columns_kernel")
     assert torch.equal(columns[2], _triton_solve.bf16_copy(u.detach()))  # the forward's copy of U
-    assert torch.equal(columns[3], _triton_solve.bf16_copy(leaves["b"].grad))  # db = dL/db
+    # db = dL/db, with β folded in (β ⊙ db: the kernels reading the copy multiply by no β)
+    folded = leaves["b"].grad if beta is None else beta[..., None] * leaves["b"].grad
+    assert torch.equal(columns[3], _triton_solve.bf16_copy(folded))
     assert columns[3].dtype == torch.bfloat16
 
 

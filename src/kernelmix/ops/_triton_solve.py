@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -240,6 +241,13 @@ class _Layout:
                                    and not self.dx_rows else GRADIENT_STREAM_ROWS)
         self.gradient_group = self.block_t * (GRADIENT_GROUP_BLOCKS if self.dx_rows or self.column_major else 1)
         self.gradient_warps = 8 if self.gradient_group * width >= 64 * 64 else 4
+        # FOLDED: with bf16 operands db's copy holds β ⊙ db and the kernels that read it take β e for e, so
+        # that they multiply by no β (the fused gradients below spilled 16 B with one β multiply more)
+        self.kernel_beta = self.has_beta and not self.shadowed
+        # FUSED_GRADIENTS: with bf16 operands (heads up to 128 wide) the transposed solve's span kernel forms
+        # the gradients of its pairs (the later spans') on its own kernel tiles; the column kernel then sums the
+        # spans' own rows only
+        self.fused_gradients = self.shadowed and self.future_slices == 1 and self.block_k <= 128
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -302,10 +310,12 @@ class _Layout:
         """The row (``rows``: dx) or column gradient kernel's blocks and warps; the column kernel adds dx
         by atomics (``ROW_GRAD``) unless the row kernel forms it."""
         flags = self.flags() | dict(BLOCK_DV=self.block_dv, OPERANDS=self.operands, num_warps=self.gradient_warps,
-                                    STREAM_T=self.row_stream_t if rows else self.column_stream_t)
+                                    STREAM_T=self.row_stream_t if rows else self.column_stream_t,
+                                    HAS_BETA=self.kernel_beta)
         if rows:
             return flags | dict(BLOCK_R=self.gradient_group)
-        return flags | dict(BLOCK_C=self.gradient_group, ROW_GRAD=not self.dx_rows, COLUMN_MAJOR=self.column_major)
+        return flags | dict(BLOCK_C=self.gradient_group, ROW_GRAD=not self.dx_rows, COLUMN_MAJOR=self.column_major,
+                            WITHIN_SPAN=self.fused_gradients)
 
 
 def bf16_copy(t: Tensor) -> Tensor:
@@ -395,12 +405,37 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
     return u, lse, (u16 if lay.shadowed else None), (ku if keep_mix else None)
 
 
-def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands):
+@dataclass
+class _FusedGradients:
+    """What the transposed solve's span kernel needs to form its pairs' gradients too (``_Layout.fused_gradients``):
+    U's bf16 copy, K U (``mixed``) and β for e, e and β e (filled span by span, as the spans' db are solved),
+    and dx (zeroed: atomics, where ``row_grad``) and dy (zeroed: the spans' own rows add theirs after)."""
+
+    u16: Tensor
+    mixed: Tensor
+    beta: Tensor | None
+    e: Tensor
+    e_kernel: Tensor
+    grad_x: Tensor
+    grad_y: Tensor
+    row_grad: bool
+
+    def fill_e(self, grad_b: Tensor, start: int, stop: int) -> None:
+        """e_i = db_i·(K U)_i (and β_i e_i, what the kernels read: FOLDED) for rows [start, stop)."""
+        part = (grad_b[:, :, start:stop] * self.mixed[:, :, start:stop]).sum(-1)
+        self.e[:, :, start:stop] = part
+        if self.beta is not None:
+            self.e_kernel[:, :, start:stop] = self.beta[:, :, start:stop] * part
+
+
+def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands,
+                      fused: _FusedGradients | None = None):
     """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
     (:func:`future_span_kernel`), then the span's own rows a sub-span at a time from the last: its back
     substitution (:func:`solve_transposed_kernel`), then a push of its db into the span's earlier columns.
-    ``operands``: the x and y the span kernels read (:func:`_operand_copies`). Returns db and its bf16
-    copy (bf16 operands; else db again)."""
+    ``operands``: the x and y the span kernels read (:func:`_operand_copies`). With ``fused``, the span
+    kernel over the later spans also forms those pairs' parts of dy and dx (the spans' e filled first).
+    Returns db and its bf16 copy (bf16 operands: β ⊙ db, FOLDED; else db again)."""
     grad_b = grad_u.new_empty(lay.batch, lay.length, lay.heads, lay.dv).transpose(1, 2)
     xs, ys = operands
     db16 = _shadow_like(grad_b, lay)
@@ -410,14 +445,18 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     common = (*lay.beta_strides, *lay.ds_strides)
     logits = _subspan_logits(x, y, doc_start, lay)
 
-    def gather(column_first, columns, row_first, row_stop, accumulate):
+    def gather(column_first, columns, row_first, row_stop, accumulate, gradients=False):
+        us, e, gy, gx = ((fused.u16, fused.e_kernel, fused.grad_y, fused.grad_x) if gradients
+                         else (xs, lse, grad_b, grad_b))  # (not read without gradients)
         future_span_kernel[lay.push_grid(columns, transposed=True)](
-            xs, ys, db16, beta_arg, ds_arg, lse, ends, future, *_strides4(xs), *_strides4(ys), *_strides4(db16),
-            *_strides4(future), *common, lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale2,
+            xs, ys, db16, beta_arg, ds_arg, lse, ends, future, us, e, gy, gx, *_strides4(xs), *_strides4(ys),
+            *_strides4(db16), *_strides4(future), *common, *_strides4(us), *_strides4(gy), *_strides4(gx),
+            lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
             column_first, column_first + columns, row_first, row_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k,
             BLOCK_V=lay.future_block_v, BLOCK_C=lay.future_block_c,
-            STREAM_T=lay.future_stream_t, STRICT=lay.strict, HAS_BETA=lay.has_beta, HAS_DOC=lay.has_doc,
-            OPERANDS=lay.operands, ACCUMULATE=accumulate, num_warps=lay.future_warps,
+            STREAM_T=lay.future_stream_t, STRICT=lay.strict, HAS_BETA=lay.kernel_beta, HAS_DOC=lay.has_doc,
+            OPERANDS=lay.operands, ACCUMULATE=accumulate, GRAD=gradients, ROW_GRAD=gradients and fused.row_grad,
+            num_warps=lay.future_warps,
         )
 
     ratio = lay.block_t // lay.sub_t  # bounds in substitution blocks
@@ -425,7 +464,7 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
         first, stop = lay.span_blocks_of(span)
         later = span < lay.spans - 1
         if later:  # every column of the span against all later spans
-            gather(first, stop - first, stop, lay.blocks, False)
+            gather(first, stop - first, stop, lay.blocks, False, fused is not None)
         subspans = lay.subspans_of(span)
         for index in reversed(range(len(subspans))):
             sub_first, sub_stop = subspans[index]
@@ -438,6 +477,8 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
             )
             if sub_first > first:  # push the solved db into the span's earlier columns
                 gather(first, sub_first - first, sub_first, sub_stop, seen)
+        if fused is not None:  # the span's e, for the earlier spans' gradients
+            fused.fill_e(grad_b, first * lay.block_t, min(stop * lay.block_t, lay.length))
     return grad_b, db16
 
 
@@ -450,36 +491,47 @@ def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, la
     column kernel alone, adding dx by fp32 atomics (``ROW_GRAD``): with bf16 operands in one pass by
     choice (each pair's logits formed once), with TF32 at wider heads and fp32 ones because the row
     kernel spills there. With bf16 operands the kernels read the bf16 copies of x, y, U (``u16``, the
-    forward's) and db."""
+    forward's) and β ⊙ db, and (``_Layout.fused_gradients``) the pairs across spans are summed by the
+    transposed solve's span kernel on its own kernel tiles, the column kernel summing the spans' own rows."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
                                                                      x.device)
     xs, ys = _operand_copies(lay, x, y)
     us = u if u16 is None else u16
-    grad_b, db16 = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay, (xs, ys))
-    beta_arg = x if beta is None else beta
-    ds_arg = x if doc_start is None else doc_start
     mixed = b - gamma[None, :, None, None] * u if beta is None else ku  # (ku None: no gradient needs e)
-    e = None if mixed is None else (grad_b * mixed).sum(-1).contiguous()
-    grad_x = grad_y = None
-    if need_x or need_y:
-        atomics = need_x and not lay.dx_rows
-        # laid out [B, T, H, dk] as the callers' tensors; zeroed where atomics add to it
+    atomics = need_x and not lay.dx_rows
+    grad_x = grad_y = fused = None
+    if need_x or need_y:  # laid out [B, T, H, dk] as the callers' tensors; zeroed where kernels add to them
         grad_x = (x.new_zeros if atomics else x.new_empty)(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
-        grad_y = x.new_empty(lay.batch, lay.length, lay.heads, lay.dk).transpose(1, 2)
+        grad_y = (x.new_zeros if lay.fused_gradients else x.new_empty)(lay.batch, lay.length, lay.heads,
+                                                                       lay.dk).transpose(1, 2)
+        if lay.fused_gradients:
+            e = x.new_empty(lay.batch, lay.heads, lay.length)
+            fused = _FusedGradients(us, mixed, beta, e, e if beta is None else torch.empty_like(e), grad_x, grad_y,
+                                    atomics)
+    grad_b, db16 = _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay, (xs, ys), fused)
+    if fused is not None:
+        e, e_kernel = fused.e, fused.e_kernel
+    else:
+        e = None if mixed is None else (grad_b * mixed).sum(-1).contiguous()
+        # FOLDED: the kernels that read β ⊙ db (bf16 operands) take β e
+        e_kernel = e if e is None or beta is None or lay.kernel_beta else (beta * e).contiguous()
+    if need_x or need_y:
+        beta_arg = x if beta is None else beta
+        ds_arg = x if doc_start is None else doc_start
         common = (*lay.beta_strides, *lay.ds_strides)
         if need_x and lay.dx_rows:
             grad_rows_kernel[lay.gradient_grid](
-                xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_x, *_strides4(xs), *_strides4(ys), *_strides4(us),
-                *_strides4(db16), *common, *_strides4(grad_x), lay.heads, lay.length, lay.dk, lay.dv, lay.scale,
-                lay.scale2, **lay.gradient_flags(rows=True),
+                xs, ys, us, db16, beta_arg, ds_arg, lse, e_kernel, grad_x, *_strides4(xs), *_strides4(ys),
+                *_strides4(us), *_strides4(db16), *common, *_strides4(grad_x), lay.heads, lay.length, lay.dk, lay.dv,
+                lay.scale, lay.scale2, **lay.gradient_flags(rows=True),
             )
         if need_y or atomics:
             grad_columns_kernel[lay.gradient_grid](
-                xs, ys, us, db16, beta_arg, ds_arg, lse, e, grad_y, grad_x, ends, *_strides4(xs), *_strides4(ys),
-                *_strides4(us), *_strides4(db16), *common, *_strides4(grad_y), *_strides4(grad_x), lay.heads,
-                lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
-                **(lay.gradient_flags(rows=False) | dict(ROW_GRAD=atomics)),
+                xs, ys, us, db16, beta_arg, ds_arg, lse, e_kernel, grad_y, grad_x, ends, *_strides4(xs),
+                *_strides4(ys), *_strides4(us), *_strides4(db16), *common, *_strides4(grad_y), *_strides4(grad_x),
+                lay.heads, lay.length, lay.blocks, lay.dk, lay.dv, lay.scale, lay.scale2,
+                lay.span_blocks * lay.block_t, **(lay.gradient_flags(rows=False) | dict(ROW_GRAD=atomics)),
             )
     return grad_b, (grad_x if need_x else None), (grad_y if need_y else None), e
 
@@ -585,6 +637,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
                  future_block_c=lay.future_block_c,
                  gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
+                 fused_gradients=lay.fused_gradients,
                  sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"])
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
@@ -601,7 +654,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     sub_warps = substitution.pop("num_warps")
     forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta,
                                            "HAS_DOC": lay.has_doc}
-    transposed = span | {"HAS_BETA": lay.has_beta, "BLOCK_V": lay.future_block_v}
+    transposed = span | {"HAS_BETA": lay.kernel_beta, "BLOCK_V": lay.future_block_v, "ROW_GRAD": False}
+    fused = {"GRAD": lay.fused_gradients, "ROW_GRAD": lay.fused_gradients}  # (the planned call asks for dx and dy)
     kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
                ("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
                 span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False, "STREAM_T": lay.span_stream_t}, lay.spans - 1),
@@ -611,12 +665,12 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                 span | {"BLOCK_R": lay.span_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t}, len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
                 transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t,
-                              "ACCUMULATE": False}, lay.spans - 1),
+                              "ACCUMULATE": False} | fused, lay.spans - 1),
                ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
                 substitution | {"HAS_FUTURE": several}, subspans),
                ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
-                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t, "ACCUMULATE": True},
-                len(reach)),
+                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t, "ACCUMULATE": True,
+                              "GRAD": False}, len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.gradient_grid, row_gradient, int(lay.dx_rows)),
                ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
     launch_warps = {"solve_past_span": lay.span_warps, "solve_span_push": lay.span_warps,

@@ -193,16 +193,22 @@ if triton is not None:
 
     @triton.jit
     def _transposed_later(
-        y_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, cols, i_block, end_block,
-        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
+        y_tile, u_tile, x_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, e_ptr, gx_ptr, cols, i_block, end_block,
+        s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2, vcols,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
         STREAM_T: tl.constexpr, STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
-        OPERANDS: tl.constexpr,
+        OPERANDS: tl.constexpr, GRAD: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
         """Σ_I A_IJᵀ db_I = Σ K_IJᵀ (β_I db_I) over the row blocks [i_block, end_block) that see the
-        ``BLOCK_C`` columns J (their db already stored), in row tiles of ``STREAM_T`` (a divisor of BLOCK_T)."""
+        ``BLOCK_C`` columns J (their db already stored), in row tiles of ``STREAM_T`` (a divisor of BLOCK_T).
+        With ``GRAD`` (these rows' e known, the value columns all of dv) also the same pairs' gradients on
+        the same kernel tiles: Σ_i K_iJ (db_i·u_J − e_i) x_i (= −dy_J / scale, returned second), and with
+        ``ROW_GRAD`` their parts of dx_i = −scale Σ_j K_ij (db_i·u_j − e_i) y_j, added to ``gx_ptr`` by fp32
+        atomics (as :func:`_grad_columns_sum`'s transposed tiles). β is then folded into db and e by the
+        caller (HAS_BETA off): a β multiply more on the kernel tile spilled 16 B (ptxas, sm_90, d = 128)."""
         kcols = tl.arange(0, BLOCK_K)
         total = tl.zeros([BLOCK_C, BLOCK_V], dtype=tl.float32)
+        gradient = tl.zeros([BLOCK_C, BLOCK_K], dtype=tl.float32)  # (dead, so no registers, without GRAD)
         r0 = i_block * BLOCK_T
         while r0 < end_block * BLOCK_T:  # loads inline: each device call costs the interpreter
             rows = r0 + tl.arange(0, STREAM_T)
@@ -216,22 +222,35 @@ if triton is not None:
             lse_rows = tl.load(lse_ptr + rows, mask=inside, other=0.0)
             db_rows = tl.load(db_ptr + rows[:, None].to(tl.int64) * s_dbt + vcols[None, :] * s_dbd,
                               mask=inside[:, None] & (vcols[None, :] < dv), other=0.0)
-            kernel = kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
-            if HAS_BETA:  # β_I on K's rows, not on db: a bf16 copy of db is then rounded once, as stored
-                kernel = kernel * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
-            total += product(tl.trans(kernel), db_rows, OPERANDS)
+            if GRAD:  # transposed tiles (columns × rows), as _grad_columns_sum's COLUMN_MAJOR (HAS_BETA off)
+                kernel = kernel_tile_transposed(y_tile, x_tile, lse_rows, rows, cols, starts, length, scale2, STRICT,
+                                                OPERANDS)
+                total += product(kernel, db_rows, OPERANDS)
+                scores = kernel * (product(u_tile, tl.trans(db_rows), OPERANDS)
+                                   - tl.load(e_ptr + rows, mask=inside, other=0.0)[None, :])
+                gradient += product(scores, x_tile, OPERANDS)
+                if ROW_GRAD:  # relaxed: the sums need no order among themselves, only the launch's end
+                    tl.atomic_add(gx_ptr + rows[None, :].to(tl.int64) * s_gxt + kcols[:, None] * s_gxd,
+                                  -scale * product(tl.trans(y_tile), scores, OPERANDS),
+                                  mask=inside[None, :] & (kcols[:, None] < dk), sem="relaxed")
+            else:
+                kernel = kernel_tile(x_tile, y_tile, lse_rows, rows, cols, starts, length, scale2, STRICT, OPERANDS)
+                if HAS_BETA:  # β_I on K's rows, not on db: a bf16 copy of db is then rounded once, as stored
+                    kernel = kernel * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[:, None]
+                total += product(tl.trans(kernel), db_rows, OPERANDS)
             r0 += STREAM_T
-        return total
+        return total, gradient
 
     @triton.jit
     def future_span_kernel(
-        x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr,
+        x_ptr, y_ptr, db_ptr, beta_ptr, ds_ptr, lse_ptr, end_ptr, fut_ptr, u_ptr, e_ptr, gy_ptr, gx_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_dbb, s_dbh, s_dbt, s_dbd, s_fb, s_fh, s_ft, s_fd,
-        s_betab, s_betah, s_betat, s_dsb, s_dst, heads, length, blocks, dk, dv, scale2, column_first,
+        s_betab, s_betah, s_betat, s_dsb, s_dst, s_ub, s_uh, s_ut, s_ud, s_gyb, s_gyh, s_gyt, s_gyd,
+        s_gxb, s_gxh, s_gxt, s_gxd, heads, length, blocks, dk, dv, scale, scale2, column_first,
         column_stop, row_first, row_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
         STREAM_T: tl.constexpr, STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr,
-        OPERANDS: tl.constexpr, ACCUMULATE: tl.constexpr,
+        OPERANDS: tl.constexpr, ACCUMULATE: tl.constexpr, GRAD: tl.constexpr, ROW_GRAD: tl.constexpr,
     ):
         """Grid (B·H, blocks of ``BLOCK_C`` columns from column block ``column_first``, value slices), all
         in parallel: columns J against the row blocks [row_first, row_stop) after them that see them,
@@ -240,7 +259,11 @@ if triton is not None:
         off-diagonal products, for a span's columns against every later span, and inside a span for
         the columns before a solved sub-span against it (a push); on tensor cores unless ``OPERANDS``
         is "fp32". BLOCK_C is a multiple of BLOCK_T: a launch's last program may reach past column
-        block ``column_stop``, and stores only the columns before it."""
+        block ``column_stop``, and stores only the columns before it. With ``GRAD`` (the later spans, one
+        value slice of all dv, β folded into db and e) it also forms those pairs' gradients on the same
+        kernel tiles (:func:`_transposed_later`): −scale Σ_i dL_iJ x_i stored as J's dy from the later
+        spans (the span's own rows add theirs in :func:`grad_columns_kernel`) and, with ``ROW_GRAD``, dx
+        by atomics; the gradient pass over these pairs then forms no logits of its own."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -252,14 +275,23 @@ if triton is not None:
         # the rows that see a column are a range that ends later for later columns: the last block's end
         last_block = tl.minimum(j_block + BLOCK_C // BLOCK_T, column_stop) - 1
         end_block = tl.minimum(tl.load(end_ptr + bi * blocks + last_block), row_stop)
-        total = _transposed_later(
-            y_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
+        if GRAD:  # all of dv (one value slice)
+            u_tile = load_block(u_ptr + bi * s_ub + hi * s_uh, j_block * BLOCK_T, vcols, s_ut, s_ud, length, dv,
+                                BLOCK_C)
+        else:
+            u_tile = y_tile  # (not read)
+        total, gradient = _transposed_later(
+            y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            cols, row_first, end_block, s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, length, dk, dv, scale2, vcols,
-            BLOCK_T, BLOCK_K, BLOCK_V, BLOCK_C, STREAM_T, STRICT, HAS_BETA, HAS_DOC, OPERANDS,
+            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, row_first, end_block,
+            s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2, vcols,
+            BLOCK_T, BLOCK_K, BLOCK_V, BLOCK_C, STREAM_T, STRICT, HAS_BETA, HAS_DOC, OPERANDS, GRAD, ROW_GRAD,
         )
         fut_ptr += bi * s_fb + hi * s_fh
         stop = tl.minimum(column_stop * BLOCK_T, length)
+        if GRAD:
+            store_block(gy_ptr + bi * s_gyb + hi * s_gyh, j_block * BLOCK_T, tl.arange(0, BLOCK_K), s_gyt, s_gyd,
+                        stop, dk, -scale * gradient, BLOCK_C)
         if ACCUMULATE:  # added to the stored sums a quarter of the value columns at a time (see QUARTERS)
             q0, q1, q2, q3 = quarters(total, BLOCK_C, BLOCK_V)
             q_cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V // 4)
@@ -400,14 +432,16 @@ if triton is not None:
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud,
         s_dbb, s_dbh, s_dbt, s_dbd, s_betab, s_betah, s_betat, s_dsb, s_dst,
         s_gyb, s_gyh, s_gyt, s_gyd, s_gxb, s_gxh, s_gxt, s_gxd,
-        heads, length, blocks, dk, dv, scale, scale2,
+        heads, length, blocks, dk, dv, scale, scale2, span_rows,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
         STRICT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr,
-        STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr, COLUMN_MAJOR: tl.constexpr,
+        STREAM_T: tl.constexpr, ROW_GRAD: tl.constexpr, COLUMN_MAJOR: tl.constexpr, WITHIN_SPAN: tl.constexpr,
     ):
         """Grid (B·H, groups of ``BLOCK_C`` columns, whole column blocks): dy_J = scale Σ_i dL_iJ x_i,
         dL_ij = −β_i K_ij (db_i·u_j − e_i); with ``ROW_GRAD`` also dx, by atomics (:func:`_grad_columns_sum`;
-        else :func:`grad_rows_kernel` forms it)."""
+        else :func:`grad_rows_kernel` forms it). With ``WITHIN_SPAN`` only the rows of the columns' own span
+        (of ``span_rows`` rows; a group lies in one span), adding to the dy stored: the later spans' rows
+        were summed by :func:`future_span_kernel` with ``GRAD``."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -418,11 +452,26 @@ if triton is not None:
         u_tile = load_block(u_ptr + bi * s_ub + hi * s_uh, c0, tl.arange(0, BLOCK_DV), s_ut, s_ud, length, dv, BLOCK_C)
         # the rows that see a column are a range that ends later for later columns: the last block's end
         end_block = tl.load(end_ptr + bi * blocks + tl.minimum((c0 + BLOCK_C) // BLOCK_T, blocks) - 1)
+        row_stop = end_block * BLOCK_T
+        if WITHIN_SPAN:
+            row_stop = tl.minimum(row_stop, (c0 // span_rows + 1) * span_rows)
         total = _grad_columns_sum(
             y_tile, u_tile, x_ptr + bi * s_xb + hi * s_xh, db_ptr + bi * s_dbb + hi * s_dbh,
             beta_ptr + bi * s_betab + hi * s_betah, ds_ptr + bi * s_dsb, lse_ptr + pid.to(tl.int64) * length,
-            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, c0, end_block * BLOCK_T,
+            e_ptr + pid.to(tl.int64) * length, gx_ptr + bi * s_gxb + hi * s_gxh, cols, c0, row_stop,
             s_xt, s_xd, s_dbt, s_dbd, s_betat, s_dst, s_gxt, s_gxd, length, dk, dv, scale, scale2,
             BLOCK_C, BLOCK_K, BLOCK_DV, STRICT, HAS_BETA, HAS_DOC, OPERANDS, STREAM_T, ROW_GRAD, COLUMN_MAJOR,
         )
-        store_block(gy_ptr + bi * s_gyb + hi * s_gyh, c0, kcols, s_gyt, s_gyd, length, dk, -scale * total, BLOCK_C)
+        gy_ptr += bi * s_gyb + hi * s_gyh
+        if WITHIN_SPAN:  # added to the later spans' part (future_span_kernel's; zeros for the last span's columns)
+            # a quarter of the columns at a time (see QUARTERS: loaded whole, 48 B spilled; ptxas, sm_90, d = 128)
+            q0, q1, q2, q3 = quarters(total, BLOCK_C, BLOCK_K)
+            q_cols = tl.arange(0, BLOCK_K // 4)
+            factor = tl.full([BLOCK_C], -scale, dtype=tl.float32)
+            one = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+            add_to_stored(gy_ptr, c0, q_cols, s_gyt, s_gyd, length, dk, q0, factor, one, BLOCK_C)
+            add_to_stored(gy_ptr, c0, q_cols + BLOCK_K // 4, s_gyt, s_gyd, length, dk, q1, factor, one, BLOCK_C)
+            add_to_stored(gy_ptr, c0, q_cols + BLOCK_K // 2, s_gyt, s_gyd, length, dk, q2, factor, one, BLOCK_C)
+            add_to_stored(gy_ptr, c0, q_cols + 3 * BLOCK_K // 4, s_gyt, s_gyd, length, dk, q3, factor, one, BLOCK_C)
+        else:
+            store_block(gy_ptr, c0, kcols, s_gyt, s_gyd, length, dk, -scale * total, BLOCK_C)

@@ -279,9 +279,9 @@ if triton is not None:
             beta_rows = betas(beta_ptr, cols, s_betat, length, HAS_BETA)
             db_block = _triangular_solve(kernel, beta_rows, gamma, rhs, BLOCK_T, True)
             store_block(db_ptr, j_block * BLOCK_T, vcols, s_dbt, s_dbd, length, dv, db_block, BLOCK_T)
-            if SHADOW:
+            if SHADOW:  # β folded in: the bf16 kernels that read this copy take no β (_triton_solve: FOLDED)
                 store_block(db16_ptr, j_block * BLOCK_T, vcols, s_dbt, s_dbd, length, dv,
-                            stored_as(db_block, db16_ptr), BLOCK_T)
+                            stored_as(db_block * beta_rows[:, None] if HAS_BETA else db_block, db16_ptr), BLOCK_T)
             # earlier row blocks load this block's db from global memory
             tl.debug_barrier()
             j_block -= 1

@@ -17,6 +17,9 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
 
     past / future spans   s · P · 2·C²·(K + V)                 logits and mix of every pair (each
                                                                slice recomputes the logits)
+                          + P · 2·C²·(2·K + V) (fused)         the future spans' pairs' gradients on the
+                                                               same tiles (bf16 operands, one slice):
+                                                               db·uᵀ, dy's product with x, dx's with y
     pushes (both ways)    s · Q · 2·C²·(K + V)                 the same, inside the spans
     sub-span logits       2·C²·K·L_C (twice: forward, backward)  every row's logits against its
                                                                sub-span's columns up to its block (L_C:
@@ -33,7 +36,9 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
     grad columns          2·C²·(2·K + D_v)·L₀                  logits, db·uᵀ, the product with x: dy;
                           + 2·C²·K·L₀ with dx                  where the row kernel does not run, the
                                                                product with y too, whose C × K part of
-                                                               dx per pair is added by fp32 atomics
+                                                               dx per pair is added by fp32 atomics;
+                                                               fused: over the spans' own rows only
+                                                               (L₀ then counts the pairs inside spans)
 
 The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
 its pushes as many, and the transposed direction's span kernel and pushes programs of
@@ -49,7 +54,11 @@ kernel, and a C × C × V product per block).
 
 With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
-they solve, 2·D_v B a row more); partials, sums, e, dx and dy stay fp32.
+they solve, 2·D_v B a row more; db's is β ⊙ db, so that they read no β); partials, sums, e, dx and dy
+stay fp32. At heads up to 128 wide they are *fused*: the transposed direction's span kernel also forms
+the gradients of its pairs (the later spans' rows; per streamed row e in and dx's atomics out, per
+column U in and dy out), and the column gradient kernel then streams its span's own rows only (its dy
+added to the stored one).
 
 **The random features** (Performer, DARKFormer; ``n`` chunks of ``C`` rows in ``n_s`` spans of up to
 ``S`` chunks, head ``D``; a program's ``M`` features and ``V`` value columns: every feature and a block
@@ -143,11 +152,12 @@ def row_group_tiles(blocks: int, row_group: int) -> tuple[int, int]:
     return streamed * row_group, streamed
 
 
-def column_group_tiles(blocks: int, column_group: int) -> tuple[int, int]:
+def column_group_tiles(blocks: int, column_group: int, span_blocks: int | None = None) -> tuple[int, int]:
     """Programs of ``column_group`` column blocks over ``blocks`` column blocks, each streaming the row
-    blocks from its first column on (the rows that can see it): the pairs they execute and the row tiles
-    they stream."""
-    streamed = sum(blocks - first for first in range(0, blocks, column_group))
+    blocks from its first column on (the rows that can see it), up to the end of its span of
+    ``span_blocks`` (default: all): the pairs they execute and the row tiles they stream."""
+    span = span_blocks or blocks
+    streamed = sum(min(blocks, (first // span + 1) * span) - first for first in range(0, blocks, column_group))
     return streamed * column_group, streamed
 
 
@@ -170,7 +180,7 @@ def push_tiles(blocks: int, span_blocks: int, subspan_blocks: int, row_group: in
 def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc: bool) -> Cost:
     """The executed cost of one solve kernel, summed over its launches in one call (the module
     docstring's formulas, with the products split between the span kernels and the spans' own)."""
-    c, k, v, dv, n = tiles["block_t"], tiles["block_k"], tiles["block_v"], tiles["block_dv"], tiles["blocks"]
+    c, k, v, n = tiles["block_t"], tiles["block_k"], tiles["block_v"], tiles["blocks"]
     # the operand tiles (x, y, U, db) of the span kernels, pushes and gradients: bf16 copies with bf16
     # operands, which the sequential kernels store as they solve; everything else (partials, sums, dx, dy) fp32
     shadowed = tiles["operands"] == "bf16"
@@ -191,6 +201,10 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
         moved = slices * (streamed * c * ((k + v) * ob + (not past) * row_scalars)
                           + spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
+        if not past and tiles.get("fused_gradients"):  # the pairs' gradients on the same kernel tiles (one slice)
+            flops += pairs * 2 * c * c * (2 * k + v)  # db·uᵀ, the products with x (dy) and y (dx)
+            # per streamed row e in and dx's atomics; per column U in and dy out
+            moved += streamed * c * (FP32 + k * FP32) + spanned_rows * (v * ob + k * FP32)
     elif name in ("solve_span_push", "solve_span_push_transposed"):
         transposed = name == "solve_span_push_transposed"
         push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"],
@@ -228,22 +242,32 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         if name == "solve_forward" and has_beta:  # DeltaFormer's K U (for e): K_II U_I and its store
             flops += slices * 2 * sub * sub * v * blocks
             moved += slices * blocks * sub * v * FP32
-    elif name == "solve_grad_rows":  # dx: every program streams the columns its rows see (y and U)
+    elif name in ("solve_grad_rows", "solve_grad_columns"):
+        flops, moved = _gradient_cost(name, tiles, ob, row_scalars)
+    else:
+        raise ValueError(f"no cost model for kernel {name!r}")
+    return Cost(batch_heads * flops, batch_heads * moved)
+
+
+def _gradient_cost(name: str, tiles: dict, ob: int, row_scalars: int) -> tuple[float, float]:
+    """:func:`solve_cost`'s gradient kernels, per (batch, head): FLOPs and bytes (operands of ``ob`` bytes,
+    ``row_scalars`` bytes per row)."""
+    c, k, dv, n = tiles["block_t"], tiles["block_k"], tiles["block_dv"], tiles["blocks"]
+    if name == "solve_grad_rows":  # dx: every program streams the columns its rows see (y and U)
         pairs, streamed = row_group_tiles(n, tiles["gradient_group"] // c)
         flops = 2 * c * c * (2 * k + dv) * pairs
         # per streamed tile y and U; per row x, db, the row scalars and e in, dx out
         moved = streamed * c * (k + dv) * ob + n * c * ((k + dv) * ob + row_scalars + FP32 + k * FP32)
-    elif name == "solve_grad_columns":  # dy; without the row kernel also dx, added by atomics
+    else:  # dy; without the row kernel also dx, added by atomics
         atomics = not tiles["dx_rows"]
-        pairs, streamed = column_group_tiles(n, tiles["gradient_group"] // c)
+        within = tiles.get("fused_gradients", False)  # the spans' own rows only (the span kernel did the rest)
+        pairs, streamed = column_group_tiles(n, tiles["gradient_group"] // c, tiles["span_blocks"] if within else n)
         flops = 2 * c * c * (2 * k + dv + atomics * k) * pairs
         # per streamed tile x and db, the row scalars and e (and dx's atomics, fp32); per column y and U in,
-        # dy out
+        # dy out (and in: added to the span kernel's)
         moved = (streamed * c * ((k + dv) * ob + row_scalars + FP32 + atomics * k * FP32)
-                 + n * c * ((k + dv) * ob + k * FP32))
-    else:
-        raise ValueError(f"no cost model for kernel {name!r}")
-    return Cost(batch_heads * flops, batch_heads * moved)
+                 + n * c * ((k + dv) * ob + (1 + within) * k * FP32))
+    return flops, moved
 
 
 def feature_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int) -> Cost:
