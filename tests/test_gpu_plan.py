@@ -321,6 +321,8 @@ def test_span_programs_of_two_blocks_stream_each_tile_once_for_both():
     assert row_group_tiles(5, 2) == (24, 12) and row_group_tiles(5, 1) == (15, 15)  # 1+2+...+5 pairs
     # programs of columns 0-1, 2-3, 4 stream the row blocks from their first column: 5 + 3 + 1
     assert column_group_tiles(5, 2) == (18, 9) and column_group_tiles(5, 1) == (15, 15)
+    # ... up to their span's end, in spans of 4 blocks (the fused bf16 gradients): 4 + 2, then 1 (a last span of one)
+    assert column_group_tiles(5, 2, 4) == (14, 7) and column_group_tiles(5, 2, 5) == column_group_tiles(5, 2)
     one = dict(narrow["solve_grad_columns"].tiles, gradient_group=64)
     grouped = {name: solve_cost(name, narrow[name].tiles, 12, True, True) for name in ("solve_grad_rows",
                                                                                        "solve_grad_columns")}

@@ -381,6 +381,63 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     assert columns[3].dtype == torch.bfloat16
 
 
+class FlagRecorder:
+    """Stands in for a @triton.jit kernel: records each launch's constexpr flags, then launches it."""
+
+    def __init__(self, kernel, name: str, seen: list, flags: tuple):
+        self.kernel, self.name, self.seen, self.flags = kernel, name, seen, flags
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((self.name, tuple(kwargs.get(flag) for flag in self.flags)))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("with_beta", [False, True])
+def test_bf16_gradients_are_fused_into_the_transposed_span_kernel(monkeypatch, with_beta):
+    """With bf16 operands the transposed solve's span kernel over the later spans (not its pushes) forms
+    those pairs' gradients too (GRAD, dx by atomics), and the column kernel then sums the spans' own rows
+    (WITHIN_SPAN); the gradients equal those of the separate pass (fusion off: the column kernel over all
+    rows) up to the fp32 order of their sums, from the same bf16 operands."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "bf16")
+    t = make_inputs((1, 77, 2, 8, 12), seed=9, with_beta=with_beta, gamma=[0.3, 0.7], cubit_like=False)
+    doc = doc_starts(77, [[0, 45]])
+    grad_u = torch.randn(1, 2, 77, 12, generator=torch.Generator().manual_seed(10))
+    future, columns, layout = _triton_solve.future_span_kernel, _triton_solve.grad_columns_kernel, \
+        _triton_solve._Layout.__init__
+
+    def gradients(fused: bool):
+        seen: list = []
+        monkeypatch.setattr(_triton_solve, "future_span_kernel", FlagRecorder(
+            future, "future", seen, ("GRAD", "ROW_GRAD", "ACCUMULATE")))
+        monkeypatch.setattr(_triton_solve, "grad_columns_kernel", FlagRecorder(
+            columns, "columns", seen, ("WITHIN_SPAN", "ROW_GRAD")))
+
+        def init(self, *args, **kwargs):
+            layout(self, *args, **kwargs)
+            self.fused_gradients = self.fused_gradients and fused
+
+        monkeypatch.setattr(_triton_solve._Layout, "__init__", init)
+        leaves = {n: t[n].float().requires_grad_() for n in ("x", "y", "b", "beta") if t[n] is not None}
+        u = triton_kernel_solve(bhtd(leaves["x"]), bhtd(leaves["y"]), bhtd(leaves["b"]),
+                                beta=bhtd(leaves["beta"]) if with_beta else None, gamma=t["gamma"].float(), scale=0.35,
+                                strict=with_beta, chunk_size=16, doc_start=doc)
+        return torch.autograd.grad(u, list(leaves.values()), grad_u), seen
+
+    fused, seen = gradients(True)
+    spans = 3  # T = 77 in spans of 32: the first two gather from the later spans, with their gradients
+    assert seen.count(("future", (True, True, False))) == spans - 1
+    assert all(flags[0] is False for name, flags in seen if name == "future" and flags[2])  # the pushes: none
+    assert [flags for name, flags in seen if name == "columns"] == [(True, True)]
+    apart, seen = gradients(False)
+    assert not any(flags[0] for _, flags in seen) and [f for n, f in seen if n == "columns"] == [(False, True)]
+    for a, b in zip(fused, apart):
+        assert rel_rmse(a, b) <= 1e-5
+
+
 def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
     """The copies round as the kernels' ``rounded``: to nearest, a tie away from zero (torch's own cast
     breaks it to even), in the tensor's own layout."""
