@@ -89,7 +89,10 @@ SUBSTITUTION_LOGIT_CHUNK = 16
 # - bf16 operands: 128 columns a program, its tiles transposed (``COLUMN_MAJOR``: 246 registers at
 #   d = 128, no spill). One pass forms each pair's logits and db·uᵀ once where two passes form them
 #   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target; the
-#   solve's products alone, 2.69× SDPA with two passes, fell to 2.40×).
+#   solve's products alone, 2.69× SDPA with two passes, fell to 2.40×). At heads up to 128 wide the
+#   pairs across spans are then summed by the transposed solve's span kernel (FUSED_GRADIENTS in
+#   ``_Layout``: 254 registers, no spill), the column kernel only the spans' own rows (212): 0.42 + 0.95
+#   ms became 0.83 + 0.17 at the target, the products alone 2.46× → 2.35× SDPA.
 # - TF32 operands at 128-wide heads (the row kernel spilled 1.0-1.6 KB at 64 rows): a column block a
 #   program (202-255 registers; streaming 32 rows spilled 24-216 B; transposed tiles 1.1-1.6 KB);
 # - fp32 operands (one span; the row kernel spilled 3.4 KB at 64-wide heads).

@@ -45,7 +45,11 @@ row kernel (``grad_rows_kernel``) gives dx over the columns its rows see and the
 column kernel's tiles transposed, ``COLUMN_MAJOR``) and where the row kernel spills (``_triton_solve``,
 GRADIENT_STREAM_ROWS), the column kernel also gives dx, each (column group, row tile) pair adding its
 part with fp32 atomics (on a GPU the order of those additions, so dx's last bits, may then differ from
-run to run).
+run to run). With bf16 operands at heads up to 128 wide the gradients are *fused*: the pairs across
+spans are the transposed solve's own (a span's columns against the later spans' rows, whose db and e
+are known when it runs), so ``future_span_kernel`` with ``GRAD`` forms their dy and dx on its kernel
+tiles, and the column kernel (``WITHIN_SPAN``) sums only each span's own rows; β is then folded into
+db's bf16 copy (β ⊙ db) and into e (β e), so that no kernel reading the copy multiplies by β.
 dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U, the log-normalisers and (DeltaFormer)

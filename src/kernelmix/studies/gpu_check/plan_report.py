@@ -127,7 +127,9 @@ def plan_markdown(plan: dict) -> str:
            "T > 1,024; the random features' products of features, states and values; their feature logits "
            "stay fp32-accurate as three TF32 products, at a third of the TF32 peak), and the bf16 peak for "
            "`bf16` (the `-bf16` solve rows: the same solves with `SPAN_OPERANDS = \"bf16\"`, their span kernels, "
-           "pushes and gradients reading bf16 copies of x, y, U and db, 2 B an element).", ""]
+           "pushes and gradients reading bf16 copies of x, y, U and db, 2 B an element; at heads up to 128 wide "
+           "their transposed `solve_future_span` also forms the gradients of its pairs, the later spans' rows, "
+           "and `solve_grad_columns` sums only each span's own rows).", ""]
     for label, shape in plan["shapes"].items():
         rows = [r for r in plan["kernels"] if r["shape"]["label"] == label]
         if not rows:
