@@ -318,7 +318,8 @@ def test_forward_span_slices_of_128_value_columns(monkeypatch, operands):
     assert max(errors.values()) > 1e-6  # the operands' rounding is there
     slices = {name: {grid[-1] for n, _, grid in seen if n == name} for name in ("past_span_kernel",
                                                                                   "solve_forward_kernel")}
-    assert slices == {"past_span_kernel": {2}, "solve_forward_kernel": {5}}
+    # bf16: the across-span launches in two column halves per slice (4), the pushes whole (2)
+    assert slices == {"past_span_kernel": {2} if operands == "tf32" else {2, 4}, "solve_forward_kernel": {5}}
 
 
 class ArgumentRecorder:
@@ -361,7 +362,8 @@ def test_bf16_operands_are_read_from_bf16_copies(monkeypatch, with_beta):
     assert 1e-6 < rel_rmse(u, expected) <= 2e-2
     slices = {name: {grid[-1] for n, _, grid in seen if n == name}
               for name in ("past_span_kernel", "solve_forward_kernel")}
-    assert slices == {"past_span_kernel": {1}, "solve_forward_kernel": {3}}  # value slices: 1 of 128, 3 of 32
+    # value slices: 1 of 128 (the across-span launches in two column halves, the pushes whole), 3 of 32
+    assert slices == {"past_span_kernel": {1, 2}, "solve_forward_kernel": {3}}
     u.backward(torch.randn(u.shape, generator=torch.Generator().manual_seed(6)))
     names = {name for name, _, _ in seen}
     # one gradient pass: the column kernel adds dx by atomics, no row kernel
@@ -436,6 +438,40 @@ def test_bf16_gradients_are_fused_into_the_transposed_span_kernel(monkeypatch, w
     assert not any(flags[0] for _, flags in seen) and [f for n, f in seen if n == "columns"] == [(False, True)]
     for a, b in zip(fused, apart):
         assert rel_rmse(a, b) <= 1e-5
+
+
+def test_bf16_across_span_halves_merge_to_the_whole(monkeypatch):
+    """With bf16 operands the forward's across-span kernel takes four row blocks a program in two column
+    halves, whose partials a merge kernel combines: U is as close to the float64 solve as with one program
+    over all the columns, and differs from it only by the bf16 rounding of the weights (each half rounds
+    exp2(s − its own running max)), with a document starting inside the second half (the first half then
+    has no column for its rows: neutral partials), sub-spans of two blocks (the pushes' columns whole:
+    a push split in halves would lose one) and T not a multiple of the blocks."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 64)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "bf16")
+    t = make_inputs((1, 150, 1, 8, 12), seed=11, with_beta=True, gamma=[0.5], cubit_like=False)
+    doc = doc_starts(150, [[0, 100]])  # rows of the third span see columns from 100 on: the second half only
+
+    def solve(splits):
+        monkeypatch.setattr(_triton_solve, "PAST_SPLITS", splits)
+        seen: list = []
+        monkeypatch.setattr(_triton_solve, "past_span_kernel", ArgumentRecorder(past, "past", seen))
+        u = triton_kernel_solve(bhtd(t["x"].float()), bhtd(t["y"].float()), bhtd(t["b"].float()),
+                                beta=bhtd(t["beta"].float()), gamma=t["gamma"].float(), scale=0.35, strict=True,
+                                chunk_size=16, doc_start=doc)
+        return u, {grid for _, _, grid in seen}
+
+    past = _triton_solve.past_span_kernel
+    halves, grids = solve(2)
+    assert (1, 1, 2) in grids  # a span of 64 rows: one program of 4 blocks of 16 rows, per column half
+    whole, grids = solve(1)
+    assert (1, 1, 1) in grids and (1, 1, 2) not in grids
+    expected = dense_solve(bhtd(t["x"]), bhtd(t["y"]), bhtd(t["b"]), bhtd(t["beta"]), t["gamma"], scale=0.35,
+                           strict=True, doc_start=doc)
+    error, whole_error = rel_rmse(halves, expected), rel_rmse(whole, expected)
+    assert error <= 1.05 * whole_error <= TENSOR_CORE_BOUNDS["bf16"]
+    assert 0 < rel_rmse(halves, whole) <= 0.25 * whole_error  # (a lost half: 0.1)
 
 
 def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
@@ -624,17 +660,23 @@ def test_on_cuda(monkeypatch, strict, with_beta, gamma, cuts, cubit_like, operan
 def test_forward_span_kernels_take_the_blocks_that_compile_without_spills():
     """The forward's span kernel and pushes (ptxas, sm_90, 8 warps, no spill): 128 value columns streamed
     32 columns at a time with either tensor-core operands at keys up to 128 wide, and with bf16 ones at
-    256; with TF32 ones at 256, 64 value columns streamed 16 at a time; fp32 operands (one span), 64."""
-    def blocks(d, operands, length=8192):
+    256; with TF32 ones at 256, 64 value columns streamed 16 at a time; fp32 operands (one span), 64. With
+    bf16 operands at keys up to 128 wide the across-span kernel (not its pushes) holds 256 rows, streaming
+    the columns 16 at a time, in two column halves (236-239 registers at d = 128; TF32 spilled 944 B)."""
+    def blocks(d, operands, length=8192, name="solve_span_push"):
         launches = {x.name: x for x in _triton_solve.solve_launches(1, 8, length, d, d, chunk_size=64, strict=False,
                                                                     has_beta=False, has_doc=True, operands=operands)}
-        name = "solve_past_span" if "solve_past_span" in launches else "solve_span_push"
-        return launches[name].constexprs["BLOCK_V"], launches[name].constexprs["STREAM_T"]
+        flags = launches[name].constexprs
+        return flags["BLOCK_V"], flags["STREAM_T"], flags["BLOCK_R"], flags["SPLITS"]
 
-    assert blocks(128, "tf32") == blocks(128, "bf16") == blocks(256, "bf16") == (128, 32)
-    assert blocks(64, "tf32") == (64, 32)
-    assert blocks(256, "tf32") == (64, 16)
-    assert blocks(128, "tf32", length=1000) == (64, 32)  # one span: fp32 operands, its pushes only
+    assert blocks(128, "tf32") == blocks(128, "bf16") == blocks(256, "bf16") == (128, 32, 128, 1)
+    assert blocks(128, "tf32", name="solve_past_span") == blocks(256, "bf16", name="solve_past_span") == (
+        128, 32, 128, 1)
+    assert blocks(128, "bf16", name="solve_past_span") == (128, 16, 256, 2)
+    assert blocks(64, "bf16", name="solve_past_span") == (64, 16, 256, 2)
+    assert blocks(64, "tf32") == (64, 32, 128, 1)
+    assert blocks(256, "tf32") == blocks(256, "tf32", name="solve_past_span") == (64, 16, 128, 1)
+    assert blocks(128, "tf32", length=1000) == (64, 32, 128, 1)  # one span: fp32 operands, its pushes only
 
 
 AOT_SCRIPT = textwrap.dedent("""
@@ -678,8 +720,9 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs code that the GPU compiler rejects (a global that is not a constexpr, a
     type that changes in a loop): compile the nine launches (seven kernels, two of them also as pushes),
     Cubit's gradient kernels (without β), the column kernel adding dx by atomics (TF32 at a 128-wide
-    head) and the nine again with bf16 operands but the row kernel (bf16 tiles into bf16 products, the
+    head) and the nine again with bf16 operands but the row kernel, plus the merge of the across-span
+    kernel's column halves (bf16 tiles into bf16 products, the
     copies stored, the column kernel's transposed tiles adding dx by atomics, and without dx), for
     sm_90 down to a cubin (Triton ships ptxas), in a process without TRITON_INTERPRET, so that a GPU's
     first run does not fail on it."""
-    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=21)
+    compile_ahead_of_time(AOT_SCRIPT, tmp_path, kernels=22)

@@ -20,7 +20,13 @@ from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
 
 try:
     import triton
-    from ._triton_solve_kernels import future_span_kernel, grad_columns_kernel, grad_rows_kernel, past_span_kernel
+    from ._triton_solve_kernels import (
+        future_span_kernel,
+        grad_columns_kernel,
+        grad_rows_kernel,
+        merge_split_partials_kernel,
+        past_span_kernel,
+    )
     from ._triton_solve_sequential import solve_forward_kernel, solve_transposed_kernel, subspan_logits_kernel
 except ImportError:  # the module imports without Triton; triton_kernel_solve then says what to install
     triton = None
@@ -50,6 +56,18 @@ SUBSPAN_ROWS = 128
 # the value columns at a time (``quarters`` in ``_triton_solve_tiles``: 109-218 registers; merged whole,
 # 128 rows of a 128-column slice spilled 72-128 B, so they kept one row block until then).
 SPAN_ROW_BLOCKS = 2
+# With bf16 operands (heads up to 128 wide) the forward's across-span kernel holds PAST_ROW_BLOCKS row blocks
+# (256 rows) streaming the columns 16 at a time (ptxas, sm_90, d = 128, 8 warps: 236 registers, no spill;
+# with TF32 operands 944 B spilled, at 16 warps 500 B), and cuts the earlier spans' columns in
+# PAST_SPLITS halves, a program each, so that the launch keeps its 128 programs; a small kernel then
+# merges the halves' partials (``merge_split_partials_kernel``). Each streamed tile serves twice the rows:
+# at the target the kernel's bytes fall from 1,969 to about 1,100 MB (0.41 ms, bound by them, to its
+# products' 0.25). Its pushes, which reach at most a span's rows, keep SPAN_ROW_BLOCKS (programs of 256
+# rows would leave most SMs idle).
+PAST_ROW_BLOCKS = 4
+PAST_SPLITS = 2
+PAST_STREAM_COLUMNS = 16
+MERGE_ROWS = 32  # rows per program of the merge (512 programs a span at the target)
 # The forward's span kernel and pushes stream the columns SPAN_STREAM_COLUMNS at a time and hold up to 128
 # value columns with either tensor-core operands: with TF32 ones, 64-column tiles spilled 68 B at 128
 # value columns (216 B with 64-bit in-block offsets), so they took two slices of 64, each forming the
@@ -216,6 +234,12 @@ class _Layout:
         # 64 × 128 tiles up (at 4, 128 rows of a 64-wide head spilled 120-600 B per thread; ptxas, sm_90)
         self.span_block_r = SPAN_ROW_BLOCKS * self.block_t
         self.span_warps = _warps(self.span_block_r, max(self.block_k, self.span_block_v))
+        # the forward's across-span kernel: PAST_ROW_BLOCKS a program in PAST_SPLITS column halves with bf16
+        # operands (heads up to 128 wide), else as its pushes
+        wide_past = self.shadowed and self.block_k <= 128 and self.span_block_v <= 128
+        self.past_block_r = (PAST_ROW_BLOCKS if wide_past else SPAN_ROW_BLOCKS) * self.block_t
+        self.past_splits = PAST_SPLITS if wide_past else 1
+        self.past_stream_t = min(self.block_t, PAST_STREAM_COLUMNS) if wide_past else self.span_stream_t
         # columns per program of the transposed direction's span kernel and its pushes (see SPAN_COLUMN_BLOCKS),
         # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks, else its row block
         self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
@@ -294,6 +318,18 @@ class _Layout:
         first, stop = self.span_blocks_of(span)
         return self.push_grid(stop - first, transposed)
 
+    def past_grid(self, span: int) -> tuple[int, int, int]:
+        """The forward's across-span kernel over span ``span``: one program per (batch · head, ``past_block_r``
+        rows, value slice · column half)."""
+        first, stop = self.span_blocks_of(span)
+        return (self.batch * self.heads, triton.cdiv((stop - first) * self.block_t, self.past_block_r),
+                self.span_slices * self.past_splits)
+
+    def merge_grid(self, span: int) -> tuple[int, int, int]:
+        """The merge of the across-span kernel's column halves over span ``span``'s rows."""
+        first, stop = self.span_blocks_of(span)
+        return (self.batch * self.heads, triton.cdiv((stop - first) * self.block_t, MERGE_ROWS), self.span_slices)
+
     def push_grid(self, blocks: int, transposed: bool = False) -> tuple[int, int, int]:
         """The span kernels over ``blocks`` row (or column) blocks: one program per (batch · head, block
         (forward: ``span_block_r`` rows; transposed: ``future_block_c`` columns), value slice; the
@@ -370,6 +406,9 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
     else:
         row_max = row_sum = lse
         acc = u
+    # the across-span kernel's second column half, merged into the first after it (PAST_SPLITS)
+    halves = (torch.empty_like(row_max), torch.empty_like(row_sum), torch.empty_like(acc)) if lay.past_splits > 1 \
+        else (row_max, row_sum, acc)
     beta_arg = x if beta is None else beta
     ds_arg = x if doc_start is None else doc_start
     xs, ys = _operand_copies(lay, x, y)
@@ -378,21 +417,31 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
     ku = torch.empty_like(u) if keep_mix else u  # laid out as U (the kernel reads U's strides for it)
     logits = _subspan_logits(x, y, doc_start, lay)
 
-    def mix(grid_blocks, row_start, column_start, column_stop, carry_on):
-        """Rows [row_start, + grid_blocks row blocks) against the solved columns [column_start, column_stop)."""
-        past_span_kernel[lay.push_grid(grid_blocks)](
-            xs, ys, u16, ds_arg, row_max, row_sum, acc, *_strides4(xs), *_strides4(ys), *_strides4(u16),
+    def mix(span, row_start, row_stop, column_start, column_stop, carry_on):
+        """Rows [row_start, row_stop) against the solved columns [column_start, column_stop): across spans
+        (``span`` given: ``past_block_r`` rows a program, in ``past_splits`` column halves), or a push (the
+        grid of the rows it reaches; ``carry_on`` from the stored partials)."""
+        push = span is None
+        grid = lay.push_grid((row_stop - row_start) // lay.block_t) if push else lay.past_grid(span)
+        past_span_kernel[grid](
+            xs, ys, u16, ds_arg, row_max, row_sum, acc, *halves, *_strides4(xs), *_strides4(ys), *_strides4(u16),
             *_strides4(acc), *lay.ds_strides, lay.heads, lay.length, lay.dk, lay.dv, lay.scale2, row_start,
-            row_start + grid_blocks * lay.block_t, column_start, column_stop, BLOCK_T=lay.block_t,
-            BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, BLOCK_R=lay.span_block_r, STRICT=lay.strict,
-            HAS_DOC=lay.has_doc, OPERANDS=lay.operands, CONTINUE=carry_on, STREAM_T=lay.span_stream_t,
-            num_warps=lay.span_warps,
+            row_stop, column_start, column_stop, BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v,
+            BLOCK_R=lay.span_block_r if push else lay.past_block_r, STRICT=lay.strict, HAS_DOC=lay.has_doc,
+            OPERANDS=lay.operands, CONTINUE=carry_on, STREAM_T=lay.span_stream_t if push else lay.past_stream_t,
+            SPLITS=1 if push else lay.past_splits, num_warps=lay.span_warps,
         )
 
     for span in range(lay.spans):
         first, stop = lay.span_blocks_of(span)
         if span > 0:  # every row of the span against all earlier spans
-            mix(stop - first, first * lay.block_t, 0, first * lay.block_t, False)
+            mix(span, first * lay.block_t, stop * lay.block_t, 0, first * lay.block_t, False)
+            if lay.past_splits > 1:
+                merge_split_partials_kernel[lay.merge_grid(span)](
+                    row_max, row_sum, acc, *halves, *_strides4(acc), lay.heads, lay.length, lay.dv,
+                    first * lay.block_t, stop * lay.block_t, BLOCK_T=MERGE_ROWS, BLOCK_V=lay.span_block_v,
+                    num_warps=4,
+                )
         subspans = lay.subspans_of(span)
         for index, (sub_first, sub_stop) in enumerate(subspans):
             start, end = sub_first * lay.block_t, min(sub_stop * lay.block_t, lay.length)
@@ -404,7 +453,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
                 HAS_DOC=lay.has_doc, **lay.substitution_flags(),
             )
             if sub_stop < stop:  # push the solved rows into the span's later rows
-                mix(stop - sub_stop, sub_stop * lay.block_t, start, sub_stop * lay.block_t, seen)
+                mix(None, sub_stop * lay.block_t, stop * lay.block_t, start, sub_stop * lay.block_t, seen)
     return u, lse, (u16 if lay.shadowed else None), (ku if keep_mix else None)
 
 
@@ -638,6 +687,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
                  operands=lay.operands, subspan_blocks=lay.subspan_blocks,
                  future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
+                 past_block_r=lay.past_block_r, past_splits=lay.past_splits, merge_rows=MERGE_ROWS,
                  future_block_c=lay.future_block_c,
                  gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
                  fused_gradients=lay.fused_gradients,
@@ -660,12 +710,16 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
     transposed = span | {"HAS_BETA": lay.kernel_beta, "BLOCK_V": lay.future_block_v, "ROW_GRAD": False}
     fused = {"GRAD": lay.fused_gradients, "ROW_GRAD": lay.fused_gradients}  # (the planned call asks for dx and dy)
     kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
-               ("solve_past_span", past_span_kernel, lay.span_grid(min(1, lay.spans - 1)),
-                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": False, "STREAM_T": lay.span_stream_t}, lay.spans - 1),
+               ("solve_past_span", past_span_kernel, lay.past_grid(min(1, lay.spans - 1)),
+                span | {"BLOCK_R": lay.past_block_r, "CONTINUE": False, "STREAM_T": lay.past_stream_t,
+                        "SPLITS": lay.past_splits}, lay.spans - 1),
+               ("solve_merge_partials", merge_split_partials_kernel, lay.merge_grid(min(1, lay.spans - 1)),
+                {"BLOCK_T": MERGE_ROWS, "BLOCK_V": lay.span_block_v}, (lay.spans - 1) * (lay.past_splits > 1)),
                ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
                 subspans),
                ("solve_span_push", past_span_kernel, push_grid,
-                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t}, len(reach)),
+                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t, "SPLITS": 1},
+                len(reach)),
                ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
                 transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t,
                               "ACCUMULATE": False} | fused, lay.spans - 1),
@@ -676,7 +730,7 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                               "GRAD": False}, len(reach)),
                ("solve_grad_rows", grad_rows_kernel, lay.gradient_grid, row_gradient, int(lay.dx_rows)),
                ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
-    launch_warps = {"solve_past_span": lay.span_warps, "solve_span_push": lay.span_warps,
+    launch_warps = {"solve_past_span": lay.span_warps, "solve_span_push": lay.span_warps, "solve_merge_partials": 4,
                     "solve_future_span": lay.future_warps, "solve_span_push_transposed": lay.future_warps,
                     "solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_subspan_logits": logits_warps,
                     "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}

@@ -101,7 +101,8 @@ except ImportError:  # the module imports without Triton (it then defines no ker
 # turns a run-time scalar into a 1-element array, which ``range`` cannot take under NumPy ≥ 2.4
 # (int() of a 1-d array is an error there); ``while`` compiles to the same loop on a GPU.
 
-__all__ = ["past_span_kernel", "future_span_kernel", "grad_rows_kernel", "grad_columns_kernel"]
+__all__ = ["past_span_kernel", "merge_split_partials_kernel", "future_span_kernel", "grad_rows_kernel",
+           "grad_columns_kernel"]
 
 
 if triton is not None:
@@ -135,12 +136,12 @@ if triton is not None:
 
     @triton.jit
     def past_span_kernel(
-        x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr,
+        x_ptr, y_ptr, u_ptr, ds_ptr, max_ptr, sum_ptr, acc_ptr, max2_ptr, sum2_ptr, acc2_ptr,
         s_xb, s_xh, s_xt, s_xd, s_yb, s_yh, s_yt, s_yd, s_ub, s_uh, s_ut, s_ud, s_ab, s_ah, s_at, s_ad,
         s_dsb, s_dst, heads, length, dk, dv, scale2, row_start, row_stop, column_start, column_stop,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
         STRICT: tl.constexpr, HAS_DOC: tl.constexpr, OPERANDS: tl.constexpr, CONTINUE: tl.constexpr,
-        STREAM_T: tl.constexpr,
+        STREAM_T: tl.constexpr, SPLITS: tl.constexpr,
     ):
         """Grid (B·H, blocks of ``BLOCK_R`` rows from ``row_start``, value slices), all in parallel: rows
         I against the solved columns [max(first_I, column_start), column_stop), all before its rows, in
@@ -151,22 +152,34 @@ if triton is not None:
         another's update); :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
         earlier span, and, inside a span, for the rows after a solved sub-span against it (a push).
         Its products are the off-diagonal ones, the bulk of the solve: on tensor cores unless
-        ``OPERANDS`` is "fp32"."""
+        ``OPERANDS`` is "fp32". With ``SPLITS`` = 2 (not with ``CONTINUE``) the columns are cut in two
+        halves (whole column blocks), a program for each (grid axis 2: value slice · SPLITS + half): the
+        second half's partials go to ``max2_ptr``, ``sum2_ptr``, ``acc2_ptr`` (laid out as the first's), for
+        :func:`merge_split_partials_kernel` to merge."""
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
         i0 = row_start + tl.program_id(1) * BLOCK_R
         rows = i0 + tl.arange(0, BLOCK_R)
-        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        value_slice = tl.program_id(2) // SPLITS
+        half = tl.program_id(2) % SPLITS
+        vcols = value_slice * BLOCK_V + tl.arange(0, BLOCK_V)
         kcols = tl.arange(0, BLOCK_K)
         ds_ptr += bi * s_dsb
-        partials = (tl.program_id(2) * tl.num_programs(0) + pid).to(tl.int64) * length
-        acc_ptr += bi * s_ab + hi * s_ah
+        partials = (value_slice * tl.num_programs(0) + pid).to(tl.int64) * length
         starts = doc_starts(ds_ptr, rows, s_dst, length, HAS_DOC)
         x_tile = load_block(x_ptr + bi * s_xb + hi * s_xh, i0, kcols, s_xt, s_xd, length, dk, BLOCK_R)
         first = tl.maximum(first_column(ds_ptr, i0, s_dst, BLOCK_T, HAS_DOC), column_start)
+        last = column_stop
+        if SPLITS > 1:  # this program's half of the columns, in whole column blocks
+            chunk = tl.cdiv(tl.cdiv(column_stop - column_start, SPLITS), BLOCK_T) * BLOCK_T
+            first = tl.maximum(first, column_start + half * chunk)
+            last = tl.minimum(column_stop, column_start + (half + 1) * chunk)
+            if half == 1:
+                max_ptr, sum_ptr, acc_ptr = max2_ptr, sum2_ptr, acc2_ptr
+        acc_ptr += bi * s_ab + hi * s_ah
         row_max, row_sum, acc = _forward_past(
-            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, column_stop,
+            x_tile, y_ptr + bi * s_yb + hi * s_yh, u_ptr + bi * s_ub + hi * s_uh, rows, starts, first, last,
             s_yt, s_yd, s_ut, s_ud, length, dk, dv, scale2, vcols, tl.full([BLOCK_R], MAX_FLOOR, dtype=tl.float32),
             tl.zeros([BLOCK_R], dtype=tl.float32), tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32),
             STREAM_T, BLOCK_K, STRICT, OPERANDS,
@@ -184,7 +197,7 @@ if triton is not None:
             row_sum = old_sum * old_scale + row_sum * scale
             row_max = new_max
             q0, q1, q2, q3 = quarters(acc, BLOCK_R, BLOCK_V)
-            q_cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V // 4)
+            q_cols = value_slice * BLOCK_V + tl.arange(0, BLOCK_V // 4)
             add_to_stored(acc_ptr, i0, q_cols, s_at, s_ad, stop, dv, q0, scale, old_scale, BLOCK_R)
             add_to_stored(acc_ptr, i0, q_cols + BLOCK_V // 4, s_at, s_ad, stop, dv, q1, scale, old_scale, BLOCK_R)
             add_to_stored(acc_ptr, i0, q_cols + BLOCK_V // 2, s_at, s_ad, stop, dv, q2, scale, old_scale, BLOCK_R)
@@ -194,6 +207,35 @@ if triton is not None:
             store_block(acc_ptr, i0, vcols, s_at, s_ad, stop, dv, acc, BLOCK_R)
         tl.store(max_ptr + partials + rows, row_max, mask=rows < stop)
         tl.store(sum_ptr + partials + rows, row_sum, mask=rows < stop)
+
+    @triton.jit
+    def merge_split_partials_kernel(
+        max_ptr, sum_ptr, acc_ptr, max2_ptr, sum2_ptr, acc2_ptr, s_ab, s_ah, s_at, s_ad, heads, length, dv,
+        row_start, row_stop, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        """Grid (B·H, blocks of ``BLOCK_T`` rows from ``row_start``, value slices of ``BLOCK_V``): the two
+        halves' online-softmax partials of :func:`past_span_kernel` with SPLITS = 2 merged into the first's
+        (the larger running max, each half's sum and mix rescaled to it), for the rows before ``row_stop``."""
+        pid = tl.program_id(0)
+        bi = (pid // heads).to(tl.int64)
+        hi = (pid % heads).to(tl.int64)
+        r0 = row_start + tl.program_id(1) * BLOCK_T
+        rows = r0 + tl.arange(0, BLOCK_T)
+        stop = tl.minimum(row_stop, length)
+        inside = rows < stop
+        partials = (tl.program_id(2) * tl.num_programs(0) + pid).to(tl.int64) * length + rows
+        first_max = tl.load(max_ptr + partials, mask=inside, other=MAX_FLOOR)
+        second_max = tl.load(max2_ptr + partials, mask=inside, other=MAX_FLOOR)
+        row_max = tl.maximum(first_max, second_max)
+        first_scale, second_scale = tl.exp2(first_max - row_max), tl.exp2(second_max - row_max)
+        row_sum = (tl.load(sum_ptr + partials, mask=inside, other=0.0) * first_scale
+                   + tl.load(sum2_ptr + partials, mask=inside, other=0.0) * second_scale)
+        tl.store(max_ptr + partials, row_max, mask=inside)
+        tl.store(sum_ptr + partials, row_sum, mask=inside)
+        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        acc_ptr += bi * s_ab + hi * s_ah
+        second = load_block(acc2_ptr + bi * s_ab + hi * s_ah, r0, vcols, s_at, s_ad, stop, dv, BLOCK_T)
+        add_to_stored(acc_ptr, r0, vcols, s_at, s_ad, stop, dv, second, second_scale, first_scale, BLOCK_T)
 
     @triton.jit
     def _transposed_later(

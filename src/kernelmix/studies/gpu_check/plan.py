@@ -50,8 +50,11 @@ LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=2
               max_compile_s=60.0)
 # what bounds each kernel's grid: the reason its program count is what it is
 GRID_BOUNDS = {
-    "solve_past_span": "B·H·⌈(rows of a span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉: every row of the span against the earlier "
-                       "spans, BLOCK_R rows (SPAN_ROW_BLOCKS row blocks) a program",
+    "solve_past_span": "B·H·⌈(rows of a span) / BLOCK_R⌉·⌈d_v/BLOCK_V⌉·SPLITS: every row of the span against the "
+                       "earlier spans, BLOCK_R rows (SPAN_ROW_BLOCKS row blocks; with bf16 operands PAST_ROW_BLOCKS) "
+                       "a program, each half of the columns (SPLITS = PAST_SPLITS with bf16 operands, else 1) its own",
+    "solve_merge_partials": "B·H·⌈(rows of a span) / BLOCK_T⌉·⌈d_v/BLOCK_V⌉: the across-span kernel's two column "
+                            "halves' partials merged, BLOCK_T rows a program",
     "solve_subspan_logits": "B·H·⌈T/BLOCK_T⌉: one program per row block forms its rows' logits against their "
                             "sub-span (once per direction)",
     "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
@@ -206,11 +209,12 @@ def _why_fewer(mixer: str, launch, shape: dict) -> str | None:
         "solve_future_span", "solve_transposed", "solve_span_push_transposed")
     share = costs[launch.name] / sum(costs.get(name, 0.0) for name in direction)
     tiles = launch.tiles
+    rows = tiles["past_block_r"] if launch.name == "solve_past_span" else tiles["span_block_r"]
     most = min(tiles["span_blocks"], tiles["blocks"]) - tiles["subspan_blocks"]
     return text.format(span=tiles["subspan_blocks"] * tiles["block_t"], share=share, most=most,
                        least=min(most, tiles["subspan_blocks"]), direction="forward" if forward else "transposed",
-                       width=tiles["span_block_v" if forward else "future_block_v"], rows=tiles["span_block_r"],
-                       group=tiles["span_block_r"] // tiles["block_t"], programs=launch.programs,
+                       width=tiles["span_block_v" if forward else "future_block_v"], rows=rows,
+                       group=rows // tiles["block_t"], programs=launch.programs,
                        columns=tiles["future_block_c"], column_group=tiles["future_block_c"] // tiles["block_t"],
                        waves=_waves(launch.programs))
 

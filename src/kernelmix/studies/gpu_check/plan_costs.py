@@ -40,8 +40,10 @@ of ``V`` columns, key width ``K``, value width ``D_v``; :func:`span_tiles`, :fun
                                                                fused: over the spans' own rows only
                                                                (L₀ then counts the pairs inside spans)
 
-The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows),
-its pushes as many, and the transposed direction's span kernel and pushes programs of
+The forward's span kernel runs programs of ``SPAN_ROW_BLOCKS`` row blocks (``span_block_r`` rows;
+with bf16 operands ``PAST_ROW_BLOCKS``, ``past_block_r``, in ``PAST_SPLITS`` column halves, a program
+each, whose partials a merge kernel then reads, both halves', and writes once: 3·(V + 2) fp32 a row),
+its pushes ``SPAN_ROW_BLOCKS``, and the transposed direction's span kernel and pushes programs of
 ``SPAN_COLUMN_BLOCKS`` column blocks (``future_block_c`` columns; a push merges its tile with the
 stored one a quarter at a time, the same bytes): P and Q count the pairs they execute, a launch's
 last program reaching past its rows (columns) where their blocks do not divide; each program
@@ -187,10 +189,12 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     ob = BF16 if shadowed else FP32
     if name in ("solve_future_span", "solve_span_push_transposed"):  # the transposed span kernels' wider slices
         v = tiles["future_block_v"]
-    elif name in ("solve_past_span", "solve_span_push"):  # the forward's (wider on tensor cores)
+    elif name in ("solve_past_span", "solve_span_push", "solve_merge_partials"):  # the forward's, wider on tensor cores
         v = tiles["span_block_v"]
     # row (column) blocks per program of the forward's (transposed direction's) span kernels
-    count = span_tiles(n, tiles["span_blocks"], tiles["span_block_r"] // c, tiles["future_block_c"] // c)
+    past_rows = tiles.get("past_block_r", tiles["span_block_r"])
+    count = span_tiles(n, tiles["span_blocks"], past_rows // c, tiles["future_block_c"] // c)
+    halves = tiles.get("past_splits", 1)  # the forward's across-span kernel's column halves, a program each
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
@@ -199,8 +203,10 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         side = "past" if past else "future"
         pairs, streamed = count[side], count[side + "_streamed"]
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
+        # the streamed tiles (each column half streamed by its own program: as often in all), and per row its
+        # own tile in and partials out (the forward: once per column half)
         moved = slices * (streamed * c * ((k + v) * ob + (not past) * row_scalars)
-                          + spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
+                          + (halves if past else 1) * spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
         if not past and tiles.get("fused_gradients"):  # the pairs' gradients on the same kernel tiles (one slice)
             flops += pairs * 2 * c * c * (2 * k + v)  # db·uᵀ, the products with x (dy) and y (dx)
             # per streamed row e in and dx's atomics; per column U in and dy out
@@ -215,6 +221,8 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
         streamed = (k + v) * ob + transposed * row_scalars
         carried = k * ob + ((2 * v + 4) * FP32 if name == "solve_span_push" else 2 * v * FP32)
         moved = slices * c * (push["streamed"] * streamed + push["reached"] * carried)
+    elif name == "solve_merge_partials":  # per row after the first span: both halves' partials in, one out
+        flops, moved = 0, slices * spanned_rows * 3 * (v + 2) * FP32
     elif name == "solve_subspan_logits":  # every row against its sub-span's columns up to its block
         within = span_tiles(n, tiles["subspan_blocks"])["lower"]  # (row block, column block) pairs in sub-spans
         flops = 2 * c * c * k * within
