@@ -256,8 +256,11 @@ class _Layout:
         # 64-row tiles of 128-wide head dims spill heavily at 4 warps (ptxas, sm_90: 25-37 KB stack
         # frames per kernel; 6-15 KB at 8 warps): a first guess, for a GPU run to tune
         self.num_warps = _warps(self.block_t, max(self.block_k, self.block_dv))
-        # the gradient kernels' blocks (see GRADIENT_STREAM_ROWS): dx by the row kernel, or by the column
-        # kernel's atomics
+        self._gradient_blocks()
+
+    def _gradient_blocks(self) -> None:
+        """The gradient kernels' blocks (see GRADIENT_STREAM_ROWS): dx by the row kernel, or by the column
+        kernel's atomics; with bf16 operands β folded and the gradients fused (below)."""
         width = max(self.block_k, self.block_dv)
         wide = width >= 128
         self.dx_rows = self.operands == "tf32" and not wide
