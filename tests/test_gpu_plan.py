@@ -20,7 +20,8 @@ from kernelmix.cli import main  # noqa: E402
 from kernelmix.ops import _triton_features as features  # noqa: E402
 from kernelmix.ops import _triton_solve as solve  # noqa: E402
 from kernelmix.ops._triton_features import feature_launches, triton_random_feature_attention  # noqa: E402
-from kernelmix.ops._triton_solve import solve_launches, triton_kernel_solve  # noqa: E402
+from kernelmix.ops._triton_solve import triton_kernel_solve  # noqa: E402
+from kernelmix.ops._triton_solve_plan import solve_launches  # noqa: E402
 from kernelmix.studies.flops import forward_flops  # noqa: E402
 from kernelmix.studies.gpu_check.plan import (  # noqa: E402
     LIMITS, PLAN_SHAPES, TARGET_SHAPE, mixer_roofline, plan_rows, run_plan,

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from .errors import KernelmixError
 from .layers import LayerCache, build_mixer
 from .model_config import ModelConfig, layer_args_from_config
+from .ops import keep_solve_operands
 from .presets import PRESETS
 
 # ---------------------------------------------------------------------------------------------
@@ -121,13 +122,15 @@ class Block(nn.Module):
         # only a forward that builds a graph has activations to save (not decoding under no_grad)
         mode = self.recompute if torch.is_grad_enabled() else "none"
         if mode == "block":
-            return checkpoint(self._forward, x, cache, position_ids, doc_start, "none", use_reentrant=False)
+            return checkpoint(self._forward, x, cache, position_ids, doc_start, "none", use_reentrant=False,
+                              context_fn=keep_solve_operands)
         return self._forward(x, cache, position_ids, doc_start, mode)
 
     def _forward(self, x: Tensor, cache: LayerCache | None, position_ids: Tensor | None, doc_start: Tensor | None,
                  recompute: str):
         if recompute == "mixer":
-            mixed, cache = checkpoint(self._mix, x, cache, position_ids, doc_start, use_reentrant=False)
+            mixed, cache = checkpoint(self._mix, x, cache, position_ids, doc_start, use_reentrant=False,
+                                      context_fn=keep_solve_operands)
         else:
             mixed, cache = self._mix(x, cache, position_ids, doc_start)
         x = x + self.dropout(mixed)

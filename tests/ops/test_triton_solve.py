@@ -9,6 +9,7 @@ tensors, as the callers pass them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import textwrap
 
@@ -23,6 +24,7 @@ pytest.importorskip("triton")
 from kernelmix.errors import KernelmixError  # noqa: E402
 from kernelmix.ops import _triton_solve  # noqa: E402
 from kernelmix.ops._triton_solve import row_block_size, triton_kernel_solve  # noqa: E402
+from kernelmix.ops._triton_solve_plan import solve_launches  # noqa: E402
 from tests.utils import compile_ahead_of_time, rel_rmse  # noqa: E402
 
 F64 = torch.float64
@@ -194,7 +196,7 @@ def test_subspan_logits_match_float64(monkeypatch, strict, chunk_size):
     batch, heads, length, width, scale = 2, 3, 131, 24, 0.3
     x, y = (torch.randn(batch, heads, length, width, generator=generator) for _ in range(2))
     doc = doc_starts(length, [[0, 40, 101], [0]])
-    lay = _triton_solve._Layout(x, x, None, doc, scale, strict, chunk_size)
+    lay = _triton_solve.SolveLayout(x, x, None, doc, scale, strict, chunk_size)
     logits = _triton_solve._subspan_logits(x, y, doc, lay)
     assert logits.shape == (batch, heads, length, 64) and lay.subspan_rows == 64
     exact = (x.double() @ y.double().transpose(-1, -2)) * scale / torch.log(torch.tensor(2.0, dtype=F64))
@@ -220,7 +222,7 @@ def test_gradient_kernels_take_the_blocks_that_compile_without_spills():
     with bf16 operands, at either head, the column kernel alone, 128 columns a program, its tiles
     transposed, streaming 16; all at 8 warps."""
     def launches(heads, d, has_beta, operands=None):
-        return {x.name: x for x in _triton_solve.solve_launches(1, heads, 8192, d, d, chunk_size=64,
+        return {x.name: x for x in solve_launches(1, heads, 8192, d, d, chunk_size=64,
                                                                 strict=has_beta, has_beta=has_beta, has_doc=True,
                                                                 operands=operands)}
 
@@ -409,7 +411,7 @@ def test_bf16_gradients_are_fused_into_the_transposed_span_kernel(monkeypatch, w
     doc = doc_starts(77, [[0, 45]])
     grad_u = torch.randn(1, 2, 77, 12, generator=torch.Generator().manual_seed(10))
     future, columns, layout = _triton_solve.future_span_kernel, _triton_solve.grad_columns_kernel, \
-        _triton_solve._Layout.__init__
+        _triton_solve.SolveLayout.__init__
 
     def gradients(fused: bool):
         seen: list = []
@@ -422,7 +424,7 @@ def test_bf16_gradients_are_fused_into_the_transposed_span_kernel(monkeypatch, w
             layout(self, *args, **kwargs)
             self.fused_gradients = self.fused_gradients and fused
 
-        monkeypatch.setattr(_triton_solve._Layout, "__init__", init)
+        monkeypatch.setattr(_triton_solve.SolveLayout, "__init__", init)
         leaves = {n: t[n].float().requires_grad_() for n in ("x", "y", "b", "beta") if t[n] is not None}
         u = triton_kernel_solve(bhtd(leaves["x"]), bhtd(leaves["y"]), bhtd(leaves["b"]),
                                 beta=bhtd(leaves["beta"]) if with_beta else None, gamma=t["gamma"].float(), scale=0.35,
@@ -472,6 +474,87 @@ def test_bf16_across_span_halves_merge_to_the_whole(monkeypatch):
     error, whole_error = rel_rmse(halves, expected), rel_rmse(whole, expected)
     assert error <= 1.05 * whole_error <= TENSOR_CORE_BOUNDS["bf16"]
     assert 0 < rel_rmse(halves, whole) <= 0.25 * whole_error  # (a lost half: 0.1)
+
+
+def test_solve_operands_picks_the_span_products(monkeypatch):
+    """kernelmix.ops.solve_operands: inside the block the span kernels take its operands (bf16: they read
+    bf16 copies), outside it the default (TF32: fp32 tiles); a forward run inside keeps its choice for a
+    backward run outside; blocks nest; another name is an error naming the choices."""
+    from kernelmix.ops import solve_operands
+
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    seen: list = []
+    for name in ("past_span_kernel", "grad_columns_kernel"):
+        monkeypatch.setattr(_triton_solve, name, ArgumentRecorder(getattr(_triton_solve, name), name, seen))
+    t = make_inputs((1, 40, 1, 8, 8), seed=12, with_beta=False, gamma=[0.5], cubit_like=False)
+
+    def forward():
+        seen.clear()
+        x = bhtd(t["x"].float()).requires_grad_()
+        u = triton_kernel_solve(x, bhtd(t["y"].float()), bhtd(t["b"].float()), beta=None, gamma=t["gamma"].float(),
+                                scale=0.35, strict=False, chunk_size=16, doc_start=None)
+        return x, u, {tensors[0].dtype for _, tensors, _ in seen}
+
+    with solve_operands("bf16"):
+        x, u, dtypes = forward()
+        with solve_operands("tf32"):
+            assert forward()[2] == {torch.float32}
+        assert forward()[2] == {torch.bfloat16}
+    assert dtypes == {torch.bfloat16}
+    seen.clear()
+    u.sum().backward()  # outside the block: the forward's choice
+    assert {tensors[0].dtype for name, tensors, _ in seen if name == "grad_columns_kernel"} == {torch.bfloat16}
+    assert forward()[2] == {torch.float32}  # the default again
+    with pytest.raises(KernelmixError, match="'tf32x3'.*tf32, bf16, fp32"):
+        with solve_operands("tf32x3"):
+            pass
+
+
+def test_solve_operands_hold_for_a_recomputed_forward(monkeypatch):
+    """torch.utils.checkpoint recomputes the forward in the backward, outside the ``with solve_operands``
+    block: with ``context_fn=keep_solve_operands`` (as the model's recompute modes pass it) it takes the
+    forward's operands again, and the gradients are the plain backward's, bit for bit; without it the
+    recomputation takes TF32 and saves other tensors than the forward did."""
+    from torch.utils.checkpoint import checkpoint
+
+    from kernelmix.ops import keep_solve_operands, solve_operands
+
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    t = make_inputs((1, 40, 1, 8, 8), seed=13, with_beta=False, gamma=[0.5], cubit_like=False)
+    y, b = bhtd(t["y"].float()), bhtd(t["b"].float())
+
+    def solve(x):
+        return triton_kernel_solve(x, y, b, beta=None, gamma=t["gamma"].float(), scale=0.35, strict=False,
+                                   chunk_size=16, doc_start=None)
+
+    def gradient(**recompute):
+        x = bhtd(t["x"].float()).requires_grad_()
+        with solve_operands("bf16"):
+            u = checkpoint(solve, x, use_reentrant=False, **recompute) if recompute else solve(x)
+        u.square().sum().backward()
+        return x.grad
+
+    plain = gradient()
+    assert torch.equal(gradient(context_fn=keep_solve_operands), plain)
+    with pytest.raises(RuntimeError):
+        gradient(context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
+
+
+def test_bf16_gradients_at_spans_of_an_odd_number_of_blocks(monkeypatch):
+    """The fused gradients need whole programs (two column blocks) inside a span: at spans of three blocks
+    (48 rows of 16) they are off, and the separate gradient pass (β still folded into db's copy and e)
+    matches float64 within the bf16 bound, documents crossing spans."""
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 48)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "bf16")
+    x = torch.empty(1, 1, 100, 8, device="meta")
+    layout = _triton_solve.SolveLayout(x, x, x[..., 0], None, 1.0, True, 16)
+    assert layout.span_blocks == 3 and layout.shadowed and not layout.fused_gradients
+    errors = check_against_reference(100, 16, strict=True, with_beta=True, gamma=[0.7], cuts=[[0, 61]], batch=1,
+                                     dims=(8, 12), tolerance=TENSOR_CORE_BOUNDS["bf16"])
+    assert max(errors.values()) > 1e-6
 
 
 def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
@@ -664,7 +747,7 @@ def test_forward_span_kernels_take_the_blocks_that_compile_without_spills():
     bf16 operands at keys up to 128 wide the across-span kernel (not its pushes) holds 256 rows, streaming
     the columns 16 at a time, in two column halves (236-239 registers at d = 128; TF32 spilled 944 B)."""
     def blocks(d, operands, length=8192, name="solve_span_push"):
-        launches = {x.name: x for x in _triton_solve.solve_launches(1, 8, length, d, d, chunk_size=64, strict=False,
+        launches = {x.name: x for x in solve_launches(1, 8, length, d, d, chunk_size=64, strict=False,
                                                                     has_beta=False, has_doc=True, operands=operands)}
         flags = launches[name].constexprs
         return flags["BLOCK_V"], flags["STREAM_T"], flags["BLOCK_R"], flags["SPLITS"]
@@ -684,6 +767,7 @@ AOT_SCRIPT = textwrap.dedent("""
     import sys
     import triton
     from kernelmix.ops import _triton_solve as solve
+    from kernelmix.ops._triton_solve_plan import solve_launches
     try:
         from triton.backends.compiler import GPUTarget
         source = triton.compiler.ASTSource
@@ -692,10 +776,10 @@ AOT_SCRIPT = textwrap.dedent("""
     solve.SPAN_ROWS = 32  # several spans of two sub-spans: every kernel of the chunk-parallel solve is launched
     solve.SUBSPAN_ROWS = 16
     # the launches the op makes (the same blocks, flags and warps; kernelmix gpu-check --plan compiles these)
-    launches = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True)
-    cubit = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=False, has_beta=False, has_doc=True)
+    launches = solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True)
+    cubit = solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=False, has_beta=False, has_doc=True)
     # and with bf16 operands: the readers of the bf16 copies on bf16 pointers, the sequential kernels storing them
-    bf16 = solve.solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True,
+    bf16 = solve_launches(1, 2, 100, 16, 16, chunk_size=16, strict=True, has_beta=True, has_doc=True,
                                 operands="bf16")
     assert all(x.constexprs.get("OPERANDS", "bf16") == "bf16" for x in bf16)
     # and its column kernel without dx (x needs no gradient): the transposed tiles without the atomics
@@ -703,7 +787,7 @@ AOT_SCRIPT = textwrap.dedent("""
     assert column.constexprs["COLUMN_MAJOR"] and column.constexprs["ROW_GRAD"]
     bf16.append(dataclasses.replace(column, constexprs=dict(column.constexprs, ROW_GRAD=False)))
     # the column kernel adding dx by atomics: TF32 operands at a 128-wide head, where the row kernel spilled
-    wide = [x for x in solve.solve_launches(1, 2, 100, 128, 128, chunk_size=16, strict=False, has_beta=False,
+    wide = [x for x in solve_launches(1, 2, 100, 128, 128, chunk_size=16, strict=False, has_beta=False,
                                             has_doc=True) if x.name == "solve_grad_columns"]
     assert [x.constexprs["ROW_GRAD"] for x in wide] == [True] and "solve_grad_rows" in {x.name for x in launches}
     gradients = [x for x in cubit if x.name in ("solve_grad_rows", "solve_grad_columns")]  # without β

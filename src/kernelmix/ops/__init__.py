@@ -4,10 +4,12 @@ Every op has a fast path, a ``*_naive`` reference (dense or a per-token loop, fl
 and a ``*_step`` for one decode token with an explicit state. Softmax and random-feature attention
 also have a ``*_masked`` dense form for an arbitrary ``[B, T, L]`` mask; ``data_aware_transform``
 is DARKFormer's function-preserving initialisation of the random-feature transform;
-``expand_heads`` repeats grouped key/value heads to the query heads (what every op does inside).
+``expand_heads`` repeats grouped key/value heads to the query heads (what every op does inside);
+``solve_operands`` picks the operands of the Triton solve's tensor-core products (Cubit, DeltaFormer:
+TF32 by default, or bf16).
 """
 
-from ._backend import BACKENDS, check_backend
+from ._backend import BACKENDS, SOLVE_OPERAND_CHOICES, check_backend, keep_solve_operands, solve_operands
 from ._common import expand_heads
 from .cubit import CubitState, cubit_attention, cubit_attention_naive, cubit_attention_step, cubit_solve
 from .cubit_rf import CubitRFState, cubit_rf_attention, cubit_rf_attention_naive, cubit_rf_attention_step
@@ -38,7 +40,10 @@ from .softmax import (
 
 __all__ = [
     "BACKENDS",
+    "SOLVE_OPERAND_CHOICES",
     "check_backend",
+    "keep_solve_operands",
+    "solve_operands",
     "CubitState",
     "CubitRFState",
     "DeltaFormerState",

@@ -14,9 +14,11 @@ fp32 under bf16), so float64 inputs stay on the PyTorch paths under "auto" and a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,44 @@ from ..backends import BACKENDS  # plain data (what ModelConfig and the command 
 from ..errors import KernelmixError
 
 INTERPRETER_ENV = "TRITON_INTERPRET"
+
+
+# The operands of the Triton solve's tensor-core products (Cubit, DeltaFormer): see :func:`solve_operands`
+SOLVE_OPERAND_CHOICES = ("tf32", "bf16", "fp32")
+_SOLVE_OPERANDS: ContextVar[str | None] = ContextVar("kernelmix_solve_operands", default=None)
+
+
+@contextlib.contextmanager
+def solve_operands(operands: str):
+    """Within the ``with`` block, the Triton solve of Cubit and DeltaFormer (CUDA, or Triton's interpreter;
+    sequences longer than one span of 1,024 rows) takes ``operands`` for its products across spans, its
+    pushes' and its gradients': "tf32" (the default), "bf16" (bf16 copies of x, y, U and db, bf16 tensor-core
+    products with fp32 sums: about twice as fast in the launch plan, for about eight times the error
+    against float64; docs/gpu.md has both) or "fp32" (CUDA cores). Softmax normalisers, the in-span
+    substitution and the sums stay fp32 with every choice. A forward run inside the block keeps its choice
+    for its backward, wherever that runs; code that recomputes the forward in the backward
+    (``torch.utils.checkpoint``) passes ``context_fn=keep_solve_operands`` to recompute it with the same
+    choice (the model's ``recompute`` modes do). Blocks nest; the innermost choice holds."""
+    if operands not in SOLVE_OPERAND_CHOICES:
+        raise KernelmixError(f"solve_operands({operands!r}): choose one of {', '.join(SOLVE_OPERAND_CHOICES)}")
+    token = _SOLVE_OPERANDS.set(operands)
+    try:
+        yield
+    finally:
+        _SOLVE_OPERANDS.reset(token)
+
+
+def chosen_solve_operands() -> str | None:
+    """The operands :func:`solve_operands` chose here, or None outside every such block."""
+    return _SOLVE_OPERANDS.get()
+
+
+def keep_solve_operands():
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) around code that runs the solve: the
+    recomputation, which runs in the backward (outside the ``with solve_operands(...)`` block that ran the
+    forward), takes the operands the forward took, so that it saves what the forward saved."""
+    chosen = chosen_solve_operands()
+    return contextlib.nullcontext(), (solve_operands(chosen) if chosen else contextlib.nullcontext())
 
 
 def check_backend(backend: object) -> str:

@@ -1,6 +1,6 @@
 """The Python side of the Triton solve (Cubit and DeltaFormer): input checks, the launches of the
-kernels in ``_triton_solve_kernels`` (whose docstring derives the forward and the backward), the
-autograd function and the launch plan that ``kernelmix gpu-check --plan`` compiles ahead of time.
+kernels in ``_triton_solve_kernels`` (whose docstring derives the forward and the backward) and the
+autograd function (``_triton_solve_plan`` lists the launches for ``kernelmix gpu-check --plan``).
 
     A U = b,   A = diag(β) K + γ_h I,   K_ij = softmax over visible j of (scale · x_i·y_j).
 """
@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..errors import KernelmixError
-from ._backend import KernelLaunch, aot_signature, defined_for_the_interpreter
+from ._backend import SOLVE_OPERAND_CHOICES, chosen_solve_operands, defined_for_the_interpreter
 
 try:
     import triton
@@ -41,7 +41,7 @@ LOG2E = 1.0 / math.log(2.0)
 # bytes, at the bf16 peak) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
 SPAN_ROWS = 1024
 SPAN_OPERANDS = "tf32"
-SPAN_OPERAND_CHOICES = ("tf32", "bf16", "fp32")
+SPAN_OPERAND_CHOICES = SOLVE_OPERAND_CHOICES  # users choose with kernelmix.ops.solve_operands
 # Inside a span, the sequential launch solves SUBSPAN_ROWS rows at a time (whole row blocks); after
 # each sub-span, one parallel launch pushes its solved rows into the online softmax of the span's
 # later rows (forward; backward: into the sums of the span's earlier columns). The sequential work,
@@ -109,7 +109,7 @@ SUBSTITUTION_LOGIT_CHUNK = 16
 #   twice: 2/3 of the two passes' products (the plan: 0.95 ms against 0.48 + 0.50 at the target; the
 #   solve's products alone, 2.69× SDPA with two passes, fell to 2.40×). At heads up to 128 wide the
 #   pairs across spans are then summed by the transposed solve's span kernel (FUSED_GRADIENTS in
-#   ``_Layout``: 254 registers, no spill), the column kernel only the spans' own rows (212): 0.42 + 0.95
+#   ``SolveLayout``: 254 registers, no spill), the column kernel only the spans' own rows (212): 0.42 + 0.95
 #   ms became 0.83 + 0.17 at the target, the products alone 2.46× → 2.35× SDPA.
 # - TF32 operands at 128-wide heads (the row kernel spilled 1.0-1.6 KB at 64 rows): a column block a
 #   program (202-255 registers; streaming 32 rows spilled 24-216 B; transposed tiles 1.1-1.6 KB);
@@ -186,7 +186,7 @@ def _row_block_ends(doc_start: Tensor | None, batch: int, length: int, block: in
     return ((rows + block - 1) // block).to(torch.int32).contiguous()
 
 
-class _Layout:
+class SolveLayout:
     """Block sizes, strides and flags shared by the launches of one solve."""
 
     def __init__(self, x, b, beta, doc_start, scale, strict, chunk_size, operands=None):
@@ -213,10 +213,11 @@ class _Layout:
         self.future_block_v = min(128, self.block_dv)
         self.future_slices = triton.cdiv(self.dv, self.future_block_v)
         # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
-        chosen = SPAN_OPERANDS if operands is None else operands
+        # (the launch plan's ``operands``, else kernelmix.ops.solve_operands's choice, else the default)
+        chosen = operands or chosen_solve_operands() or SPAN_OPERANDS
         if chosen not in SPAN_OPERAND_CHOICES:
             raise KernelmixError(f"the solve's span operands are {chosen!r}: choose one of "
-                                 f"{', '.join(SPAN_OPERAND_CHOICES)} (SPAN_OPERANDS in kernelmix.ops._triton_solve)")
+                                 f"{', '.join(SPAN_OPERAND_CHOICES)} (kernelmix.ops.solve_operands)")
         self.operands = chosen if self.spans > 1 else "fp32"
         # bf16 operands are read from bf16 copies of x, y, U and db (half the bytes of fp32 tiles rounded
         # in registers, the same values): the sequential kernels store U's and db's as they solve them
@@ -277,7 +278,10 @@ class _Layout:
         # FUSED_GRADIENTS: with bf16 operands (heads up to 128 wide) the transposed solve's span kernel forms
         # the gradients of its pairs (the later spans') on its own kernel tiles; the column kernel then sums the
         # spans' own rows only
-        self.fused_gradients = self.shadowed and self.future_slices == 1 and self.block_k <= 128
+        # (a program of either kernel must not straddle two spans: whole groups of blocks in a span)
+        self.fused_gradients = (self.shadowed and self.future_slices == 1 and self.block_k <= 128
+                                and self.span_blocks % SPAN_COLUMN_BLOCKS == 0
+                                and self.span_blocks % GRADIENT_GROUP_BLOCKS == 0)
 
     def flags(self) -> dict:
         return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, STRICT=self.strict, HAS_BETA=self.has_beta,
@@ -367,13 +371,13 @@ def bf16_copy(t: Tensor) -> Tensor:
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
-def _operand_copies(lay: _Layout, *tensors: Tensor) -> tuple[Tensor, ...]:
+def _operand_copies(lay: SolveLayout, *tensors: Tensor) -> tuple[Tensor, ...]:
     """What the span kernels, pushes and gradient kernels read for x and y: bf16 copies with bf16
     operands, else the tensors themselves."""
     return tuple(bf16_copy(t) for t in tensors) if lay.shadowed else tensors
 
 
-def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
+def _shadow_like(t: Tensor, lay: SolveLayout) -> Tensor:
     """A bf16 tensor laid out as ``t`` (a [B, H, T, dv] view of [B, T, H, dv]) for the sequential kernel
     to store its solved rows in, with bf16 operands; else ``t`` (the kernels then store no copy)."""
     if not lay.shadowed:
@@ -381,7 +385,7 @@ def _shadow_like(t: Tensor, lay: _Layout) -> Tensor:
     return t.new_empty(lay.batch, lay.length, lay.heads, t.shape[-1], dtype=torch.bfloat16).transpose(1, 2)
 
 
-def _subspan_logits(x, y, doc_start, lay: _Layout) -> Tensor:
+def _subspan_logits(x, y, doc_start, lay: SolveLayout) -> Tensor:
     """Every row's base-2 logits against its sub-span's columns ([B, H, T, subspan_rows] fp32, −inf
     where hidden; the columns after a row's block unwritten), for the sequential kernels: one launch,
     parallel over all rows."""
@@ -393,7 +397,7 @@ def _subspan_logits(x, y, doc_start, lay: _Layout) -> Tensor:
     return logits
 
 
-def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool = False):
+def _solve_forward(x, y, b, beta, gamma, doc_start, lay: SolveLayout, keep_mix: bool = False):
     """U, the row log-normalisers, U's bf16 copy (bf16 operands; else None) and, with β and
     ``keep_mix`` (a backward will need e), K U (else None), span by span: the
     past spans' products in parallel (:func:`past_span_kernel`), then the span's own rows, a sub-span
@@ -462,7 +466,7 @@ def _solve_forward(x, y, b, beta, gamma, doc_start, lay: _Layout, keep_mix: bool
 
 @dataclass
 class _FusedGradients:
-    """What the transposed solve's span kernel needs to form its pairs' gradients too (``_Layout.fused_gradients``):
+    """What the transposed solve's span kernel needs to form its pairs' gradients too (``SolveLayout.fused_gradients``):
     U's bf16 copy, K U (``mixed``) and β for e, e and β e (filled span by span, as the spans' db are solved),
     and dx (zeroed: atomics, where ``row_grad``) and dy (zeroed: the spans' own rows add theirs after)."""
 
@@ -483,7 +487,7 @@ class _FusedGradients:
             self.e_kernel[:, :, start:stop] = self.beta[:, :, start:stop] * part
 
 
-def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: _Layout, operands,
+def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends, lay: SolveLayout, operands,
                       fused: _FusedGradients | None = None):
     """db = A^{-T} dU, span by span from the last: the later spans' products in parallel
     (:func:`future_span_kernel`), then the span's own rows a sub-span at a time from the last: its back
@@ -537,16 +541,16 @@ def _transposed_solve(x, y, grad_u, beta, gamma, doc_start, lse, ends, sub_ends,
     return grad_b, db16
 
 
-def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, lay: _Layout, need_x: bool,
+def _solve_backward(grad_u, x, y, b, beta, gamma, doc_start, u, u16, ku, lse, lay: SolveLayout, need_x: bool,
                     need_y: bool):
     """db (the gradient of b), dx, dy and e (−dβ) of one solve. e_i = db_i·(K U)_i is O(T·d): Cubit's
     K U = b − γ U (β = 1), DeltaFormer's as its forward stored it (``ku``; (b − γU)/β would amplify
     rounding where β is small). Then dx and dy: two passes over the T² pairs, the row kernel's dx and the
-    column kernel's dy, where ``_Layout.dx_rows`` (TF32 operands at heads up to 64 wide); elsewhere the
+    column kernel's dy, where ``SolveLayout.dx_rows`` (TF32 operands at heads up to 64 wide); elsewhere the
     column kernel alone, adding dx by fp32 atomics (``ROW_GRAD``): with bf16 operands in one pass by
     choice (each pair's logits formed once), with TF32 at wider heads and fp32 ones because the row
     kernel spills there. With bf16 operands the kernels read the bf16 copies of x, y, U (``u16``, the
-    forward's) and β ⊙ db, and (``_Layout.fused_gradients``) the pairs across spans are summed by the
+    forward's) and β ⊙ db, and (``SolveLayout.fused_gradients``) the pairs across spans are summed by the
     transposed solve's span kernel on its own kernel tiles, the column kernel summing the spans' own rows."""
     ends = _row_block_ends(doc_start, lay.batch, lay.length, lay.block_t, x.device)
     sub_ends = ends if lay.sub_t == lay.block_t else _row_block_ends(doc_start, lay.batch, lay.length, lay.sub_t,
@@ -607,7 +611,7 @@ def _launch_device(x: Tensor):
 class _TritonSolve(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, b, beta, gamma, doc_start, scale, strict, chunk_size, grad_enabled):
-        lay = _Layout(x, b, beta, doc_start, scale, strict, chunk_size)
+        lay = SolveLayout(x, b, beta, doc_start, scale, strict, chunk_size)
         gamma = gamma.contiguous()  # the kernels read γ_h at gamma_ptr + h
         if lay.length == 0:  # nothing to solve: no launch
             u, lse, u16, ku = b.new_empty(b.shape), x.new_empty(x.shape[:3]), None, None
@@ -654,92 +658,3 @@ def triton_kernel_solve(x: Tensor, y: Tensor, b: Tensor, *, beta: Tensor | None,
     x, y, b = (_small_strides(t) for t in (x, y, b))
     return _TritonSolve.apply(x, y, b, beta, gamma, doc_start, float(scale), bool(strict), int(chunk_size),
                               torch.is_grad_enabled())
-
-
-_POINTER_TYPES = {"ds_ptr": "*i64", "end_ptr": "*i32", "u16_ptr": "*bf16", "db16_ptr": "*bf16"}
-_FLOAT_ARGS = {"scale", "scale2"}
-# the kernels that read the bf16 copies with bf16 operands (the sequential ones read fp32, store the copies)
-_SHADOW_READERS = ("solve_past_span", "solve_span_push", "solve_future_span", "solve_span_push_transposed",
-                   "solve_grad_rows", "solve_grad_columns")
-_SHADOW_POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "u_ptr", "db_ptr")}
-
-
-def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chunk_size: int, strict: bool,
-                   has_beta: bool, has_doc: bool, operands: str | None = None) -> list[KernelLaunch]:
-    """The kernels one differentiated solve launches at these sizes — the sub-spans' logits (once per
-    direction), the forward (past spans in parallel, then each span's substitution), the backward's
-    transposed solve (later spans, then each span's back substitution), row and column gradients —
-    with the grids, blocks and warps the launches above use (the same ``_Layout``, built on meta
-    tensors: no memory, no GPU). A span kernel's grid is
-    that of a whole span; with one span (T ≤ SPAN_ROWS) they are not launched and not listed.
-    ``operands``: the span products' (default ``SPAN_OPERANDS``); with "bf16" the kernels that read the
-    bf16 copies take bf16 pointers for them."""
-    if triton is None:
-        raise KernelmixError("the Triton launch plan needs the triton package: pip install triton")
-    x = torch.empty(batch, heads, length, dk, device="meta")
-    b = torch.empty(batch, heads, length, dv, device="meta")
-    beta = torch.empty(batch, heads, length, device="meta") if has_beta else None
-    doc = torch.empty(batch, length, dtype=torch.int64, device="meta") if has_doc else None
-    lay = _Layout(x, b, beta, doc, 1.0, strict, chunk_size, operands)
-    flags = lay.flags()
-    warps = flags.pop("num_warps")
-    several = lay.has_partials
-    logits = lay.logits_flags()
-    logits_warps = logits.pop("num_warps")
-    tiles = dict(block_t=lay.block_t, block_k=lay.block_k, block_v=lay.block_v, block_dv=lay.block_dv,
-                 blocks=lay.blocks, span_blocks=lay.span_blocks, spans=lay.spans, sub_t=lay.sub_t, dk=dk, dv=dv,
-                 operands=lay.operands, subspan_blocks=lay.subspan_blocks,
-                 future_block_v=lay.future_block_v, span_block_v=lay.span_block_v, span_block_r=lay.span_block_r,
-                 past_block_r=lay.past_block_r, past_splits=lay.past_splits, merge_rows=MERGE_ROWS,
-                 future_block_c=lay.future_block_c,
-                 gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
-                 fused_gradients=lay.fused_gradients,
-                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"])
-    span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
-                HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
-    # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid
-    reach = sorted(lay.span_blocks_of(index)[1] - sub_stop for index in range(lay.spans)
-                   for _, sub_stop in lay.subspans_of(index)[:-1])
-    subspans = sum(len(lay.subspans_of(index)) for index in range(lay.spans))
-    median = reach[len(reach) // 2] if reach else 1
-    push_grid, push_grid_transposed = lay.push_grid(median), lay.push_grid(median, transposed=True)
-    row_gradient = lay.gradient_flags(rows=True)  # dx, where it compiles without spills (else atomics)
-    column_gradient = lay.gradient_flags(rows=False)
-    row_gradient.pop("num_warps"), column_gradient.pop("num_warps")  # both lay.gradient_warps
-    substitution = lay.substitution_flags()
-    sub_warps = substitution.pop("num_warps")
-    forward_substitution = substitution | {"PARTIAL_V": lay.span_block_v, "HAS_PAST": several, "STORE_MIX": has_beta,
-                                           "HAS_DOC": lay.has_doc}
-    transposed = span | {"HAS_BETA": lay.kernel_beta, "BLOCK_V": lay.future_block_v, "ROW_GRAD": False}
-    fused = {"GRAD": lay.fused_gradients, "ROW_GRAD": lay.fused_gradients}  # (the planned call asks for dx and dy)
-    kernels = [("solve_subspan_logits", subspan_logits_kernel, lay.logits_grid, logits, 2),  # forward, backward
-               ("solve_past_span", past_span_kernel, lay.past_grid(min(1, lay.spans - 1)),
-                span | {"BLOCK_R": lay.past_block_r, "CONTINUE": False, "STREAM_T": lay.past_stream_t,
-                        "SPLITS": lay.past_splits}, lay.spans - 1),
-               ("solve_merge_partials", merge_split_partials_kernel, lay.merge_grid(min(1, lay.spans - 1)),
-                {"BLOCK_T": MERGE_ROWS, "BLOCK_V": lay.span_block_v}, (lay.spans - 1) * (lay.past_splits > 1)),
-               ("solve_forward", solve_forward_kernel, lay.sequential_grid, forward_substitution,
-                subspans),
-               ("solve_span_push", past_span_kernel, push_grid,
-                span | {"BLOCK_R": lay.span_block_r, "CONTINUE": True, "STREAM_T": lay.span_stream_t, "SPLITS": 1},
-                len(reach)),
-               ("solve_future_span", future_span_kernel, lay.span_grid(0, transposed=True),
-                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t,
-                              "ACCUMULATE": False} | fused, lay.spans - 1),
-               ("solve_transposed", solve_transposed_kernel, lay.sequential_grid,
-                substitution | {"HAS_FUTURE": several}, subspans),
-               ("solve_span_push_transposed", future_span_kernel, push_grid_transposed,
-                transposed | {"BLOCK_C": lay.future_block_c, "STREAM_T": lay.future_stream_t, "ACCUMULATE": True,
-                              "GRAD": False}, len(reach)),
-               ("solve_grad_rows", grad_rows_kernel, lay.gradient_grid, row_gradient, int(lay.dx_rows)),
-               ("solve_grad_columns", grad_columns_kernel, lay.gradient_grid, column_gradient, 1)]
-    launch_warps = {"solve_past_span": lay.span_warps, "solve_span_push": lay.span_warps, "solve_merge_partials": 4,
-                    "solve_future_span": lay.future_warps, "solve_span_push_transposed": lay.future_warps,
-                    "solve_forward": sub_warps, "solve_transposed": sub_warps, "solve_subspan_logits": logits_warps,
-                    "solve_grad_rows": lay.gradient_warps, "solve_grad_columns": lay.gradient_warps}
-    def pointers(name: str) -> dict:
-        return _POINTER_TYPES | (_SHADOW_POINTERS if lay.shadowed and name in _SHADOW_READERS else {})
-
-    return [KernelLaunch(name, kernel, grid, constexprs, launch_warps.get(name, warps),
-                         aot_signature(kernel, constexprs, pointers(name), _FLOAT_ARGS), tiles, calls)
-            for name, kernel, grid, constexprs, calls in kernels if calls > 0]

@@ -53,11 +53,13 @@ db's bf16 copy (β ⊙ db) and into e (β e), so that no kernel reading the copy
 dγ is a torch reduction of db ⊙ U.
 
 Memory O(T·d): no T×T matrix; the forward saves its inputs, U, the log-normalisers and (DeltaFormer)
-K U; each direction holds the in-sub-span logits ([B, H, T, SUBSPAN_ROWS] fp32) while it runs.
+K U; each direction holds the in-sub-span logits ([B, H, T, SUBSPAN_ROWS] fp32) while it runs, and with
+bf16 operands the forward the across-span kernel's second column half's partials (one [T, d_v] fp32
+tensor more) and the backward e and β e.
 Softmax, normalisers and systems are fp32, and so are the in-sub-span products and logits
 (``input_precision="ieee"``, ``product(..., "fp32")``); with more than one span, the products across spans, the pushes'
-and the gradient kernels' take ``SPAN_OPERANDS`` (TF32 by default; the error measured against
-float64 is at the constant).
+and the gradient kernels' take the operands ``kernelmix.ops.solve_operands`` chooses (TF32 by default,
+``SPAN_OPERANDS``; the error measured against float64 is at that constant).
 
 Blocks: the row block is ``BLOCK_T = min(64, max(16, next_pow2(chunk_size)))`` (Triton blocks are
 powers of two ≥ 16, and tl.dot needs ≥ 16); head dims are padded to ``max(16, next_pow2(d))`` with
@@ -152,10 +154,11 @@ if triton is not None:
         another's update); :func:`solve_forward_kernel` continues from them. Launched for a span's rows against every
         earlier span, and, inside a span, for the rows after a solved sub-span against it (a push).
         Its products are the off-diagonal ones, the bulk of the solve: on tensor cores unless
-        ``OPERANDS`` is "fp32". With ``SPLITS`` = 2 (not with ``CONTINUE``) the columns are cut in two
-        halves (whole column blocks), a program for each (grid axis 2: value slice · SPLITS + half): the
-        second half's partials go to ``max2_ptr``, ``sum2_ptr``, ``acc2_ptr`` (laid out as the first's), for
-        :func:`merge_split_partials_kernel` to merge."""
+        ``OPERANDS`` is "fp32". With ``SPLITS`` = 2 (only the across-span launch, which a merge follows;
+        never a push) the columns are cut in two halves (whole column blocks), a program for each (grid axis
+        2: value slice · SPLITS + half): the second half's partials go to ``max2_ptr``, ``sum2_ptr``,
+        ``acc2_ptr`` (laid out as the first's), for :func:`merge_split_partials_kernel` to merge."""
+        tl.static_assert(SPLITS <= 2 and (SPLITS == 1 or not CONTINUE))
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)
@@ -310,6 +313,7 @@ if triton is not None:
         kernel tiles (:func:`_transposed_later`): −scale Σ_i dL_iJ x_i stored as J's dy from the later
         spans (the span's own rows add theirs in :func:`grad_columns_kernel`) and, with ``ROW_GRAD``, dx
         by atomics; the gradient pass over these pairs then forms no logits of its own."""
+        tl.static_assert(not (GRAD and HAS_BETA))  # GRAD takes β folded into db's copy and e
         pid = tl.program_id(0)
         bi = (pid // heads).to(tl.int64)
         hi = (pid % heads).to(tl.int64)

@@ -44,7 +44,7 @@ def mixer_launches(mixer: str, shape: dict) -> list:
     """The kernel launches of one differentiated call of ``mixer``'s op at ``shape`` (batch, heads,
     kv_heads, length, head_dim, features, chunk_size), documents packed (the models' training case)."""
     if mixer in SOLVE_MIXERS:
-        from ...ops._triton_solve import solve_launches
+        from ...ops._triton_solve_plan import solve_launches
 
         return solve_launches(shape["batch"], shape["heads"], shape["length"], shape["head_dim"], shape["head_dim"],
                               chunk_size=shape["chunk_size"], has_doc=True, **SOLVE_MIXERS[mixer])

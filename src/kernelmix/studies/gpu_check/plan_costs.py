@@ -198,19 +198,24 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     slices = -(-tiles["dv"] // v)
     row_scalars = (1 + has_beta) * FP32 + has_doc * INT64  # per row: the log-normaliser, β, the document start
     spanned_rows = (n - min(n, tiles["span_blocks"])) * c  # rows after the first span
+    spanned_columns = ((n - 1) // tiles["span_blocks"]) * tiles["span_blocks"] * c  # columns before the last span
     if name in ("solve_past_span", "solve_future_span"):
         past = name == "solve_past_span"
         side = "past" if past else "future"
         pairs, streamed = count[side], count[side + "_streamed"]
         flops = slices * pairs * (2 * c * c * k + 2 * c * c * v)
-        # the streamed tiles (each column half streamed by its own program: as often in all), and per row its
-        # own tile in and partials out (the forward: once per column half)
-        moved = slices * (streamed * c * ((k + v) * ob + (not past) * row_scalars)
-                          + (halves if past else 1) * spanned_rows * (k * ob + (v + 2) * FP32 + row_scalars))
+        # the streamed tiles (each column half streamed by its own program: as often in all); the forward: per
+        # row its own tile and document start in and partials out, once per column half; the transposed: per
+        # column its own tile in, its sums out
+        if past:
+            moved = slices * (streamed * c * (k + v) * ob
+                              + halves * spanned_rows * (k * ob + (v + 2) * FP32 + has_doc * INT64))
+        else:
+            moved = slices * (streamed * c * ((k + v) * ob + row_scalars) + spanned_columns * (k * ob + v * FP32))
         if not past and tiles.get("fused_gradients"):  # the pairs' gradients on the same kernel tiles (one slice)
             flops += pairs * 2 * c * c * (2 * k + v)  # db·uᵀ, the products with x (dy) and y (dx)
             # per streamed row e in and dx's atomics; per column U in and dy out
-            moved += streamed * c * (FP32 + k * FP32) + spanned_rows * (v * ob + k * FP32)
+            moved += streamed * c * (FP32 + k * FP32) + spanned_columns * (v * ob + k * FP32)
     elif name in ("solve_span_push", "solve_span_push_transposed"):
         transposed = name == "solve_span_push_transposed"
         push = push_tiles(n, tiles["span_blocks"], tiles["subspan_blocks"],
