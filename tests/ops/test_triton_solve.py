@@ -712,7 +712,7 @@ def test_rejects_bad_inputs_and_cpu_without_interpreter(monkeypatch):
         triton_kernel_solve(x, x, b, **(common | {"doc_start": torch.zeros(1, 4)}))
     with monkeypatch.context() as patch:  # operands the kernels were not measured with: named, with the choices
         patch.setattr(_triton_solve, "SPAN_OPERANDS", "tf32x3")
-        with pytest.raises(KernelmixError, match="'tf32x3'.*tf32, bf16, fp32.*SPAN_OPERANDS"):
+        with pytest.raises(KernelmixError, match="'tf32x3'.*tf32, bf16, fp32.*solve_operands"):
             triton_kernel_solve(x, x, b, **common)
     monkeypatch.setattr(_triton_solve, "interpreter_enabled", lambda: False)
     with pytest.raises(KernelmixError, match="TRITON_INTERPRET=1"):
