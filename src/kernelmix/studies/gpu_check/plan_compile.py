@@ -23,7 +23,7 @@ from ...errors import KernelmixError
 
 TARGET = ("cuda", 90, 32)  # sm_90, 32 threads per warp: what triton.compile targets without a GPU
 SOLVE_MIXERS = {"cubit": dict(strict=False, has_beta=False), "deltaformer": dict(strict=True, has_beta=True),
-                # the same solves with bf16 operands (SPAN_OPERANDS = "bf16": bf16 copies of x, y, U and db)
+                # the same solves with bf16 operands (solve_operands("bf16"): bf16 copies of x, y, U and db)
                 "cubit-bf16": dict(strict=False, has_beta=False, operands="bf16"),
                 "deltaformer-bf16": dict(strict=True, has_beta=True, operands="bf16")}
 SOLVE_VARIANT = "-bf16"  # a solve mixer's name with this suffix is the op without it, at bf16 operands

@@ -54,7 +54,7 @@ pairs they execute, :func:`row_group_tiles`, :func:`column_group_tiles`). e is O
 both mixers (DeltaFormer's forward stores K U for it: a [T, D_v] fp32 store more in its sequential
 kernel, and a C × C × V product per block).
 
-With bf16 operands (``SPAN_OPERANDS = "bf16"``) the span kernels, pushes and gradient kernels read
+With bf16 operands (``kernelmix.ops.solve_operands("bf16")``) the span kernels, pushes and gradient kernels read
 bf16 copies of x, y, U and db (2 B an element; the sequential kernels store U's and db's copies as
 they solve, 2·D_v B a row more; db's is β ⊙ db, so that they read no β); partials, sums, e, dx and dy
 stay fp32. At heads up to 128 wide they are *fused*: the transposed direction's span kernel also forms

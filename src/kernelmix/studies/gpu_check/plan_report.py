@@ -126,10 +126,11 @@ def plan_markdown(plan: dict) -> str:
            "pushes' and its gradients' products, for "
            "T > 1,024; the random features' products of features, states and values; their feature logits "
            "stay fp32-accurate as three TF32 products, at a third of the TF32 peak), and the bf16 peak for "
-           "`bf16` (the `-bf16` solve rows: the same solves with `SPAN_OPERANDS = \"bf16\"`, their span kernels, "
-           "pushes and gradients reading bf16 copies of x, y, U and db, 2 B an element; at heads up to 128 wide "
-           "their transposed `solve_future_span` also forms the gradients of its pairs, the later spans' rows, "
-           "and `solve_grad_columns` sums only each span's own rows).", ""]
+           "`bf16` (the `-bf16` solve rows: the same solves under `kernelmix.ops.solve_operands(\"bf16\")`, their "
+           "span kernels, pushes and gradients reading bf16 copies of x, y, U and db, 2 B an element; at heads up "
+           "to 128 wide the forward's `solve_past_span` holds 256 rows a program in two column halves, which "
+           "`solve_merge_partials` merges, the transposed `solve_future_span` also forms the gradients of its "
+           "pairs, the later spans' rows, and `solve_grad_columns` sums only each span's own rows).", ""]
     for label, shape in plan["shapes"].items():
         rows = [r for r in plan["kernels"] if r["shape"]["label"] == label]
         if not rows:
