@@ -557,6 +557,33 @@ def test_bf16_gradients_at_spans_of_an_odd_number_of_blocks(monkeypatch):
     assert max(errors.values()) > 1e-6
 
 
+@pytest.mark.parametrize("mixer", ["cubit", "deltaformer"])
+def test_a_solve_mixer_takes_its_solve_operands_option(monkeypatch, mixer):
+    """The solve mixers' ``solve_operands`` option (a model config's ``mixer_options``): the layer's
+    solves take it (bf16: the span kernels read bf16 copies), None leaves the default (TF32: fp32 tiles),
+    another value is refused naming the choices."""
+    from kernelmix.layers import build_mixer
+    from kernelmix.model_config import ModelConfig
+
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 32)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 16)
+    seen: list = []
+    monkeypatch.setattr(_triton_solve, "past_span_kernel", ArgumentRecorder(_triton_solve.past_span_kernel, "past",
+                                                                             seen))
+    hidden = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(14))
+    for operands, dtype in (("bf16", torch.bfloat16), (None, torch.float32)):
+        seen.clear()
+        torch.manual_seed(0)
+        layer = build_mixer(mixer, hidden_size=32, num_heads=2, chunk_size=16, backend="triton",
+                            solve_operands=operands)
+        layer(hidden)
+        assert {tensors[0].dtype for _, tensors, _ in seen} == {dtype}, operands
+    with pytest.raises(KernelmixError, match="solve_operands must be one of 'tf32', 'bf16', 'fp32'; got 'tf32x3'"):
+        build_mixer(mixer, hidden_size=32, num_heads=2, solve_operands="tf32x3")
+    config = ModelConfig(mixer=mixer, mixer_options={mixer: {"solve_operands": "bf16"}})
+    assert config.mixer_options[mixer]["solve_operands"] == "bf16"
+
+
 def test_bf16_copy_rounds_to_nearest_with_ties_away_from_zero():
     """The copies round as the kernels' ``rounded``: to nearest, a tie away from zero (torch's own cast
     breaks it to even), in the tensor's own layout."""

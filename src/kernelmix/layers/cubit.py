@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ..errors import KernelmixError
 from ..ops import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
-from .base import MixerLayer, check_bool, check_choice, init_linear
+from .base import MixerLayer, check_bool, check_choice, check_solve_operands, init_linear, solve_operands_scope
 from .rope import RopeTables
 
 REFERENCES = ("separate", "key")
@@ -36,6 +36,8 @@ class CubitMixer(MixerLayer):
       ρ = 1 (when 1 lies in the range), so a fresh layer starts as Cubit-NoLRR.
     * ``lrr_range=(0.5, 2.0)``: (lo, hi) with 0 < lo < hi.
     * ``ridge=1e-6``: initial ridge λ_h > 0 (learned per head as ``log_ridge``).
+    * ``solve_operands=None``: the Triton solve's tensor-core operands ("tf32", "bf16" or "fp32"; None:
+      the default, TF32, or the caller's :func:`kernelmix.ops.solve_operands` block; docs/gpu.md).
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``r_proj`` (if separate),
     ``rho_proj`` (if lrr), ``log_ref_scale`` [H] (s_h = exp, init 1), ``log_ridge`` [H]
@@ -44,7 +46,7 @@ class CubitMixer(MixerLayer):
 
     mixer_name = "cubit"
     #: its own keyword arguments (``__init__``'s, in order; the shared ones: ``SHARED_OPTIONS``)
-    OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge")
+    OPTIONS = ("reference", "reference_rope", "lrr", "lrr_range", "ridge", "solve_operands")
 
     def __init__(
         self,
@@ -54,9 +56,11 @@ class CubitMixer(MixerLayer):
         lrr: bool = True,
         lrr_range: tuple[float, float] = (0.5, 2.0),
         ridge: float = 1e-6,
+        solve_operands: str | None = None,
         **shared: Any,
     ) -> None:
         super().__init__(**shared)
+        self.solve_operands = check_solve_operands(solve_operands)
         self.reference = check_choice("reference", reference, REFERENCES)
         self.reference_rope = check_bool("reference_rope", reference_rope)
         self.lrr = check_bool("lrr", lrr)
@@ -107,6 +111,7 @@ class CubitMixer(MixerLayer):
         return (
             f"{super().extra_repr()}, reference={self.reference!r}, reference_rope={self.reference_rope}, "
             f"lrr={self.lrr}, lrr_range={self.lrr_range}"
+            + ("" if self.solve_operands is None else f", solve_operands={self.solve_operands!r}")
         )
 
     def _extras(self, hidden_states: Tensor, *, q: Tensor, k: Tensor, k_raw: Tensor, rotary: RopeTables) -> dict:
@@ -127,10 +132,11 @@ class CubitMixer(MixerLayer):
         return {"ridge": self.log_ridge.exp(), "ref_scale": self.log_ref_scale.exp()}
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitState]:
-        return cubit_attention(
-            q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
-            backend=self.backend, return_state=True, **self._coefficients(),
-        )
+        with solve_operands_scope(self.solve_operands):
+            return cubit_attention(
+                q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
+                backend=self.backend, return_state=True, **self._coefficients(),
+            )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, CubitState]:
         return cubit_attention_step(

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..errors import KernelmixError
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
-from .base import MixerLayer, check_choice, init_linear
+from .base import MixerLayer, check_choice, check_solve_operands, init_linear, solve_operands_scope
 from .rope import RopeTables
 
 W_CHOICES = ("k", "q")
@@ -25,6 +25,8 @@ class DeltaFormerMixer(MixerLayer):
 
     * ``w="k"``: the solve's query side. ``"k"`` is the K–K form of the paper; ``"q"`` uses the
       (RoPE-rotated) query, the Q–K variant some libraries use.
+    * ``solve_operands=None``: the Triton solve's tensor-core operands ("tf32", "bf16" or "fp32"; None:
+      the default, TF32, or the caller's :func:`kernelmix.ops.solve_operands` block; docs/gpu.md).
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``beta_proj`` (W_β: D → H, no
     bias; β = sigmoid(W_β x) per token and query head). Cache state:
@@ -32,15 +34,17 @@ class DeltaFormerMixer(MixerLayer):
     """
 
     mixer_name = "deltaformer"
-    OPTIONS = ("w",)  # its own keyword arguments (the shared ones: ``SHARED_OPTIONS``)
+    OPTIONS = ("w", "solve_operands")  # its own keyword arguments (the shared ones: ``SHARED_OPTIONS``)
 
-    def __init__(self, *, w: str = "k", **shared: Any) -> None:
+    def __init__(self, *, w: str = "k", solve_operands: str | None = None, **shared: Any) -> None:
         super().__init__(**shared)
         self.w = check_choice("w", w, W_CHOICES)
+        self.solve_operands = check_solve_operands(solve_operands)
         self.beta_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, w={self.w!r}"
+        operands = "" if self.solve_operands is None else f", solve_operands={self.solve_operands!r}"
+        return f"{super().extra_repr()}, w={self.w!r}{operands}"
 
     def reset_parameters(self, std: float | None = None, out_std: float | None = None) -> None:
         """The projections as :meth:`MixerLayer.reset_parameters`, then ``beta_proj`` like q/k/v."""
@@ -51,10 +55,11 @@ class DeltaFormerMixer(MixerLayer):
         return {"beta": torch.sigmoid(self.beta_proj(hidden_states)), "w": q if self.w == "q" else None}
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:
-        return deltaformer_attention(
-            q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
-            backend=self.backend, return_state=True,
-        )
+        with solve_operands_scope(self.solve_operands):
+            return deltaformer_attention(
+                q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size,
+                doc_start=extras["doc_start"], backend=self.backend, return_state=True,
+            )
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, extras: dict, state: Any) -> tuple[Tensor, DeltaFormerState]:
         return deltaformer_attention_step(q, k, v, state, beta=extras["beta"], w=extras["w"],

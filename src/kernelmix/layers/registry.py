@@ -210,11 +210,13 @@ OP_MIXERS = View(_with_op)
 
 register(MixerInfo("softmax", "kernelmix.layers.softmax:SoftmaxMixer", "softmax", constant_cache=False,
                    op="kernelmix.ops.calls:softmax", step="kernelmix.ops.calls:softmax_step"))
-register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False, options=CUBIT_OPTIONS,
+register(MixerInfo("cubit", "kernelmix.layers.cubit:CubitMixer", "solve", constant_cache=False,
+                   options=(*CUBIT_OPTIONS, "solve_operands"),
                    op="kernelmix.ops.calls:cubit", step="kernelmix.ops.calls:cubit_step",
                    leaves=("q", "k", "v", "r", "rho"), variants=(Variant("cubit-nolrr", {"lrr": False}, "no LRR"),)))
 register(MixerInfo("deltaformer", "kernelmix.layers.deltaformer:DeltaFormerMixer", "solve", constant_cache=False,
-                   options=("w",), op="kernelmix.ops.calls:deltaformer", step="kernelmix.ops.calls:deltaformer_step",
+                   options=("w", "solve_operands"), op="kernelmix.ops.calls:deltaformer",
+                   step="kernelmix.ops.calls:deltaformer_step",
                    leaves=("q", "k", "v", "beta")))
 register(MixerInfo("performer", "kernelmix.layers.random_features:PerformerMixer", "random-features",
                    constant_cache=True, options=RANDOM_FEATURE_OPTIONS, op="kernelmix.ops.calls:performer",

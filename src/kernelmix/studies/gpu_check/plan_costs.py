@@ -229,12 +229,7 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     elif name == "solve_merge_partials":  # per row after the first span: both halves' partials in, one out
         flops, moved = 0, slices * spanned_rows * 3 * (v + 2) * FP32
     elif name == "solve_subspan_logits":  # every row against its sub-span's columns up to its block
-        within = span_tiles(n, tiles["subspan_blocks"])["lower"]  # (row block, column block) pairs in sub-spans
-        flops = 2 * c * c * k * within
-        # per row its document start; per pair the column block's y in, the C × C logits out, and the row
-        # block's x again for each of its column tiles (the product runs over parts of the head, reloaded)
-        moved = n * c * has_doc * INT64 + within * c * (k + k * c // tiles["logit_stream"] + c) * FP32
-        flops, moved = 2 * flops, 2 * moved  # launched twice: the forward's, the backward's (not kept between)
+        flops, moved = _logits_cost(tiles, has_doc)
     elif name in ("solve_forward", "solve_transposed"):
         # the sub-spans' own rows, in substitution blocks of sub_t rows, value slices of sequential_v; the
         # logits read (solve_subspan_logits formed them)
@@ -260,6 +255,17 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
     else:
         raise ValueError(f"no cost model for kernel {name!r}")
     return Cost(batch_heads * flops, batch_heads * moved)
+
+
+def _logits_cost(tiles: dict, has_doc: bool) -> tuple[float, float]:
+    """:func:`solve_cost`'s sub-span logits, per (batch, head), launched twice (the forward's, the
+    backward's: not kept between): FLOPs and bytes."""
+    c, k, n = tiles["block_t"], tiles["block_k"], tiles["blocks"]
+    within = span_tiles(n, tiles["subspan_blocks"])["lower"]  # (row block, column block) pairs in sub-spans
+    # per row its document start; per pair the column block's y in, the C × C logits out, and the row
+    # block's x again for each of its column tiles (the product runs over parts of the head, reloaded)
+    moved = n * c * has_doc * INT64 + within * c * (k + k * c // tiles["logit_stream"] + c) * FP32
+    return 2 * 2 * c * c * k * within, 2 * moved
 
 
 def _gradient_cost(name: str, tiles: dict, ob: int, row_scalars: int) -> tuple[float, float]:
