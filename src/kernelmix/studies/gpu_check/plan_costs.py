@@ -399,10 +399,12 @@ def recurrence_cost(name: str, tiles: dict, batch_heads: int, value_blocks: int)
 
 
 def roofline_seconds(cost: Cost, programs: int, peak_flops: float, machine: dict = H200) -> float:
-    """A lower bound on a launch's time: its FLOPs at the peak that the programs can occupy (a grid
-    of fewer programs than SMs leaves the rest idle; ``cost.split_flops`` as three TF32 products, the
-    rest at ``peak_flops``) or its bytes at the HBM bandwidth, whichever is slower. Optimistic: one
-    program per SM rarely reaches the SM's peak."""
+    """A launch's roofline time: its FLOPs at the peak that the programs can occupy (a grid of fewer
+    programs than SMs leaves the rest idle; ``cost.split_flops`` as three TF32 products, the rest at
+    ``peak_flops``) or its bytes at the HBM bandwidth, whichever is slower. Its compute term is optimistic
+    (one program per SM rarely reaches the SM's peak); its byte term is not a bound either way: the bytes
+    count every tile a program streams as asked of HBM again, where L2 serves part of them on a GPU. So
+    it is a lower bound on a machine whose L2 served no re-read, not on an H200."""
     busy = min(1.0, programs / machine["sms"])
     compute = (cost.flops - cost.split_flops) / peak_flops + 3 * cost.split_flops / machine["tf32_flops"]
     return max(compute / busy, cost.bytes / machine["hbm_bytes_per_s"])
