@@ -85,13 +85,16 @@ def test_dry_run_without_pydantic_writes_parts_a_and_b(dry_run):
     # (b): every mixer timed at the length, decode at both positions, a row per target
     bench = parts["b"]
     assert bench["status"] == "done" and bench["backend"] == ("triton" if triton else "torch")
+    # (and the solve mixers with bf16 operands: "cubit-bf16", "deltaformer-bf16")
+    assert set(gpu_check.solve_variants()) == {"cubit-bf16", "deltaformer-bf16"}
     assert {(r["mixer"], r["length"]) for r in bench["records"] if r["forward_backward_ms"]} == {
-        (m, 16) for m in gpu_check.MIXERS}
+        (m, 16) for m in [*gpu_check.MIXERS, *gpu_check.solve_variants()]}
     assert {(d["mixer"], d["position"]) for d in bench["decode"] if d["step_ms"]} == {
         (m, p) for m in gpu_check.MIXERS for p in (8, 16)}
-    # per solve mixer: time, memory, the long length; per random-feature mixer (cubit-rf too): time, decode; fla's
-    targets = 3 * len(gpu_check.family("solve")) + 2 * len(gpu_check.family("random-features")) + 1
-    assert targets == 13 and len(bench["targets"]) == targets
+    # per solve mixer: time, memory, the long length (with bf16 operands: time, memory); per random-feature mixer
+    # (cubit-rf too): time, decode; fla's
+    targets = 5 * len(gpu_check.family("solve")) + 2 * len(gpu_check.family("random-features")) + 1
+    assert targets == 17 and len(bench["targets"]) == targets
     assert any(t["passed"] is None for t in bench["targets"])  # no fla, no CUDA peak
     # (c): said why it did not run, and what to do
     assert parts["c"]["status"].startswith("not run") and "pip install pydantic" in parts["c"]["status"]
@@ -126,6 +129,7 @@ def _record(mixer, length, ms, peak=None):
 def test_targets_read_the_ratios_of_the_run():
     sizes = gpu_check.full_sizes()
     records = [_record("softmax", 8192, 10.0, 100.0), _record("cubit", 8192, 24.0, 150.0),
+               _record("cubit-bf16", 8192, 20.0, 150.0),
                _record("deltaformer", 8192, 26.0, 250.0), _record("softmax", 16384, 40.0),
                _record("performer", 16384, 10.0), _record("darkformer", 16384, 20.0),
                _record("cubit", 65536, 900.0), _record(gpu_check.FLA_PEER, 8192, 30.0)]
@@ -136,6 +140,8 @@ def test_targets_read_the_ratios_of_the_run():
     rows = {row["target"]: row for row in gpu_check.evaluate_targets(records, decode, sizes, fla_ran=True)}
     assert rows["cubit fwd+bwd ≤ 2.5× SDPA's at T=8192"]["passed"] is True  # 2.4×
     assert rows["deltaformer fwd+bwd ≤ 2.5× SDPA's at T=8192"]["passed"] is False  # 2.6×
+    assert rows["cubit-bf16 fwd+bwd ≤ 2.5× SDPA's at T=8192"]["measured"] == 2.0  # the bf16 operands' variant
+    assert rows["deltaformer-bf16 fwd+bwd ≤ 2.5× SDPA's at T=8192"]["passed"] is None  # not measured
     assert rows["cubit peak memory ≤ 2× SDPA's at T=8192"]["measured"] == 1.5
     assert rows["deltaformer peak memory ≤ 2× SDPA's at T=8192"]["passed"] is False
     assert rows["cubit runs at T=65536"]["passed"] and rows["deltaformer runs at T=65536"]["passed"] is False

@@ -48,7 +48,7 @@ from ...lazy import lazy_names
 MODULES = {
     "settings": ["DEVICES", "FLA_PEER", "FLA_PEER_OF", "FORMAT", "INTERPRETER_ENV", "LONG_MIXERS", "MIXERS", "PARTS",
                  "PART_TITLES", "TOLERANCES", "CheckCase", "GpuCheckConfig", "Sizes", "full_sizes", "quick_sizes",
-                 "sizes_for", "smoke_sizes"],
+                 "sizes_for", "smoke_sizes", "solve_variants"],
     "measure": ["Timer", "environment", "fast_backend", "relative_rmse", "short_error", "triton_import_error"],
     "checks": ["DTYPES", "OP_CHECKS", "OpCheck", "check_inputs", "run_op_checks"],
     "bench": ["bench_inputs", "evaluate_targets", "family", "mixer_forward", "mixer_leaves", "run_bench"],

@@ -16,12 +16,15 @@ from ..decode_timing import decode_step_after_prefill
 from .measure import Timer, fast_backend, free_memory, is_out_of_memory, short_error, wall_seconds
 from .report import ratio
 from ...layers import registry
-from .settings import FLA_PEER, FLA_PEER_LEAVES, FLA_PEER_OF, LONG_MIXERS, MIXERS, Sizes
+from .settings import FLA_PEER, FLA_PEER_LEAVES, FLA_PEER_OF, LONG_MIXERS, MIXERS, SOLVE_OPERANDS_VARIANT, Sizes, \
+    solve_variants
 
 def mixer_leaves(mixer: str) -> tuple[str, ...]:
     """The inputs a mixer's forward+backward differentiates (the per-token activations and, for
     DARKFormer, its learned transform; the random projection is a fixed buffer): the registry's."""
-    return FLA_PEER_LEAVES if mixer == FLA_PEER else registry.mixer_info(mixer).leaves
+    if mixer == FLA_PEER:
+        return FLA_PEER_LEAVES
+    return registry.mixer_info(solve_variants().get(mixer, mixer)).leaves
 
 
 def bench_inputs(sizes: Sizes, length: int, device: torch.device,
@@ -56,8 +59,15 @@ def mixer_forward(mixer: str, x: dict, backend: str, softmax_context: Callable, 
         return sdpa
     if mixer == FLA_PEER:
         return lambda: fla_op(q, k, v, x["beta"].to(q.dtype))
-    call = registry.op_call(mixer)  # kernelmix.ops.calls: the op as the studies call it
-    return lambda: call(x, backend=backend)
+    variant = solve_variants().get(mixer)
+    call = registry.op_call(variant or mixer)  # kernelmix.ops.calls: the op as the studies call it
+    if variant is None:
+        return lambda: call(x, backend=backend)
+
+    def with_operands():  # the solve's operands, chosen for the forward (its backward keeps them)
+        with ops.solve_operands(SOLVE_OPERANDS_VARIANT[1]):
+            return call(x, backend=backend)
+    return with_operands
 
 
 def forward_only(call: Callable) -> Callable[[], None]:
@@ -275,7 +285,7 @@ def run_bench(part: dict, sizes: Sizes, device: torch.device, say: Callable[[str
                                                    "head_dim": sizes.head_dim, "num_features": sizes.num_features,
                                                    "dtype": "bfloat16"},
                 records=[], decode=[], notes=notes, stopped=context["stopped"])
-    mixers = list(MIXERS) + ([FLA_PEER] if fla_op is not None else [])
+    mixers = list(MIXERS) + list(solve_variants()) + ([FLA_PEER] if fla_op is not None else [])
     budget, started = sizes.part_budget_s["b"], time.perf_counter()
     for length in sizes.lengths:
         if time.perf_counter() - started > 0.75 * budget:  # the rest is the decode's and the long length's
@@ -331,7 +341,7 @@ def evaluate_targets(records: list[dict], decode: list[dict], sizes: Sizes, fla_
     low, high = sizes.decode_positions[0], sizes.decode_positions[-1]
     rows = []
     solvers, features_mixers = family("solve"), family("random-features")
-    for mixer in solvers:
+    for mixer in solvers + list(solve_variants()):  # and with bf16 operands
         rows.append(_target(f"{mixer} fwd+bwd ≤ 2.5× SDPA's at T={solve}",
                             ratio(time_of.get((mixer, solve)), time_of.get(("softmax", solve))), 2.5, at_most=True))
         rows.append(_target(f"{mixer} peak memory ≤ 2× SDPA's at T={solve}",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...output import write_json_atomic, write_text_atomic
 from .plots import write_plots
-from .settings import FLA_PEER, MIXERS
+from .settings import FLA_PEER, MIXERS, solve_variants
 
 def write_report(report: dict, out: Path, *, plots: bool = False) -> list[Path]:
     written = [write_json_atomic(out / "gpu_check.json", report),
@@ -48,7 +48,7 @@ def bench_table(part: dict) -> tuple[list[str], list[list[str]]]:
     records = part.get("records", [])
     sdpa = {r["length"]: r for r in records if r["mixer"] == "softmax"}
     rows = []
-    order = [*MIXERS, FLA_PEER]
+    order = [*MIXERS, *solve_variants(), FLA_PEER]
     for r in sorted(records, key=lambda r: (r["length"], order.index(r["mixer"]))):
         base = sdpa.get(r["length"], {})
         time_ratio = ratio(r.get("forward_backward_ms"), base.get("forward_backward_ms"))
