@@ -30,7 +30,6 @@ random-feature mixers override ``_mix`` to continue a whole chunk from their rec
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import KernelmixError
-from ..ops import SOLVE_OPERAND_CHOICES, check_backend, solve_operands
+from ..ops import SOLVE_OPERAND_CHOICES, check_backend
 from .rope import DEFAULT_THETA, RopeTables, apply_rope, rope_positions
 # torch-free: exported here as before
 from .settings import SHARED_OPTIONS, check_bool, check_choice, check_head_geometry, check_positive_int
@@ -320,11 +319,5 @@ def check_solve_operands(value: Any) -> str | None:
     :func:`kernelmix.ops.solve_operands` block) or one of its choices."""
     return None if value is None else check_choice("solve_operands", value, SOLVE_OPERAND_CHOICES)
 
-
-def solve_operands_scope(choice: str | None):
-    """Where a solve mixer calls its op: ``kernelmix.ops.solve_operands(choice)``, or nothing for None.
-    Entered inside the layer, so a forward recomputed under activation checkpointing enters it again."""
-    return contextlib.nullcontext() if choice is None else solve_operands(choice)
-
 __all__ = ["SHARED_OPTIONS", "LayerCache", "MixerLayer", "check_bool", "check_choice", "check_head_geometry",
-           "check_positive_int", "check_solve_operands", "init_linear", "solve_operands_scope"]
+           "check_positive_int", "check_solve_operands", "init_linear"]

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from ..errors import KernelmixError
 from ..ops import expand_heads
 from ..ops.cubit import CubitState, cubit_attention, cubit_attention_step
-from .base import MixerLayer, check_bool, check_choice, check_solve_operands, init_linear, solve_operands_scope
+from .base import MixerLayer, check_bool, check_choice, check_solve_operands, init_linear
+from ..ops import solve_operands
 from .rope import RopeTables
 
 REFERENCES = ("separate", "key")
@@ -132,7 +133,7 @@ class CubitMixer(MixerLayer):
         return {"ridge": self.log_ridge.exp(), "ref_scale": self.log_ref_scale.exp()}
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, CubitState]:
-        with solve_operands_scope(self.solve_operands):
+        with solve_operands(self.solve_operands):  # (inside the layer: a recomputed forward enters it again)
             return cubit_attention(
                 q, k, v, extras["r"], rho=extras["rho"], chunk_size=self.chunk_size, doc_start=extras["doc_start"],
                 backend=self.backend, return_state=True, **self._coefficients(),

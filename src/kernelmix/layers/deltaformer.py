@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from ..errors import KernelmixError
 from ..ops.deltaformer import DeltaFormerState, deltaformer_attention, deltaformer_attention_step
-from .base import MixerLayer, check_choice, check_solve_operands, init_linear, solve_operands_scope
+from .base import MixerLayer, check_choice, check_solve_operands, init_linear
+from ..ops import solve_operands
 from .rope import RopeTables
 
 W_CHOICES = ("k", "q")
@@ -55,7 +56,7 @@ class DeltaFormerMixer(MixerLayer):
         return {"beta": torch.sigmoid(self.beta_proj(hidden_states)), "w": q if self.w == "q" else None}
 
     def _parallel(self, q: Tensor, k: Tensor, v: Tensor, extras: dict) -> tuple[Tensor, DeltaFormerState]:
-        with solve_operands_scope(self.solve_operands):
+        with solve_operands(self.solve_operands):  # (inside the layer: a recomputed forward enters it again)
             return deltaformer_attention(
                 q, k, v, beta=extras["beta"], w=extras["w"], chunk_size=self.chunk_size,
                 doc_start=extras["doc_start"], backend=self.backend, return_state=True,

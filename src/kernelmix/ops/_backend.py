@@ -36,7 +36,7 @@ _SOLVE_OPERANDS: ContextVar[str | None] = ContextVar("kernelmix_solve_operands",
 
 
 @contextlib.contextmanager
-def solve_operands(operands: str):
+def solve_operands(operands: str | None):
     """Within the ``with`` block, the Triton solve of Cubit and DeltaFormer (CUDA, or Triton's interpreter;
     sequences longer than one span of 1,024 rows) takes ``operands`` for its products across spans, its
     pushes' and its gradients': "tf32" (the default), "bf16" (bf16 copies of x, y, U and db, bf16 tensor-core
@@ -45,7 +45,11 @@ def solve_operands(operands: str):
     substitution and the sums stay fp32 with every choice. A forward run inside the block keeps its choice
     for its backward, wherever that runs; code that recomputes the forward in the backward
     (``torch.utils.checkpoint``) passes ``context_fn=keep_solve_operands`` to recompute it with the same
-    choice (the model's ``recompute`` modes do). Blocks nest; the innermost choice holds."""
+    choice (the model's ``recompute`` modes do). Blocks nest; the innermost choice holds. None changes
+    nothing (the solve mixers' default option: the caller's choice, else TF32)."""
+    if operands is None:
+        yield
+        return
     if operands not in SOLVE_OPERAND_CHOICES:
         raise KernelmixError(f"solve_operands({operands!r}): choose one of {', '.join(SOLVE_OPERAND_CHOICES)}")
     token = _SOLVE_OPERANDS.set(operands)
@@ -64,8 +68,7 @@ def keep_solve_operands():
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) around code that runs the solve: the
     recomputation, which runs in the backward (outside the ``with solve_operands(...)`` block that ran the
     forward), takes the operands the forward took, so that it saves what the forward saved."""
-    chosen = chosen_solve_operands()
-    return contextlib.nullcontext(), (solve_operands(chosen) if chosen else contextlib.nullcontext())
+    return contextlib.nullcontext(), solve_operands(chosen_solve_operands())
 
 
 def check_backend(backend: object) -> str:

@@ -41,7 +41,6 @@ LOG2E = 1.0 / math.log(2.0)
 # bytes, at the bf16 peak) or "fp32" (CUDA cores, 1e-7). T ≤ SPAN_ROWS is one span: full fp32.
 SPAN_ROWS = 1024
 SPAN_OPERANDS = "tf32"
-SPAN_OPERAND_CHOICES = SOLVE_OPERAND_CHOICES  # users choose with kernelmix.ops.solve_operands
 # Inside a span, the sequential launch solves SUBSPAN_ROWS rows at a time (whole row blocks); after
 # each sub-span, one parallel launch pushes its solved rows into the online softmax of the span's
 # later rows (forward; backward: into the sums of the span's earlier columns). The sequential work,
@@ -215,9 +214,9 @@ class SolveLayout:
         # tensor cores for the products across spans, the pushes' and the gradients'; one span: all fp32
         # (the launch plan's ``operands``, else kernelmix.ops.solve_operands's choice, else the default)
         chosen = operands or chosen_solve_operands() or SPAN_OPERANDS
-        if chosen not in SPAN_OPERAND_CHOICES:
+        if chosen not in SOLVE_OPERAND_CHOICES:
             raise KernelmixError(f"the solve's span operands are {chosen!r}: choose one of "
-                                 f"{', '.join(SPAN_OPERAND_CHOICES)} (kernelmix.ops.solve_operands)")
+                                 f"{', '.join(SOLVE_OPERAND_CHOICES)} (kernelmix.ops.solve_operands)")
         self.operands = chosen if self.spans > 1 else "fp32"
         # bf16 operands are read from bf16 copies of x, y, U and db (half the bytes of fp32 tiles rounded
         # in registers, the same values): the sequential kernels store U's and db's as they solve them

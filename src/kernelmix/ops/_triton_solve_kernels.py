@@ -428,6 +428,7 @@ if triton is not None:
         the rows [c0, ``row_stop``) (those that can see J), streamed in tiles of ``STREAM_T``. With
         ``ROW_GRAD`` also J's part of dx_i = −scale Σ_j β_i K_ij (db_i·u_j − e_i) y_j, added to ``gx_ptr`` (fp32,
         zeroed) with atomics: the row gradient without a pass of its own over the columns."""
+        tl.static_assert(not (COLUMN_MAJOR and HAS_BETA))
         kcols = tl.arange(0, BLOCK_K)
         vcols = tl.arange(0, BLOCK_DV)
         total = tl.zeros([BLOCK_C, BLOCK_K], dtype=tl.float32)
@@ -451,9 +452,8 @@ if triton is not None:
                 # shared memory, where products of STREAM_T rows kept y, U and y again in registers through
                 # the loop (ptxas, sm_90, d = 128, bf16, 128 columns with dx: 246 registers, no spill, against
                 # 255 and 16-32 B spilled)
+                # (no β: COLUMN_MAJOR is bf16 operands', which fold β into db's copy and e)
                 scores = product(u_tile, tl.trans(db_rows), OPERANDS) - e_rows[None, :]
-                if HAS_BETA:
-                    scores = scores * tl.load(beta_ptr + rows.to(tl.int64) * s_betat, mask=inside, other=0.0)[None, :]
                 scores = kernel_tile_transposed(y_tile, x_tile, lse_rows, rows, cols, starts, length, scale2, STRICT,
                                                 OPERANDS) * scores
                 total += product(scores, x_tile, OPERANDS)

@@ -16,8 +16,7 @@ from ..decode_timing import decode_step_after_prefill
 from .measure import Timer, fast_backend, free_memory, is_out_of_memory, short_error, wall_seconds
 from .report import ratio
 from ...layers import registry
-from .settings import FLA_PEER, FLA_PEER_LEAVES, FLA_PEER_OF, LONG_MIXERS, MIXERS, SOLVE_OPERANDS_VARIANT, Sizes, \
-    solve_variants
+from .settings import FLA_PEER, FLA_PEER_LEAVES, FLA_PEER_OF, LONG_MIXERS, MIXERS, Sizes, solve_variants
 
 def mixer_leaves(mixer: str) -> tuple[str, ...]:
     """The inputs a mixer's forward+backward differentiates (the per-token activations and, for
@@ -65,7 +64,7 @@ def mixer_forward(mixer: str, x: dict, backend: str, softmax_context: Callable, 
         return lambda: call(x, backend=backend)
 
     def with_operands():  # the solve's operands, chosen for the forward (its backward keeps them)
-        with ops.solve_operands(SOLVE_OPERANDS_VARIANT[1]):
+        with ops.solve_operands("bf16"):
             return call(x, backend=backend)
     return with_operands
 

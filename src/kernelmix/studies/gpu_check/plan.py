@@ -33,10 +33,11 @@ import torch
 
 from ...errors import KernelmixError
 from ..flops import forward_flops
-from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, SOLVE_VARIANT, mixer_launches
+from .plan_compile import FEATURE_MIXERS, PLAN_MIXERS, RECURRENCE_MIXERS, mixer_launches
 from .plan_costs import (H200, PROGRAMS_PER_SM_TARGET, Cost, feature_cost, recurrence_cost, roofline_seconds,
                          sdpa_cost, sdpa_streamed_cost, solve_cost)
 from .plan_glue import feature_glue_ops, glue_seconds
+from .settings import SOLVE_VARIANT
 
 PLAN_FORMAT = "kernelmix.gpu_plan/1"
 TARGET_SHAPE = "target"

@@ -26,7 +26,6 @@ SOLVE_MIXERS = {"cubit": dict(strict=False, has_beta=False), "deltaformer": dict
                 # the same solves with bf16 operands (solve_operands("bf16"): bf16 copies of x, y, U and db)
                 "cubit-bf16": dict(strict=False, has_beta=False, operands="bf16"),
                 "deltaformer-bf16": dict(strict=True, has_beta=True, operands="bf16")}
-SOLVE_VARIANT = "-bf16"  # a solve mixer's name with this suffix is the op without it, at bf16 operands
 # the rows' dtype the plan launches with: bf16 for the mixers a model calls on bf16 activations (gpu-check's
 # bench), fp32 for Cubit-RF's read-out (it mixes the solve's fp32 U with the queries, and casts them)
 FEATURE_MIXERS = {"performer": dict(has_transform=False, rows="bfloat16"),

@@ -67,13 +67,12 @@ class Sizes:
 
 # part (b) also times the solve mixers with bf16 operands in their Triton solve (kernelmix.ops.solve_operands):
 # "<mixer>-bf16", beside the default (TF32); the plan's rows of the same names
-SOLVE_OPERANDS_VARIANT = ("-bf16", "bf16")
+SOLVE_VARIANT = "-bf16"  # a solve mixer's name with this suffix: the same op under solve_operands("bf16")
 
 
 def solve_variants() -> dict[str, str]:
     """Part (b)'s bench-only names: "<solve mixer>-bf16" → the registered solve mixer it runs."""
-    suffix = SOLVE_OPERANDS_VARIANT[0]
-    return {name + suffix: name for name, info in registry.OP_MIXERS.items() if info.family == "solve"}
+    return {name + SOLVE_VARIANT: name for name, info in registry.OP_MIXERS.items() if info.family == "solve"}
 
 
 # the long length is for the solve mixers (the issue: it must run for them); softmax too: the ratio in the same run
