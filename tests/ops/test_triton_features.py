@@ -427,6 +427,37 @@ def test_large_heads_take_smaller_blocks():
     assert (geometry.block_t, geometry.blocks()["num_warps"], geometry.logit_step) == (64, 4, 16)
 
 
+def test_256_wide_heads_take_the_blocks_that_compile_without_spills(monkeypatch):
+    """At d = m = d_v = 256 (Gemma 3's head with the conversion's 256 features): the span states 64 value
+    columns a program, the value gradient 16, the logit gradients 16 features, the chain's weight kernel 64
+    columns of G, the keys' half norms 8 warps (what ptxas, sm_90, compiled without spills: results/gpu-plan's
+    `gemma3` shape; at 128 nothing changes). Values and every gradient against float64 at those blocks: two
+    chunks in spans of one, two documents (the interpreter's cost grows with these tiles: a short case)."""
+    import importlib
+
+    kernels = importlib.import_module("kernelmix.ops._triton_features")
+    wide = torch.empty(1, 8192, 4, 256, device="meta")
+    geometry = getattr(kernels, "_Geometry")(wide, wide, wide, torch.empty(4, 256, 256, device="meta"), 64, 0, True)
+    assert (geometry.wide_block_v, geometry.value_grad_block_v, geometry.block_f, geometry.block_v) == (64, 16, 16, 64)
+    assert geometry.value_grad_grid[2] == 16 and getattr(kernels, "_key_norm_blocks")(geometry)["num_warps"] == 8
+    assert getattr(kernels, "_chain_columns")(256, 256) == 64 and getattr(kernels, "_chain_columns")(256, 128) == 128
+    target = torch.empty(1, 8192, 16, 128, device="meta")
+    geometry = getattr(kernels, "_Geometry")(target, target, target, torch.empty(16, 128, 128, device="meta"), 64, 0,
+                                             True)
+    assert (geometry.wide_block_v, geometry.value_grad_block_v, geometry.block_f) == (128, 128, 64)
+    _spans_of(monkeypatch, 1)
+    gen = torch.Generator().manual_seed(13)
+    length, heads, d = 24, 1, 256
+    q = 0.5 * torch.randn(1, length, heads, d, generator=gen, dtype=F64)
+    k = 0.5 * torch.randn(1, length, 1, d, generator=gen, dtype=F64)
+    v = torch.randn(1, length, 1, d, generator=gen, dtype=F64)
+    projection = orthogonal_random_features(256, d, num_heads=heads, generator=gen, dtype=F64)
+    transform = torch.eye(d, dtype=F64) + 0.02 * torch.randn(heads, d, d, generator=gen, dtype=F64)
+    doc_start = _documents(length, [[0, 11]])
+    grad_out = torch.randn(1, length, heads, d, generator=gen, dtype=F64)
+    _assert_matches_reference([q, k, v, projection, transform], doc_start, grad_out, 16)
+
+
 def test_spans_shrink_until_the_grid_fills_the_machine():
     """A span holds SPAN_BLOCKS chunks unless the grid would then have fewer than MIN_PROGRAMS
     programs: at the 125m head (H = 12, d = m = 64, T = 8,192) 16 chunks of 16 rows, 384 programs;

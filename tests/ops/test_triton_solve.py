@@ -301,6 +301,28 @@ def test_gradient_kernels_at_the_plans_blocks(monkeypatch, operands, dims, case)
     assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
 
 
+def test_transposed_span_kernels_at_keys_wider_than_128(monkeypatch):
+    """With TF32 operands at keys wider than 128 (padded to 256) the transposed direction's span kernel and
+    pushes hold one column block and stream the rows 16 at a time (two blocks spilled 24-120 B per thread on
+    sm_90, one with its whole row block 168-356 B, one streamed none: results/gpu-plan's 256-wide head); bf16
+    keeps two. Values and gradients against float64 within the TF32 bound at those blocks: keys of 130 (the
+    padding masked), three spans with pushes, a document starting mid-block."""
+    wide = {x.name: x for x in solve_launches(1, 4, 8192, 256, 256, chunk_size=64, strict=False, has_beta=False,
+                                               has_doc=True)}
+    for name in ("solve_future_span", "solve_span_push_transposed"):
+        assert (wide[name].constexprs["BLOCK_C"], wide[name].constexprs["STREAM_T"]) == (64, 16), name
+    bf16 = {x.name: x for x in solve_launches(1, 4, 8192, 256, 256, chunk_size=64, strict=False, has_beta=False,
+                                               has_doc=True, operands="bf16")}
+    future = bf16["solve_future_span"].constexprs
+    assert (future["BLOCK_C"], future["STREAM_T"]) == (128, 16)
+    monkeypatch.setattr(_triton_solve, "SPAN_ROWS", 128)
+    monkeypatch.setattr(_triton_solve, "SUBSPAN_ROWS", 64)
+    monkeypatch.setattr(_triton_solve, "SPAN_OPERANDS", "tf32")
+    errors = check_against_reference(300, 64, batch=1, dims=(130, 6), tolerance=TENSOR_CORE_BOUNDS["tf32"],
+                                     strict=True, with_beta=True, gamma=[0.8], cuts=[[0, 97]])
+    assert max(errors.values()) > 1e-6  # the rounding is there: fp32 gives ~1e-7
+
+
 # bf16's slices of 128 are also read by test_bf16_operands_are_read_from_bf16_copies (one slice): its
 # two-slice case runs with -m slow
 @pytest.mark.parametrize("operands", ["tf32", pytest.param("bf16", marks=pytest.mark.slow)])

@@ -46,6 +46,14 @@ FEATURE_TILE = 64 * 128
 #: forward (the span states of both directions, the value gradient): at d = m = d_v = 128 one block
 #: compiled without a spill (254–255 registers).
 WIDE_VALUE_BLOCK = 128
+#: From this padded m on (256: the most features the kernels take), the span states take half of
+#: WIDE_VALUE_BLOCK and the value gradient VALUE_GRAD_WIDE_M_BLOCK columns; from WIDE_HEAD_DV on (d_v = 256),
+#: the logit gradients take half of FEATURE_TILE: at d = m = d_v = 256 ptxas (sm_90) spilled 700–930 B per
+#: thread in the span states at 128 columns (none at 64), 300–500 B in the value gradient at 32–64 (none at
+#: 16), 192 B in the query gradient at 32 features (none at 16).
+WIDE_M = 256
+VALUE_GRAD_WIDE_M_BLOCK = 16
+WIDE_HEAD_DV = 256
 #: From this padded m or d on, chunks are 16 rows, not 64 (8 warps), and the logits' step over the head
 #: is 32 columns, not 16; from LARGE_TILE on, 8: with the walks' running states, what ptxas (sm_90)
 #: compiled without a spill at d = m = 64 and 128 with rows of every dtype (32- and 64-row chunks
@@ -121,11 +129,16 @@ class _Geometry:
         self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
         self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
         # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
-        self.block_f = min(self.block_m, max(16, FEATURE_TILE // self.block_dv))
-        self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK)
+        feature_tile = FEATURE_TILE // 2 if self.block_dv >= WIDE_HEAD_DV else FEATURE_TILE
+        self.block_f = min(self.block_m, max(16, feature_tile // self.block_dv))
+        self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK // 2 if self.block_m >= WIDE_M else WIDE_VALUE_BLOCK)
+        # the value gradient: as the span states', narrower at WIDE_M
+        self.value_grad_block_v = min(self.wide_block_v, VALUE_GRAD_WIDE_M_BLOCK) if self.block_m >= WIDE_M \
+            else self.wide_block_v
         self.n_chunks = triton.cdiv(self.length, self.block_t)
         self.value_blocks = triton.cdiv(self.value_dim, self.block_v)
         self.wide_value_blocks = triton.cdiv(self.value_dim, self.wide_block_v)
+        self.value_grad_blocks = triton.cdiv(self.value_dim, self.value_grad_block_v)
         self.feature_blocks = triton.cdiv(self.features, self.block_f)
         self.span_blocks = SPAN_BLOCKS
         fewest_blocks = min(self.value_blocks, self.wide_value_blocks, self.feature_blocks)  # the smallest grid's
@@ -146,6 +159,11 @@ class _Geometry:
     def wide_grid(self) -> tuple[int, int, int]:
         """The span states' and the value gradient's: value blocks WIDE_VALUE_BLOCK wide."""
         return (self.n_spans, self.batch * self.heads, self.wide_value_blocks)
+
+    @property
+    def value_grad_grid(self) -> tuple[int, int, int]:
+        """The value gradient's: value blocks of ``value_grad_block_v`` columns."""
+        return (self.n_spans, self.batch * self.heads, self.value_grad_blocks)
 
     @property
     def feature_grid(self) -> tuple[int, int, int]:
@@ -189,7 +207,8 @@ class _Geometry:
         WIDE_VALUE_BLOCK columns) or "features" (the logit gradients: a block of features, every column);
         ``rows``: the forward's kernels, which form the logits from the rows (the head's tile and steps too)."""
         warps = 8 if max(self.block_m, self.block_d) >= 64 else 4
-        block_v = dict(values=self.block_v, wide=self.wide_block_v, features=self.block_dv)[kind]
+        block_v = dict(values=self.block_v, wide=self.wide_block_v, value_grad=self.value_grad_block_v,
+                       features=self.block_dv)[kind]
         features = kind == "features"
         blocks = dict(OPERANDS=self.operands, BLOCK_T=self.block_t, BLOCK_M=self.block_f if features else self.block_m,
                       BLOCK_V=block_v, SPAN_BLOCKS=self.span_blocks, num_warps=warps)
@@ -301,7 +320,9 @@ def _key_norms(k: Tensor, transform: Tensor | None, geometry: _Geometry) -> Tens
 
 
 def _key_norm_blocks(geometry: _Geometry) -> dict:
-    return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP), num_warps=4)
+    # 8 warps at 256-wide heads: at 4, ptxas (sm_90) spilled 224 B per thread
+    return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP),
+                num_warps=8 if geometry.block_d >= WIDE_HEAD_DV else 4)
 
 
 def _feature_logits(q, k, weights, norms, geometry: _Geometry) -> tuple[Tensor, Tensor]:
@@ -447,9 +468,9 @@ def _backward(q, k, v, parameters, doc, spans, fine, out, denominator, shift_row
     key_grad_kernel[geometry.feature_grid](
         lq, lk, v, doc_arg, reverse_s, reverse_z, fine, *rows, d_logits[1],
         *geometry.sizes(), HAS_DOC=doc is not None, **geometry.blocks("features"))
-    value_grad_kernel[geometry.wide_grid](
+    value_grad_kernel[geometry.value_grad_grid](
         lq, lk, doc_arg, reverse_s, fine, g, inv, shift_rows, q_max, dv, *geometry.sizes(),
-        HAS_DOC=doc is not None, **geometry.blocks("wide"))
+        HAS_DOC=doc is not None, **geometry.blocks("value_grad"))
     d_q, d_k, d_w, d_m = _chain_feature_map(q, k, d_logits, parameters[:3], groups)
     if groups > 1:  # query head h read kv head h // groups
         d_k = d_k.view(batch, length, geometry.kv_heads, groups, d).sum(3).to(k.dtype)
@@ -542,19 +563,26 @@ def _chain_rows(g: Tensor, x: Tensor | None, weights: Tensor, out_dtype: torch.d
     return out
 
 
+def _chain_columns(columns: int, block_d: int) -> int:
+    """Columns of G per program of the weight-gradient kernel: up to CHAIN_COLUMNS, half at 256-wide heads
+    (ptxas, sm_90: 128 spilled 616 B per thread at d = 256, none at 64)."""
+    widest = CHAIN_COLUMNS if block_d < WIDE_HEAD_DV else CHAIN_COLUMNS // 2
+    return min(widest, max(16, triton.next_power_of_2(columns)))
+
+
 def _chain_weights(g: Tensor, x: Tensor, scaled_rows: bool = False) -> Tensor:
     """Σ over rows of G_iᵀ x_i per query head ``[H, m_g, d]`` (fp32): the kernel's span parts, added. With
     ``scaled_rows``, ``g`` is s ``[B, T, H]`` and G_i = s_i x_i: Σ_i s_i x_i x_iᵀ ``[H, d, d]``."""
     batch, length, heads = g.shape[:3]
     d = x.shape[-1]
     m_g = d if scaled_rows else g.shape[3]
-    block_f = min(CHAIN_COLUMNS, max(16, triton.next_power_of_2(m_g)))
+    block_d = max(16, triton.next_power_of_2(d))
+    block_f = _chain_columns(m_g, block_d)
     spans, span_rows = _chain_spans(length, batch * heads * triton.cdiv(m_g, block_f))
     part = g.new_empty(spans, batch * heads, m_g, d)
     chain_weights_kernel[(spans, batch * heads, triton.cdiv(m_g, block_f))](
         g, x, part, length, heads, x.shape[2], m_g, d, span_rows, SCALED_ROWS=scaled_rows,
-        OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_F=block_f, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=8)
+        OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_F=block_f, BLOCK_D=block_d, num_warps=8)
     return part.view(spans, batch, heads, m_g, d).sum((0, 1))
 
 
@@ -592,8 +620,9 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
                          ("features_reverse_scan", reverse_scan_kernel), ("features_key_grad", key_grad_kernel),
                          ("features_value_grad", value_grad_kernel)):
         scan = kernel in (state_scan_kernel, reverse_scan_kernel)
-        kind = ("features" if kernel in (query_grad_kernel, key_grad_kernel) else
-                "wide" if kernel in (chunk_state_kernel, reverse_state_kernel, value_grad_kernel) else "values")
+        kind = ("features" if kernel in (query_grad_kernel, key_grad_kernel) else "value_grad"
+                if kernel is value_grad_kernel else "wide" if kernel in (chunk_state_kernel, reverse_state_kernel)
+                else "values")
         blocks = geometry.scan_blocks() if scan else geometry.blocks(kind, rows=kernel in (chunk_state_kernel,
                                                                                            forward_kernel))
         warps = blocks.pop("num_warps")
@@ -602,8 +631,8 @@ def feature_launches(batch: int, heads: int, kv_heads: int, length: int, head_di
         constexprs = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
         # the reverse states read the output kept at fp32 (to form c), the forward writes it in the rows' dtype
         kernel_pointers = dict(pointers, out_ptr="*fp32") if kernel is reverse_state_kernel else pointers
-        grid = geometry.scan_grid if scan else dict(features=geometry.feature_grid,
-                                                    wide=geometry.wide_grid).get(kind, geometry.grid)
+        grid = geometry.scan_grid if scan else dict(features=geometry.feature_grid, wide=geometry.wide_grid,
+                                                    value_grad=geometry.value_grad_grid).get(kind, geometry.grid)
         launches.append(KernelLaunch(name, kernel, grid, constexprs, warps,
                                      aot_signature(kernel, constexprs, kernel_pointers, {"scale", "floor"}),
                                      dict(tiles, block_v=blocks.get("BLOCK_V", geometry.block_v),
@@ -659,7 +688,7 @@ def _chain_launches(geometry: _Geometry, rows: str, row_bytes: int, has_transfor
     if has_transform:
         weight_kernels.append(("features_chain_norm", True, d, 1))
     for name, scaled, columns, calls in weight_kernels:
-        block_f = min(CHAIN_COLUMNS, max(16, triton.next_power_of_2(columns)))
+        block_f = _chain_columns(columns, geometry.block_d)
         blocks = dict(OPERANDS=FEATURE_OPERANDS, BLOCK_T=CHAIN_ROWS, BLOCK_D=geometry.block_d, SCALED_ROWS=scaled,
                       BLOCK_F=block_f)
         spans, _ = _chain_spans(length, batch_heads * triton.cdiv(columns, block_f))

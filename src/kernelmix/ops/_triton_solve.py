@@ -241,10 +241,13 @@ class SolveLayout:
         self.past_splits = PAST_SPLITS if wide_past else 1
         self.past_stream_t = min(self.block_t, PAST_STREAM_COLUMNS) if wide_past else self.span_stream_t
         # columns per program of the transposed direction's span kernel and its pushes (see SPAN_COLUMN_BLOCKS),
-        # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks, else its row block
-        self.future_block_c = self.block_t * SPAN_COLUMN_BLOCKS
-        self.future_stream_t = min(self.block_t, FUTURE_STREAM_ROWS) if self.future_block_c > self.block_t \
-            else self.block_t
+        # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks or keys wider than
+        # 128, else its row block (one block with TF32 operands at keys wider than 128: two spilled 24-120 B
+        # there, one streamed 16 rows at a time none, its whole row block 168-356 B)
+        wide_tf32 = self.operands == "tf32" and self.block_k > 128
+        self.future_block_c = self.block_t * (1 if wide_tf32 else SPAN_COLUMN_BLOCKS)
+        self.future_stream_t = min(self.block_t, FUTURE_STREAM_ROWS) \
+            if self.future_block_c > self.block_t or self.block_k > 128 else self.block_t
         self.future_warps = _warps(self.future_block_c, max(self.block_k, self.future_block_v))
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)

@@ -44,9 +44,12 @@ TARGET_SHAPE = "target"
 PLAN_SHAPES = {
     TARGET_SHAPE: dict(batch=1, heads=16, kv_heads=16, length=8192, head_dim=128, features=128, chunk_size=64),
     "125m": dict(batch=1, heads=12, kv_heads=12, length=8192, head_dim=64, features=64, chunk_size=64),
+    "gemma3": dict(batch=1, heads=4, kv_heads=1, length=8192, head_dim=256, features=256, chunk_size=64),
 }
 SHAPE_NOTES = {TARGET_SHAPE: "gpu-check's bench head, and the 1.3b preset's (H=16, d=128)",
-               "125m": "the 125m preset's head (H=12, d=64)"}
+               "125m": "the 125m preset's head (H=12, d=64)",
+               "gemma3": "Gemma 3's attention head (270M and 1B: H=4, one KV head, d=256) with the conversion's "
+                         "m=256; outside the issue's targets, reported so that spills at 256-wide heads are seen"}
 LIMITS = dict(min_programs=PROGRAMS_PER_SM_TARGET * H200["sms"], max_registers=255, max_spilled_bytes=0,
               max_compile_s=60.0)
 # what bounds each kernel's grid: the reason its program count is what it is

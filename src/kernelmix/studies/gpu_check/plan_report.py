@@ -170,6 +170,13 @@ def plan_readme(plan: dict) -> str:
         lines += [f"At the target shape: {len(rows)} kernels; {small} launch fewer than "
                   f"{plan['limits']['min_programs']} programs without a reason, {spilling} spill, the slowest compile "
                   f"is {slowest['name']} ({slowest['compile_s']:.0f} s).", ""]
+    for label in plan["shapes"]:  # the other shapes: their spills (outside the targets, but seen)
+        others = [r for r in plan["kernels"] if r["shape"]["label"] == label]
+        if label == "target" or not others:
+            continue
+        spilled = [f"{r['name']} ({r['spilled_bytes']} B)" for r in others if r["spilled_bytes"] > 0]
+        lines += [f"At `{label}`: {len(others)} kernels, {len(spilled)} spill"
+                  + (f" (spill stores + loads per thread): {', '.join(spilled)}." if spilled else "."), ""]
     return "\n".join(lines)
 
 
