@@ -305,12 +305,14 @@ def test_transposed_span_kernels_at_keys_wider_than_128(monkeypatch):
     """With TF32 operands at keys wider than 128 (padded to 256) the transposed direction's span kernel and
     pushes hold one column block and stream the rows 16 at a time (two blocks spilled 24-120 B per thread on
     sm_90, one with its whole row block 168-356 B, one streamed none: results/gpu-plan's 256-wide head); bf16
-    keeps two. Values and gradients against float64 within the TF32 bound at those blocks: keys of 130 (the
+    keeps two. The sub-spans' logits take programs of 32 rows there (either operands). Values and gradients against float64 within the TF32 bound at those blocks: keys of 130 (the
     padding masked), three spans with pushes, a document starting mid-block."""
     wide = {x.name: x for x in solve_launches(1, 4, 8192, 256, 256, chunk_size=64, strict=False, has_beta=False,
                                                has_doc=True)}
     for name in ("solve_future_span", "solve_span_push_transposed"):
         assert (wide[name].constexprs["BLOCK_C"], wide[name].constexprs["STREAM_T"]) == (64, 16), name
+    logits = wide["solve_subspan_logits"]  # 32-row programs, 16-column tiles (64 rows spilled 24-64 B)
+    assert (logits.constexprs["BLOCK_T"], logits.constexprs["STREAM_T"], logits.grid) == (32, 16, (4, 256))
     bf16 = {x.name: x for x in solve_launches(1, 4, 8192, 256, 256, chunk_size=64, strict=False, has_beta=False,
                                                has_doc=True, operands="bf16")}
     future = bf16["solve_future_span"].constexprs

@@ -92,9 +92,12 @@ SUBSTITUTION_ROWS = 16
 # d = 128, within 1% of 16 at d = 64). The logits launch: a program per row block, column tiles of
 # SUBSTITUTION_LOGIT_COLUMNS, fp32 products over SUBSTITUTION_LOGIT_CHUNK of the head at a time (ptxas,
 # sm_90, d = 128, 64 rows, 8 warps: 184 registers, no spill; the whole head at once spilled 3.4 KB).
+# At keys wider than 128, programs of SUBSTITUTION_LOGIT_WIDE_ROWS rows and column tiles of 16 (at 64 rows
+# 24-64 B spilled however the head or the columns were cut; at 32 rows and 16 columns 173 registers, none).
 SUBSTITUTION_VALUES = 32
 SUBSTITUTION_LOGIT_COLUMNS = 32
 SUBSTITUTION_LOGIT_CHUNK = 16
+SUBSTITUTION_LOGIT_WIDE_ROWS = 32
 # The gradients, given e (Cubit: e_i = db_i·(b − γU)_i; DeltaFormer: db_i·(K U)_i, K U stored by its
 # forward). With TF32 operands at heads up to 64 wide they are two passes over the pairs (ptxas, sm_90,
 # 8 warps, GRADIENT_GROUP_BLOCKS row (column) blocks a program: 128 rows or columns, 179-252 registers):
@@ -251,6 +254,8 @@ class SolveLayout:
         self.future_warps = _warps(self.future_block_c, max(self.block_k, self.future_block_v))
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
+        # the sub-spans' logits: a program per row block (SUBSTITUTION_LOGIT_WIDE_ROWS rows at keys wider than 128)
+        self.logit_rows = min(self.block_t, SUBSTITUTION_LOGIT_WIDE_ROWS) if self.block_k > 128 else self.block_t
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
         self.scale, self.scale2, self.strict = float(scale), float(scale) * LOG2E, bool(strict)
         self.has_beta, self.has_doc = beta is not None, doc_start is not None
@@ -298,14 +303,15 @@ class SolveLayout:
     def logits_flags(self) -> dict:
         """:func:`subspan_logits_kernel`'s: a program per row block, column tiles of up to
         SUBSTITUTION_LOGIT_COLUMNS, the head in parts of SUBSTITUTION_LOGIT_CHUNK; 8 warps at 64 rows."""
-        return dict(BLOCK_T=self.block_t, BLOCK_K=self.block_k, CHUNK_K=min(self.block_k, SUBSTITUTION_LOGIT_CHUNK),
+        wide = self.block_k > 128
+        return dict(BLOCK_T=self.logit_rows, BLOCK_K=self.block_k, CHUNK_K=min(self.block_k, SUBSTITUTION_LOGIT_CHUNK),
                     WIDTH=self.subspan_rows, SPAN=self.span_blocks * self.block_t,
-                    STREAM_T=min(self.block_t, SUBSTITUTION_LOGIT_COLUMNS), STRICT=self.strict, HAS_DOC=self.has_doc,
-                    num_warps=8 if self.block_t >= 64 else 4)
+                    STREAM_T=min(self.logit_rows, 16 if wide else SUBSTITUTION_LOGIT_COLUMNS), STRICT=self.strict,
+                    HAS_DOC=self.has_doc, num_warps=8 if self.block_t >= 64 else 4)
 
     @property
     def logits_grid(self) -> tuple[int, int]:
-        return (self.batch * self.heads, self.blocks)
+        return (self.batch * self.heads, triton.cdiv(self.length, self.logit_rows))
 
     @property
     def sequential_grid(self) -> tuple[int, int]:

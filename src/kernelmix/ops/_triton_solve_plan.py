@@ -60,7 +60,8 @@ def solve_launches(batch: int, heads: int, length: int, dk: int, dv: int, *, chu
                  future_block_c=lay.future_block_c,
                  gradient_group=lay.gradient_group, dx_rows=lay.dx_rows, subspan_rows=lay.subspan_rows,
                  fused_gradients=lay.fused_gradients,
-                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"])
+                 sequential_v=lay.sequential_v, has_doc=lay.has_doc, logit_stream=logits["STREAM_T"],
+                 logit_rows=logits["BLOCK_T"])
     span = dict(BLOCK_T=lay.block_t, BLOCK_K=lay.block_k, BLOCK_V=lay.span_block_v, STRICT=lay.strict,
                 HAS_DOC=lay.has_doc, OPERANDS=lay.operands)
     # the pushes inside the spans: the rows (columns) each reaches, in blocks; the plan shows the median's grid

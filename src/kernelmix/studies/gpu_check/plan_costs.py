@@ -260,8 +260,10 @@ def solve_cost(name: str, tiles: dict, batch_heads: int, has_beta: bool, has_doc
 def _logits_cost(tiles: dict, has_doc: bool) -> tuple[float, float]:
     """:func:`solve_cost`'s sub-span logits, per (batch, head), launched twice (the forward's, the
     backward's: not kept between): FLOPs and bytes."""
-    c, k, n = tiles["block_t"], tiles["block_k"], tiles["blocks"]
-    within = span_tiles(n, tiles["subspan_blocks"])["lower"]  # (row block, column block) pairs in sub-spans
+    # its programs' rows (the row block, or fewer at wide keys), counted in blocks of that many rows
+    c, k = tiles.get("logit_rows", tiles["block_t"]), tiles["block_k"]
+    n = tiles["blocks"] * tiles["block_t"] // c
+    within = span_tiles(n, tiles["subspan_blocks"] * tiles["block_t"] // c)["lower"]  # (row, column) block pairs
     # per row its document start; per pair the column block's y in, the C × C logits out, and the row
     # block's x again for each of its column tiles (the product runs over parts of the head, reloaded)
     moved = n * c * has_doc * INT64 + within * c * (k + k * c // tiles["logit_stream"] + c) * FP32
