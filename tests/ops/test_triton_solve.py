@@ -305,8 +305,9 @@ def test_transposed_span_kernels_at_keys_wider_than_128(monkeypatch):
     """With TF32 operands at keys wider than 128 (padded to 256) the transposed direction's span kernel and
     pushes hold one column block and stream the rows 16 at a time (two blocks spilled 24-120 B per thread on
     sm_90, one with its whole row block 168-356 B, one streamed none: results/gpu-plan's 256-wide head); bf16
-    keeps two. The sub-spans' logits take programs of 32 rows there (either operands). Values and gradients against float64 within the TF32 bound at those blocks: keys of 130 (the
-    padding masked), three spans with pushes, a document starting mid-block."""
+    keeps two. The sub-spans' logits take programs of 32 rows there (either operands). Values and gradients
+    against float64 within the TF32 bound at those blocks: keys of 130 (the padding masked), three spans with
+    pushes, a document starting mid-block."""
     wide = {x.name: x for x in solve_launches(1, 4, 8192, 256, 256, chunk_size=64, strict=False, has_beta=False,
                                                has_doc=True)}
     for name in ("solve_future_span", "solve_span_push_transposed"):
