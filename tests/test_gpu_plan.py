@@ -85,10 +85,14 @@ def test_solve_plan_grids_are_the_grids_the_solve_launches(monkeypatch, strict):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
-def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypatch):
+@pytest.mark.parametrize("wide_keys", [False, True])
+def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypatch, wide_keys):
     """Spans of 32 rows in sub-spans of 16 at T = 100 (4 spans, the last partial, 7 sub-spans): each
     span kernel launches once per span after the first (before the last), the in-span solves once per
-    sub-span, a push after every sub-span but a span's last, with the planned grids."""
+    sub-span, a push after every sub-span but a span's last, with the planned grids; also with the blocks
+    of 256-wide keys (WIDE_KEYS lowered to this head: one column block a transposed program)."""
+    if wide_keys:
+        monkeypatch.setattr(solve, "WIDE_KEYS", 16)
     monkeypatch.setattr(solve, "SPAN_ROWS", 32)
     monkeypatch.setattr(solve, "SUBSPAN_ROWS", 16)
     # a span kernel and its pushes are one kernel (the first push of the first span is a span launch in
@@ -118,14 +122,22 @@ def test_span_kernels_are_launched_once_per_span_with_the_planned_grid(monkeypat
         assert len(seen) == sum(x.calls for x in launches) and max(seen) == max(x.grid for x in launches), name
     # the pushes reach one row block (a span's second sub-span): the planned grid
     assert by_name["solve_span_push"].grid == (2, 1, 1) == by_name["solve_span_push_transposed"].grid
+    # a transposed span program holds two column blocks, or one at wide keys: a span's 2 blocks in 1 or 2 programs
+    assert by_name["solve_future_span"].grid == (2, 2 if wide_keys else 1, 1)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the launches run on CPU only under Triton's interpreter")
 @pytest.mark.parametrize("darkformer", [True, False])
-@pytest.mark.parametrize("fused", [True, False])
-def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkformer, fused):
+@pytest.mark.parametrize("fused, wide", [(True, False), (False, False), (False, True)])
+def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkformer, fused, wide):
+    """Every feature kernel launches at its planned grid, as often as planned; also with the blocks of
+    256-wide heads (``wide``: WIDE_M and WIDE_HEAD lowered to these sizes: the value gradient in two
+    blocks of 16 columns where the span states take one)."""
     if not fused:  # every side's chain rows and weights apart (m · d over FUSED_CHAIN_TILE)
         monkeypatch.setattr(features, "FUSED_CHAIN_TILE", 0)
+    if wide:
+        monkeypatch.setattr(features, "WIDE_M", 16)
+        monkeypatch.setattr(features, "WIDE_HEAD", 16)
     grids = record(monkeypatch, features, {"chunk_state_kernel": "features_chunk_states",
                                            "state_scan_kernel": "features_state_scan",
                                            "forward_kernel": "features_forward",
@@ -155,6 +167,8 @@ def test_feature_plan_grids_are_the_grids_the_features_launch(monkeypatch, darkf
     for p in planned:
         expected[("features_chain_weights" if p.name == "features_chain_norm" else p.name, p.grid)] += p.calls
     assert Counter(grids) == expected
+    value_grad = {grid for name, grid in grids if name == "features_value_grad"}
+    assert {grid[2] for grid in value_grad} == {2 if wide else 1}  # d_v = 24: 16-column blocks, or one of 32
     first = ["features_key_norms"] if darkformer else []
     assert [name for name, _ in grids][:5 + darkformer] == first + ["features_chunk_states", "features_state_scan",
                                                                      "features_forward", "features_logits",

@@ -46,14 +46,12 @@ FEATURE_TILE = 64 * 128
 #: forward (the span states of both directions, the value gradient): at d = m = d_v = 128 one block
 #: compiled without a spill (254–255 registers).
 WIDE_VALUE_BLOCK = 128
-#: From this padded m on (256: the most features the kernels take), the span states take half of
-#: WIDE_VALUE_BLOCK and the value gradient VALUE_GRAD_WIDE_M_BLOCK columns; from WIDE_HEAD_DV on (d_v = 256),
-#: the logit gradients take half of FEATURE_TILE: at d = m = d_v = 256 ptxas (sm_90) spilled 700–930 B per
-#: thread in the span states at 128 columns (none at 64), 300–500 B in the value gradient at 32–64 (none at
-#: 16), 192 B in the query gradient at 32 features (none at 16).
-WIDE_M = 256
-VALUE_GRAD_WIDE_M_BLOCK = 16
-WIDE_HEAD_DV = 256
+#: From m = WIDE_M (padded) the span states take half of WIDE_VALUE_BLOCK and the value gradient
+#: VALUE_GRAD_WIDE_M_BLOCK columns (ptxas, sm_90, m = 256 at d = d_v = 64-256: 128 columns spilled 700–930 B per
+#: thread in the span states, 32–64 300–500 B in the value gradient); from d_v = WIDE_HEAD the logit gradients
+#: half of FEATURE_TILE (32 features spilled 192 B), from d = WIDE_HEAD the chain's weight kernel half of
+#: CHAIN_COLUMNS and the keys' half norms 8 warps (616 B, 224 B): none spill at these.
+WIDE_M, VALUE_GRAD_WIDE_M_BLOCK, WIDE_HEAD = 256, 16, 256
 #: From this padded m or d on, chunks are 16 rows, not 64 (8 warps), and the logits' step over the head
 #: is 32 columns, not 16; from LARGE_TILE on, 8: with the walks' running states, what ptxas (sm_90)
 #: compiled without a spill at d = m = 64 and 128 with rows of every dtype (32- and 64-row chunks
@@ -129,7 +127,7 @@ class _Geometry:
         self.block_dv = max(16, triton.next_power_of_2(self.value_dim))
         self.block_v = min(self.block_dv, max(16, VALUE_BLOCK))
         # the logit-gradient kernels: every value column, features in blocks (one block up to FEATURE_TILE)
-        feature_tile = FEATURE_TILE // 2 if self.block_dv >= WIDE_HEAD_DV else FEATURE_TILE
+        feature_tile = FEATURE_TILE // 2 if self.block_dv >= WIDE_HEAD else FEATURE_TILE
         self.block_f = min(self.block_m, max(16, feature_tile // self.block_dv))
         self.wide_block_v = min(self.block_dv, WIDE_VALUE_BLOCK // 2 if self.block_m >= WIDE_M else WIDE_VALUE_BLOCK)
         # the value gradient: as the span states', narrower at WIDE_M
@@ -157,7 +155,7 @@ class _Geometry:
 
     @property
     def wide_grid(self) -> tuple[int, int, int]:
-        """The span states' and the value gradient's: value blocks WIDE_VALUE_BLOCK wide."""
+        """The span states': value blocks of ``wide_block_v`` columns (WIDE_VALUE_BLOCK, half at WIDE_M)."""
         return (self.n_spans, self.batch * self.heads, self.wide_value_blocks)
 
     @property
@@ -203,8 +201,9 @@ class _Geometry:
     def blocks(self, kind: str = "values", rows: bool = False) -> dict:
         """The span kernels' block sizes, chunks per span, products and warps per program (8 for tiles of
         64 or more: chosen by the compiler's report, see ``LARGE_TILE``; the interpreter ignores warps).
-        ``kind``: "values" (the forward: every feature, VALUE_BLOCK columns), "wide" (every feature,
-        WIDE_VALUE_BLOCK columns) or "features" (the logit gradients: a block of features, every column);
+        ``kind``: "values" (the forward: every feature, VALUE_BLOCK columns), "wide" (the span states: every
+        feature, ``wide_block_v`` columns), "value_grad" (every feature, ``value_grad_block_v`` columns) or
+        "features" (the logit gradients: a block of features, every column);
         ``rows``: the forward's kernels, which form the logits from the rows (the head's tile and steps too)."""
         warps = 8 if max(self.block_m, self.block_d) >= 64 else 4
         block_v = dict(values=self.block_v, wide=self.wide_block_v, value_grad=self.value_grad_block_v,
@@ -322,7 +321,7 @@ def _key_norms(k: Tensor, transform: Tensor | None, geometry: _Geometry) -> Tens
 def _key_norm_blocks(geometry: _Geometry) -> dict:
     # 8 warps at 256-wide heads: at 4, ptxas (sm_90) spilled 224 B per thread
     return dict(BLOCK_T=LOGIT_ROWS, BLOCK_D=geometry.block_d, D_STEP=min(geometry.block_d, LOGIT_STEP),
-                num_warps=8 if geometry.block_d >= WIDE_HEAD_DV else 4)
+                num_warps=8 if geometry.block_d >= WIDE_HEAD else 4)
 
 
 def _feature_logits(q, k, weights, norms, geometry: _Geometry) -> tuple[Tensor, Tensor]:
@@ -566,7 +565,7 @@ def _chain_rows(g: Tensor, x: Tensor | None, weights: Tensor, out_dtype: torch.d
 def _chain_columns(columns: int, block_d: int) -> int:
     """Columns of G per program of the weight-gradient kernel: up to CHAIN_COLUMNS, half at 256-wide heads
     (ptxas, sm_90: 128 spilled 616 B per thread at d = 256, none at 64)."""
-    widest = CHAIN_COLUMNS if block_d < WIDE_HEAD_DV else CHAIN_COLUMNS // 2
+    widest = CHAIN_COLUMNS if block_d < WIDE_HEAD else CHAIN_COLUMNS // 2
     return min(widest, max(16, triton.next_power_of_2(columns)))
 
 

@@ -71,7 +71,7 @@ MERGE_ROWS = 32  # rows per program of the merge (512 programs a span at the tar
 # value columns with either tensor-core operands: with TF32 ones, 64-column tiles spilled 68 B at 128
 # value columns (216 B with 64-bit in-block offsets), so they took two slices of 64, each forming the
 # logits again; 32-column tiles: 214-218 registers, no spill (ptxas, sm_90, d = 128). With TF32 operands
-# and 256-wide keys (outside the plan's shapes) 128 value columns spilled 76-348 B however streamed, and
+# and 256-wide keys (WIDE_KEYS: the plan's gemma3 shape) 128 value columns spilled 76-348 B however streamed, and
 # 64 in tiles of 32 or 64 spilled 28-300 B: there 64 value columns streamed 16 at a time (230-236, none).
 SPAN_STREAM_COLUMNS = 32
 # A program of the transposed direction's span kernel and of its pushes holds SPAN_COLUMN_BLOCKS column
@@ -80,6 +80,7 @@ SPAN_STREAM_COLUMNS = 32
 # with TF32 operands 210 since its tiles' offsets inside a block are 32-bit, where 64-bit ones spilled
 # 96-176 B). The pushes add to the stored sums a quarter of the value columns at a time (at 128-wide
 # heads, adding the whole tile spilled 84-104 B with two column blocks, so they kept one until then).
+# With TF32 operands at WIDE_KEYS they hold one column block, still streaming 16 rows at a time.
 SPAN_COLUMN_BLOCKS = 2
 FUTURE_STREAM_ROWS = 16
 # Rows per block of the in-span substitutions (the rest tile by BLOCK_T): at 64 rows of a 128-wide head
@@ -92,12 +93,17 @@ SUBSTITUTION_ROWS = 16
 # d = 128, within 1% of 16 at d = 64). The logits launch: a program per row block, column tiles of
 # SUBSTITUTION_LOGIT_COLUMNS, fp32 products over SUBSTITUTION_LOGIT_CHUNK of the head at a time (ptxas,
 # sm_90, d = 128, 64 rows, 8 warps: 184 registers, no spill; the whole head at once spilled 3.4 KB).
-# At keys wider than 128, programs of SUBSTITUTION_LOGIT_WIDE_ROWS rows and column tiles of 16 (at 64 rows
-# 24-64 B spilled however the head or the columns were cut; at 32 rows and 16 columns 173 registers, none).
+# At WIDE_KEYS, programs of SUBSTITUTION_LOGIT_WIDE_ROWS rows and column tiles of SUBSTITUTION_LOGIT_WIDE_COLUMNS,
+# still at 8 warps (at 64 rows 24-64 B spilled however the head or the columns were cut; at 32 rows and 16
+# columns 173 registers, none).
 SUBSTITUTION_VALUES = 32
 SUBSTITUTION_LOGIT_COLUMNS = 32
 SUBSTITUTION_LOGIT_CHUNK = 16
 SUBSTITUTION_LOGIT_WIDE_ROWS = 32
+SUBSTITUTION_LOGIT_WIDE_COLUMNS = 16
+# Padded key width from which the kernels take the narrower blocks that compile there (keys of 129-256: Gemma
+# 3's head; ptxas, sm_90, results/gpu-plan's gemma3 shape)
+WIDE_KEYS = 256
 # The gradients, given e (Cubit: e_i = db_i·(b − γU)_i; DeltaFormer: db_i·(K U)_i, K U stored by its
 # forward). With TF32 operands at heads up to 64 wide they are two passes over the pairs (ptxas, sm_90,
 # 8 warps, GRADIENT_GROUP_BLOCKS row (column) blocks a program: 128 rows or columns, 179-252 registers):
@@ -229,7 +235,7 @@ class SolveLayout:
         # operands (one span); the sequential kernel takes sequential_v and reads the partials of the span
         # slice its columns lie in
         # (TF32 with keys wider than 128: 64 value columns streamed 16 at a time, see SPAN_STREAM_COLUMNS)
-        tf32_wide_keys = self.operands == "tf32" and self.block_k > 128
+        tf32_wide_keys = self.operands == "tf32" and self.block_k >= WIDE_KEYS
         self.span_block_v = self.block_v if self.operands == "fp32" or tf32_wide_keys else min(128, self.block_dv)
         self.span_stream_t = min(self.block_t, 16 if tf32_wide_keys else SPAN_STREAM_COLUMNS)
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
@@ -247,15 +253,16 @@ class SolveLayout:
         # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks or keys wider than
         # 128, else its row block (one block with TF32 operands at keys wider than 128: two spilled 24-120 B
         # there, one streamed 16 rows at a time none, its whole row block 168-356 B)
-        wide_tf32 = self.operands == "tf32" and self.block_k > 128
+        wide_tf32 = self.operands == "tf32" and self.block_k >= WIDE_KEYS
         self.future_block_c = self.block_t * (1 if wide_tf32 else SPAN_COLUMN_BLOCKS)
         self.future_stream_t = min(self.block_t, FUTURE_STREAM_ROWS) \
-            if self.future_block_c > self.block_t or self.block_k > 128 else self.block_t
+            if self.future_block_c > self.block_t or self.block_k >= WIDE_KEYS else self.block_t
         self.future_warps = _warps(self.future_block_c, max(self.block_k, self.future_block_v))
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         # the sub-spans' logits: a program per row block (SUBSTITUTION_LOGIT_WIDE_ROWS rows at keys wider than 128)
-        self.logit_rows = min(self.block_t, SUBSTITUTION_LOGIT_WIDE_ROWS) if self.block_k > 128 else self.block_t
+        self.logit_rows = min(self.block_t, SUBSTITUTION_LOGIT_WIDE_ROWS) if self.block_k >= WIDE_KEYS \
+            else self.block_t
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
         self.scale, self.scale2, self.strict = float(scale), float(scale) * LOG2E, bool(strict)
         self.has_beta, self.has_doc = beta is not None, doc_start is not None
@@ -302,11 +309,12 @@ class SolveLayout:
 
     def logits_flags(self) -> dict:
         """:func:`subspan_logits_kernel`'s: a program per row block, column tiles of up to
-        SUBSTITUTION_LOGIT_COLUMNS, the head in parts of SUBSTITUTION_LOGIT_CHUNK; 8 warps at 64 rows."""
-        wide = self.block_k > 128
+        SUBSTITUTION_LOGIT_COLUMNS, the head in parts of SUBSTITUTION_LOGIT_CHUNK; 8 warps from 64-row blocks
+        on (also where WIDE_KEYS take 32-row programs)."""
+        columns = SUBSTITUTION_LOGIT_WIDE_COLUMNS if self.block_k >= WIDE_KEYS else SUBSTITUTION_LOGIT_COLUMNS
         return dict(BLOCK_T=self.logit_rows, BLOCK_K=self.block_k, CHUNK_K=min(self.block_k, SUBSTITUTION_LOGIT_CHUNK),
                     WIDTH=self.subspan_rows, SPAN=self.span_blocks * self.block_t,
-                    STREAM_T=min(self.logit_rows, 16 if wide else SUBSTITUTION_LOGIT_COLUMNS), STRICT=self.strict,
+                    STREAM_T=min(self.logit_rows, columns), STRICT=self.strict,
                     HAS_DOC=self.has_doc, num_warps=8 if self.block_t >= 64 else 4)
 
     @property

@@ -59,7 +59,8 @@ GRID_BOUNDS = {
                        "a program, each half of the columns (SPLITS = PAST_SPLITS with bf16 operands, else 1) its own",
     "solve_merge_partials": "B·H·⌈(rows of a span) / BLOCK_T⌉·⌈d_v/BLOCK_V⌉: the across-span kernel's two column "
                             "halves' partials merged, BLOCK_T rows a program",
-    "solve_subspan_logits": "B·H·⌈T/BLOCK_T⌉: one program per row block forms its rows' logits against their "
+    "solve_subspan_logits": "B·H·⌈T/BLOCK_T⌉: one program per BLOCK_T rows (a row block; 32 rows at 256-wide keys) "
+                            "forms its rows' logits against their "
                             "sub-span (once per direction)",
     "solve_forward": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows in order "
                      "(the forward substitution)",
@@ -68,9 +69,11 @@ GRID_BOUNDS = {
                        "(SPAN_ROW_BLOCKS row blocks)",
     "solve_span_push_transposed": "B·H·⌈(columns before the sub-span in its span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉ (the "
                                   "median push's): a solved sub-span's db pushed into the span's earlier columns, "
-                                  "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks)",
+                                  "BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks; one with TF32 "
+                                  "operands at 256-wide keys)",
     "solve_future_span": "B·H·⌈(columns of a span) / BLOCK_C⌉·⌈d_v/BLOCK_V⌉: every column of the span against the "
-                         "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks)",
+                         "later spans, BLOCK_C columns a program (SPAN_COLUMN_BLOCKS column blocks; one with "
+                         "TF32 operands at 256-wide keys)",
     "solve_transposed": "B·H·⌈d_v/BLOCK_V⌉ per sub-span: one program walks the sub-span's rows from the last (the back "
                         "substitution)",
     "solve_grad_rows": "B·H·⌈T/BLOCK_R⌉: one program per BLOCK_R rows (dx; GRADIENT_GROUP_BLOCKS row blocks)",
