@@ -93,8 +93,9 @@ CHAIN_COLUMNS = 128
 #: m × d fp32 beside its rows: it runs where that is at most this many numbers (padded) and there is no
 #: product in the keys' term (Performer's), with blocks of FUSED_CHAIN_ROWS rows, out formed FUSED_CHAIN_STEP
 #: columns at a time: at d = m = 128 what ptxas (sm_90) compiled without a spill (223 registers; 174–181
-#: at d = 256, m ≤ 64; 32 rows spilled 56 B per thread, DARKFormer's x Σ term beside it 128–344 B).
-FUSED_CHAIN_TILE = 128 * 128
+#: at d = 256, m ≤ 64; 32 rows spilled 56 B per thread, DARKFormer's x Σ term beside it 128–344 B), for at
+#: most FUSED_CHAIN_FEATURES (padded) features (m = 256 spilled 52–180 B at d = 32–64).
+FUSED_CHAIN_TILE, FUSED_CHAIN_FEATURES = 128 * 128, 128
 FUSED_CHAIN_ROWS = 16
 FUSED_CHAIN_STEP = 16
 #: √tiny(float32): a denominator at or below it gives a zero row (as ``safe_ratio``).
@@ -509,7 +510,8 @@ def _chain_feature_map(q: Tensor, k: Tensor, d_logits: tuple[Tensor, Tensor], pa
 
 def _fuses_chain(features: int, head_dim: int) -> bool:
     """Whether a side's chain (with no product in its norm term) runs as one ``chain_kernel`` pass."""
-    return max(16, triton.next_power_of_2(features)) * max(16, triton.next_power_of_2(head_dim)) <= FUSED_CHAIN_TILE
+    block_m = max(16, triton.next_power_of_2(features))
+    return block_m <= FUSED_CHAIN_FEATURES and block_m * max(16, triton.next_power_of_2(head_dim)) <= FUSED_CHAIN_TILE
 
 
 def _chain_side(g: Tensor, x: Tensor, weights: Tensor, out_dtype: torch.dtype, w_scale: float,
