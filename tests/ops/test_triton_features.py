@@ -427,12 +427,11 @@ def test_large_heads_take_smaller_blocks():
     assert (geometry.block_t, geometry.blocks()["num_warps"], geometry.logit_step) == (64, 4, 16)
 
 
-def test_256_wide_heads_take_the_blocks_that_compile_without_spills(monkeypatch):
+def test_256_wide_heads_take_the_blocks_that_compile_without_spills():
     """At d = m = d_v = 256 (Gemma 3's head with the conversion's 256 features): the span states 64 value
     columns a program, the value gradient 16, the logit gradients 16 features, the chain's weight kernel 64
     columns of G, the keys' half norms 8 warps (what ptxas, sm_90, compiled without spills: results/gpu-plan's
-    `gemma3` shape; at 128 nothing changes). Values and every gradient against float64 at those blocks: two
-    chunks in spans of one, two documents (the interpreter's cost grows with these tiles: a short case)."""
+    `gemma3` shape; at 128 nothing changes). Their values and gradients: the next test (slow)."""
     import importlib
 
     kernels = importlib.import_module("kernelmix.ops._triton_features")
@@ -445,6 +444,12 @@ def test_256_wide_heads_take_the_blocks_that_compile_without_spills(monkeypatch)
     geometry = getattr(kernels, "_Geometry")(target, target, target, torch.empty(16, 128, 128, device="meta"), 64, 0,
                                              True)
     assert (geometry.wide_block_v, geometry.value_grad_block_v, geometry.block_f) == (128, 128, 64)
+
+
+@pytest.mark.slow  # 20 s under the interpreter; the same block paths run at small sizes by default
+def test_256_wide_heads_match_the_float64_reference(monkeypatch):
+    """Values and every gradient against float64 at the blocks of d = m = d_v = 256 (above): two chunks in
+    spans of one, two documents (the interpreter's cost grows with these tiles: a short case)."""
     _spans_of(monkeypatch, 1)
     gen = torch.Generator().manual_seed(13)
     length, heads, d = 24, 1, 256
