@@ -235,7 +235,8 @@ class SolveLayout:
         # operands (one span); the sequential kernel takes sequential_v and reads the partials of the span
         # slice its columns lie in
         # (TF32 with keys wider than 128: 64 value columns streamed 16 at a time, see SPAN_STREAM_COLUMNS)
-        tf32_wide_keys = self.operands == "tf32" and self.block_k >= WIDE_KEYS
+        self.wide_keys = self.block_k >= WIDE_KEYS
+        tf32_wide_keys = self.operands == "tf32" and self.wide_keys
         self.span_block_v = self.block_v if self.operands == "fp32" or tf32_wide_keys else min(128, self.block_dv)
         self.span_stream_t = min(self.block_t, 16 if tf32_wide_keys else SPAN_STREAM_COLUMNS)
         self.span_slices = triton.cdiv(self.dv, self.span_block_v)
@@ -253,16 +254,14 @@ class SolveLayout:
         # streaming rows FUTURE_STREAM_ROWS at a time where it holds several column blocks or keys wider than
         # 128, else its row block (one block with TF32 operands at keys wider than 128: two spilled 24-120 B
         # there, one streamed 16 rows at a time none, its whole row block 168-356 B)
-        wide_tf32 = self.operands == "tf32" and self.block_k >= WIDE_KEYS
-        self.future_block_c = self.block_t * (1 if wide_tf32 else SPAN_COLUMN_BLOCKS)
+        self.future_block_c = self.block_t * (1 if tf32_wide_keys else SPAN_COLUMN_BLOCKS)
         self.future_stream_t = min(self.block_t, FUTURE_STREAM_ROWS) \
-            if self.future_block_c > self.block_t or self.block_k >= WIDE_KEYS else self.block_t
+            if self.future_block_c > self.block_t or self.wide_keys else self.block_t
         self.future_warps = _warps(self.future_block_c, max(self.block_k, self.future_block_v))
         # the in-span substitution walks rows in smaller blocks: its C×C system lives in registers
         self.sub_t = min(self.block_t, SUBSTITUTION_ROWS)
         # the sub-spans' logits: a program per row block (SUBSTITUTION_LOGIT_WIDE_ROWS rows at keys wider than 128)
-        self.logit_rows = min(self.block_t, SUBSTITUTION_LOGIT_WIDE_ROWS) if self.block_k >= WIDE_KEYS \
-            else self.block_t
+        self.logit_rows = min(self.block_t, SUBSTITUTION_LOGIT_WIDE_ROWS) if self.wide_keys else self.block_t
         self.sub_blocks = triton.cdiv(self.length, self.sub_t)
         self.scale, self.scale2, self.strict = float(scale), float(scale) * LOG2E, bool(strict)
         self.has_beta, self.has_doc = beta is not None, doc_start is not None
@@ -311,7 +310,7 @@ class SolveLayout:
         """:func:`subspan_logits_kernel`'s: a program per row block, column tiles of up to
         SUBSTITUTION_LOGIT_COLUMNS, the head in parts of SUBSTITUTION_LOGIT_CHUNK; 8 warps from 64-row blocks
         on (also where WIDE_KEYS take 32-row programs)."""
-        columns = SUBSTITUTION_LOGIT_WIDE_COLUMNS if self.block_k >= WIDE_KEYS else SUBSTITUTION_LOGIT_COLUMNS
+        columns = SUBSTITUTION_LOGIT_WIDE_COLUMNS if self.wide_keys else SUBSTITUTION_LOGIT_COLUMNS
         return dict(BLOCK_T=self.logit_rows, BLOCK_K=self.block_k, CHUNK_K=min(self.block_k, SUBSTITUTION_LOGIT_CHUNK),
                     WIDTH=self.subspan_rows, SPAN=self.span_blocks * self.block_t,
                     STREAM_T=min(self.logit_rows, columns), STRICT=self.strict,
